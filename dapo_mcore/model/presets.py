@@ -1,0 +1,58 @@
+"""Named Qwen2/Qwen2.5 shapes as Hugging Face ``config.json`` dictionaries.
+
+Presets stand in for a real ``config.json`` when none is at hand (planning, benchmarks, tests).
+Each value is exactly what Hugging Face's Qwen2 config would hold, so a preset and a downloaded
+config go through the same code path.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+_QWEN2_COMMON: dict[str, Any] = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_act": "silu",
+    "attention_dropout": 0.0,
+    "initializer_range": 0.02,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
+    "use_sliding_window": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 151643,
+    "eos_token_id": 151643,
+}
+
+_SHAPES: dict[str, dict[str, Any]] = {
+    # The embedded CPU default: small enough for a 2-core laptop, every Qwen2 feature present
+    # (GQA with fewer KV heads than heads, QKV bias, RMSNorm, SwiGLU, tied embeddings).
+    "tiny": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=32, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                 max_position_embeddings=128, rope_theta=10000.0, bos_token_id=1, eos_token_id=2),
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936, rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, vocab_size=151936, rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "qwen2.5-14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
+                        num_key_value_heads=8, vocab_size=152064, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "qwen2.5-32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                        num_key_value_heads=8, vocab_size=152064, rms_norm_eps=1e-5, tie_word_embeddings=False),
+}
+
+PRESET_NAMES: tuple[str, ...] = tuple(_SHAPES)
+
+
+def preset_config(name: str, **overrides: Any) -> dict[str, Any]:
+    """Return the HF ``config.json`` dict of a named preset, with optional field overrides.
+
+    ``overrides`` replaces fields, e.g. ``num_hidden_layers=2`` for a few-layer copy of a big shape.
+    """
+    if name not in _SHAPES:
+        raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESET_NAMES)}")
+    cfg = copy.deepcopy(_QWEN2_COMMON)
+    cfg.update(_SHAPES[name])
+    cfg.update(overrides)
+    return cfg
