@@ -1,0 +1,120 @@
+"""Parallel start-up: rank/world from torchrun or Slurm, the process group, and Megatron's TP/PP/DP groups.
+
+NCCL on GPU, gloo on CPU (where the CPU compatibility layer is applied first). Collective timeouts turn a dead
+rank into an error instead of a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    source: str
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    """First host of a Slurm node list such as ``node[003-005,007],gpu1`` without calling scontrol."""
+    head = nodelist.split(",")[0] if "[" not in nodelist.split(",")[0] else nodelist
+    if "[" not in head:
+        return head
+    prefix, rest = head.split("[", 1)
+    first = rest.split("]")[0].split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def read_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
+    """Rank, world size and rendezvous from torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or Slurm (SLURM_PROCID/...)."""
+    env = dict(os.environ if environ is None else environ)
+    if "RANK" in env and "WORLD_SIZE" in env:
+        rank, world, local = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
+        source = "torchrun"
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        rank, world, local = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0))
+        source = "slurm"
+    else:
+        rank, world, local, source = 0, 1, 0, "single"
+    addr = env.get("MASTER_ADDR")
+    if addr is None and source == "slurm" and env.get("SLURM_JOB_NODELIST"):
+        addr = _first_slurm_host(env["SLURM_JOB_NODELIST"])
+    port = int(env.get("MASTER_PORT", 29500))
+    if world > 1 and addr is None:
+        raise RuntimeError("MASTER_ADDR is not set for a multi-process launch; use torchrun or slurm/launch.sh, "
+                           "which export it.")
+    if not 0 <= rank < world:
+        raise RuntimeError(f"rank {rank} is outside world size {world}; check the launcher's environment.")
+    return LaunchEnv(rank, world, local, addr or "127.0.0.1", port, source)
+
+
+def choose_backend(requested: str) -> str:
+    if requested == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if requested == "nccl" and not torch.cuda.is_available():
+        raise RuntimeError("parallel.backend=nccl needs CUDA; use parallel.backend=gloo (or auto) on CPU.")
+    return requested
+
+
+def init_distributed(launch: LaunchEnv, backend: str = "auto", timeout_minutes: int = 10) -> str:
+    """Create the default process group (if not already there). Returns the backend used."""
+    backend = choose_backend(backend)
+    if backend == "gloo":
+        from dapo_mcore.model import cpu_compat
+
+        cpu_compat.apply()
+    elif torch.cuda.is_available():
+        torch.cuda.set_device(launch.local_rank)
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", launch.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(launch.master_port))
+        dist.init_process_group(
+            backend=backend, rank=launch.rank, world_size=launch.world_size,
+            init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+        )
+    log.info("process group ready: rank %d/%d (%s, %s)", launch.rank, launch.world_size, backend, launch.source)
+    return backend
+
+
+def init_model_parallel(tensor_parallel: int, pipeline_parallel: int, virtual_pipeline: int | None = None,
+                        seed: int = 1234, timeout_minutes: int = 10) -> None:
+    """Create Megatron's TP/PP/DP groups and seed its RNG tracker."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel as tp
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
+        virtual_pipeline_model_parallel_size=virtual_pipeline,
+        distributed_timeout_minutes=timeout_minutes,
+    )
+    tp.model_parallel_cuda_manual_seed(seed)
+    log.info("model parallel: TP=%d PP=%d VPP=%s DP=%d", tensor_parallel, pipeline_parallel, virtual_pipeline,
+             ps.get_data_parallel_world_size())
+
+
+def shutdown() -> None:
+    """Tear down Megatron's groups and the process group (safe to call twice)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

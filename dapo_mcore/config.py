@@ -1,0 +1,344 @@
+"""The typed config tree of a dapo-mcore run: one dataclass per component, loaded from YAML with dotted overrides.
+
+``load_config(path, overrides)`` reads and type-checks; ``Config.validate(world_size)`` checks every
+cross-field rule before any process group or device is touched, with errors that name the fix.
+``write_resolved(config, run_dir)`` stores what actually ran.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from dapo_mcore.algo.config import AlgoConfig
+from dapo_mcore.configtree import ConfigError, apply_overrides, from_dict, read_yaml, to_dict
+from dapo_mcore.data.config import DataConfig
+from dapo_mcore.model.presets import PRESET_NAMES, preset_config
+
+__all__ = ["Config", "ConfigError", "load_config", "write_resolved"]
+
+
+@dataclass
+class FP8Config:
+    """FP8 training through Transformer Engine (Hopper GPUs only)."""
+
+    enabled: bool = False
+    """Train the linear layers in FP8. Needs the `transformer_engine` layer spec, Transformer Engine and an sm_89+ GPU."""
+    format: Literal["hybrid", "e4m3"] = "hybrid"
+    """FP8 format: hybrid = E4M3 forward, E5M2 gradients (the usual choice); e4m3 = E4M3 everywhere."""
+    recipe: Literal["delayed", "tensorwise", "blockwise", "mxfp8"] = "tensorwise"
+    """Scaling recipe. delayed = amax history; tensorwise = current scaling per tensor; blockwise needs TE >= 2.3
+    on Hopper; mxfp8 needs Blackwell."""
+    amax_history_len: int = 1024
+    """Amax history length (delayed recipe only)."""
+    fp8_params: bool = False
+    """Keep the weights themselves in FP8 (saves memory; the optimizer keeps fp32 master weights)."""
+
+
+@dataclass
+class ModelConfig:
+    """Which model to train and how Megatron-Core builds it."""
+
+    hf_path: str | None = None
+    """Hugging Face model directory (config.json + safetensors). Converted to Megatron on start unless `mcore_path` is set."""
+    mcore_path: str | None = None
+    """A Megatron checkpoint made by `dapo-mcore convert hf-to-mcore` (skips conversion at start)."""
+    preset: str | None = None
+    """A named shape with random weights (for planning and benchmarks): one of the presets in dapo_mcore.model.presets."""
+    tiny_base: bool = False
+    """Build (or take from the cache) the embedded tiny base model and tokenizer of the CPU default."""
+    layer_spec: Literal["local", "transformer_engine"] = "local"
+    """Megatron layer implementation: `local` (pure PyTorch: CPU and any GPU) or `transformer_engine` (GPU; needed for FP8)."""
+    params_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype. float32 on CPU; bfloat16 on GPU (the optimizer keeps fp32 main weights)."""
+    make_vocab_size_divisible_by: int = 128
+    """Pad the vocabulary to a multiple of this times tensor_parallel (Megatron's convention); padded logits are masked."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation: selective = attention core only; full = every layer (most memory saved, ~33% more compute)."""
+    fp8: FP8Config = field(default_factory=FP8Config)
+    """FP8 settings (GPU only)."""
+    tokenizer_path: str | None = None
+    """Tokenizer directory if it is not `hf_path`."""
+
+    def hf_config(self) -> dict[str, Any]:
+        """The Hugging Face config.json dict of the model (from `hf_path`, or the preset)."""
+        if self.hf_path:
+            path = Path(self.hf_path) / "config.json"
+            if not path.is_file():
+                raise ConfigError(f"model.hf_path={self.hf_path!r} has no config.json; point it at a Hugging Face "
+                                  f"model directory.")
+            return json.loads(path.read_text())
+        if self.preset:
+            return preset_config(self.preset)
+        if self.tiny_base:
+            return preset_config("tiny")
+        raise ConfigError("no model given: set model.hf_path, model.preset or model.tiny_base=true.")
+
+    def validate(self) -> None:
+        sources = [s for s in (self.hf_path, self.preset, self.tiny_base or None) if s]
+        if len(sources) != 1:
+            raise ConfigError("set exactly one of model.hf_path, model.preset, model.tiny_base "
+                              f"(got {len(sources)}).")
+        if self.preset is not None and self.preset not in PRESET_NAMES:
+            raise ConfigError(f"model.preset={self.preset!r} is unknown; choose one of {', '.join(PRESET_NAMES)}.")
+        if self.make_vocab_size_divisible_by < 1:
+            raise ConfigError("model.make_vocab_size_divisible_by must be >= 1.")
+        if self.fp8.enabled and self.layer_spec != "transformer_engine":
+            raise ConfigError("model.fp8.enabled=true needs model.layer_spec=transformer_engine "
+                              "(the local spec has no FP8 kernels).")
+
+
+@dataclass
+class ParallelConfig:
+    """Process layout. world size = tensor_parallel x pipeline_parallel x data parallel."""
+
+    tensor_parallel: int = 1
+    """Tensor-parallel size: must divide the attention heads and the KV heads."""
+    pipeline_parallel: int = 1
+    """Pipeline-parallel size: must divide the number of layers (times virtual_pipeline)."""
+    virtual_pipeline: int | None = None
+    """Virtual pipeline stages per rank (interleaved 1F1B); needs pipeline_parallel > 1."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs tensor_parallel > 1)."""
+    distributed_optimizer: bool = False
+    """Shard optimizer state over data-parallel ranks (needs NCCL: GPU only)."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """torch.distributed backend: auto = nccl with CUDA, gloo without."""
+    timeout_minutes: int = 10
+    """Collective timeout: a dead rank ends the job with an error after this long instead of hanging."""
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with a constant learning rate after a linear warm-up (the DAPO recipe)."""
+
+    lr: float = 1e-6
+    """Peak learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam betas."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 = off)."""
+    warmup_steps: int = 10
+    """Linear warm-up length in optimizer updates... counted in rollout steps (DAPO: 20, verl script: 10)."""
+
+
+@dataclass
+class TrainConfig:
+    """Batch sizes and loop lengths of the DAPO step."""
+
+    steps: int = 100
+    """Rollout steps to run."""
+    prompts_per_step: int = 512
+    """Groups (prompts) in one training batch after dynamic sampling."""
+    mini_batch_prompts: int = 32
+    """Groups per optimizer update: prompts_per_step / mini_batch_prompts updates per rollout step."""
+    epochs: int = 1
+    """Passes over each rollout batch."""
+    micro_batch_tokens: int = 16384
+    """Token budget of one micro-batch per rank (prompt + response tokens)."""
+    seed: int = 1234
+    """Seed of model init, sampling and data order."""
+
+
+@dataclass
+class VLLMConfig:
+    """vLLM engine settings (GPU, colocated with the trainer)."""
+
+    tensor_parallel: int = 1
+    """vLLM tensor-parallel size (may differ from the trainer's)."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory vLLM may take for weights + KV cache while awake."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs (slower decoding, faster start)."""
+    max_num_batched_tokens: int = 8192
+    """Scheduler token budget per iteration."""
+    sleep_level: Literal[1, 2] = 1
+    """Sleep mode level while the actor trains: 1 offloads weights to CPU, 2 discards them (reloaded by the sync)."""
+
+
+@dataclass
+class RolloutConfig:
+    """How responses are sampled."""
+
+    engine: Literal["hf", "vllm"] = "hf"
+    """Rollout engine: hf (transformers, CPU or small models) or vllm (GPU)."""
+    n: int = 16
+    """Responses per prompt (G)."""
+    gen_batch_prompts: int = 1536
+    """Prompts per generation batch (dynamic sampling draws batches of this size until the training batch is full)."""
+    max_new_tokens: int = 20480
+    """Maximum response length (L_max)."""
+    temperature: float = 1.0
+    """Sampling temperature (also used for the actor's log-probs)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    top_k: int = -1
+    """Top-k sampling (-1 = off)."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """vLLM settings."""
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation (avg@k, pass@k, maj@k)."""
+
+    every: int = 10
+    """Evaluate every this many steps (0 = only at the end)."""
+    k: int = 32
+    """Samples per problem."""
+    temperature: float = 1.0
+    """Eval sampling temperature (DAPO: 1.0)."""
+    top_p: float = 0.7
+    """Eval nucleus threshold (DAPO: 0.7)."""
+    max_new_tokens: int | None = None
+    """Eval response limit (default: rollout.max_new_tokens)."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints of the full training state."""
+
+    every: int = 10
+    """Save every this many steps (and at the end, and on SIGUSR1/SIGTERM)."""
+    keep_last: int = 2
+    """Keep this many recent checkpoints (older ones are deleted after a newer one is complete)."""
+
+
+@dataclass
+class RunConfig:
+    """Where the run lives and what to do with an existing run directory."""
+
+    dir: str = "runs/default"
+    """Run directory: config, metrics, TensorBoard, rollouts, checkpoints, ledger, figures."""
+    resume: Literal["auto", "never"] = "auto"
+    """auto: continue from the latest checkpoint in `dir`; never: refuse a directory that already holds a run."""
+    overwrite: bool = False
+    """Delete an existing run directory first (dangerous; off by default)."""
+    log_every: int = 1
+    """Print a progress line every this many steps."""
+    rollout_store: bool = True
+    """Write every rollout to the zarr store in the run directory."""
+
+
+@dataclass
+class Config:
+    """A whole run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def validate(self, world_size: int = 1) -> None:
+        """Check every rule that can be checked before anything is allocated."""
+        self.model.validate()
+        self.algo.validate()
+        self.data.validate()
+        _validate_layout(self, world_size)
+        _validate_batches(self, world_size)
+        _validate_rollout(self)
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _validate_layout(cfg: Config, world_size: int) -> None:
+    hf = cfg.model.hf_config()
+    heads, kv = hf["num_attention_heads"], hf.get("num_key_value_heads", hf["num_attention_heads"])
+    layers = hf["num_hidden_layers"]
+    p = cfg.parallel
+    for name, value in (("tensor_parallel", p.tensor_parallel), ("pipeline_parallel", p.pipeline_parallel)):
+        if value < 1:
+            raise ConfigError(f"parallel.{name}={value} must be >= 1.")
+    if heads % p.tensor_parallel:
+        raise ConfigError(f"parallel.tensor_parallel={p.tensor_parallel} does not divide num_attention_heads={heads}; "
+                          f"use one of {_divisors(heads)}.")
+    if kv % p.tensor_parallel:
+        raise ConfigError(f"parallel.tensor_parallel={p.tensor_parallel} does not divide num_key_value_heads={kv}; "
+                          f"use one of {_divisors(kv)}.")
+    stages = p.pipeline_parallel * (p.virtual_pipeline or 1)
+    if layers % stages:
+        raise ConfigError(f"parallel.pipeline_parallel={p.pipeline_parallel} x virtual_pipeline={p.virtual_pipeline or 1} "
+                          f"does not divide num_hidden_layers={layers}; use a pipeline_parallel among {_divisors(layers)}.")
+    if p.virtual_pipeline is not None and p.pipeline_parallel < 2:
+        raise ConfigError("parallel.virtual_pipeline needs parallel.pipeline_parallel >= 2; unset it or raise pipeline_parallel.")
+    if p.sequence_parallel and p.tensor_parallel < 2:
+        raise ConfigError("parallel.sequence_parallel=true needs parallel.tensor_parallel >= 2.")
+    model_parallel = p.tensor_parallel * p.pipeline_parallel
+    if world_size % model_parallel:
+        raise ConfigError(f"world size {world_size} is not a multiple of tensor_parallel x pipeline_parallel = "
+                          f"{model_parallel}; launch a multiple of {model_parallel} processes or change the layout.")
+    if p.timeout_minutes < 1:
+        raise ConfigError("parallel.timeout_minutes must be >= 1.")
+
+
+def _validate_batches(cfg: Config, world_size: int) -> None:
+    t = cfg.train
+    dp = world_size // (cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel)
+    if t.prompts_per_step < 1 or t.mini_batch_prompts < 1 or t.steps < 0 or t.epochs < 1:
+        raise ConfigError("train.prompts_per_step, train.mini_batch_prompts and train.epochs must be >= 1; train.steps >= 0.")
+    if t.prompts_per_step % t.mini_batch_prompts:
+        raise ConfigError(f"train.mini_batch_prompts={t.mini_batch_prompts} does not divide train.prompts_per_step="
+                          f"{t.prompts_per_step}; use one of {_divisors(t.prompts_per_step)}.")
+    rollouts_per_mini = t.mini_batch_prompts * cfg.rollout.n
+    if rollouts_per_mini % dp:
+        raise ConfigError(f"a mini-batch holds {rollouts_per_mini} responses, which {dp} data-parallel ranks cannot share "
+                          f"equally; make train.mini_batch_prompts x rollout.n a multiple of {dp}.")
+    if t.micro_batch_tokens < 1:
+        raise ConfigError("train.micro_batch_tokens must be >= 1.")
+    if cfg.optim.lr <= 0 or cfg.optim.warmup_steps < 0 or cfg.optim.grad_clip < 0:
+        raise ConfigError("optim.lr must be > 0, optim.warmup_steps >= 0 and optim.grad_clip >= 0.")
+    if cfg.checkpoint.every < 0 or cfg.checkpoint.keep_last < 1:
+        raise ConfigError("checkpoint.every must be >= 0 and checkpoint.keep_last >= 1.")
+
+
+def _validate_rollout(cfg: Config) -> None:
+    r = cfg.rollout
+    if r.n < 1:
+        raise ConfigError(f"rollout.n={r.n}: need at least 1 response per prompt (DAPO uses 16).")
+    if r.n < 2 and cfg.algo.dynamic_sampling:
+        raise ConfigError("rollout.n=1 makes every group all-right or all-wrong, so dynamic sampling keeps nothing; "
+                          "use rollout.n >= 2 or algo.dynamic_sampling=false.")
+    if r.gen_batch_prompts < 1 or r.max_new_tokens < 1:
+        raise ConfigError("rollout.gen_batch_prompts and rollout.max_new_tokens must be >= 1.")
+    if not 0.0 < r.top_p <= 1.0 or r.temperature <= 0:
+        raise ConfigError("rollout.top_p must lie in (0, 1] and rollout.temperature must be > 0.")
+    if r.engine == "vllm" and not 0.0 < r.vllm.gpu_memory_utilization < 1.0:
+        raise ConfigError("rollout.vllm.gpu_memory_utilization must lie in (0, 1).")
+    if cfg.algo.overlong_shaping and cfg.algo.overlong_max_len > r.max_new_tokens:
+        raise ConfigError(f"algo.overlong_max_len={cfg.algo.overlong_max_len} exceeds rollout.max_new_tokens="
+                          f"{r.max_new_tokens}: responses can never be that long; set them equal (L_max).")
+    if cfg.eval.k < 1 or cfg.eval.every < 0:
+        raise ConfigError("eval.k must be >= 1 and eval.every >= 0.")
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Read a YAML config (or the defaults when ``path`` is None), apply dotted overrides, type-check."""
+    data = read_yaml(path) if path is not None else {}
+    data = apply_overrides(data, list(overrides or []))
+    return from_dict(Config, data)
+
+
+def write_resolved(config: Config, run_dir: str | Path) -> Path:
+    """Write the resolved config into the run directory as ``config.yaml``."""
+    out = Path(run_dir) / "config.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".yaml.tmp")
+    tmp.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+    tmp.replace(out)
+    return out

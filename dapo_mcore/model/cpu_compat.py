@@ -1,0 +1,187 @@
+"""Let Megatron-Core run on a machine without CUDA (gloo backend, CPU tensors).
+
+Megatron-Core assumes CUDA in about 130 places (``device="cuda"`` in tensor factories,
+``tensor.to(torch.cuda.current_device())``, ``.cuda()``, the CUDA RNG tracker, ``torch.cuda.synchronize``,
+type-name asserts in grad clipping). Patching those call sites one by one would chase every release, so this
+module redirects at the torch level instead:
+
+* a ``TorchFunctionMode`` rewrites any CUDA device argument (``"cuda"``, ``"cuda:N"``, ``torch.device("cuda")``,
+  an integer index) of factory functions and ``Tensor.to`` to the CPU, turns ``Tensor.cuda()`` into a no-op,
+  and reports CPU tensor type names under their CUDA names (``torch.cuda.FloatTensor``);
+* the public ``torch.cuda`` RNG functions act on one private CPU generator that stands in for "the GPU's"
+  generator, so Megatron's RNG tracker forks and restores real states without touching the global CPU RNG;
+* ``torch.cuda.current_device`` answers device index 0 (which the mode maps to the CPU), ``synchronize``
+  and ``empty_cache`` become no-ops, and ``current_stream``/``Stream``/``Event`` get inert CPU stand-ins.
+
+It is applied explicitly by entry points and tests (never on import), and does nothing when CUDA is present.
+``apply()`` is idempotent; ``is_active()`` says whether the redirect is on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+log = logging.getLogger(__name__)
+
+_CPU = torch.device("cpu")
+_lock = threading.Lock()
+_state: dict[str, Any] = {"active": False, "mode": None}
+_fake_generator = torch.Generator(device="cpu")
+
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+    torch.float64: "torch.cuda.DoubleTensor",
+    torch.int64: "torch.cuda.LongTensor",
+    torch.int32: "torch.cuda.IntTensor",
+    torch.uint8: "torch.cuda.ByteTensor",
+    torch.bool: "torch.cuda.BoolTensor",
+}
+
+
+def _is_cuda_device(value: Any) -> bool:
+    if isinstance(value, torch.device):
+        return value.type == "cuda"
+    if isinstance(value, str):
+        return value == "cuda" or value.startswith("cuda:")
+    # An int device index (e.g. from torch.cuda.current_device()); bools are not devices.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _redirect(value: Any) -> Any:
+    return _CPU if _is_cuda_device(value) else value
+
+
+class _CpuRedirectMode(TorchFunctionMode):
+    """Rewrites CUDA device arguments to the CPU for every torch call made while it is on the stack."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs:
+            kwargs["device"] = _redirect(kwargs["device"])
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            tensor = args[0]
+            return _CUDA_TYPE_NAMES.get(tensor.dtype, tensor.type()) if tensor.device.type == "cpu" else func(*args)
+        if func in (torch.Tensor.to, torch.Tensor.new_empty, torch.Tensor.new_zeros, torch.Tensor.new_ones,
+                    torch.Tensor.new_full, torch.Tensor.new_tensor) and len(args) > 1:
+            args = (args[0], *(_redirect(a) if not isinstance(a, torch.Tensor) else a for a in args[1:]))
+        return func(*args, **kwargs)
+
+
+def _fake_get_rng_state(device: Any = "cuda") -> torch.Tensor:
+    return _fake_generator.get_state()
+
+
+def _fake_set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
+    _fake_generator.set_state(new_state)
+
+
+def _fake_manual_seed(seed: int) -> None:
+    _fake_generator.manual_seed(int(seed))
+
+
+class _InertStream:
+    """A CUDA stream stand-in: every CPU op is already ordered."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _InertEvent:
+        return event if event is not None else _InertEvent()
+
+
+class _InertEvent:
+    """A CUDA event stand-in that is always complete."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+def _patches() -> dict[str, Any]:
+    inert_stream = _InertStream()
+    return {
+        "current_device": lambda: 0,
+        "device_count": lambda: 1,
+        "set_device": lambda device: None,
+        "synchronize": lambda device=None: None,
+        "empty_cache": lambda: None,
+        "is_initialized": lambda: True,
+        "default_generators": (_fake_generator,),
+        "get_rng_state": _fake_get_rng_state,
+        "set_rng_state": _fake_set_rng_state,
+        "manual_seed": _fake_manual_seed,
+        "manual_seed_all": _fake_manual_seed,
+        "current_stream": lambda device=None: inert_stream,
+        "default_stream": lambda device=None: inert_stream,
+        "stream": lambda s=None: contextlib.nullcontext(),
+        "Stream": _InertStream,
+        "Event": _InertEvent,
+    }
+
+
+def is_active() -> bool:
+    """Whether the CPU redirect is applied in this process."""
+    return bool(_state["active"])
+
+
+def apply(force: bool = False) -> bool:
+    """Redirect Megatron-Core's CUDA assumptions to the CPU. Returns True if the redirect is (now) active.
+
+    Does nothing (returns False) when CUDA is available, unless ``force`` is set (used by tests only).
+    """
+    with _lock:
+        if _state["active"]:
+            return True
+        if torch.cuda.is_available() and not force:
+            return False
+        for name, value in _patches().items():
+            setattr(torch.cuda, name, value)
+        # Megatron calls torch.cuda.random.get_rng_state directly as well.
+        torch.cuda.random.get_rng_state = _fake_get_rng_state
+        torch.cuda.random.set_rng_state = _fake_set_rng_state
+        torch.cuda.random.manual_seed = _fake_manual_seed
+        mode = _CpuRedirectMode()
+        mode.__enter__()
+        _state.update(active=True, mode=mode)
+        log.info("CPU compatibility layer applied: CUDA device requests are served on the CPU")
+        return True
+
+
+def seed_fake_cuda_generator(seed: int) -> None:
+    """Seed the stand-in "GPU" generator (what ``torch.cuda.manual_seed`` seeds once applied)."""
+    _fake_generator.manual_seed(int(seed))
+
+
+def fake_cuda_rng_state() -> torch.Tensor:
+    """The stand-in generator's state, for checkpointing RNG states exactly on CPU."""
+    return _fake_generator.get_state()

@@ -1,0 +1,152 @@
+"""Qwen2 / Qwen2.5 on Megatron-Core: Hugging Face config -> TransformerConfig -> GPTModel.
+
+``transformer_config()`` is the one place where a Hugging Face ``config.json`` becomes Megatron's
+``TransformerConfig``; ``build_gpt_model()`` builds this rank's ``GPTModel`` chunk(s) (one per virtual pipeline
+stage) with the `local` or `transformer_engine` layer spec. Must be called after model parallel is initialized.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dapo_mcore.model.fp8 import fp8_transformer_kwargs
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("qwen2",)
+
+
+@dataclass(frozen=True)
+class QwenShape:
+    """The architecture facts of a Qwen2 model that the conversion and the actor need."""
+
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_embeddings: bool
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> QwenShape:
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {model_type!r}; dapo-mcore supports {', '.join(SUPPORTED_MODEL_TYPES)} "
+                             "(Qwen2 and Qwen2.5 checkpoints).")
+        heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+        return cls(
+            hidden_size=hf["hidden_size"], ffn_hidden_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=head_dim,
+            vocab_size=hf["vocab_size"], tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=float(hf.get("rope_theta", 10000.0)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+        )
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
+    """Megatron's padding: the smallest multiple of ``divisible_by * tensor_parallel`` >= ``vocab_size``."""
+    multiple = divisible_by * tensor_parallel
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def transformer_config(hf: dict[str, Any], *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
+                       virtual_pipeline: int | None = None, sequence_parallel: bool = False,
+                       params_dtype: torch.dtype = torch.float32, recompute: str = "none",
+                       fp8: Any = None, use_cpu_initialization: bool | None = None, deterministic: bool = True):
+    """Derive Megatron-Core's ``TransformerConfig`` from a Hugging Face Qwen2 config dict."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    shape = QwenShape.from_hf(hf)
+    if use_cpu_initialization is None:
+        use_cpu_initialization = not torch.cuda.is_available()
+    recompute_kwargs: dict[str, Any] = {}
+    if recompute == "selective":
+        recompute_kwargs = dict(recompute_granularity="selective")
+    elif recompute == "full":
+        recompute_kwargs = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return TransformerConfig(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        num_attention_heads=shape.num_heads,
+        num_query_groups=shape.num_kv_heads,
+        kv_channels=shape.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
+        virtual_pipeline_model_parallel_size=virtual_pipeline,
+        sequence_parallel=sequence_parallel,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        pipeline_dtype=params_dtype,
+        use_cpu_initialization=use_cpu_initialization,
+        deterministic_mode=deterministic and not torch.cuda.is_available(),
+        **recompute_kwargs,
+        **fp8_transformer_kwargs(fp8),
+    )
+
+
+def layer_spec(kind: str):
+    """The Megatron layer spec: `local` (pure PyTorch) or `transformer_engine` (GPU)."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if kind == "local":
+        return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    if kind == "transformer_engine":
+        from dapo_mcore.model.fp8 import require_transformer_engine
+
+        require_transformer_engine("the transformer_engine layer spec")
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    raise ValueError(f"unknown layer spec {kind!r}; choose 'local' or 'transformer_engine'.")
+
+
+def build_gpt_model(hf: dict[str, Any], tconfig, *, spec: str = "local", make_vocab_size_divisible_by: int = 128) -> list:
+    """Build this rank's GPTModel chunks (one per virtual pipeline stage). Parallel state must be initialized."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    shape = QwenShape.from_hf(hf)
+    vocab = padded_vocab_size(shape.vocab_size, make_vocab_size_divisible_by, tconfig.tensor_model_parallel_size)
+    spec_obj = layer_spec(spec)
+    vpp = tconfig.virtual_pipeline_model_parallel_size or 1
+    chunks = []
+    for vp_stage in range(vpp):
+        kwargs = {} if vpp == 1 else {"vp_stage": vp_stage}
+        pre = ps.is_pipeline_first_stage(ignore_virtual=False, **kwargs) if vpp > 1 else ps.is_pipeline_first_stage()
+        post = ps.is_pipeline_last_stage(ignore_virtual=False, **kwargs) if vpp > 1 else ps.is_pipeline_last_stage()
+        model = GPTModel(
+            config=tconfig, transformer_layer_spec=spec_obj, vocab_size=vocab,
+            max_sequence_length=shape.max_position_embeddings, pre_process=pre, post_process=post,
+            parallel_output=True, share_embeddings_and_output_weights=shape.tie_embeddings,
+            position_embedding_type="rope", rotary_percent=1.0, rotary_base=int(shape.rope_theta),
+            vp_stage=None if vpp == 1 else vp_stage,
+        )
+        chunks.append(model)
+    log.info("built GPTModel: %d layers, hidden %d, vocab %d (padded %d), %d chunk(s) on this rank",
+             shape.num_layers, shape.hidden_size, shape.vocab_size, vocab, len(chunks))
+    return chunks
