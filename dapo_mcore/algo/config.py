@@ -1,0 +1,139 @@
+"""Algorithm settings of DAPO (and the GRPO baseline): clipping, loss aggregation, sampling, shaping.
+
+Pure configuration: no torch, no process groups. ``AlgoConfig.from_preset("dapo")`` gives the paper's
+recipe; ``validate()`` refuses settings DAPO does not have (KL and entropy terms) with the fix in the message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from dapo_mcore.algo.loss import loss_agg_names
+
+
+@dataclass
+class AlgoConfig:
+    """DAPO algorithm configuration (defaults: the paper's 32B recipe)."""
+
+    clip_low: float = 0.2
+    """epsilon_low: the ratio is clipped below at 1 - clip_low (DAPO and GRPO: 0.2)."""
+
+    clip_high: float = 0.28
+    """epsilon_high: the ratio is clipped above at 1 + clip_high (DAPO "Clip-Higher": 0.28; GRPO: 0.2)."""
+
+    dual_clip_c: float | None = None
+    """Dual clip for negative advantages: token loss capped at -A*c; None disables, else c > 1 (verl 32B: 10)."""
+
+    loss_agg: str = "token-mean"
+    """Loss aggregation: token-mean (DAPO), seq-mean-token-mean (GRPO), seq-mean-token-sum,
+    seq-mean-token-sum-norm (Dr. GRPO, divides by overlong_max_len)."""
+
+    norm_adv_by_std: bool = True
+    """Divide group-centred rewards by the group's (unbiased) standard deviation."""
+
+    adv_eps: float = 1e-6
+    """Added to the group std before dividing (DAPO: 1e-6)."""
+
+    dynamic_sampling: bool = True
+    """Keep only groups with mixed accuracy (0 < #correct < G), generating more batches until full."""
+
+    max_gen_batches: int = 10
+    """Most generation batches per training step with dynamic sampling (verl: 10); 0 = no limit."""
+
+    overlong_shaping: bool = True
+    """Add the soft overlong punishment R_length in [-overlong_penalty_factor, 0] to the reward."""
+
+    overlong_max_len: int = 20480
+    """L_max: the maximum response length in tokens (must equal the rollout's max new tokens)."""
+
+    overlong_cache_len: int = 4096
+    """L_cache: the penalty ramps linearly from 0 at L_max - L_cache to -1 at L_max."""
+
+    overlong_penalty_factor: float = 1.0
+    """Scale of the soft overlong punishment (verl: 1.0)."""
+
+    overlong_filter: bool = False
+    """Mask the loss of truncated responses (the paper's "overlong filtering" ablation)."""
+
+    kl_coef: float = 0.0
+    """KL penalty coefficient. DAPO has no KL term and no reference model: must stay 0."""
+
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient. DAPO logs entropy but does not optimize it: must stay 0."""
+
+    tis_cap: float | None = None
+    """Truncated importance sampling cap for engine-vs-trainer log-prob mismatch (e.g. 2.0); None disables."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the fix for any inconsistent setting."""
+        if not 0.0 < self.clip_low < 1.0:
+            raise ValueError(f"algo.clip_low={self.clip_low} must be in (0, 1); DAPO uses 0.2")
+        if self.clip_high <= 0.0:
+            raise ValueError(f"algo.clip_high={self.clip_high} must be > 0; DAPO uses 0.28, GRPO 0.2")
+        if self.dual_clip_c is not None and self.dual_clip_c <= 1.0:
+            raise ValueError(f"algo.dual_clip_c={self.dual_clip_c} must be > 1 (e.g. 10) or None to disable")
+        if self.loss_agg not in loss_agg_names():
+            raise ValueError(f"algo.loss_agg={self.loss_agg!r} is unknown; valid: {', '.join(loss_agg_names())}")
+        if self.adv_eps <= 0.0:
+            raise ValueError(f"algo.adv_eps={self.adv_eps} must be > 0 (DAPO: 1e-6)")
+        if self.max_gen_batches < 0:
+            raise ValueError(f"algo.max_gen_batches={self.max_gen_batches} must be >= 0 (0 = no limit)")
+        if self.overlong_max_len <= 0:
+            raise ValueError(f"algo.overlong_max_len={self.overlong_max_len} must be > 0 (the max response length)")
+        if not 0 < self.overlong_cache_len < self.overlong_max_len:
+            raise ValueError(
+                f"algo.overlong_cache_len={self.overlong_cache_len} must be in (0, overlong_max_len="
+                f"{self.overlong_max_len}); the paper uses 4096 of 20480"
+            )
+        if self.overlong_penalty_factor < 0.0:
+            raise ValueError(f"algo.overlong_penalty_factor={self.overlong_penalty_factor} must be >= 0")
+        if self.kl_coef != 0.0:
+            raise ValueError(
+                f"algo.kl_coef={self.kl_coef}: DAPO has no KL term and no reference model; set algo.kl_coef=0"
+            )
+        if self.entropy_coef != 0.0:
+            raise ValueError(
+                f"algo.entropy_coef={self.entropy_coef}: DAPO logs entropy but does not optimize it; "
+                "set algo.entropy_coef=0"
+            )
+        if self.tis_cap is not None and self.tis_cap < 1.0:
+            raise ValueError(
+                f"algo.tis_cap={self.tis_cap} must be >= 1 (a cap below 1 down-weights every token); "
+                "typical 2.0, or None to disable"
+            )
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> AlgoConfig:
+        """Build a validated config from a named preset (``PRESETS``) with field overrides."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown algo preset {name!r}; valid: {', '.join(PRESETS)}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise ValueError(f"unknown AlgoConfig field(s) {unknown}; valid: {', '.join(sorted(fields))}")
+        cfg = cls(**{**PRESETS[name], **overrides})
+        cfg.validate()
+        return cfg
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "dapo": {
+        "clip_low": 0.2,
+        "clip_high": 0.28,
+        "loss_agg": "token-mean",
+        "dynamic_sampling": True,
+        "overlong_shaping": True,
+        "overlong_filter": False,
+    },
+    "grpo": {
+        "clip_low": 0.2,
+        "clip_high": 0.2,
+        "loss_agg": "seq-mean-token-mean",
+        "dynamic_sampling": False,
+        "overlong_shaping": False,
+        "overlong_filter": False,
+    },
+}
+"""Named recipes: "dapo" (the paper) and "grpo" (the naive baseline of its ablation table)."""

@@ -1,0 +1,216 @@
+"""The DAPO clipped policy-gradient loss and its aggregation modes (pure torch).
+
+Shapes: every tensor is ``[B, T]``: one row per response, response tokens only, ``mask`` 1 on real tokens
+(all-zero rows are allowed: empty or overlong-filtered responses). ``advantages`` may also be ``[B]``.
+
+Split invariance: the loss is a *contribution*. The caller passes the mini-batch totals ``global_tokens``
+(response tokens with mask 1, summed over every micro-batch and data-parallel rank) and ``global_seqs``
+(responses with at least one masked-in token, same scope; see :func:`loss_denominators`). Summing the returned
+loss over micro-batches and ranks then gives exactly the mini-batch loss, so the gradient does not depend on how
+the mini-batch was split. Gradients must therefore be SUMMED (not averaged) across data-parallel ranks and
+micro-batches. Every metric is a contribution in the same sense (summing gives the mini-batch value).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+AggFn = Callable[..., Tensor]
+_AGG_MODES: dict[str, AggFn] = {}
+
+
+def register_loss_agg(name: str) -> Callable[[AggFn], AggFn]:
+    """Register an aggregation ``fn(token_loss, mask, *, global_tokens, global_seqs, max_response_len)``."""
+
+    def deco(fn: AggFn) -> AggFn:
+        if name in _AGG_MODES:
+            raise ValueError(f"loss aggregation {name!r} is already registered; pick another name")
+        _AGG_MODES[name] = fn
+        return fn
+
+    return deco
+
+
+def loss_agg_names() -> list[str]:
+    """Names of the registered aggregation modes, in registration order."""
+    return list(_AGG_MODES)
+
+
+def get_loss_agg(name: str) -> AggFn:
+    """Look up an aggregation mode by name; the error lists the valid names."""
+    if name not in _AGG_MODES:
+        raise ValueError(f"unknown loss aggregation {name!r}; valid: {', '.join(_AGG_MODES)}")
+    return _AGG_MODES[name]
+
+
+def _check_denominator(value: float, what: str) -> None:
+    if value <= 0:
+        raise ValueError(
+            f"{what}={value} must be > 0: pass the count over the whole mini-batch "
+            "(sum loss_denominators() over micro-batches and all-reduce over data-parallel ranks)"
+        )
+
+
+@register_loss_agg("token-mean")
+def _token_mean(token_loss: Tensor, mask: Tensor, *, global_tokens: float, **_: object) -> Tensor:
+    """DAPO: sum over all tokens of all responses / total response tokens of the mini-batch."""
+    _check_denominator(global_tokens, "global_tokens")
+    return (token_loss * mask).sum() / global_tokens
+
+
+def _per_seq_sums(token_loss: Tensor, mask: Tensor) -> Tensor:
+    return (token_loss * mask).sum(dim=-1)
+
+
+@register_loss_agg("seq-mean-token-mean")
+def _seq_mean_token_mean(token_loss: Tensor, mask: Tensor, *, global_seqs: float, **_: object) -> Tensor:
+    """GRPO: mean over sequences of per-sequence token means (empty rows contribute 0)."""
+    _check_denominator(global_seqs, "global_seqs")
+    lengths = mask.sum(dim=-1)
+    per_seq = _per_seq_sums(token_loss, mask) / lengths.clamp(min=1)
+    return per_seq.sum() / global_seqs
+
+
+@register_loss_agg("seq-mean-token-sum")
+def _seq_mean_token_sum(token_loss: Tensor, mask: Tensor, *, global_seqs: float, **_: object) -> Tensor:
+    """Mean over sequences of per-sequence token sums."""
+    _check_denominator(global_seqs, "global_seqs")
+    return _per_seq_sums(token_loss, mask).sum() / global_seqs
+
+
+@register_loss_agg("seq-mean-token-sum-norm")
+def _seq_mean_token_sum_norm(
+    token_loss: Tensor, mask: Tensor, *, global_seqs: float, max_response_len: int | None, **_: object
+) -> Tensor:
+    """Dr. GRPO: per-sequence token sums divided by a constant horizon (max_response_len), mean over sequences."""
+    _check_denominator(global_seqs, "global_seqs")
+    if max_response_len is None or max_response_len <= 0:
+        raise ValueError(
+            "loss_agg='seq-mean-token-sum-norm' needs max_response_len > 0 (the configured maximum response "
+            "length, a constant: the padded width of a micro-batch would make the loss depend on the split)"
+        )
+    return _per_seq_sums(token_loss, mask).sum() / (max_response_len * global_seqs)
+
+
+def loss_denominators(mask: Tensor) -> tuple[int, int]:
+    """Local ``(tokens, seqs)`` of one micro-batch: masked-in tokens and rows with at least one of them.
+
+    Sum these over the micro-batches of a mini-batch and all-reduce over data-parallel ranks to get the
+    ``global_tokens`` / ``global_seqs`` that :func:`policy_loss` expects.
+    """
+    lengths = mask.sum(dim=-1)
+    return int(lengths.sum().item()), int((lengths > 0).sum().item())
+
+
+def clipped_token_loss(
+    ratio: Tensor, advantages: Tensor, clip_low: float, clip_high: float, dual_clip_c: float | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-token PPO loss with asymmetric clip and optional dual clip.
+
+    Returns ``(token_loss, clip_active, dual_active)``: ``clip_active`` where the clipped branch is strictly
+    larger (r > 1+eps_high with A > 0, or r < 1-eps_low with A < 0); ``dual_active`` where A < 0 and the dual
+    clip bound -A*c replaced the clipped loss.
+    """
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    clip_active = clipped > unclipped
+    if dual_clip_c is None:
+        return loss, clip_active, torch.zeros_like(clip_active)
+    bound = -advantages * dual_clip_c
+    negative = advantages < 0
+    dual_active = negative & (loss > bound)
+    loss = torch.where(negative, torch.minimum(loss, bound), loss)
+    return loss, clip_active, dual_active
+
+
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    dual_clip_c: float | None = None,
+    agg: str = "token-mean",
+    global_tokens: float,
+    global_seqs: float,
+    max_response_len: int | None = None,
+    tis_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """DAPO policy loss contribution of one micro-batch.
+
+    Args:
+        logp: ``[B, T]`` log-probs of the sampled tokens under the current policy (requires grad).
+        old_logp: ``[B, T]`` log-probs under the policy that generated the batch (no grad).
+        advantages: ``[B, T]`` or ``[B]`` advantages (the outcome advantage broadcast to every token).
+        mask: ``[B, T]`` 1 on real response tokens, 0 on padding (and on overlong-filtered rows).
+        clip_low, clip_high: ratio clipped to ``[1 - clip_low, 1 + clip_high]`` (DAPO: 0.2, 0.28).
+        dual_clip_c: for A < 0, cap the token loss at ``-A * c`` (c > 1); None disables it.
+        agg: a registered aggregation mode (:func:`loss_agg_names`).
+        global_tokens, global_seqs: mini-batch totals (:func:`loss_denominators`, summed and all-reduced).
+        max_response_len: the constant horizon of ``seq-mean-token-sum-norm``.
+        tis_weights: optional ``[B, T]`` truncated importance weights (see :func:`truncated_is_weights`),
+            multiplied into the token loss without gradient.
+
+    Returns:
+        ``(loss, metrics)``: the scalar loss contribution and detached metric contributions
+        ``pg_loss, clipfrac, clipfrac_low, clipfrac_high, dual_clipfrac, ppo_kl`` (+ ``tis_weight`` if used).
+    """
+    if logp.shape != old_logp.shape or logp.shape != mask.shape:
+        raise ValueError(f"logp {tuple(logp.shape)}, old_logp {tuple(old_logp.shape)} and mask "
+                         f"{tuple(mask.shape)} must all be [B, T]")
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
+    agg_fn = get_loss_agg(agg)
+    _check_denominator(global_tokens, "global_tokens")
+    mask = mask.to(logp.dtype)
+    old_logp = old_logp.detach()
+    advantages = advantages.detach().to(logp.dtype).expand_as(logp)
+    ratio = torch.exp(logp - old_logp)
+    token_loss, clip_active, dual_active = clipped_token_loss(ratio, advantages, clip_low, clip_high, dual_clip_c)
+    if tis_weights is not None:
+        token_loss = token_loss * tis_weights.detach().to(logp.dtype)
+    loss = agg_fn(token_loss, mask, global_tokens=global_tokens, global_seqs=global_seqs,
+                  max_response_len=max_response_len)
+
+    def frac(flags: Tensor) -> Tensor:
+        return (flags.to(logp.dtype) * mask).sum().detach() / global_tokens
+
+    metrics = {
+        "pg_loss": loss.detach(),
+        "clipfrac": frac(clip_active),
+        "clipfrac_low": frac(clip_active & (advantages < 0)),
+        "clipfrac_high": frac(clip_active & (advantages > 0)),
+        "dual_clipfrac": frac(dual_active),
+        "ppo_kl": ((old_logp - logp.detach()) * mask).sum() / global_tokens,
+    }
+    if tis_weights is not None:
+        metrics["tis_weight"] = (tis_weights.detach().to(logp.dtype) * mask).sum() / global_tokens
+    return loss, metrics
+
+
+def truncated_is_weights(old_logp: Tensor, rollout_logp: Tensor, cap: float) -> Tensor:
+    """Truncated importance weights ``min(exp(old_logp - rollout_logp), cap)`` for engine-vs-actor mismatch.
+
+    ``old_logp`` comes from the trainer's forward pass, ``rollout_logp`` from the generation engine.
+    """
+    if cap <= 0:
+        raise ValueError(f"tis cap={cap} must be > 0 (typical: 2.0)")
+    return torch.exp(old_logp.detach() - rollout_logp.detach()).clamp(max=cap)
+
+
+def masked_entropy_contrib(entropy: Tensor, mask: Tensor, global_tokens: float) -> Tensor:
+    """Contribution of one micro-batch to the token-mean entropy of the mini-batch (logged, not optimized)."""
+    _check_denominator(global_tokens, "global_tokens")
+    return (entropy.detach() * mask.to(entropy.dtype)).sum() / global_tokens
+
+
+def token_entropy(logits: Tensor) -> Tensor:
+    """Entropy of the categorical distribution per position: ``[..., V] -> [...]`` (full vocabulary)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)

@@ -1,0 +1,60 @@
+"""Per-step statistics of a rollout batch: lengths, truncation, rewards, accuracy, advantages, usable groups.
+
+Inputs are flat per-response tensors (or ``[B, T]`` for advantages with a mask); outputs are plain floats
+ready for the metrics logger.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dapo_mcore.algo.dynamic_sampling import usable_groups
+
+
+def response_length_stats(lengths: Tensor, truncated: Tensor, prefix: str = "response_length/") -> dict[str, float]:
+    """Mean/max/min response length and the truncated fraction (``truncated`` is a ``[B]`` bool tensor)."""
+    if lengths.numel() == 0:
+        raise ValueError("response_length_stats needs at least one response")
+    lengths = lengths.to(torch.float64)
+    return {
+        prefix + "mean": lengths.mean().item(),
+        prefix + "max": lengths.max().item(),
+        prefix + "min": lengths.min().item(),
+        prefix + "truncated_frac": truncated.to(torch.float64).mean().item(),
+    }
+
+
+def reward_stats(rewards: Tensor, acc: Tensor, prefix: str = "reward/") -> dict[str, float]:
+    """Mean/max/min of the (shaped) reward and mean accuracy over responses."""
+    if rewards.numel() == 0:
+        raise ValueError("reward_stats needs at least one response")
+    rewards = rewards.to(torch.float64)
+    return {
+        prefix + "mean": rewards.mean().item(),
+        prefix + "max": rewards.max().item(),
+        prefix + "min": rewards.min().item(),
+        prefix + "acc": acc.to(torch.float64).mean().item(),
+    }
+
+
+def advantage_stats(advantages: Tensor, mask: Tensor | None = None, prefix: str = "advantage/") -> dict[str, float]:
+    """Mean/max/min/abs-mean of advantages over responses ``[B]`` or masked tokens ``[B, T]``."""
+    values = advantages.to(torch.float64)
+    if mask is not None:
+        values = values[mask.bool()]
+    if values.numel() == 0:
+        return {prefix + k: 0.0 for k in ("mean", "max", "min", "abs_mean")}
+    return {
+        prefix + "mean": values.mean().item(),
+        prefix + "max": values.max().item(),
+        prefix + "min": values.min().item(),
+        prefix + "abs_mean": values.abs().mean().item(),
+    }
+
+
+def usable_group_fraction(acc: Tensor) -> float:
+    """Fraction of groups ``acc [num_groups, G]`` with mixed outcomes (0 < #correct < G)."""
+    if acc.shape[0] == 0:
+        return 0.0
+    return usable_groups(acc).to(torch.float64).mean().item()
