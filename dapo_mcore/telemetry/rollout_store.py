@@ -1,0 +1,384 @@
+"""The rollout store: every generated rollout of every step, in an appendable zarr v3 group.
+
+Layout (``run_dir/rollouts.zarr``), all arrays 1-D and chunked along their only axis:
+
+- one row per rollout: ``step`` (int64), ``group_id`` (int64), ``gen_batch`` (int32), ``reward``
+  (float32), ``acc`` (bool), ``kept`` (bool: kept by dynamic sampling and trained on),
+  ``finish`` (uint8 code into the ``finish_reasons`` attribute: stop, length),
+  ``prompt_start``/``prompt_len`` and ``response_start``/``response_len`` (offsets into the token arrays);
+- ragged tokens, concatenated: ``prompt_ids`` (int32), ``response_ids`` (int32) and ``logprobs``
+  (float32, the engine's log-prob of each response token, NaN when the engine gave none).
+
+Commit protocol: a step's arrays are grown and written first; only then is the root attribute
+``committed`` (the list of steps and the row/token end offset after each) rewritten. zarr's
+LocalStore replaces files atomically, so a reader in another process that reads ``committed``
+first sees only complete steps, even while the writer appends. After a crash, uncommitted tail
+data is cut off when the store is reopened; ``resume_step`` also drops committed steps >= it, so
+the resumed run rewrites them instead of duplicating them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+
+logger = logging.getLogger(__name__)
+
+ROLLOUTS_DIR = "rollouts.zarr"
+FORMAT = "dapo-mcore-rollouts"
+VERSION = 1
+FINISH_REASONS: tuple[str, ...] = ("stop", "length")
+
+ROW_COLUMNS: dict[str, str] = {
+    "step": "int64", "group_id": "int64", "gen_batch": "int32", "reward": "float32", "acc": "bool",
+    "kept": "bool", "finish": "uint8", "prompt_start": "int64", "prompt_len": "int32",
+    "response_start": "int64", "response_len": "int32",
+}
+TOKEN_COLUMNS: dict[str, tuple[str, str]] = {
+    # name: (dtype, which token stream it follows)
+    "prompt_ids": ("int32", "prompt"), "response_ids": ("int32", "response"), "logprobs": ("float32", "response"),
+}
+
+
+@dataclass
+class Rollout:
+    """One generated response to one prompt, as stored.
+
+    ``prompt_ids``/``response_ids`` are token ids; ``logprobs`` holds one engine log-prob per
+    response token (None when the engine returned none; stored as NaN). ``group_id`` identifies the
+    prompt group within the step, ``gen_batch`` the generation batch that produced it; ``step`` is
+    set by the reader.
+    """
+
+    prompt_ids: np.ndarray
+    response_ids: np.ndarray
+    logprobs: np.ndarray | None
+    reward: float
+    acc: bool
+    finish_reason: str
+    kept: bool
+    group_id: int
+    gen_batch: int
+    step: int = -1
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def response_len(self) -> int:
+        return len(self.response_ids)
+
+
+@dataclass
+class _Committed:
+    """The ``committed`` root attribute: end offsets after each committed step."""
+
+    steps: list[int]
+    rows: list[int]
+    prompt_tokens: list[int]
+    response_tokens: list[int]
+
+    @classmethod
+    def from_attrs(cls, attrs: dict[str, Any]) -> _Committed:
+        c = attrs["committed"]
+        return cls(list(c["steps"]), list(c["rows"]), list(c["prompt_tokens"]), list(c["response_tokens"]))
+
+    def to_attrs(self) -> dict[str, Any]:
+        return {"committed": {"steps": self.steps, "rows": self.rows,
+                              "prompt_tokens": self.prompt_tokens, "response_tokens": self.response_tokens}}
+
+    def ends(self) -> tuple[int, int, int]:
+        """(rows, prompt tokens, response tokens) committed so far."""
+        if not self.steps:
+            return 0, 0, 0
+        return self.rows[-1], self.prompt_tokens[-1], self.response_tokens[-1]
+
+    def keep_before(self, step: int) -> _Committed:
+        n = sum(1 for s in self.steps if s < step)
+        return _Committed(self.steps[:n], self.rows[:n], self.prompt_tokens[:n], self.response_tokens[:n])
+
+    def ranges(self, step: int) -> tuple[slice, slice, slice]:
+        """Row, prompt-token and response-token slices of committed ``step``."""
+        if step not in self.steps:
+            raise KeyError(f"step {step} is not in the store (committed steps: {_summarize(self.steps)})")
+        i = self.steps.index(step)
+        lo = (0, 0, 0) if i == 0 else (self.rows[i - 1], self.prompt_tokens[i - 1], self.response_tokens[i - 1])
+        return (slice(lo[0], self.rows[i]), slice(lo[1], self.prompt_tokens[i]),
+                slice(lo[2], self.response_tokens[i]))
+
+
+def _summarize(steps: Sequence[int]) -> str:
+    if not steps:
+        return "none"
+    return f"{len(steps)} steps, {steps[0]}..{steps[-1]}" if len(steps) > 4 else str(list(steps))
+
+
+def _check_format(group: zarr.Group, path: Path) -> None:
+    attrs = dict(group.attrs)
+    if attrs.get("format") != FORMAT or attrs.get("version") != VERSION:
+        raise ValueError(
+            f"{path} is not a {FORMAT} v{VERSION} store (format={attrs.get('format')!r}, "
+            f"version={attrs.get('version')!r}); point at a run's {ROLLOUTS_DIR} or move the directory away"
+        )
+
+
+class RolloutStore:
+    """Append rollouts step by step (one writer: rank 0).
+
+    Args:
+        path: the store directory (usually ``run_dir/rollouts.zarr``); created if missing.
+        resume_step: first step the resumed run will write again; committed steps >= it are dropped.
+        row_chunk: rollouts per chunk of the per-rollout arrays (new stores only).
+        token_chunk: tokens per chunk of the token arrays (new stores only).
+    """
+
+    def __init__(self, path: Path, resume_step: int | None = None,
+                 row_chunk: int = 16384, token_chunk: int = 1 << 20) -> None:
+        if row_chunk < 1 or token_chunk < 1:
+            raise ValueError(f"row_chunk={row_chunk}, token_chunk={token_chunk}: chunk sizes must be >= 1")
+        self.path = Path(path)
+        if (self.path / "zarr.json").exists():
+            self._group = zarr.open_group(str(self.path), mode="r+")
+            _check_format(self._group, self.path)
+            self._committed = _Committed.from_attrs(dict(self._group.attrs))
+            if resume_step is not None:
+                self._truncate(self._committed.keep_before(resume_step))
+            self._shrink_to_committed()
+        else:
+            self._create(row_chunk, token_chunk)
+
+    def _create(self, row_chunk: int, token_chunk: int) -> None:
+        """Build the empty store beside ``path`` and rename it into place: readers never see half of it."""
+        if self.path.exists() and any(self.path.iterdir()):
+            raise ValueError(f"{self.path} exists and is not a rollout store; pick another path or remove it")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        staging = self.path.with_name(f"{self.path.name}.creating-{uuid.uuid4().hex}")
+        group = zarr.open_group(str(staging), mode="w")
+        for name, dtype in ROW_COLUMNS.items():
+            group.create_array(name, shape=(0,), dtype=dtype, chunks=(row_chunk,))
+        for name, (dtype, _) in TOKEN_COLUMNS.items():
+            fill = np.nan if dtype.startswith("float") else 0
+            group.create_array(name, shape=(0,), dtype=dtype, chunks=(token_chunk,), fill_value=fill)
+        self._committed = _Committed([], [], [], [])
+        group.update_attributes(
+            {"format": FORMAT, "version": VERSION, "finish_reasons": list(FINISH_REASONS), **self._committed.to_attrs()}
+        )
+        os.rename(staging, self.path)
+        self._group = zarr.open_group(str(self.path), mode="r+")
+
+    @property
+    def steps(self) -> list[int]:
+        return list(self._committed.steps)
+
+    def _truncate(self, kept: _Committed) -> None:
+        dropped = [s for s in self._committed.steps if s not in kept.steps]
+        if dropped:
+            logger.info("%s: dropping committed steps %s (resume)", self.path, _summarize(dropped))
+        # Un-commit first, so readers never see a step whose data is being cut.
+        self._committed = kept
+        self._group.update_attributes(kept.to_attrs())
+
+    def _shrink_to_committed(self) -> None:
+        """Cut array tails past the committed ends (a step that crashed mid-write, or dropped steps)."""
+        rows, ptok, rtok = self._committed.ends()
+        for name in ROW_COLUMNS:
+            self._resize(name, rows)
+        for name, (_, stream) in TOKEN_COLUMNS.items():
+            self._resize(name, ptok if stream == "prompt" else rtok)
+
+    def _resize(self, name: str, length: int) -> None:
+        array = self._group[name]
+        if array.shape[0] != length:
+            array.resize((length,))
+
+    def append_step(self, step: int, records: Sequence[Rollout]) -> None:
+        """Write all rollouts of ``step`` and commit it (steps must increase)."""
+        if self._committed.steps and step <= self._committed.steps[-1]:
+            raise ValueError(
+                f"step {step} is not after the last stored step {self._committed.steps[-1]}; "
+                f"when resuming, open RolloutStore(path, resume_step={step})"
+            )
+        columns = _columns(step, records)
+        rows0, ptok0, rtok0 = self._committed.ends()
+        columns["prompt_start"] += ptok0
+        columns["response_start"] += rtok0
+        starts = {"row": rows0, "prompt": ptok0, "response": rtok0}
+        for name in ROW_COLUMNS:
+            self._write(name, starts["row"], columns[name])
+        for name, (_, stream) in TOKEN_COLUMNS.items():
+            self._write(name, starts[stream], columns[name])
+        c = self._committed
+        self._committed = _Committed(
+            c.steps + [step], c.rows + [rows0 + len(records)],
+            c.prompt_tokens + [ptok0 + len(columns["prompt_ids"])],
+            c.response_tokens + [rtok0 + len(columns["response_ids"])],
+        )
+        self._group.update_attributes(self._committed.to_attrs())
+
+    def _write(self, name: str, start: int, data: np.ndarray) -> None:
+        array = self._group[name]
+        end = start + len(data)
+        array.resize((end,))
+        if len(data):
+            array[start:end] = data
+
+
+def _columns(step: int, records: Sequence[Rollout]) -> dict[str, np.ndarray]:
+    """Validate ``records`` and lay them out as the store's columns (offsets relative to 0)."""
+    prompts = [np.asarray(r.prompt_ids, dtype=np.int64).reshape(-1) for r in records]
+    responses = [np.asarray(r.response_ids, dtype=np.int64).reshape(-1) for r in records]
+    logprobs = []
+    for i, (r, resp) in enumerate(zip(records, responses, strict=True)):
+        if r.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"rollout {i}: finish_reason={r.finish_reason!r}; use one of {FINISH_REASONS}")
+        if r.logprobs is None:
+            logprobs.append(np.full(len(resp), np.nan, dtype=np.float32))
+            continue
+        lp = np.asarray(r.logprobs, dtype=np.float32).reshape(-1)
+        if len(lp) != len(resp):
+            raise ValueError(f"rollout {i}: {len(lp)} logprobs for {len(resp)} response tokens; pass one per token")
+        logprobs.append(lp)
+    for ids in (*prompts, *responses):
+        if len(ids) and (ids.min() < 0 or ids.max() >= 2**31):
+            raise ValueError(f"token ids must lie in [0, 2**31), got range [{ids.min()}, {ids.max()}]")
+    prompt_len = np.array([len(p) for p in prompts], dtype=np.int64)
+    response_len = np.array([len(r) for r in responses], dtype=np.int64)
+
+    def cat(parts: list[np.ndarray], dtype: str) -> np.ndarray:
+        return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype=dtype)
+
+    return {
+        "step": np.full(len(records), step, dtype=np.int64),
+        "group_id": np.array([r.group_id for r in records], dtype=np.int64),
+        "gen_batch": np.array([r.gen_batch for r in records], dtype=np.int32),
+        "reward": np.array([r.reward for r in records], dtype=np.float32),
+        "acc": np.array([bool(r.acc) for r in records], dtype=bool),
+        "kept": np.array([bool(r.kept) for r in records], dtype=bool),
+        "finish": np.array([FINISH_REASONS.index(r.finish_reason) for r in records], dtype=np.uint8),
+        "prompt_start": np.cumsum(prompt_len) - prompt_len,
+        "prompt_len": prompt_len.astype(np.int32),
+        "response_start": np.cumsum(response_len) - response_len,
+        "response_len": response_len.astype(np.int32),
+        "prompt_ids": cat(prompts, "int32"),
+        "response_ids": cat(responses, "int32"),
+        "logprobs": cat(logprobs, "float32"),
+    }
+
+
+class RolloutReader:
+    """Read committed steps of a store, safely while a writer appends to it (any process)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        if not (self.path / "zarr.json").exists():
+            raise FileNotFoundError(f"no rollout store at {self.path}; a run writes it to RUN_DIR/{ROLLOUTS_DIR}")
+
+    def _open(self) -> tuple[zarr.Group, _Committed]:
+        group = zarr.open_group(str(self.path), mode="r")
+        _check_format(group, self.path)
+        # Read the commit record before touching any array: arrays are at least that long.
+        return group, _Committed.from_attrs(dict(group.attrs))
+
+    def steps(self) -> list[int]:
+        """Committed steps, ascending (re-read on every call)."""
+        return self._open()[1].steps
+
+    def read_step_columns(self, step: int) -> dict[str, np.ndarray]:
+        """The step's columns (see module docstring); starts are relative to the step's token arrays."""
+        group, committed = self._open()
+        rows, ptok, rtok = committed.ranges(step)
+        out = {name: group[name][rows] for name in ROW_COLUMNS}
+        for name, (_, stream) in TOKEN_COLUMNS.items():
+            out[name] = group[name][ptok if stream == "prompt" else rtok]
+        out["prompt_start"] = out["prompt_start"] - ptok.start
+        out["response_start"] = out["response_start"] - rtok.start
+        return out
+
+    def read_step(self, step: int) -> list[Rollout]:
+        """All rollouts of committed ``step``, in the order they were appended."""
+        finish_reasons = self._open()[0].attrs["finish_reasons"]
+        c = self.read_step_columns(step)
+        out = []
+        for i in range(len(c["step"])):
+            p0, p1 = c["prompt_start"][i], c["prompt_start"][i] + c["prompt_len"][i]
+            r0, r1 = c["response_start"][i], c["response_start"][i] + c["response_len"][i]
+            out.append(Rollout(
+                prompt_ids=c["prompt_ids"][p0:p1], response_ids=c["response_ids"][r0:r1],
+                logprobs=c["logprobs"][r0:r1], reward=float(c["reward"][i]), acc=bool(c["acc"][i]),
+                finish_reason=finish_reasons[int(c["finish"][i])], kept=bool(c["kept"][i]),
+                group_id=int(c["group_id"][i]), gen_batch=int(c["gen_batch"][i]), step=int(c["step"][i]),
+            ))
+        return out
+
+    def column(self, name: str) -> np.ndarray:
+        """One per-rollout column over every committed step (e.g. ``reward``, ``kept``, ``step``)."""
+        if name not in ROW_COLUMNS:
+            raise ValueError(f"unknown column {name!r}; per-rollout columns are {sorted(ROW_COLUMNS)}")
+        group, committed = self._open()
+        return group[name][: committed.ends()[0]]
+
+
+def _print_step(reader: RolloutReader, step: int, limit: int, which: str, decode: Any) -> None:
+    rollouts = reader.read_step(step)
+    if rollouts:
+        kept = sum(r.kept for r in rollouts)
+        print(f"step {step}: {len(rollouts)} rollouts, {kept} kept, {len(rollouts) - kept} rejected, "
+              f"acc {np.mean([r.acc for r in rollouts]):.3f}, reward {np.mean([r.reward for r in rollouts]):+.3f}, "
+              f"truncated {np.mean([r.finish_reason == 'length' for r in rollouts]):.3f}")
+    else:
+        print(f"step {step}: no rollouts")
+    shown = [r for r in rollouts if which == "all" or r.kept == (which == "kept")][:limit]
+    for i, r in enumerate(shown):
+        print(f"\n--- [{i}] group {r.group_id}  gen_batch {r.gen_batch}  reward {r.reward:+.3f}  acc {r.acc}  "
+              f"kept {r.kept}  finish {r.finish_reason}  prompt {r.prompt_len} tok  response {r.response_len} tok")
+        print(f"prompt:   {decode(r.prompt_ids)!r}")
+        print(f"response: {decode(r.response_ids)!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``dapo-mcore rollouts RUN_DIR [--step N] [--limit K] [--tokenizer DIR]``: print decoded samples."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="dapo-mcore rollouts", description="Print stored rollouts of a run.")
+    parser.add_argument("run_dir", type=Path, help="the run directory (holding rollouts.zarr)")
+    parser.add_argument("--step", type=int, default=None, help="step to show (default: the last stored step)")
+    parser.add_argument("--limit", type=int, default=8, help="rollouts to print (default 8)")
+    parser.add_argument("--which", choices=("all", "kept", "rejected"), default="all", help="filter by dynamic sampling")
+    parser.add_argument("--tokenizer", type=Path, default=None, help="tokenizer directory (default RUN_DIR/tokenizer)")
+    parser.add_argument("--raw", action="store_true", help="print token ids instead of decoding")
+    args = parser.parse_args(argv)
+    try:
+        reader = RolloutReader(args.run_dir / ROLLOUTS_DIR)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"error: {err}")
+        return 1
+    steps = reader.steps()
+    step = args.step if args.step is not None else (steps[-1] if steps else None)
+    if step is None or step not in steps:
+        print(f"error: step {step} is not stored; stored: {_summarize(steps)}")
+        return 1
+    if args.raw:
+        def decode(ids: np.ndarray) -> str:
+            return " ".join(str(int(t)) for t in ids)
+    else:
+        tok_dir = args.tokenizer if args.tokenizer is not None else args.run_dir / "tokenizer"
+        if not tok_dir.is_dir():
+            print(f"error: no tokenizer at {tok_dir}; pass --tokenizer DIR or --raw")
+            return 1
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+
+        def decode(ids: np.ndarray) -> str:
+            return tokenizer.decode(ids.tolist(), skip_special_tokens=False)
+    _print_step(reader, step, args.limit, args.which, decode)
+    return 0
