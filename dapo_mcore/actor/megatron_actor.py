@@ -1,0 +1,297 @@
+"""The Megatron actor: this rank's policy model, its optimizer, log-probs, and the DAPO update.
+
+Every rank holds the full rollout batch (the trainer gathers it). The actor splits it over data-parallel ranks,
+forms micro-batches by a token budget, and runs Megatron's ``get_forward_backward_func`` (pipeline schedules
+included). The DAPO loss is a *contribution* normalized by mini-batch totals (``algo.loss``); Megatron divides a
+returned loss by the number of micro-batches and averages gradients over data-parallel ranks, so the loss handed
+to Megatron is multiplied by both to make the gradient exactly the sum of contributions.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dapo_mcore.actor.batch import MicroBatch, build_micro_batch, to_device
+from dapo_mcore.actor.logprobs import token_entropy, token_logprobs
+from dapo_mcore.algo.loss import masked_entropy_contrib, policy_loss
+from dapo_mcore.data.packing import pack_micro_batches
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ActorSettings:
+    """What the actor needs from the run config (kept flat so tests can build one directly)."""
+
+    hf_config: dict[str, Any]
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    virtual_pipeline: int | None = None
+    sequence_parallel: bool = False
+    layer_spec: str = "local"
+    params_dtype: torch.dtype = torch.float32
+    make_vocab_size_divisible_by: int = 128
+    recompute: str = "none"
+    fp8: Any = None
+    distributed_optimizer: bool = False
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    micro_batch_tokens: int = 16384
+    temperature: float = 1.0
+    layout: str = "auto"
+    pad_id: int = 0
+    algo: Any = None  # AlgoConfig
+    max_response_len: int | None = None
+
+
+@dataclass
+class TrainSample:
+    """One response to train on: token ids plus the per-token quantities of the loss."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    advantage: float = 0.0
+    old_logprobs: torch.Tensor | None = None   # [len(response_ids)]
+    loss_mask: torch.Tensor | None = None       # [len(response_ids)]; default all ones
+    tis_weights: torch.Tensor | None = None     # [len(response_ids)]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _pad_stack(values: Sequence[torch.Tensor], width: int) -> torch.Tensor:
+    out = torch.zeros(len(values), width)
+    for i, v in enumerate(values):
+        out[i, : v.numel()] = v.float()
+    return out
+
+
+class MegatronActor:
+    """Builds and trains this rank's model chunks. Parallel state must be initialized first."""
+
+    def __init__(self, settings: ActorSettings):
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        from dapo_mcore.model.qwen import QwenShape, build_gpt_model, transformer_config
+
+        self.s = settings
+        self.shape = QwenShape.from_hf(settings.hf_config)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        tconfig = transformer_config(
+            settings.hf_config, tensor_parallel=settings.tensor_parallel, pipeline_parallel=settings.pipeline_parallel,
+            virtual_pipeline=settings.virtual_pipeline, sequence_parallel=settings.sequence_parallel,
+            params_dtype=settings.params_dtype, recompute=settings.recompute, fp8=settings.fp8)
+        tconfig.variable_seq_lengths = settings.pipeline_parallel > 1
+        self.tconfig = tconfig
+        chunks = build_gpt_model(settings.hf_config, tconfig, spec=settings.layer_spec,
+                                 make_vocab_size_divisible_by=settings.make_vocab_size_divisible_by)
+        for chunk in chunks:
+            chunk.to(self.device)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=settings.distributed_optimizer)
+        self.model = [DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=chunk,
+                                              disable_bucketing=(i > 0)) for i, chunk in enumerate(chunks)]
+        tconfig.finalize_model_grads_func = finalize_model_grads
+        tconfig.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
+        opt_config = OptimizerConfig(
+            optimizer="adam", lr=settings.lr, min_lr=0.0, weight_decay=settings.weight_decay,
+            adam_beta1=settings.betas[0], adam_beta2=settings.betas[1], adam_eps=settings.eps,
+            clip_grad=settings.grad_clip, bf16=settings.params_dtype == torch.bfloat16,
+            params_dtype=settings.params_dtype, use_distributed_optimizer=settings.distributed_optimizer)
+        self.optimizer = get_megatron_optimizer(opt_config, self.model)
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+        if settings.layout == "auto":
+            self.layout = "thd" if settings.layer_spec == "transformer_engine" else "rows"
+        else:
+            self.layout = settings.layout
+        self.pad_multiple = settings.tensor_parallel if settings.sequence_parallel else 1
+
+    # ---- weights -------------------------------------------------------------------------------------------
+    @property
+    def chunks(self) -> list[torch.nn.Module]:
+        """The bare GPTModel chunks (unwrapped from DDP)."""
+        return [m.module for m in self.model]
+
+    def layout_metadata(self) -> dict[str, Any]:
+        """What a checkpoint of this model must match (see ``actor.checkpoint``)."""
+        from dapo_mcore.actor.checkpoint import layout_metadata
+        from dapo_mcore.model.qwen import padded_vocab_size
+
+        s = self.s
+        padded = padded_vocab_size(self.shape.vocab_size, s.make_vocab_size_divisible_by, s.tensor_parallel)
+        return layout_metadata(s.hf_config, s.tensor_parallel, s.pipeline_parallel, s.virtual_pipeline, s.layer_spec,
+                               s.make_vocab_size_divisible_by, padded, s.params_dtype)
+
+    def load_hf(self, hf_dir: str) -> None:
+        """Load a Hugging Face checkpoint into the live model (this rank's slices only, streamed)."""
+        from dapo_mcore.weights import load_hf_into_model
+
+        load_hf_into_model(self.chunks, hf_dir, layer_spec=self.s.layer_spec,
+                           make_vocab_size_divisible_by=self.s.make_vocab_size_divisible_by)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    # ---- micro-batching ------------------------------------------------------------------------------------
+    def _my_micro_batches(self, samples: Sequence[TrainSample]) -> list[list[int]]:
+        """Indices of this DP rank's micro-batches (token budget, balanced over DP ranks)."""
+        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+        per_rank = pack_micro_batches(lengths, self.s.micro_batch_tokens, self.dp_size)
+        return per_rank[self.dp_rank]
+
+    def _make_mb(self, samples: Sequence[TrainSample], indices: list[int], with_loss_inputs: bool) -> MicroBatch:
+        chosen = [samples[i] for i in indices]
+        mb = build_micro_batch([s.prompt_ids for s in chosen], [s.response_ids for s in chosen],
+                               layout=self.layout, pad_id=self.s.pad_id, pad_to_multiple=self.pad_multiple)
+        if with_loss_inputs:
+            width = mb.resp_mask.shape[1]
+            mb.old_logp = _pad_stack([s.old_logprobs for s in chosen], width)
+            masks = [s.loss_mask if s.loss_mask is not None else torch.ones(len(s.response_ids)) for s in chosen]
+            mb.loss_mask = _pad_stack(masks, width) * mb.resp_mask
+            mb.adv = torch.tensor([s.advantage for s in chosen], dtype=torch.float32)
+            mb.tis = (_pad_stack([s.tis_weights for s in chosen], width)
+                      if chosen[0].tis_weights is not None else None)
+        mb.indices = indices
+        return to_device(mb, self.device)
+
+    def _run(self, mbs: list[MicroBatch], loss_fn, forward_only: bool) -> list[dict[str, Any]]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if not mbs:
+            return []
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            output = model(mb.tokens, mb.position_ids, mb.attention_mask, packed_seq_params=mb.packed_seq_params)
+            return output, partial(loss_fn, mb)
+
+        vpp = len(self.model)
+        iterator = [iter(mbs) for _ in range(vpp)] if vpp > 1 else iter(mbs)
+        seq_len = max(int(mb.tokens.shape[1]) for mb in mbs)
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iterator,
+            model=self.model if vpp > 1 else self.model[0], num_microbatches=len(mbs),
+            seq_length=seq_len, micro_batch_size=int(mbs[0].tokens.shape[0]), forward_only=forward_only)
+
+    # ---- log-probs -----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def compute_logprobs(self, samples: Sequence[TrainSample], with_entropy: bool = False
+                         ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """Per-token log-probs (and entropy) of every sample's response, on every rank."""
+        for m in self.model:
+            m.eval()
+        groups = self._my_micro_batches(samples)
+        mbs = [self._make_mb(samples, idx, with_loss_inputs=False) for idx in groups]
+        vocab, temp = self.shape.vocab_size, self.s.temperature
+
+        def loss_fn(mb, logits):
+            logp = mb.gather_responses(token_logprobs(logits, mb.targets, temp, vocab))
+            out = {"logp": logp.cpu()}
+            if with_entropy:
+                out["entropy"] = mb.gather_responses(token_entropy(logits, temp, vocab)).cpu()
+            return torch.zeros((), device=logits.device), out
+
+        results = self._run(mbs, loss_fn, forward_only=True)
+        local: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        if self.is_last_stage:
+            for mb, res in zip(mbs, results, strict=True):
+                for row, i in enumerate(mb.indices):
+                    n = len(samples[i].response_ids)
+                    ent = res["entropy"][row, :n] if with_entropy else None
+                    local[i] = (res["logp"][row, :n], ent)
+        gathered = self._share_results(local)
+        logps = [gathered[i][0] for i in range(len(samples))]
+        ents = [gathered[i][1] for i in range(len(samples))] if with_entropy else None
+        return logps, ents
+
+    def _share_results(self, local: dict[int, Any]) -> dict[int, Any]:
+        """Every rank gets every sample's result: from the last PP stage of each DP rank."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return local
+        everything: list[dict[int, Any]] = [None] * dist.get_world_size()  # type: ignore[list-item]
+        dist.all_gather_object(everything, local)
+        merged: dict[int, Any] = {}
+        for part in everything:
+            merged.update(part)
+        return merged
+
+    # ---- the DAPO update -----------------------------------------------------------------------------------
+    def train_mini_batch(self, samples: Sequence[TrainSample], lr: float) -> dict[str, float]:
+        """One optimizer update on one mini-batch (all of it on every rank; each DP rank trains its share)."""
+        for m in self.model:
+            m.train()
+        algo = self.s.algo
+        masks = [s.loss_mask if s.loss_mask is not None else torch.ones(len(s.response_ids)) for s in samples]
+        global_tokens = float(sum(float(m.sum()) for m in masks))
+        global_seqs = float(sum(1 for m in masks if float(m.sum()) > 0))
+        if global_tokens == 0:
+            log.warning("mini-batch has no trainable tokens (all masked); update skipped")
+            return {"skipped": 1.0}
+        self.set_lr(lr)
+        groups = self._my_micro_batches(samples)
+        mbs = [self._make_mb(samples, idx, with_loss_inputs=True) for idx in groups]
+        scale = float(len(mbs) * self.dp_size)
+        vocab, temp = self.shape.vocab_size, self.s.temperature
+
+        def loss_fn(mb, logits):
+            logp = mb.gather_responses(token_logprobs(logits, mb.targets, temp, vocab))
+            loss, metrics = policy_loss(
+                logp, mb.old_logp, mb.adv, mb.loss_mask, clip_low=algo.clip_low, clip_high=algo.clip_high,
+                dual_clip_c=algo.dual_clip_c, agg=algo.loss_agg, global_tokens=global_tokens,
+                global_seqs=global_seqs, max_response_len=self.s.max_response_len, tis_weights=mb.tis)
+            ent = mb.gather_responses(token_entropy(logits, temp, vocab))
+            metrics["entropy"] = masked_entropy_contrib(ent, mb.loss_mask, global_tokens)
+            metrics["loss"] = loss.detach()
+            return loss * scale, {k: v.detach().float().cpu() for k, v in metrics.items()}
+
+        results = self._run(mbs, loss_fn, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        for m in self.model:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        sums: dict[str, float] = {}
+        for res in results:
+            for k, v in res.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        reduced = self._sum_over_dp_last_stage(sums)
+        reduced["grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
+        reduced["update_ok"] = 1.0 if ok else 0.0
+        return reduced
+
+    def _sum_over_dp_last_stage(self, sums: dict[str, float]) -> dict[str, float]:
+        """Metric contributions summed over DP ranks (last PP stage holds them), known on every rank."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return sums
+        from megatron.core import parallel_state as ps
+
+        everything: list[Any] = [None] * dist.get_world_size()
+        tp_rank = ps.get_tensor_model_parallel_rank()
+        dist.all_gather_object(everything, (self.is_last_stage and tp_rank == 0, sums))
+        out: dict[str, float] = {}
+        for is_src, part in everything:
+            if is_src:
+                for k, v in part.items():
+                    out[k] = out.get(k, 0.0) + v
+        return out
+
+    # ---- weight export -------------------------------------------------------------------------------------
+    def export_hf_weights(self, bucket_bytes: int = 256 << 20) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Full HF-named tensors in buckets, on every rank (a collective: every rank must iterate)."""
+        from dapo_mcore.weights.export import iter_hf_weights
+
+        return iter_hf_weights(self.chunks, self.s.hf_config, layer_spec=self.s.layer_spec, bucket_bytes=bucket_bytes)
