@@ -1,0 +1,448 @@
+"""Capacity planner: per-GPU memory and FLOPs of a DAPO layout, before any GPU is touched.
+
+``dapo-mcore plan`` answers "does this layout fit, and if not, what should change?" for a dense
+Qwen2 policy trained by Megatron-Core with vLLM colocated on the same GPUs.
+
+Memory model (bytes per GPU; ``P`` = parameters held by this rank's pipeline stage / TP):
+
+* Persistent training state, by precision:
+  ``bf16``/``fp8``: bf16 weights (2P) + gradient buffer (4P with ``grad_reduce_in_fp32``, else 2P)
+  + fp32 main weights and Adam m, v (12P), the 12P divided by DP with the distributed optimizer.
+  ``fp8`` adds the Transformer Engine FP8 weight copy and its transpose (2 bytes per linear weight).
+  ``fp32`` (plain torch on CPU): weights 4P + grads 4P + Adam 8P (no main copy).
+* Activations per token per layer, as stored for backward by the fused (Transformer Engine,
+  flash attention) layer, in elements: ``6h + 2kv + 3f`` (block input, norm output, Q, K/V (GQA),
+  attention output, residual, norm output, SwiGLU gate+up (2f), SwiGLU output (f)); divided by TP
+  with sequence parallelism. ``selective`` recompute (Megatron's ``core_attn``) drops the
+  attention output (h); ``full`` keeps only the block input (h)
+  plus, transiently, one layer's full set while it is recomputed. Attention scores are never
+  stored (flash attention), so there is no ``s^2`` term. No dropout masks (Qwen2 uses none).
+* 1F1B keeps ``min(PP, micro-batches)`` micro-batches in flight on the first stage (each with
+  its ``L/PP`` layers); interleaving (VPP > 1) multiplies that by ``1 + (PP-1)/(PP*VPP)``
+  (Korthikanti et al. 2022). The last stage holds one micro-batch plus the logits:
+  ``tokens * V/TP * (a + 8)`` bytes, the stored logits (``a`` bytes per element) plus fp32 softmax
+  and its gradient, the transient peak of the log-prob/entropy computation.
+* vLLM colocated with sleep mode: the two never peak together. During rollout vLLM is awake and
+  holds ``gpu_memory_utilization * GPU`` (its weights at vLLM-TP, a workspace, and the KV cache in
+  the rest) beside the trainer's persistent state (activations are gone; optionally the
+  optimizer state and gradients are offloaded). During training vLLM sleeps (level 1: weights to
+  host memory, KV cache freed), leaving ``vllm_sleep_residue_gib`` (context, CUDA-graph pool).
+  The peak of a GPU is the larger of the two phases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+from dapo_mcore.telemetry.flops import RECOMPUTE_MODES, ModelShape, sequence_forward_flops
+
+GIB = 1024**3
+PRECISIONS = ("bf16", "fp8", "fp32")
+
+
+@dataclass
+class PlanInput:
+    """One layout to estimate. Defaults follow the DAPO 32B recipe where one applies."""
+
+    model: dict[str, Any]
+    """Hugging Face ``config.json`` of the policy (see ``dapo_mcore.model.presets``)."""
+    tensor_parallel: int = 1
+    """Megatron tensor-parallel size (sequence parallelism on when > 1)."""
+    pipeline_parallel: int = 1
+    """Megatron pipeline-parallel size."""
+    data_parallel: int = 1
+    """Data-parallel replicas of the trainer."""
+    virtual_pipeline: int = 1
+    """Interleaved pipeline chunks per stage (1 = plain 1F1B)."""
+    micro_batch_tokens: int = 22528
+    """Packed tokens per micro-batch (THD token budget) per data-parallel rank."""
+    recompute: str = "none"
+    """Activation recompute: none, selective (core attention), full (whole layer)."""
+    precision: str = "bf16"
+    """bf16 (Megatron mixed precision), fp8 (TE FP8 GEMMs over bf16 weights), fp32 (plain, CPU)."""
+    grad_reduce_in_fp32: bool = True
+    """Gradient buffer in fp32 (4 B/param) rather than the parameter dtype."""
+    distributed_optimizer: bool = True
+    """Shard fp32 main weights and Adam states over data-parallel ranks (ZeRO-1)."""
+    offload_train_state_in_rollout: bool = False
+    """Move gradients and optimizer state to host memory while vLLM generates."""
+    colocate_vllm: bool = True
+    """vLLM shares the trainer's GPUs (sleep mode between phases)."""
+    vllm_tensor_parallel: int = 4
+    """vLLM tensor-parallel size."""
+    vllm_gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory vLLM may use while awake (weights + workspace + KV cache)."""
+    vllm_workspace_gib: float = 2.0
+    """vLLM activation workspace for its profiling pass and sampling."""
+    vllm_sleep_residue_gib: float = 1.0
+    """What vLLM keeps on the GPU while asleep (context, CUDA-graph pool)."""
+    gpu_memory_gib: float = 80.0
+    """Memory of one GPU (H100 SXM: 80)."""
+    overhead_gib: float = 3.0
+    """CUDA context, NCCL buffers and allocator fragmentation, per GPU."""
+    max_prompt_len: int = 2048
+    """Longest prompt in tokens."""
+    max_response_len: int = 20480
+    """Longest response in tokens."""
+    mean_prompt_len: int = 256
+    """Mean prompt length in tokens (for FLOPs per step)."""
+    mean_response_len: int = 8192
+    """Mean response length in tokens (for FLOPs per step)."""
+    rollout_prompts: int = 512
+    """Prompts per DAPO step (train batch)."""
+    responses_per_prompt: int = 16
+    """Responses sampled per prompt (group size G)."""
+    mini_batch_prompts: int = 32
+    """Prompts per gradient update (mini-batch)."""
+    generation_batches: float = 1.0
+    """Generation batches per step (dynamic sampling draws more when groups are rejected)."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the fix for an impossible layout."""
+        shape = ModelShape.from_hf(self.model)
+        for name in ("tensor_parallel", "pipeline_parallel", "data_parallel", "virtual_pipeline",
+                     "micro_batch_tokens", "vllm_tensor_parallel"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        tp = self.tensor_parallel
+        if shape.kv_heads % tp or shape.heads % tp:
+            ok = [d for d in range(1, shape.kv_heads + 1) if shape.kv_heads % d == 0 and shape.heads % d == 0]
+            raise ValueError(f"tensor_parallel={tp} must divide num_key_value_heads={shape.kv_heads} and "
+                             f"num_attention_heads={shape.heads} (Megatron splits query groups); use one of {ok}")
+        chunks = self.pipeline_parallel * self.virtual_pipeline
+        if shape.layers % chunks:
+            ok = [d for d in range(1, shape.layers + 1) if shape.layers % d == 0]
+            raise ValueError(f"pipeline_parallel*virtual_pipeline={chunks} must divide num_hidden_layers="
+                             f"{shape.layers}; use a product in {ok}")
+        if shape.heads % self.vllm_tensor_parallel:
+            raise ValueError(f"vllm_tensor_parallel={self.vllm_tensor_parallel} must divide "
+                             f"num_attention_heads={shape.heads}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute={self.recompute!r}; use one of {RECOMPUTE_MODES}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r}; use one of {PRECISIONS}")
+        if not 0.0 < self.vllm_gpu_memory_utilization < 1.0:
+            raise ValueError("vllm_gpu_memory_utilization must lie in (0, 1), e.g. 0.5")
+        if self.precision == "fp32" and self.distributed_optimizer and self.data_parallel > 1:
+            raise ValueError("precision=fp32 is the plain CPU path; set distributed_optimizer=False")
+
+
+@dataclass
+class MemoryEstimate:
+    """Per-GPU bytes of the worst pipeline stage, by component and phase."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    fp8_weight_cache: float
+    activations: float
+    logits: float
+    overhead: float
+    vllm_awake: float
+    vllm_asleep: float
+    vllm_weights: float
+    vllm_kv_cache: float
+    vllm_kv_tokens: int
+    train_peak: float
+    rollout_peak: float
+    worst_stage: str
+
+    @property
+    def persistent(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.fp8_weight_cache
+
+    @property
+    def peak(self) -> float:
+        return max(self.train_peak, self.rollout_peak)
+
+
+def stage_params(shape: ModelShape, pp: int, stage: int) -> tuple[int, int]:
+    """(all parameters, transformer-layer linear weights) of one pipeline stage, before TP.
+
+    The first stage holds the input embedding, the last the final norm and the output layer; a tied
+    output layer costs nothing extra at PP=1 and is a second copy of the embedding at PP>1. Only
+    the transformer layers' linear weights get FP8 copies (Megatron keeps the output layer in bf16).
+    """
+    layers = shape.layers // pp
+    q = shape.heads * shape.head_dim
+    linear_per_layer = 2 * shape.hidden * q + 2 * shape.hidden * shape.kv_dim + 3 * shape.hidden * shape.ffn
+    total = layers * shape.layer_params()
+    emb = shape.vocab * shape.hidden
+    if stage == 0:
+        total += emb
+    if stage == pp - 1:
+        total += shape.hidden
+        if not shape.tied_embeddings or pp > 1:
+            total += emb
+    return total, layers * linear_per_layer
+
+
+def activation_bytes_per_token_layer(shape: ModelShape, recompute: str, act_bytes: int) -> float:
+    """Bytes one token leaves stored for backward in one layer (before dividing by TP)."""
+    h, kv, f = shape.hidden, shape.kv_dim, shape.ffn
+    if recompute == "full":
+        return h * act_bytes
+    elements = 6 * h + 2 * kv + 3 * f
+    if recompute == "selective":
+        elements -= h
+    return elements * act_bytes
+
+
+def _persistent_bytes(p: PlanInput, params: int, linear: int) -> tuple[float, float, float, float]:
+    """(weights, grads, optimizer, fp8 cache) bytes for ``params`` held on one GPU."""
+    if p.precision == "fp32":
+        return 4.0 * params, 4.0 * params, 8.0 * params, 0.0
+    weights = 2.0 * params
+    grads = (4.0 if p.grad_reduce_in_fp32 else 2.0) * params
+    optimizer = 12.0 * params / (p.data_parallel if p.distributed_optimizer else 1)
+    fp8 = 2.0 * linear if p.precision == "fp8" else 0.0
+    return weights, grads, optimizer, fp8
+
+
+def num_microbatches(p: PlanInput) -> int:
+    """Micro-batches per data-parallel rank in one mini-batch, at the mean sequence length."""
+    seq = p.mean_prompt_len + p.mean_response_len
+    tokens = p.mini_batch_prompts * p.responses_per_prompt * seq / p.data_parallel
+    return max(1, math.ceil(tokens / p.micro_batch_tokens))
+
+
+def _stage_activation_bytes(p: PlanInput, shape: ModelShape, stage: int) -> tuple[float, float]:
+    """(activations, logits) bytes on ``stage`` at the micro-batch token budget."""
+    act_bytes = 4 if p.precision == "fp32" else 2
+    per_layer = activation_bytes_per_token_layer(shape, p.recompute, act_bytes) / p.tensor_parallel
+    pp, n_mb = p.pipeline_parallel, num_microbatches(p)
+    in_flight = float(min(pp - stage, n_mb))
+    if p.virtual_pipeline > 1 and pp > 1:
+        in_flight *= 1 + (pp - 1) / (pp * p.virtual_pipeline)
+    acts = per_layer * (shape.layers // pp) * in_flight * p.micro_batch_tokens
+    if p.recompute == "full":  # the layer being recomputed holds its full activations during its backward
+        acts += activation_bytes_per_token_layer(shape, "none", act_bytes) / p.tensor_parallel * p.micro_batch_tokens
+    logits = 0.0
+    if stage == pp - 1:
+        logits = p.micro_batch_tokens * shape.vocab / p.tensor_parallel * (act_bytes + 8)
+    return acts, logits
+
+
+def _vllm_bytes(p: PlanInput, shape: ModelShape) -> tuple[float, float, float, int]:
+    """(awake budget, weights, KV-cache bytes, KV-cache tokens) of one vLLM GPU."""
+    awake = p.vllm_gpu_memory_utilization * p.gpu_memory_gib * GIB
+    weights = 2.0 * shape.num_params() / p.vllm_tensor_parallel
+    kv = awake - weights - p.vllm_workspace_gib * GIB
+    kv_heads = max(1, shape.kv_heads // p.vllm_tensor_parallel)  # vLLM replicates KV heads past TP=n_kv
+    per_token = 2 * shape.layers * kv_heads * shape.head_dim * 2
+    return awake, weights, kv, max(0, int(kv // per_token))
+
+
+def estimate_memory(p: PlanInput) -> MemoryEstimate:
+    """Per-GPU memory of the worst pipeline stage (see the module docstring for the model)."""
+    p.validate()
+    shape = ModelShape.from_hf(p.model)
+    awake, vllm_w, kv, kv_tokens = _vllm_bytes(p, shape) if p.colocate_vllm else (0.0, 0.0, 0.0, 0)
+    asleep = p.vllm_sleep_residue_gib * GIB if p.colocate_vllm else 0.0
+    overhead = p.overhead_gib * GIB
+    stages: list[MemoryEstimate] = []
+    for stage in range(p.pipeline_parallel):
+        params, linear = stage_params(shape, p.pipeline_parallel, stage)
+        w, g, o, c = _persistent_bytes(p, params / p.tensor_parallel, linear / p.tensor_parallel)
+        acts, logits = _stage_activation_bytes(p, shape, stage)
+        train = w + g + o + c + acts + logits + overhead + asleep
+        kept = w + (c if not p.offload_train_state_in_rollout else 0.0)
+        if not p.offload_train_state_in_rollout:
+            kept += g + o
+        rollout = kept + overhead + awake if p.colocate_vllm else 0.0
+        stages.append(MemoryEstimate(w, g, o, c, acts, logits, overhead, awake, asleep, vllm_w, kv, kv_tokens,
+                                     train, rollout, f"stage {stage}/{p.pipeline_parallel}"))
+    # Components of the stage with the highest training peak; the rollout peak of the worst stage.
+    worst = max(stages, key=lambda s: s.train_peak)
+    return replace(worst, rollout_peak=max(s.rollout_peak for s in stages))
+
+
+@dataclass
+class FlopsEstimate:
+    """FLOPs of one DAPO step over the whole job (all GPUs)."""
+
+    generation: float
+    """Forward FLOPs of every generated sequence (prompt prefill + response decode)."""
+    old_logprobs: float
+    """Forward FLOPs of the old-policy log-probs over the kept batch."""
+    train: float
+    """Forward + backward FLOPs of the updates, recompute included (hardware FLOPs)."""
+    train_model: float
+    """Model FLOPs of the updates (3x forward), the MFU numerator."""
+    train_tokens: int
+    """Tokens (prompt + response) in the kept batch."""
+
+
+def estimate_flops(p: PlanInput) -> FlopsEstimate:
+    """FLOPs per step at the mean prompt/response lengths (a single representative length)."""
+    from dapo_mcore.telemetry.flops import sequence_train_flops
+
+    shape = ModelShape.from_hf(p.model)
+    seq = p.mean_prompt_len + p.mean_response_len
+    n_seq = p.rollout_prompts * p.responses_per_prompt
+    fwd = sequence_forward_flops(shape, seq)
+    return FlopsEstimate(
+        generation=fwd * n_seq * p.generation_batches, old_logprobs=fwd * n_seq,
+        train=sequence_train_flops(shape, seq, p.recompute) * n_seq, train_model=3 * fwd * n_seq,
+        train_tokens=n_seq * seq,
+    )
+
+
+class LayoutDoesNotFit(ValueError):
+    """A layout whose estimated peak exceeds the GPU; the message lists changes that would fit."""
+
+
+def _alternatives(p: PlanInput) -> list[tuple[str, PlanInput]]:
+    """Single changes worth trying, in the order a user would usually prefer them."""
+    shape = ModelShape.from_hf(p.model)
+    alts: list[tuple[str, PlanInput]] = []
+    if not p.distributed_optimizer and p.data_parallel > 1 and p.precision != "fp32":
+        alts.append(("distributed_optimizer=true", replace(p, distributed_optimizer=True)))
+    for mode in ("selective", "full"):
+        if RECOMPUTE_MODES.index(mode) > RECOMPUTE_MODES.index(p.recompute):
+            alts.append((f"recompute={mode}", replace(p, recompute=mode)))
+    tp2 = p.tensor_parallel * 2
+    if tp2 <= 8 and shape.kv_heads % tp2 == 0 and shape.heads % tp2 == 0:
+        alts.append((f"tensor_parallel={tp2} (data_parallel={max(1, p.data_parallel // 2)} on the same GPUs)",
+                     replace(p, tensor_parallel=tp2, data_parallel=max(1, p.data_parallel // 2))))
+    pp2 = p.pipeline_parallel * 2
+    if shape.layers % (pp2 * p.virtual_pipeline) == 0:
+        alts.append((f"pipeline_parallel={pp2} (data_parallel={max(1, p.data_parallel // 2)} on the same GPUs)",
+                     replace(p, pipeline_parallel=pp2, data_parallel=max(1, p.data_parallel // 2))))
+    if p.colocate_vllm and not p.offload_train_state_in_rollout:
+        alts.append(("offload_train_state_in_rollout=true", replace(p, offload_train_state_in_rollout=True)))
+    return alts
+
+
+def _largest_fitting_budget(p: PlanInput) -> int | None:
+    """The largest micro-batch token budget (multiple of 1024) whose training phase fits."""
+    limit = p.gpu_memory_gib * GIB
+    lo, hi = 0, p.micro_batch_tokens // 1024
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if estimate_memory(replace(p, micro_batch_tokens=mid * 1024)).train_peak <= limit:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * 1024 if lo else None
+
+
+def _largest_fitting_vllm_fraction(p: PlanInput, est: MemoryEstimate) -> float:
+    """The vLLM memory fraction that leaves exactly room for the trainer's state during rollout."""
+    free = p.gpu_memory_gib * GIB - (est.rollout_peak - est.vllm_awake)
+    return math.floor(100 * free / (p.gpu_memory_gib * GIB)) / 100
+
+
+def check(p: PlanInput) -> MemoryEstimate:
+    """Return the estimate, or raise LayoutDoesNotFit naming what to change."""
+    est = estimate_memory(p)
+    limit = p.gpu_memory_gib * GIB
+    problems: list[str] = []
+    if est.train_peak > limit:
+        tried = sorted(((estimate_memory(alt).train_peak, name) for name, alt in _alternatives(p)))
+        fixes = [f"{name} (train peak {peak / GIB:.1f} GiB)" for peak, name in tried if peak <= limit]
+        if not fixes and tried:
+            fixes = ["no single change fits; combine the largest savings: " + ", ".join(
+                f"{name} ({peak / GIB:.1f} GiB)" for peak, name in tried[:3])]
+        budget = _largest_fitting_budget(p)
+        if budget and budget >= p.max_prompt_len + p.max_response_len:
+            fixes.append(f"micro_batch_tokens={budget} (must still hold max_prompt_len+max_response_len="
+                         f"{p.max_prompt_len + p.max_response_len} for one sequence)")
+        problems.append(f"training phase needs {est.train_peak / GIB:.1f} GiB > {p.gpu_memory_gib} GiB on "
+                        f"{est.worst_stage}; try: " + ("; ".join(fixes) or "more GPUs per replica (TP x PP)"))
+    if p.colocate_vllm and est.rollout_peak > limit:
+        frac = _largest_fitting_vllm_fraction(p, est)
+        lower = (f"vllm_gpu_memory_utilization<={frac:.2f}, " if frac >= 0.1
+                 else "(vLLM cannot fit beside the trainer state at any useful fraction) ")
+        problems.append(f"rollout phase needs {est.rollout_peak / GIB:.1f} GiB > {p.gpu_memory_gib} GiB; try "
+                        f"{lower}distributed_optimizer=true, offload_train_state_in_rollout=true or more TP x PP")
+    seq = p.max_prompt_len + p.max_response_len
+    if p.micro_batch_tokens < seq:
+        problems.append(f"micro_batch_tokens={p.micro_batch_tokens} cannot hold one sequence of {seq} tokens; "
+                        "raise it or shorten max_response_len")
+    if p.colocate_vllm and est.vllm_kv_tokens < seq:
+        problems.append(f"vLLM KV cache holds {est.vllm_kv_tokens} tokens < one sequence of {seq}; raise "
+                        "vllm_gpu_memory_utilization or vllm_tensor_parallel")
+    if problems:
+        raise LayoutDoesNotFit("layout does not fit:\n  - " + "\n  - ".join(problems))
+    return est
+
+
+def format_report(p: PlanInput, est: MemoryEstimate, flops: FlopsEstimate) -> str:
+    """A plain-text table of the estimate."""
+    gpus = p.tensor_parallel * p.pipeline_parallel * p.data_parallel
+    rows = [
+        f"layout: TP={p.tensor_parallel} PP={p.pipeline_parallel} VPP={p.virtual_pipeline} DP={p.data_parallel} "
+        f"({gpus} GPUs), {p.precision}, recompute={p.recompute}, distributed_optimizer={p.distributed_optimizer}, "
+        f"micro_batch_tokens={p.micro_batch_tokens}, micro-batches/update={num_microbatches(p)}",
+        f"per-GPU memory (worst stage: {est.worst_stage}), GiB:",
+    ]
+    for name in ("weights", "grads", "optimizer", "fp8_weight_cache", "activations", "logits", "overhead"):
+        rows.append(f"  {name:<18}{getattr(est, name) / GIB:8.2f}")
+    if p.colocate_vllm:
+        rows.append(f"  {'vllm (awake)':<18}{est.vllm_awake / GIB:8.2f}   weights {est.vllm_weights / GIB:.2f}, "
+                    f"KV cache {est.vllm_kv_cache / GIB:.2f} = {est.vllm_kv_tokens} tokens "
+                    f"({est.vllm_kv_tokens // (p.max_prompt_len + p.max_response_len)} max-length sequences)")
+        rows.append(f"  {'vllm (asleep)':<18}{est.vllm_asleep / GIB:8.2f}")
+    rows.append(f"  {'TRAIN PEAK':<18}{est.train_peak / GIB:8.2f}   of {p.gpu_memory_gib}")
+    if p.colocate_vllm:
+        rows.append(f"  {'ROLLOUT PEAK':<18}{est.rollout_peak / GIB:8.2f}   of {p.gpu_memory_gib}")
+    rows.append(f"FLOPs per step (PFLOP): generation {flops.generation / 1e15:.0f}, old log-probs "
+                f"{flops.old_logprobs / 1e15:.0f}, train {flops.train / 1e15:.0f} (model {flops.train_model / 1e15:.0f}), "
+                f"{flops.train_tokens / 1e6:.1f} M tokens")
+    return "\n".join(rows)
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dapo-mcore plan", description=__doc__.splitlines()[0])
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="a preset name from dapo_mcore.model.presets")
+    src.add_argument("--hf-config", help="path to a Hugging Face config.json")
+    parser.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    for f in fields(PlanInput):
+        if f.name == "model":
+            continue
+        kind = {bool: _parse_bool, int: int, float: float, str: str}[type(f.default)]
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=f.default,
+                            help=f"(default: {f.default})")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``dapo-mcore plan``: print the estimate; exit 1 with the suggested changes if it does not fit."""
+    from dapo_mcore.model.presets import preset_config
+
+    args = vars(build_parser().parse_args(argv))
+    as_json, preset, path = args.pop("json"), args.pop("model"), args.pop("hf_config")
+    if path:
+        with open(path) as fh:
+            model = json.load(fh)
+    else:
+        model = preset_config(preset)
+    plan = PlanInput(model=model, **args)
+    est, flops = estimate_memory(plan), estimate_flops(plan)
+    if as_json:
+        print(json.dumps({"memory_gib": {k: v / GIB if isinstance(v, float) else v
+                                         for k, v in asdict(est).items()},
+                          "flops": asdict(flops)}, indent=2))
+    else:
+        print(format_report(plan, est, flops))
+    try:
+        check(plan)
+    except LayoutDoesNotFit as err:
+        print(err)
+        return 1
+    print("fits")
+    return 0
