@@ -1,0 +1,151 @@
+"""``dapo-mcore profile RUN_DIR``: where a run's time and tokens went, as rich tables.
+
+Reads ``metrics.jsonl`` and ``ledger.jsonl`` (merged per step, see ``report.load_run``): the share
+of step wall time per phase and seconds per step, throughput and MFU when ``perf/*`` was logged,
+and generated tokens kept vs rejected by dynamic sampling.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from dapo_mcore.telemetry import keys
+from dapo_mcore.telemetry.report import load_run, phase_seconds
+
+PERF_KEYS: tuple[tuple[str, str, bool], ...] = (
+    # key, label, shown as percent
+    (keys.PERF_TOKENS_PER_S_PER_DEVICE, "generated tokens / s / device", False),
+    (keys.PERF_MFU_TRAIN, "MFU, train", True),
+    (keys.PERF_MFU_LOGPROB, "MFU, old log-probs", True),
+)
+TOKEN_KEYS: tuple[tuple[str, str], ...] = (
+    ("tokens_generated_kept", "generated tokens, kept"),
+    ("tokens_generated_rejected", "generated tokens, rejected"),
+    ("tokens_generated", "generated tokens, all"),
+    ("rollouts_kept", "rollouts, kept"),
+    ("rollouts_rejected", "rollouts, rejected"),
+    ("tokens_trained", "tokens trained"),
+)
+
+
+@dataclass
+class PhaseRow:
+    phase: str
+    total_s: float
+    share: float
+    per_step_s: float
+    last_s: float
+
+
+@dataclass
+class ProfileSummary:
+    """Numbers behind the tables; ``tokens`` sums the per-step ``cost/step/*`` counters of the window."""
+
+    steps: list[int]
+    phases: list[PhaseRow] = field(default_factory=list)
+    perf: dict[str, tuple[float, float]] = field(default_factory=dict)  # key -> (mean, last)
+    tokens: dict[str, float] = field(default_factory=dict)
+
+
+def summarize(records: Sequence[dict[str, Any]]) -> ProfileSummary:
+    """Per-phase time shares, mean/last perf numbers and token totals over ``records``."""
+    summary = ProfileSummary(steps=[r[keys.STEP] for r in records])
+    if not records:
+        return summary
+    phases = phase_seconds(records)
+    inner = {p: s for p, s in phases.items() if p != keys.STEP_PHASE}
+    if keys.STEP_PHASE in phases:
+        wall = phases[keys.STEP_PHASE]
+        untimed = wall - sum(inner.values()) if inner else wall
+        inner = {**inner, "other (untimed)": untimed}
+    denom = float(sum(s.sum() for s in inner.values()))
+    for phase, s in inner.items():
+        summary.phases.append(PhaseRow(phase, float(s.sum()), float(s.sum()) / denom if denom > 0 else 0.0,
+                                       float(s.mean()), float(s[-1])))
+    if keys.STEP_PHASE in phases:
+        s = phases[keys.STEP_PHASE]
+        summary.phases.append(PhaseRow("step (wall)", float(s.sum()), 1.0, float(s.mean()), float(s[-1])))
+    for key, _, _ in PERF_KEYS:
+        values = [float(r[key]) for r in records if key in r]
+        if values:
+            summary.perf[key] = (sum(values) / len(values), values[-1])
+    for name, _ in TOKEN_KEYS:
+        key = keys.cost_key(name, cumulative=False)
+        if any(key in r for r in records):
+            summary.tokens[name] = float(sum(r.get(key, 0) for r in records))
+    return summary
+
+
+def _share(tokens: dict[str, float], name: str) -> str:
+    """``name`` as a share of everything generated of its kind ("" for tokens trained)."""
+    if name.startswith("tokens_generated"):
+        total = tokens.get("tokens_generated", 0.0)
+    elif name.startswith("rollouts_"):
+        total = tokens.get("rollouts_kept", 0.0) + tokens.get("rollouts_rejected", 0.0)
+    else:
+        return ""
+    return f"{100 * tokens[name] / total:.1f}%" if total > 0 else ""
+
+
+def render(summary: ProfileSummary, console: Console, run_name: str) -> None:
+    """Print the three tables (time, throughput, tokens) of ``summary``."""
+    if not summary.steps:
+        console.print(f"{run_name}: no steps logged")
+        return
+    console.print(f"[bold]{run_name}[/bold]: {len(summary.steps)} steps ({summary.steps[0]}..{summary.steps[-1]})")
+    time_table = Table(title="Where time went")
+    for col in ("phase", "total s", "share", "mean s/step", "last s"):
+        time_table.add_column(col, justify="left" if col == "phase" else "right")
+    for row in summary.phases:
+        time_table.add_row(row.phase, f"{row.total_s:.2f}", f"{100 * row.share:.1f}%",
+                           f"{row.per_step_s:.3f}", f"{row.last_s:.3f}")
+    console.print(time_table if summary.phases else "no time/* metrics logged")
+    perf_table = Table(title="Throughput")
+    for col in ("metric", "mean", "last"):
+        perf_table.add_column(col, justify="left" if col == "metric" else "right")
+    for key, label, percent in PERF_KEYS:
+        if key in summary.perf:
+            mean, last = summary.perf[key]
+            fmt = (lambda v: f"{100 * v:.1f}%") if percent else (lambda v: f"{v:,.1f}")
+            perf_table.add_row(label, fmt(mean), fmt(last))
+        else:
+            perf_table.add_row(label, "not logged", "")
+    console.print(perf_table)
+    if summary.tokens:
+        tok_table = Table(title="Generation spend (window total)")
+        tok_table.add_column("counter")
+        tok_table.add_column("total", justify="right")
+        tok_table.add_column("share of generated", justify="right")
+        for name, label in TOKEN_KEYS:
+            if name in summary.tokens:
+                share = _share(summary.tokens, name)
+                tok_table.add_row(label, f"{summary.tokens[name]:,.0f}", share)
+        console.print(tok_table)
+    else:
+        console.print("no cost/* token counters logged")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``dapo-mcore profile RUN_DIR [--last N]``: text summary of where time and tokens went."""
+    parser = argparse.ArgumentParser(prog="dapo-mcore profile", description="Summarize a run's time and cost.")
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--last", type=int, default=None, help="only the last N steps (skip warm-up)")
+    args = parser.parse_args(argv)
+    if args.last is not None and args.last < 1:
+        parser.error(f"--last {args.last}: pass a number of steps >= 1")
+    try:
+        records = load_run(args.run_dir)
+    except FileNotFoundError as err:
+        print(f"error: {err}")
+        return 1
+    if args.last is not None:
+        records = records[-args.last:]
+    render(summarize(records), Console(), args.run_dir.resolve().name)
+    return 0

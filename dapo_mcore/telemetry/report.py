@@ -1,0 +1,238 @@
+"""Run reports: PNG figures from ``metrics.jsonl`` and ``ledger.jsonl`` (``dapo-mcore report``).
+
+One figure per observable (accuracy, reward, entropy, response length, usable groups, clip
+fractions, update health) plus a cost figure (seconds per phase, tokens generated kept vs rejected,
+cumulative totals). ``--compare`` draws several runs on one figure, labelled by run name. Metrics a
+run did not log are skipped with a warning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# The object-oriented Figure renders with the Agg canvas without pyplot, so importing this module
+# never switches the process-wide matplotlib backend (report runs on login nodes and in CI).
+from matplotlib.figure import Figure
+
+from dapo_mcore.telemetry import keys
+from dapo_mcore.telemetry.jsonl import read_jsonl
+from dapo_mcore.telemetry.ledger import LEDGER_FILE
+from dapo_mcore.telemetry.metrics import METRICS_FILE
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One line figure: a title, a y label and the (key, label) series it draws."""
+
+    name: str
+    title: str
+    ylabel: str
+    series: tuple[tuple[str, str], ...]
+
+
+PANELS: tuple[Panel, ...] = (
+    Panel("accuracy", "Accuracy", "accuracy", (
+        (keys.ROLLOUT_ACC_MEAN, "train acc (rollouts)"), (keys.EVAL_AVG_AT_K, "held-out avg@k"),
+        (keys.EVAL_PASS_AT_K, "held-out pass@k"), (keys.EVAL_MAJ_AT_K, "held-out maj@k"))),
+    Panel("reward", "Reward", "mean reward", ((keys.ROLLOUT_REWARD_MEAN, "reward"),)),
+    Panel("entropy", "Policy entropy", "nats / token", ((keys.TRAIN_ENTROPY, "entropy"),)),
+    Panel("response_length", "Response length", "tokens", (
+        (keys.ROLLOUT_RESP_LEN_MEAN, "mean"), (keys.ROLLOUT_RESP_LEN_MAX, "max"),
+        (keys.ROLLOUT_RESP_LEN_MIN, "min"))),
+    Panel("usable_groups", "Dynamic sampling", "fraction", (
+        (keys.ROLLOUT_USABLE_GROUP_FRAC, "usable-group fraction"), (keys.ROLLOUT_TRUNCATED_FRAC, "truncated fraction"))),
+    Panel("clipfrac", "Clip fractions", "fraction of tokens", (
+        (keys.TRAIN_CLIPFRAC, "all"), (keys.TRAIN_CLIPFRAC_LOW, "low (1-eps_low)"),
+        (keys.TRAIN_CLIPFRAC_HIGH, "high (1+eps_high)"), (keys.TRAIN_DUAL_CLIPFRAC, "dual clip"))),
+    Panel("update", "Update health", "value", (
+        (keys.TRAIN_GRAD_NORM, "grad norm"), (keys.TRAIN_PPO_KL, "ppo_kl"),
+        (keys.MISMATCH_KL, "engine/trainer kl"), (keys.MISMATCH_LOGP_ABS_DIFF_MEAN, "|dlogp| mean"))),
+)
+
+COMPARE_PANELS: tuple[tuple[str, str], ...] = (
+    (keys.ROLLOUT_ACC_MEAN, "train accuracy"), (keys.EVAL_AVG_AT_K, "held-out avg@k"),
+    (keys.TRAIN_ENTROPY, "entropy"), (keys.ROLLOUT_RESP_LEN_MEAN, "mean response length"),
+    (keys.ROLLOUT_USABLE_GROUP_FRAC, "usable-group fraction"),
+)
+
+
+def load_run(run_dir: Path) -> list[dict[str, Any]]:
+    """Metrics and ledger records of a run merged per step, in step order."""
+    run_dir = Path(run_dir)
+    metrics_path = run_dir / METRICS_FILE
+    if not metrics_path.exists():
+        raise FileNotFoundError(f"{metrics_path} does not exist; is {run_dir} a run directory?")
+    by_step: dict[int, dict[str, Any]] = {}
+    for record in read_jsonl(metrics_path) + read_jsonl(run_dir / LEDGER_FILE):
+        by_step.setdefault(record[keys.STEP], {}).update(record)
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def series(records: Sequence[dict[str, Any]], key: str, smooth: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, values) of the records holding ``key``; ``smooth`` > 1 applies a trailing moving average."""
+    pairs = [(r[keys.STEP], r[key]) for r in records if key in r and r[key] is not None]
+    steps = np.array([p[0] for p in pairs], dtype=float)
+    values = np.array([p[1] for p in pairs], dtype=float)
+    if smooth > 1 and len(values) > 1:
+        cums = np.cumsum(np.insert(values, 0, 0.0))
+        idx = np.arange(1, len(values) + 1)
+        lo = np.maximum(idx - smooth, 0)
+        values = (cums[idx] - cums[lo]) / (idx - lo)
+    return steps, values
+
+
+def _figure(ncols: int, width: float, height: float) -> tuple[Figure, Any]:
+    fig = Figure(figsize=(width, height))
+    return fig, fig.subplots(1, ncols)
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def _line_figure(records: Sequence[dict[str, Any]], panel: Panel, out: Path, smooth: int) -> Path | None:
+    present = [(k, lbl) for k, lbl in panel.series if any(k in r for r in records)]
+    missing = [k for k, _ in panel.series if (k, _) not in present]
+    if not present:
+        logger.warning("skipping figure %r: none of %s were logged", panel.name, [k for k, _ in panel.series])
+        return None
+    if missing:
+        logger.warning("figure %r: not logged, skipped: %s", panel.name, missing)
+    fig, ax = _figure(1, 7, 4)
+    for key, label in present:
+        x, y = series(records, key, smooth)
+        sparse = len(x) < 0.5 * len(records)  # e.g. eval every N steps: show the points
+        ax.plot(x, y, marker="o" if sparse else None, markersize=3, label=label)
+    ax.set(title=panel.title, xlabel="step", ylabel=panel.ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(fig, out / f"{panel.name}.png")
+
+
+def phase_seconds(records: Sequence[dict[str, Any]]) -> dict[str, np.ndarray]:
+    """Seconds per phase per step (0 where a phase did not run), from ``time/*`` or the ledger."""
+    out: dict[str, np.ndarray] = {}
+    for phase in keys.PHASES:
+        for key in (keys.time_key(phase), keys.cost_seconds_key(phase, cumulative=False)):
+            if any(key in r for r in records):
+                out[phase] = np.array([float(r.get(key, 0.0)) for r in records])
+                break
+    return out
+
+
+def cost_figure(records: Sequence[dict[str, Any]], out: Path) -> Path | None:
+    """Seconds per phase (stacked), tokens generated kept vs rejected, and cumulative totals."""
+    steps = np.array([r[keys.STEP] for r in records], dtype=float)
+    phases = phase_seconds(records)
+    kept_key = keys.cost_key("tokens_generated_kept", cumulative=False)
+    rej_key = keys.cost_key("tokens_generated_rejected", cumulative=False)
+    has_tokens = any(kept_key in r for r in records)
+    if not phases and not has_tokens:
+        logger.warning("skipping figure 'cost': no time/* or cost/* metrics were logged")
+        return None
+    fig, axes = _figure(3, 16, 4.2)
+    inner = {p: s for p, s in phases.items() if p != keys.STEP_PHASE}
+    if inner:
+        axes[0].stackplot(steps, *inner.values(), labels=list(inner), alpha=0.8)
+    if keys.STEP_PHASE in phases:
+        axes[0].plot(steps, phases[keys.STEP_PHASE], color="black", linewidth=1, label="step (wall)")
+    axes[0].set(title="Seconds per phase", xlabel="step", ylabel="seconds")
+    if phases:
+        axes[0].legend(fontsize=7)
+    if has_tokens:
+        kept = np.array([float(r.get(kept_key, 0)) for r in records])
+        rejected = np.array([float(r.get(rej_key, 0)) for r in records])
+        axes[1].bar(steps, kept, label="kept", color="tab:green")
+        axes[1].bar(steps, rejected, bottom=kept, label="rejected", color="tab:red")
+        axes[1].legend(fontsize=7)
+        axes[2].plot(steps, np.cumsum(kept), label="generated, kept", color="tab:green")
+        axes[2].plot(steps, np.cumsum(rejected), label="generated, rejected", color="tab:red")
+        _, trained = series(records, keys.cost_key("tokens_trained", cumulative=True))
+        if len(trained) == len(steps):
+            axes[2].plot(steps, trained, label="trained", color="tab:blue")
+        axes[2].legend(fontsize=7, loc="upper left")
+        _, hours = series(records, keys.COST_TOTAL_DEVICE_HOURS)
+        if len(hours) == len(steps):
+            twin = axes[2].twinx()
+            twin.plot(steps, hours, color="gray", linestyle="--")
+            twin.set_ylabel("device-hours (dashed)")
+    else:
+        logger.warning("figure 'cost': no cost/* token counters logged; token panels left empty")
+    axes[1].set(title="Tokens generated per step", xlabel="step", ylabel="tokens")
+    axes[2].set(title="Cumulative tokens", xlabel="step", ylabel="tokens")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    return _save(fig, out / "cost.png")
+
+
+def write_report(run_dir: Path, out: Path | None = None, smooth: int = 1) -> list[Path]:
+    """Write every figure of one run; returns the files written."""
+    records = load_run(run_dir)
+    out = Path(out) if out is not None else Path(run_dir) / "figures"
+    out.mkdir(parents=True, exist_ok=True)
+    written = [_line_figure(records, panel, out, smooth) for panel in PANELS]
+    written.append(cost_figure(records, out))
+    return [p for p in written if p is not None]
+
+
+def run_labels(run_dirs: Sequence[Path]) -> list[str]:
+    """Run names for legends: directory names, with the parent added where names collide."""
+    names = [Path(d).resolve().name for d in run_dirs]
+    if len(set(names)) == len(names):
+        return names
+    return [f"{Path(d).resolve().parent.name}/{Path(d).resolve().name}" for d in run_dirs]
+
+
+def compare_figure(run_dirs: Sequence[Path], out_path: Path, smooth: int = 1) -> Path:
+    """One figure with a panel per key of ``COMPARE_PANELS`` and one line per run."""
+    runs = [load_run(d) for d in run_dirs]
+    labels = run_labels(run_dirs)
+    fig, axes = _figure(len(COMPARE_PANELS), 4.2 * len(COMPARE_PANELS), 4)
+    for ax, (key, title) in zip(axes, COMPARE_PANELS, strict=True):
+        for records, label in zip(runs, labels, strict=True):
+            x, y = series(records, key, smooth)
+            if not len(x):
+                logger.warning("compare: run %s did not log %s; skipped in that panel", label, key)
+                continue
+            ax.plot(x, y, marker="o" if len(x) < 0.5 * len(records) else None, markersize=3, label=label)
+        ax.set(title=title, xlabel="step")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    return _save(fig, out_path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``dapo-mcore report RUN_DIR [--compare OTHER_RUN ...] [--out DIR] [--smooth N]``."""
+    parser = argparse.ArgumentParser(prog="dapo-mcore report", description="Write PNG figures of a run.")
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--compare", type=Path, nargs="+", default=[], help="other runs to draw with this one")
+    parser.add_argument("--out", type=Path, default=None, help="output directory (default RUN_DIR/figures)")
+    parser.add_argument("--smooth", type=int, default=1, help="trailing moving-average window (default 1: raw)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.smooth < 1:
+        parser.error(f"--smooth {args.smooth}: use a window of 1 (raw) or more")
+    try:
+        written = write_report(args.run_dir, args.out, args.smooth)
+        if args.compare:
+            out = args.out if args.out is not None else args.run_dir / "figures"
+            written.append(compare_figure([args.run_dir, *args.compare], out / "compare.png", args.smooth))
+    except FileNotFoundError as err:
+        print(f"error: {err}")
+        return 1
+    for path in written:
+        print(path)
+    return 0
