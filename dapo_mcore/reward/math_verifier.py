@@ -1,0 +1,175 @@
+"""Rule-based math verifier of DAPO (``math_dapo``): extract the final answer, normalize, compare as strings.
+
+Rules (DAPO's released verifier, Minerva-style normalization, written from the definitions):
+
+* Only the last 300 characters of the response are read. The answer is the capture of the LAST match of
+  ``Answer\\s*:\\s*(.*)`` (case-insensitive; ``.`` stops at the end of the line). No match: wrong, ``pred=None``.
+* Prediction and ground truth are normalized the same way (:func:`normalize_answer`) and compared as strings.
+* Correct scores +1 (``acc=True``), anything else -1.
+* Strict mode: the content of the last ``\\boxed{...}`` in the last 100 characters, compared verbatim.
+
+Never evaluates model text. Every regex here is linear in its input, and inputs are sliced to 300 characters
+first, so hostile responses (megabytes, nested braces, invalid UTF-8, control characters) cost bounded time.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+
+from dapo_mcore.reward.registry import decode_tail, register_reward
+
+TAIL_CHARS = 300
+"""Characters at the end of the response the verifier reads (the longest MATH-500 answer has 159)."""
+
+STRICT_TAIL_CHARS = 100
+"""Characters at the end of the response searched for ``\\boxed{}`` in strict mode."""
+
+MAX_GROUND_TRUTH_CHARS = TAIL_CHARS - len("Answer:")
+"""A normalized ground truth longer than this can never appear in the verifier's window."""
+
+_ANSWER_LINE = re.compile(r"Answer\s*:\s*(.*)", re.IGNORECASE)
+
+# Applied in this order, each as a plain substring replacement (order matters: "\text{m}" -> "\text{}" must come
+# before "\text{}" is dropped; words are dropped before LaTeX fragments).
+_REPLACEMENTS: tuple[tuple[str, str], ...] = (
+    ("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""), ("mbox", "text"),
+    (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"),
+)
+_DROPPED: tuple[str, ...] = (
+    # unit and filler words
+    "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots", "sue", "points",
+    "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals", "edges",
+    "students", "childrentickets", "multiples",
+    # LaTeX leftovers, degree marks, ordinal suffix, thin spaces, quotes
+    "\\text{s}", "\\text{.}", "\\text{\ns}", "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}",
+    "\\mathrm{th}", "^\\circ", "^{\\circ}", "\\;", ",\\!", "{,}", '"', "\\dots",
+)
+# Per line: keep only the content of the first $...$ pair (as "$content$").
+_FIRST_MATH = re.compile(r"^[^$\n]*\$([^$\n]*)\$.*", re.MULTILINE)
+# Unwrap up to the first closing brace (no nesting), within a line.
+_UNWRAP = tuple(re.compile(rf"\\{cmd}\{{([^}}\n]*)\}}") for cmd in ("text", "textbf", "overline"))
+# \boxed{...} unwraps to the LAST closing brace of the line.
+_BOXED = re.compile(r"\\boxed\{(.*)\}")
+_FRAC_SHORT = re.compile(r"frac([^{])(.)")
+_SQRT_SHORT = re.compile(r"sqrt([^{])")
+
+
+@dataclass(frozen=True, slots=True)
+class RewardResult:
+    """The verdict on one response."""
+
+    score: float
+    """+1.0 correct, -1.0 otherwise."""
+    acc: bool
+    """Correct or not (dynamic sampling filters on this, not on the shaped reward)."""
+    pred: str | None
+    """The normalized prediction; None when nothing was extracted."""
+    reason: str | None = None
+    """Why there is no prediction (no answer line, worker timeout/crash, ...); None for a plain comparison."""
+
+
+def normalize_answer(answer: str) -> str:
+    """Minerva-style normalization of a final answer (applied to both prediction and ground truth)."""
+    stripped = answer.strip()
+    if stripped.isdigit():  # fast path, same result: on digits the rules below only strip the ends
+        return stripped
+    s = answer.rpartition("=")[2]
+    for old, new in _REPLACEMENTS:
+        s = s.replace(old, new)
+    for dropped in _DROPPED:
+        s = s.replace(dropped, "")
+    if "$" in s:
+        s = _FIRST_MATH.sub(r"$\1$", s)
+    for pattern in _UNWRAP:
+        s = pattern.sub(r"\1", s)
+    s = _BOXED.sub(r"\1", s)
+    if "frac" in s:
+        s = _FRAC_SHORT.sub(r"frac{\1}{\2}", s)
+    if "sqrt" in s:
+        s = _SQRT_SHORT.sub(r"sqrt{\1}", s)
+    s = s.replace("$", "")
+    without_commas = s.replace(",", "")
+    if without_commas.isdigit():
+        s = without_commas
+    return s.strip()
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _normalized_ground_truth(ground_truth: str) -> str:
+    return normalize_answer(ground_truth)
+
+
+def extract_answer(response: str | bytes) -> str | None:
+    """Raw text after the last ``Answer:`` in the last 300 characters, or None."""
+    matches = _ANSWER_LINE.findall(decode_tail(response, TAIL_CHARS))
+    return matches[-1] if matches else None
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` with balanced braces, or None if absent or unclosed."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth = 0
+    for i in range(start + len("\\boxed"), len(text)):
+        ch = text[i]
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start + len("\\boxed{"):i]
+    return None
+
+
+def _check_ground_truth(ground_truth: object) -> str:
+    if not isinstance(ground_truth, str):
+        raise TypeError(f"ground truth must be str, got {type(ground_truth).__name__} (see validate_ground_truth)")
+    return ground_truth
+
+
+_WRONG_NO_ANSWER = RewardResult(-1.0, False, None, f"no 'Answer:' in the last {TAIL_CHARS} characters")
+_WRONG_NO_BOX = RewardResult(-1.0, False, None, f"no closed \\boxed{{}} in the last {STRICT_TAIL_CHARS} characters")
+
+
+@register_reward("math_dapo", tail_chars=TAIL_CHARS)
+def compute_score(response: str | bytes, ground_truth: str, *, strict_box: bool = False) -> RewardResult:
+    """Score one response against its ground truth (+1 correct, -1 wrong or no answer)."""
+    ground_truth = _check_ground_truth(ground_truth)
+    if strict_box:
+        pred = last_boxed(decode_tail(response, TAIL_CHARS)[-STRICT_TAIL_CHARS:])
+        if pred is None:
+            return _WRONG_NO_BOX
+        correct = pred == ground_truth
+        return RewardResult(1.0 if correct else -1.0, correct, pred)
+    raw = extract_answer(response)
+    if raw is None:
+        return _WRONG_NO_ANSWER
+    pred = normalize_answer(raw)
+    correct = pred == _normalized_ground_truth(ground_truth)
+    return RewardResult(1.0 if correct else -1.0, correct, pred)
+
+
+@register_reward("math_dapo_strict_box", tail_chars=TAIL_CHARS)
+def compute_score_strict_box(response: str | bytes, ground_truth: str) -> RewardResult:
+    """Strict mode of :func:`compute_score`: the last ``\\boxed{}`` content must equal the ground truth verbatim."""
+    return compute_score(response, ground_truth, strict_box=True)
+
+
+def validate_ground_truth(value: object) -> str | None:
+    """Why ``value`` cannot serve as a math ground truth, or None if it can (for the data loader)."""
+    if not isinstance(value, str):
+        return f"ground truth must be a string, got {type(value).__name__}"
+    if not value.strip():
+        return "ground truth is empty"
+    if "\n" in value:
+        return "ground truth spans several lines; the verifier compares a single line"
+    normalized = normalize_answer(value)
+    if not normalized:
+        return f"ground truth {value[:40]!r} normalizes to an empty string (only units/filler words)"
+    if len(normalized) > MAX_GROUND_TRUTH_CHARS:
+        return (f"ground truth normalizes to {len(normalized)} characters; the verifier reads only the last "
+                f"{TAIL_CHARS} characters of a response, so it could never match")
+    return None
