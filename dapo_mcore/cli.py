@@ -1,0 +1,96 @@
+"""The ``dapo-mcore`` command: train | eval | convert | plan | profile | report | rollouts | audit-reward.
+
+Each subcommand imports its module only when it runs, so ``dapo-mcore --help`` is instant and a missing GPU
+package never breaks an unrelated command. User errors (bad config, missing files) print one paragraph and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Callable
+
+from dapo_mcore import __version__
+from dapo_mcore.configtree import ConfigError
+
+EXIT_USAGE = 2
+
+# name -> (module, function, one-line help). Delegated commands parse their own arguments.
+_DELEGATED: dict[str, tuple[str, str, str]] = {
+    "report": ("dapo_mcore.telemetry.report", "main", "write PNG figures of a run (and compare runs)"),
+    "profile": ("dapo_mcore.telemetry.profile", "main", "summarize where a run's time and tokens went"),
+    "rollouts": ("dapo_mcore.telemetry.rollout_store", "main", "print decoded rollouts of a step from the zarr store"),
+    "audit-reward": ("dapo_mcore.reward.audit", "main", "probe the math verifier with shortcut answers"),
+    "plan": ("dapo_mcore.planner", "main", "estimate per-GPU memory and FLOPs of a layout before queueing"),
+}
+_CONVERT: dict[str, tuple[str, str, str]] = {
+    "hf-to-mcore": ("conversion.hf_to_mcore", "main", "Hugging Face dir -> Megatron checkpoint at a TP/PP layout"),
+    "mcore-to-hf": ("conversion.mcore_to_hf", "main", "Megatron or trainer checkpoint -> Hugging Face safetensors"),
+    "verify": ("conversion.verify", "main", "logit parity between Hugging Face and Megatron on given weights"),
+}
+
+
+def _call(module: str, func: str, argv: list[str]) -> int:
+    fn: Callable[[list[str]], int] = getattr(importlib.import_module(module), func)
+    return int(fn(argv) or 0)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dapo-mcore", description="DAPO reinforcement learning on Megatron-Core.")
+    p.add_argument("--version", action="version", version=f"dapo-mcore {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    train = sub.add_parser("train", help="run DAPO training (one process per rank: torchrun or srun)")
+    train.add_argument("config", help="YAML config, e.g. examples/tiny_cpu.yaml")
+    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.clip_high=0.28 run.dir=runs/x")
+    ev = sub.add_parser("eval", help="held-out avg@k / pass@k / maj@k of a checkpoint")
+    ev.add_argument("config")
+    ev.add_argument("overrides", nargs="*")
+    ev.add_argument("--checkpoint", default=None,
+                    help="checkpoint dir (default: the run's latest; 'base' evaluates the base model)")
+    conv = sub.add_parser("convert", help="checkpoint conversion between Hugging Face and Megatron")
+    conv.add_argument("direction", choices=sorted(_CONVERT), help="; ".join(f"{k}: {v[2]}" for k, v in _CONVERT.items()))
+    conv.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the conversion (see --help of each)")
+    for name, (_, _, help_text) in _DELEGATED.items():
+        d = sub.add_parser(name, help=help_text, add_help=False)
+        d.add_argument("args", nargs=argparse.REMAINDER)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    parser = _parser()
+    if argv and argv[0] in _DELEGATED:
+        module, func, _ = _DELEGATED[argv[0]]
+        return _guard(lambda: _call(module, func, argv[1:]))
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    if args.command == "convert":
+        module, func, _ = _CONVERT[args.direction]
+        return _guard(lambda: _call(module, func, args.args))
+    from dapo_mcore import trainer
+
+    if args.command == "train":
+        return _guard(lambda: trainer.train_main(args.config, args.overrides))
+    return _guard(lambda: trainer.eval_main(args.config, args.overrides, args.checkpoint))
+
+
+def _guard(fn: Callable[[], int]) -> int:
+    """Run a command; a user error becomes one paragraph on stderr and exit code 2."""
+    try:
+        return fn()
+    except ConfigError as exc:
+        print(f"dapo-mcore: configuration error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except FileNotFoundError as exc:
+        print(f"dapo-mcore: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())
