@@ -1,0 +1,101 @@
+"""Hugging Face checkpoint dir -> the canonical Megatron checkpoint at a chosen TP/PP/VPP, in one process.
+
+No process groups: each (tp, pp) rank file is computed directly from the memory-mapped HF safetensors, one
+tensor slice at a time, and streamed into its file (the file's header is known from the config up front).
+Peak memory is a few tensors; every HF byte is read once (replicated norms once per TP rank).
+
+    python -m conversion.hf_to_mcore --hf DIR --out DIR --tp 2 --pp 2 [--vpp 1] [--layer-spec local]
+        [--vocab-divisible-by 128] [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import torch
+
+from dapo_mcore.weights import checkpoint as ckpt
+from dapo_mcore.weights.hf_checkpoint import check_hf_tensors, read_hf_config
+from dapo_mcore.weights.layout import LAYER_SPECS, ParallelLayout
+from dapo_mcore.weights.registry import get_mapping
+from dapo_mcore.weights.safetensors_io import (
+    DTYPE_NAMES,
+    SafetensorsDirSource,
+    StreamingSafetensorsWriter,
+    dtype_name,
+    parse_dtype,
+)
+
+log = logging.getLogger(__name__)
+
+
+def _progress(enabled: bool):
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                    disable=not enabled)
+
+
+def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, layout: ParallelLayout, *,
+                        dtype: torch.dtype | None = None, progress: bool = False) -> ckpt.CheckpointMeta:
+    """Convert; all checks (config, layout, tensors, target path) run before anything is written."""
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    hf_config = read_hf_config(hf_dir)
+    mapping = get_mapping(hf_config)
+    mapping.check_layout(layout)
+    source = SafetensorsDirSource(hf_dir)
+    out_dtype = check_hf_tensors(mapping, source, dtype=dtype)
+    ckpt.check_target_free(out_dir)
+    meta = ckpt.CheckpointMeta(hf_config, layout, mapping.padded_vocab_size(layout), dtype_name(out_dtype))
+    plans = {(t, p): [(key, pl, mapping.rank_shape(pl, layout)) for key, pl in mapping.rank_placements(layout, p)]
+             for p in range(layout.pp) for t in range(layout.tp)}
+    itemsize = torch.empty((), dtype=out_dtype).element_size()
+    total = sum(torch.Size(s).numel() * itemsize for plan in plans.values() for _, _, s in plan)
+    with ckpt.atomic_directory(out_dir) as tmp, _progress(progress) as bar:
+        task = bar.add_task(f"hf -> mcore tp={layout.tp} pp={layout.pp} vpp={layout.vpp}", total=total)
+        for (tp_rank, pp_rank), plan in plans.items():
+            path = ckpt.rank_file(tmp, tp_rank, pp_rank)
+            path.parent.mkdir()
+            entries = [(key, out_dtype, shape) for key, _, shape in plan]
+            with StreamingSafetensorsWriter(path, entries) as writer:
+                for key, pl, _ in plan:
+                    tensor = mapping.shard(pl, source, layout, tp_rank).to(out_dtype)
+                    writer.write(key, tensor)
+                    bar.advance(task, tensor.numel() * itemsize)
+                    del tensor
+        ckpt.write_meta(tmp, meta)
+    log.info("wrote %s: tp=%d pp=%d vpp=%d, %s, %.2f GB", out_dir, layout.tp, layout.pp, layout.vpp,
+             meta.dtype, total / 1e9)
+    return meta
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dapo-mcore convert hf-to-mcore", description=__doc__.split("\n")[0])
+    p.add_argument("--hf", required=True, help="HF checkpoint dir (config.json + safetensors)")
+    p.add_argument("--out", required=True, help="output dir (must not exist)")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--vpp", type=int, default=1, help="virtual pipeline chunks per pipeline rank")
+    p.add_argument("--layer-spec", choices=LAYER_SPECS, default="local")
+    p.add_argument("--vocab-divisible-by", type=int, default=128)
+    p.add_argument("--dtype", choices=tuple(DTYPE_NAMES), default=None,
+                   help="cast to this dtype (default: keep the checkpoint's dtype)")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    layout = ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp, layer_spec=args.layer_spec,
+                            make_vocab_size_divisible_by=args.vocab_divisible_by)
+    dtype = parse_dtype(args.dtype) if args.dtype else None
+    convert_hf_to_mcore(args.hf, args.out, layout, dtype=dtype, progress=not args.no_progress)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

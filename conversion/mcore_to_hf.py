@@ -1,0 +1,108 @@
+"""Canonical Megatron checkpoint (any TP/PP/VPP) -> Hugging Face safetensors shards + index + config.json.
+
+Accepts the canonical directory itself or a trainer checkpoint directory that holds it as ``model/``.
+Streams tensor by tensor: each Megatron tensor is read from its TP rank files (memory-mapped), merged,
+split into HF tensors and appended to a shard planned up front. The result loads with
+``transformers.AutoModelForCausalLM.from_pretrained``.
+
+    python -m conversion.mcore_to_hf --mcore DIR --out DIR [--max-shard-size 5GB] [--tokenizer DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from conversion.hf_to_mcore import _progress
+from dapo_mcore.weights import checkpoint as ckpt
+from dapo_mcore.weights.hf_checkpoint import HFShardedWriter, copy_tokenizer, write_hf_config
+from dapo_mcore.weights.live import check_tensors_match
+from dapo_mcore.weights.registry import get_mapping
+from dapo_mcore.weights.safetensors_io import parse_dtype, read_header
+
+log = logging.getLogger(__name__)
+
+
+def parse_size(text: str) -> int:
+    """'5GB' / '500MB' / '1024' -> bytes (decimal units, like Hugging Face)."""
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+    text = text.strip().upper()
+    for unit, factor in units.items():
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * factor)
+    if not text.isdigit():
+        raise ValueError(f"cannot read size {text!r}; write e.g. 5GB, 500MB or a byte count.")
+    return int(text)
+
+
+def _check_rank_files(directory: Path, meta: ckpt.CheckpointMeta, mapping) -> None:
+    """Every rank file exists and holds exactly the expected keys and shapes (before writing anything)."""
+    layout = meta.layout
+    dtype = parse_dtype(meta.dtype)
+    for pp_rank in range(layout.pp):
+        expected = {key: mapping.rank_shape(pl, layout) for key, pl in mapping.rank_placements(layout, pp_rank)}
+        for tp_rank in range(layout.tp):
+            path = ckpt.rank_file(directory, tp_rank, pp_rank)
+            if not path.exists():
+                raise ckpt.CheckpointError(f"{path} is missing (checkpoint says tp={layout.tp} pp={layout.pp}).")
+            header = read_header(path)
+            check_tensors_match({k: s for k, (_, s) in header.items()}, expected, str(path), "the metadata")
+            bad = [k for k, (d, _) in header.items() if d != dtype]
+            if bad:
+                raise ckpt.CheckpointError(f"{path}: {bad[:3]} are {header[bad[0]][0]}, metadata says {meta.dtype}.")
+
+
+def convert_mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, *, max_shard_bytes: int = 5 * 10**9,
+                        tokenizer_dir: str | Path | None = None, progress: bool = False) -> Path:
+    """Convert a canonical (or trainer) checkpoint to an HF directory; checks run before writing."""
+    directory = ckpt.resolve_checkpoint_dir(mcore_dir)
+    meta = ckpt.read_meta(directory)
+    mapping = get_mapping(meta.hf_config)
+    layout = meta.layout
+    mapping.check_layout(layout)
+    _check_rank_files(directory, meta, mapping)
+    out_dir = ckpt.check_target_free(out_dir)
+    dtype = parse_dtype(meta.dtype)
+    placements = [pl for pl in mapping.placements(layout) if pl.exported]
+    plan = [(name, dtype, shape) for pl in placements for name, shape in mapping.hf_output_shapes(pl)]
+    with ckpt.atomic_directory(out_dir) as tmp, _progress(progress) as bar:
+        writer = HFShardedWriter(tmp, plan, max_shard_bytes)
+        task = bar.add_task("mcore -> hf", total=writer.total)
+        for pl in placements:
+            parts = [ckpt.read_rank_tensor(directory, t, pl.pp_rank, layout.chunk_prefix(pl.vchunk) + pl.key)
+                     for t in range(layout.tp)]
+            for name, tensor in mapping.merge(pl, parts, layout):
+                writer.write(name, tensor)
+                bar.advance(task, tensor.numel() * tensor.element_size())
+            del parts
+        writer.close()
+        write_hf_config(tmp, meta.hf_config, dtype)
+        if tokenizer_dir is not None:
+            copy_tokenizer(tokenizer_dir, tmp)
+    log.info("wrote HF checkpoint %s (%d shard(s), %.2f GB)", out_dir, len(writer.files), writer.total / 1e9)
+    return out_dir
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dapo-mcore convert mcore-to-hf", description=__doc__.split("\n")[0])
+    p.add_argument("--mcore", required=True, help="canonical checkpoint dir, or a trainer checkpoint dir with model/")
+    p.add_argument("--out", required=True, help="output HF dir (must not exist)")
+    p.add_argument("--max-shard-size", default="5GB")
+    p.add_argument("--tokenizer", default=None, help="dir whose tokenizer files are copied into the output")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    convert_mcore_to_hf(args.mcore, args.out, max_shard_bytes=parse_size(args.max_shard_size),
+                        tokenizer_dir=args.tokenizer, progress=not args.no_progress)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+

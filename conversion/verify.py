@@ -1,0 +1,167 @@
+"""Logit parity: Hugging Face's own model vs the Megatron model on the same weights and prompts.
+
+Builds the Megatron model at the requested TP/PP/VPP, loads either the HF dir directly (`load_hf_into_model`)
+or a canonical Megatron checkpoint (`--mcore`), runs the prompts through both, and prints the max / mean
+absolute logit difference and the top-1 agreement. Single process (TP=PP=1) or under torchrun:
+
+    torchrun --nproc_per_node 2 -m conversion.verify --hf DIR --tp 2 [--mcore DIR] [--prompt "..."]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+def causal_mask(seq_len: int) -> torch.Tensor:
+    """Megatron's boolean attention mask: True where attention is NOT allowed."""
+    return torch.ones(seq_len, seq_len, dtype=torch.bool).triu(1).view(1, 1, seq_len, seq_len)
+
+
+@torch.no_grad()
+def megatron_logits(model_chunks: list, input_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Full logits [batch, seq, vocab] on every rank: a plain stage-by-stage forward (no schedule).
+
+    Hidden states go from each (chunk, stage) to the next by broadcast within the pipeline group;
+    vocab-parallel logits are all-gathered within the TP group and the padding is stripped.
+    """
+    from megatron.core import parallel_state as ps
+
+    from dapo_mcore.weights.live import unwrap
+
+    pp, pp_rank, vpp = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank(), len(model_chunks)
+    pp_group = ps.get_pipeline_model_parallel_group()
+    pp_ranks = dist.get_process_group_ranks(pp_group)
+    device = next(unwrap(model_chunks[0]).parameters()).device
+    ids = input_ids.to(device)
+    b, s = ids.shape
+    pos = torch.arange(s, device=device).unsqueeze(0).expand(b, -1)
+    mask = causal_mask(s).to(device)
+    hidden = None
+    for v in range(vpp):
+        for p in range(pp):
+            is_first, is_last = (v, p) == (0, 0), (v, p) == (vpp - 1, pp - 1)
+            out = None
+            if p == pp_rank:
+                chunk = unwrap(model_chunks[v])
+                if not is_first:
+                    chunk.set_input_tensor(hidden)
+                out = chunk(ids, pos, mask)
+            if is_last:
+                hidden = out
+                break
+            if pp > 1:
+                config = unwrap(model_chunks[0]).config
+                buf = out if p == pp_rank else torch.empty(s, b, config.hidden_size, dtype=config.params_dtype,
+                                                            device=device)
+                dist.broadcast(buf, src=pp_ranks[p], group=pp_group)
+                hidden = buf
+            else:
+                hidden = out
+    return _gather_logits(hidden, vocab_size, b, s, device, pp, pp_rank, pp_ranks, pp_group)
+
+
+def _gather_logits(local, vocab_size, b, s, device, pp, pp_rank, pp_ranks, pp_group) -> torch.Tensor:
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    if pp_rank == pp - 1:
+        local = local.contiguous().float()
+        if tp > 1:
+            parts = [torch.empty_like(local) for _ in range(tp)]
+            dist.all_gather(parts, local, group=ps.get_tensor_model_parallel_group())
+            local = torch.cat(parts, dim=-1)
+        logits = local[..., :vocab_size].contiguous()
+    else:
+        logits = torch.empty(b, s, vocab_size, dtype=torch.float32, device=device)
+    if pp > 1:
+        dist.broadcast(logits, src=pp_ranks[pp - 1], group=pp_group)
+    return logits
+
+
+def compare_logits(ref: torch.Tensor, got: torch.Tensor) -> dict[str, float]:
+    diff = (ref.float() - got.float()).abs()
+    return {"max_abs_diff": diff.max().item(), "mean_abs_diff": diff.mean().item(),
+            "top1_agreement": (ref.argmax(-1) == got.argmax(-1)).float().mean().item()}
+
+
+def _prompt_ids(args, hf_dir: Path, vocab_size: int) -> torch.Tensor:
+    if args.prompt:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(hf_dir)
+        rows = [tok(p)["input_ids"] for p in args.prompt]
+        width = min(len(r) for r in rows)
+        return torch.tensor([r[:width] for r in rows])
+    gen = torch.Generator().manual_seed(args.seed)
+    return torch.randint(0, vocab_size, (args.batch, args.seq_len), generator=gen)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dapo-mcore convert verify", description=__doc__.split("\n")[0])
+    p.add_argument("--hf", required=True, help="HF dir: the reference model (and the weights unless --mcore)")
+    p.add_argument("--mcore", default=None, help="canonical Megatron checkpoint to load instead of the HF weights")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--vpp", type=int, default=1)
+    p.add_argument("--layer-spec", default="local", choices=("local", "transformer_engine"))
+    p.add_argument("--vocab-divisible-by", type=int, default=128)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--prompt", action="append", help="prompt text (repeatable; needs tokenizer files in --hf)")
+    p.add_argument("--batch", type=int, default=2, help="random prompts when no --prompt is given")
+    p.add_argument("--seq-len", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--atol", type=float, default=1e-4, help="exit 1 when max abs diff exceeds this")
+    p.add_argument("--json", default=None, help="also write the numbers to this file (rank 0)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from dapo_mcore.actor.parallel import init_distributed, init_model_parallel, read_launch_env, shutdown
+    from dapo_mcore.model.qwen import build_gpt_model, transformer_config
+    from dapo_mcore.weights.hf_checkpoint import read_hf_config
+    from dapo_mcore.weights.live import load_hf_into_model, load_megatron_checkpoint_into_model
+    from dapo_mcore.weights.safetensors_io import parse_dtype
+
+    hf_dir, dtype = Path(args.hf), parse_dtype(args.dtype)
+    hf_config = read_hf_config(hf_dir)
+    init_distributed(read_launch_env(), "auto")
+    try:
+        init_model_parallel(args.tp, args.pp, args.vpp if args.vpp > 1 else None, seed=1)
+        tconfig = transformer_config(hf_config, tensor_parallel=args.tp, pipeline_parallel=args.pp,
+                                     virtual_pipeline=args.vpp if args.vpp > 1 else None, params_dtype=dtype)
+        chunks = build_gpt_model(hf_config, tconfig, spec=args.layer_spec,
+                                 make_vocab_size_divisible_by=args.vocab_divisible_by)
+        if args.mcore:
+            load_megatron_checkpoint_into_model(chunks, args.mcore)
+        else:
+            load_hf_into_model(chunks, hf_dir, args.layer_spec, args.vocab_divisible_by)
+        ids = _prompt_ids(args, hf_dir, hf_config["vocab_size"])
+        got = megatron_logits(chunks, ids, hf_config["vocab_size"]).cpu()
+        if dist.get_rank() != 0:
+            return 0
+        from transformers import AutoModelForCausalLM
+
+        hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).eval()
+        with torch.no_grad():
+            ref = hf_model(ids).logits
+        stats = compare_logits(ref, got)
+        print(" ".join(f"{k}={v:.3g}" for k, v in stats.items()))
+        if args.json:
+            Path(args.json).write_text(json.dumps(stats) + "\n")
+        return 0 if stats["max_abs_diff"] <= args.atol else 1
+    finally:
+        shutdown()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,85 @@
+"""Streaming export of a LIVE Megatron model as full Hugging Face tensors, in size-bounded buckets.
+
+`iter_hf_weights` is a collective: every rank of the job iterates it, and every rank receives every bucket.
+For each Megatron tensor, the pipeline stage that owns it all-gathers the TP shards within its tensor-parallel
+group, merges them into HF tensors (QKV split per group, gate/up split, vocab padding stripped), then broadcasts
+them from that stage to the rest of its pipeline-parallel group. Data-parallel replicas do the same
+independently. The rollout weight sync feeds these buckets to the inference engine's ``update_weights``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dapo_mcore.weights.live import live_layout, live_tensors
+from dapo_mcore.weights.mapping import Placement
+from dapo_mcore.weights.registry import get_mapping
+from dapo_mcore.weights.transforms import Split
+
+log = logging.getLogger(__name__)
+
+Bucket = list[tuple[str, torch.Tensor]]
+
+
+def iter_hf_weights(model_chunks: list, hf_config: dict[str, Any], *, layer_spec: str = "local",
+                    bucket_bytes: int = 256 << 20) -> Iterator[Bucket]:
+    """Yield lists of (HF name, full tensor) in HF order; a bucket exceeds `bucket_bytes` only when one tensor does.
+
+    Tensors have the model's dtype and device and are fresh copies (safe to keep). The tied output layer is not
+    yielded (HF ties ``lm_head`` to ``model.embed_tokens.weight``).
+    """
+    from megatron.core import parallel_state as ps
+
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes={bucket_bytes} must be positive.")
+    mapping = get_mapping(hf_config)
+    layout, _, pp_rank = live_layout(model_chunks, layer_spec, make_vocab_size_divisible_by=1)
+    mapping.check_layout(layout)
+    params = live_tensors(model_chunks, layout)
+    placements = [pl for pl in mapping.placements(layout) if pl.exported]
+    missing = [layout.chunk_prefix(pl.vchunk) + pl.key for pl in placements
+               if pl.pp_rank == pp_rank and layout.chunk_prefix(pl.vchunk) + pl.key not in params]
+    if missing:
+        raise KeyError(f"the live model lacks {missing[:5]} ({len(missing)} missing); is layer_spec={layer_spec!r} "
+                       "right and the model built from this hf_config?")
+    first = next(iter(params.values()))
+    dtype, device = first.dtype, first.device
+    tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
+    pp_ranks = dist.get_process_group_ranks(pp_group) if layout.pp > 1 else [dist.get_rank()]
+
+    bucket: Bucket = []
+    size = 0
+    for pl in placements:
+        if pl.pp_rank == pp_rank:
+            tensors = _gather_and_merge(mapping, pl, params[layout.chunk_prefix(pl.vchunk) + pl.key], layout, tp_group)
+        else:
+            tensors = [(n, torch.empty(s, dtype=dtype, device=device)) for n, s in mapping.hf_output_shapes(pl)]
+        for name, tensor in tensors:
+            if layout.pp > 1:
+                dist.broadcast(tensor, src=pp_ranks[pl.pp_rank], group=pp_group)
+            nbytes = tensor.numel() * tensor.element_size()
+            if bucket and size + nbytes > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, tensor))
+            size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _gather_and_merge(mapping, pl: Placement, param: torch.Tensor, layout, tp_group) -> Bucket:
+    local = param.detach().contiguous()
+    if layout.tp > 1:
+        parts = [torch.empty_like(local) for _ in range(layout.tp)]
+        dist.all_gather(parts, local, group=tp_group)
+    else:
+        parts = [local]
+    merged = mapping.merge(pl, parts, layout)
+    if pl.rule.split is Split.REPLICATED and layout.tp == 1:
+        merged = [(n, t.clone()) for n, t in merged]  # do not hand out the live parameter itself
+    return [(n, t.contiguous()) for n, t in merged]

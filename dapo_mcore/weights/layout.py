@@ -1,0 +1,91 @@
+"""Where each Megatron tensor lives: the TP/PP/VPP layout and the global-layer -> (pp rank, chunk, local) map.
+
+The assignment of transformer layers to pipeline ranks and virtual chunks reproduces Megatron-Core's own
+``get_transformer_layer_offset`` for even splits (no ``pipeline_model_parallel_layout`` and no uneven first/last
+stages): chunk ``v`` of pipeline rank ``p`` holds global layers
+``v * (L / vpp) + p * (L / (pp * vpp))`` onward, ``L / (pp * vpp)`` of them, numbered locally from 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LAYER_SPECS = ("local", "transformer_engine")
+
+
+class LayoutError(ValueError):
+    """A parallel layout that cannot hold the model (with the fix in the message)."""
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How one model is cut across tensor- and pipeline-parallel ranks."""
+
+    tp: int = 1
+    """Tensor-parallel size: heads, KV heads, FFN and the padded vocabulary are split this many ways."""
+    pp: int = 1
+    """Pipeline-parallel size: transformer layers are split into this many stages."""
+    vpp: int = 1
+    """Virtual pipeline chunks per pipeline rank (1 = no interleaving)."""
+    layer_spec: str = "local"
+    """Megatron layer spec naming: `local` (separate norms) or `transformer_engine` (norms fused into linears)."""
+    make_vocab_size_divisible_by: int = 128
+    """The vocabulary is padded to a multiple of this times `tp` (Megatron's rule)."""
+
+    def validate(self) -> None:
+        for name in ("tp", "pp", "vpp", "make_vocab_size_divisible_by"):
+            if getattr(self, name) < 1:
+                raise LayoutError(f"{name}={getattr(self, name)} must be >= 1.")
+        if self.layer_spec not in LAYER_SPECS:
+            raise LayoutError(f"unknown layer_spec {self.layer_spec!r}; choose one of {', '.join(LAYER_SPECS)}.")
+
+    def check_model(self, *, num_layers: int, num_heads: int, num_kv_heads: int, ffn_hidden_size: int) -> None:
+        """Raise LayoutError naming the fix when this layout cannot split the model."""
+        self.validate()
+        if num_heads % self.tp:
+            raise LayoutError(f"tensor_parallel={self.tp} does not divide num_attention_heads={num_heads}; "
+                              f"use one of {_divisors(num_heads)}.")
+        if num_kv_heads % self.tp:
+            raise LayoutError(f"tensor_parallel={self.tp} does not divide num_key_value_heads={num_kv_heads}; "
+                              f"use one of {_divisors(num_kv_heads)}.")
+        if ffn_hidden_size % self.tp:
+            raise LayoutError(f"tensor_parallel={self.tp} does not divide intermediate_size={ffn_hidden_size}.")
+        if num_layers % (self.pp * self.vpp):
+            raise LayoutError(f"pipeline_parallel={self.pp} x virtual_pipeline={self.vpp} does not divide "
+                              f"num_hidden_layers={num_layers}; pp*vpp must be one of {_divisors(num_layers)}.")
+
+    def layers_per_chunk(self, num_layers: int) -> int:
+        return num_layers // (self.pp * self.vpp)
+
+    def chunk_first_layer(self, num_layers: int, pp_rank: int, vchunk: int) -> int:
+        """Global index of the first layer in chunk `vchunk` of pipeline rank `pp_rank` (Megatron's offset)."""
+        return vchunk * (num_layers // self.vpp) + pp_rank * self.layers_per_chunk(num_layers)
+
+    def locate_layer(self, num_layers: int, layer: int) -> tuple[int, int, int]:
+        """Global layer -> (pp rank, virtual chunk, local index within that chunk)."""
+        per_chunk = self.layers_per_chunk(num_layers)
+        vchunk, rest = divmod(layer, num_layers // self.vpp)
+        pp_rank, local = divmod(rest, per_chunk)
+        return pp_rank, vchunk, local
+
+    @property
+    def first_chunk(self) -> tuple[int, int]:
+        """(pp rank, chunk) holding the embedding (Megatron's pre_process)."""
+        return 0, 0
+
+    @property
+    def last_chunk(self) -> tuple[int, int]:
+        """(pp rank, chunk) holding the final norm and output layer (Megatron's post_process)."""
+        return self.pp - 1, self.vpp - 1
+
+    def chunk_prefix(self, vchunk: int) -> str:
+        """Key prefix of a chunk's tensors in a rank file: ``chunk{v}.`` when interleaved, else nothing."""
+        return f"chunk{vchunk}." if self.vpp > 1 else ""
+
+    def as_dict(self) -> dict:
+        return dict(tp=self.tp, pp=self.pp, vpp=self.vpp, layer_spec=self.layer_spec,
+                    make_vocab_size_divisible_by=self.make_vocab_size_divisible_by)

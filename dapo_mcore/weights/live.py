@@ -1,0 +1,189 @@
+"""Weights in and out of a LIVE Megatron model: load HF, save / load the canonical checkpoint.
+
+All functions take this rank's model chunks (as built by `dapo_mcore.model.qwen.build_gpt_model`, optionally
+wrapped in DDP / Float16Module) and read TP/PP ranks from Megatron's parallel state. Every check runs before
+any parameter is changed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dapo_mcore.weights import checkpoint as ckpt
+from dapo_mcore.weights.hf_checkpoint import check_hf_tensors
+from dapo_mcore.weights.layout import ParallelLayout
+from dapo_mcore.weights.mapping import ModelMapping, Placement
+from dapo_mcore.weights.registry import get_mapping
+from dapo_mcore.weights.safetensors_io import SafetensorsDirSource, dtype_name
+
+log = logging.getLogger(__name__)
+
+
+def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def detect_layer_spec(model_chunks: list[torch.nn.Module]) -> str:
+    names = (n for c in model_chunks for n, _ in unwrap(c).named_parameters())
+    return "transformer_engine" if any(n.endswith("linear_qkv.layer_norm_weight") for n in names) else "local"
+
+
+def live_layout(model_chunks: list, layer_spec: str, make_vocab_size_divisible_by: int) -> tuple[ParallelLayout, int, int]:
+    """(layout, tp rank, pp rank) of this process, from Megatron's parallel state."""
+    from megatron.core import parallel_state as ps
+
+    layout = ParallelLayout(tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
+                            vpp=len(model_chunks), layer_spec=layer_spec,
+                            make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    found = detect_layer_spec(model_chunks)
+    if found != layer_spec:
+        raise ckpt.CheckpointError(f"layer_spec={layer_spec!r} but the live model uses the {found!r} spec names.")
+    return layout, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+
+
+def live_tensors(model_chunks: list, layout: ParallelLayout) -> dict[str, torch.Tensor]:
+    """This rank's parameters under their checkpoint keys (chunk prefix when VPP > 1)."""
+    out: dict[str, torch.Tensor] = {}
+    for v, chunk in enumerate(model_chunks):
+        for name, param in unwrap(chunk).named_parameters():
+            out[layout.chunk_prefix(v) + name] = param
+    return out
+
+
+def expected_rank(mapping: ModelMapping, layout: ParallelLayout, pp_rank: int) -> dict[str, tuple[Placement, tuple]]:
+    return {key: (pl, mapping.rank_shape(pl, layout)) for key, pl in mapping.rank_placements(layout, pp_rank)}
+
+
+def check_tensors_match(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], what: str,
+                        against: str) -> None:
+    """Raise CheckpointError naming missing / unexpected keys and the first shape mismatches."""
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    if missing or unexpected:
+        raise ckpt.CheckpointError(f"{what} does not match {against}: missing {missing[:5]}"
+                                   f"{'...' if len(missing) > 5 else ''} ({len(missing)}), unexpected "
+                                   f"{unexpected[:5]}{'...' if len(unexpected) > 5 else ''} ({len(unexpected)}).")
+    bad = [f"{k}: {tuple(found[k])} vs {tuple(expected[k])}" for k in expected if tuple(found[k]) != tuple(expected[k])]
+    if bad:
+        raise ckpt.CheckpointError(f"{what} shapes do not match {against}: {'; '.join(bad[:5])}")
+
+
+def _copy_in(params: dict[str, torch.Tensor], values: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for key, value in values.items():
+            params[key].copy_(value)
+
+
+def load_hf_into_model(model_chunks: list, hf_dir: str | Path, layer_spec: str = "local",
+                       make_vocab_size_divisible_by: int = 128) -> None:
+    """Stream this rank's slices of an HF checkpoint dir (memory-mapped safetensors) into the live model."""
+    hf_dir = Path(hf_dir)
+    hf_config = json.loads((hf_dir / "config.json").read_text())
+    mapping = get_mapping(hf_config)
+    layout, tp_rank, pp_rank = live_layout(model_chunks, layer_spec, make_vocab_size_divisible_by)
+    mapping.check_layout(layout)
+    source = SafetensorsDirSource(hf_dir)
+    check_hf_tensors(mapping, source, dtype=None, allow_mixed_dtypes=True)
+    params = live_tensors(model_chunks, layout)
+    expected = expected_rank(mapping, layout, pp_rank)
+    check_tensors_match({k: tuple(p.shape) for k, p in params.items()}, {k: s for k, (_, s) in expected.items()},
+                        "the live model", f"the mapping of {hf_dir} (tp={layout.tp} pp={layout.pp} vpp={layout.vpp})")
+    with torch.no_grad():
+        for key, (pl, _) in expected.items():
+            params[key].copy_(mapping.shard(pl, source, layout, tp_rank))
+    log.info("loaded %d tensors from %s into tp rank %d, pp rank %d", len(expected), hf_dir, tp_rank, pp_rank)
+
+
+def _meta_mismatches(meta: ckpt.CheckpointMeta, layout: ParallelLayout, padded_vocab: int, dtype: str) -> list[str]:
+    out = [f"{name}: checkpoint {getattr(meta.layout, name)!r}, live model {getattr(layout, name)!r}"
+           for name in ("tp", "pp", "vpp", "layer_spec") if getattr(meta.layout, name) != getattr(layout, name)]
+    if meta.padded_vocab_size != padded_vocab:
+        out.append(f"padded vocab: checkpoint {meta.padded_vocab_size}, live model {padded_vocab}")
+    if meta.dtype != dtype:
+        out.append(f"dtype: checkpoint {meta.dtype}, live model {dtype}")
+    return out
+
+
+def load_megatron_checkpoint_into_model(model_chunks: list, directory: str | Path) -> ckpt.CheckpointMeta:
+    """Load this rank's file of a canonical checkpoint; raises CheckpointError on any mismatch before writing."""
+    directory = ckpt.resolve_checkpoint_dir(directory)
+    meta = ckpt.read_meta(directory)
+    mapping = get_mapping(meta.hf_config)
+    layout, tp_rank, pp_rank = live_layout(model_chunks, detect_layer_spec(model_chunks),
+                                           meta.layout.make_vocab_size_divisible_by)
+    params = live_tensors(model_chunks, layout)
+    dtype = dtype_name(next(iter(params.values())).dtype)
+    problems = _meta_mismatches(meta, layout, _live_padded_vocab(model_chunks, layout, mapping), dtype)
+    if problems:
+        raise ckpt.CheckpointError(f"checkpoint {directory} does not fit the live model: {'; '.join(problems)}. "
+                                   "Convert it to this layout with `dapo-mcore convert` (hf round trip) first.")
+    state = ckpt.read_megatron_rank(directory, tp_rank, pp_rank)
+    check_tensors_match({k: tuple(t.shape) for k, t in state.items()}, {k: tuple(p.shape) for k, p in params.items()},
+                        f"checkpoint rank file {ckpt.rank_dir_name(tp_rank, pp_rank)}", "the live model")
+    bad = [k for k, t in state.items() if t.dtype != params[k].dtype]
+    if bad:
+        raise ckpt.CheckpointError(f"dtype mismatch for {bad[:5]}: checkpoint {state[bad[0]].dtype}, "
+                                   f"live {params[bad[0]].dtype}.")
+    _copy_in(params, state)
+    log.info("loaded %s rank (tp %d, pp %d): %d tensors", directory, tp_rank, pp_rank, len(state))
+    return meta
+
+
+def _live_padded_vocab(model_chunks: list, layout: ParallelLayout, mapping: ModelMapping) -> int:
+    """Padded vocab of the live model, read off its embedding/output weight (or the mapping if neither is here)."""
+    for chunk in model_chunks:
+        for name, p in unwrap(chunk).named_parameters():
+            if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                return p.shape[0] * layout.tp
+    return mapping.padded_vocab_size(layout)
+
+
+def save_megatron_checkpoint(model_chunks: list, directory: str | Path, hf_config: dict[str, Any], *,
+                             make_vocab_size_divisible_by: int = 128) -> None:
+    """Collective: write the live model as a canonical checkpoint (DP rank 0 of each TP/PP rank writes)."""
+    from megatron.core import parallel_state as ps
+    from safetensors.torch import save_file
+
+    mapping = get_mapping(hf_config)
+    layout, tp_rank, pp_rank = live_layout(model_chunks, detect_layer_spec(model_chunks), make_vocab_size_divisible_by)
+    params = live_tensors(model_chunks, layout)
+    expected = expected_rank(mapping, layout, pp_rank)
+    check_tensors_match({k: tuple(p.shape) for k, p in params.items()}, {k: s for k, (_, s) in expected.items()},
+                        "the live model", "the mapping of its HF config")
+    target = Path(directory)
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            ckpt.check_target_free(target)
+            tmp = ckpt.temp_dir_for(target)
+            tmp.mkdir()
+            box[0] = os.fspath(tmp)
+        except (FileExistsError, FileNotFoundError) as err:
+            box[0] = err
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], Exception):
+        raise box[0]
+    tmp = Path(box[0])
+    if ps.get_data_parallel_rank() == 0:
+        rank_path = ckpt.rank_file(tmp, tp_rank, pp_rank)
+        rank_path.parent.mkdir()
+        save_file({k: p.detach().contiguous() for k, p in params.items()}, os.fspath(rank_path), {"format": "pt"})
+    if dist.get_rank() == 0:
+        meta = ckpt.CheckpointMeta(hf_config, layout, _live_padded_vocab(model_chunks, layout, mapping),
+                                   dtype_name(next(iter(params.values())).dtype))
+        ckpt.write_meta(tmp, meta)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.replace(tmp, target)
+    dist.barrier()
+    log.info("saved checkpoint %s (tp=%d pp=%d vpp=%d)", target, layout.tp, layout.pp, layout.vpp)

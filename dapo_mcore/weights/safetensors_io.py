@@ -1,0 +1,129 @@
+"""Safetensors reading by slices and writing tensor by tensor, so memory stays bounded by one tensor.
+
+`StreamingSafetensorsWriter` writes a standard safetensors file whose header is known up front (names, dtypes,
+shapes), then appends each tensor's bytes in header order: no file ever needs all its tensors in memory.
+`SafetensorsDirSource` reads one HF checkpoint directory (a single file or shards + index json) as a
+`TensorSource`, opening the memory-mapped file per read so mapped pages are released after each tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+_DTYPE_TO_ST = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_ST_TO_DTYPE = {v: k for k, v in _DTYPE_TO_ST.items()}
+DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPE_NAMES)}.")
+    return DTYPE_NAMES[name]
+
+
+class StreamingSafetensorsWriter:
+    """Write a safetensors file tensor by tensor, in the order of `entries` (name, dtype, shape)."""
+
+    def __init__(self, path: str | Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None):
+        header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
+        offset = 0
+        self._pending: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+        for name, dtype, shape in entries:
+            nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+            header[name] = {"dtype": _DTYPE_TO_ST[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+            self._pending.append((name, dtype, tuple(shape)))
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)
+        self.path = Path(path)
+        self._file = open(self.path, "wb")  # noqa: SIM115  (closed in close())
+        self._file.write(struct.pack("<Q", len(blob)) + blob)
+        self._next = 0
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        exp_name, exp_dtype, exp_shape = self._pending[self._next]
+        if name != exp_name or tensor.dtype != exp_dtype or tuple(tensor.shape) != exp_shape:
+            raise ValueError(f"{self.path.name}: expected {exp_name} {exp_dtype} {exp_shape}, got {name} "
+                             f"{tensor.dtype} {tuple(tensor.shape)}")
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        self._file.write(memoryview(data))
+        self._next += 1
+
+    def close(self) -> None:
+        missing = [n for n, _, _ in self._pending[self._next:]]
+        self._file.close()
+        if missing:
+            raise ValueError(f"{self.path.name}: closed before writing {len(missing)} tensors ({missing[:3]}...)")
+
+    def __enter__(self) -> StreamingSafetensorsWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self._file.close()
+
+
+def read_header(path: str | Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """name -> (dtype, shape) of every tensor in a safetensors file, reading only its header."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return {k: (_ST_TO_DTYPE[v["dtype"]], tuple(v["shape"])) for k, v in header.items()}
+
+
+class SafetensorsDirSource:
+    """The tensors of an HF checkpoint directory, readable by name and by slice."""
+
+    def __init__(self, directory: str | Path):
+        self.dir = Path(directory)
+        index = self.dir / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in self.dir.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"no *.safetensors files in {self.dir}")
+        self.file_of: dict[str, Path] = {}
+        self.meta: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        for fname in files:
+            path = self.dir / fname
+            if not path.exists():
+                raise FileNotFoundError(f"{path} is listed in the index but missing")
+            for name, info in read_header(path).items():
+                if name in self.file_of:
+                    raise ValueError(f"tensor {name} appears in both {self.file_of[name].name} and {fname}")
+                self.file_of[name] = path
+                self.meta[name] = info
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.meta[name][1]
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.meta[name][0]
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        with safe_open(os.fspath(self.file_of[name]), framework="pt") as f:
+            if dim is None:
+                return f.get_tensor(name)
+            sl = f.get_slice(name)
+            index = (slice(None),) * dim + (slice(start, stop),)
+            return sl[index]

@@ -1,0 +1,157 @@
+"""The few tensor transforms between Hugging Face and Megatron layouts, one per kind of tensor-parallel split.
+
+Each kind knows three things: the shape of one TP rank's Megatron tensor, how to cut that rank's tensor out
+of the Hugging Face tensors (reading only the rows/columns it needs from a `TensorSource`, so a memory-mapped
+safetensors file is never loaded whole), and how to merge all ranks' tensors back into Hugging Face tensors.
+
+* ``replicated``: norms; every rank holds the full tensor.
+* ``row``: row-parallel linears (attention output, MLP down): split on dim 1 (input features).
+* ``vocab``: embedding / output layer: rows padded with zeros to the padded vocabulary, split on dim 0.
+* ``qkv``: HF q, k, v fused per query group as ``[q heads of the group, k, v]`` and split on dim 0 by groups
+  (weight and bias alike), so each rank holds whole groups.
+* ``gate_up``: HF gate and up each split on dim 0, then concatenated per rank as ``[gate_r; up_r]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Protocol
+
+import torch
+
+
+class Split(StrEnum):
+    REPLICATED = "replicated"
+    ROW = "row"
+    VOCAB = "vocab"
+    QKV = "qkv"
+    GATE_UP = "gate_up"
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Model facts the transforms need."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    padded_vocab_size: int
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+class TensorSource(Protocol):
+    """Read access to Hugging Face tensors by name, optionally only a contiguous range along one dim."""
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor: ...
+
+
+class DictSource:
+    """A `TensorSource` over an in-memory state dict (tests, live HF models)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name].shape)
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        t = self.tensors[name]
+        return t.clone() if dim is None else t.narrow(dim, start, (stop or t.shape[dim]) - start).clone()
+
+
+def rank_shape(split: Split, hf_shapes: list[tuple[int, ...]], tp: int, geo: Geometry) -> tuple[int, ...]:
+    """Shape of one TP rank's Megatron tensor built from HF tensors of `hf_shapes`."""
+    first = hf_shapes[0]
+    if split is Split.REPLICATED:
+        return first
+    if split is Split.ROW:
+        return (first[0], first[1] // tp)
+    if split is Split.VOCAB:
+        return (geo.padded_vocab_size // tp, *first[1:])
+    if split is Split.QKV:
+        return (sum(s[0] for s in hf_shapes) // tp, *first[1:])
+    if split is Split.GATE_UP:
+        return (2 * first[0] // tp, *first[1:])
+    raise AssertionError(split)
+
+
+def _rows(source: TensorSource, name: str, tp: int, rank: int) -> torch.Tensor:
+    n = source.shape(name)[0] // tp
+    return source.read(name, 0, rank * n, (rank + 1) * n)
+
+
+def _qkv_shard(source: TensorSource, names: tuple[str, ...], tp: int, rank: int, geo: Geometry) -> torch.Tensor:
+    groups = geo.num_kv_heads // tp
+    q_rows, kv_rows = geo.heads_per_group * geo.head_dim, geo.head_dim
+    q = source.read(names[0], 0, rank * groups * q_rows, (rank + 1) * groups * q_rows)
+    k = source.read(names[1], 0, rank * groups * kv_rows, (rank + 1) * groups * kv_rows)
+    v = source.read(names[2], 0, rank * groups * kv_rows, (rank + 1) * groups * kv_rows)
+    rest = tuple(q.shape[1:])
+    fused = torch.cat([q.view(groups, q_rows, *rest), k.view(groups, kv_rows, *rest),
+                       v.view(groups, kv_rows, *rest)], dim=1)
+    return fused.reshape(-1, *rest)
+
+
+def _vocab_shard(source: TensorSource, name: str, tp: int, rank: int, geo: Geometry) -> torch.Tensor:
+    rows = geo.padded_vocab_size // tp
+    start, stop = rank * rows, (rank + 1) * rows
+    real_stop = min(stop, geo.vocab_size)
+    if real_stop <= start:
+        sample = source.read(name, 0, 0, 1)
+        return torch.zeros((rows, *sample.shape[1:]), dtype=sample.dtype)
+    part = source.read(name, 0, start, real_stop)
+    if real_stop == stop:
+        return part
+    out = torch.zeros((rows, *part.shape[1:]), dtype=part.dtype)
+    out[: part.shape[0]] = part
+    return out
+
+
+def shard(split: Split, source: TensorSource, names: tuple[str, ...], tp: int, rank: int,
+          geo: Geometry) -> torch.Tensor:
+    """TP rank `rank`'s Megatron tensor, read slice by slice from the HF tensors `names`."""
+    if split is Split.REPLICATED:
+        return source.read(names[0])
+    if split is Split.ROW:
+        n = source.shape(names[0])[1] // tp
+        return source.read(names[0], 1, rank * n, (rank + 1) * n)
+    if split is Split.VOCAB:
+        return _vocab_shard(source, names[0], tp, rank, geo)
+    if split is Split.QKV:
+        return _qkv_shard(source, names, tp, rank, geo)
+    if split is Split.GATE_UP:
+        return torch.cat([_rows(source, names[0], tp, rank), _rows(source, names[1], tp, rank)], dim=0)
+    raise AssertionError(split)
+
+
+def merge(split: Split, parts: list[torch.Tensor], names: tuple[str, ...],
+          geo: Geometry) -> list[tuple[str, torch.Tensor]]:
+    """All TP ranks' Megatron tensors (in rank order) -> the HF tensors `names`, vocab padding stripped."""
+    if split is Split.REPLICATED:
+        return [(names[0], parts[0])]
+    if split is Split.ROW:
+        return [(names[0], torch.cat(parts, dim=1))]
+    if split is Split.VOCAB:
+        return [(names[0], torch.cat(parts, dim=0)[: geo.vocab_size])]
+    if split is Split.GATE_UP:
+        halves = [p.chunk(2, dim=0) for p in parts]
+        return [(names[0], torch.cat([h[0] for h in halves])), (names[1], torch.cat([h[1] for h in halves]))]
+    if split is Split.QKV:
+        q_rows, kv_rows = geo.heads_per_group * geo.head_dim, geo.head_dim
+        qs, ks, vs = [], [], []
+        for p in parts:
+            rest = tuple(p.shape[1:])
+            grouped = p.view(-1, q_rows + 2 * kv_rows, *rest)
+            q, k, v = grouped.split([q_rows, kv_rows, kv_rows], dim=1)
+            qs.append(q.reshape(-1, *rest))
+            ks.append(k.reshape(-1, *rest))
+            vs.append(v.reshape(-1, *rest))
+        return [(names[0], torch.cat(qs)), (names[1], torch.cat(ks)), (names[2], torch.cat(vs))]
+    raise AssertionError(split)
