@@ -1,0 +1,42 @@
+"""The reward audit: honest answers pay, blind shortcuts do not, and the shortcut detector fires when it should."""
+
+from __future__ import annotations
+
+import pytest
+
+from dapo_mcore.reward import audit
+from dapo_mcore.reward.math_verifier import RewardResult
+
+pytestmark = pytest.mark.unit
+
+
+def rates(rows):
+    return {r.probe.name: (r.int_rate, r.latex_rate, r.distinct_paid) for r in rows}
+
+
+def test_audit_results():
+    got = rates(audit.run_audit(num=40, seed=1))
+    assert got["honest: Answer: <gt>"][:2] == (1.0, 1.0)
+    assert got["honest wrong: Answer: <wrong>"][:2] == (0.0, 0.0)
+    assert got["Answer lines <gt> then <wrong>"][:2] == (0.0, 0.0)
+    assert got["**Answer:** <gt> (markdown label)"][:2] == (0.0, 0.0)
+    assert got["Answer: <gt> then 400 chars of text"][:2] == (0.0, 0.0)
+    blind = [v for k, v in got.items() if k in {p.name for p in audit.PROBES if p.kind == "blind"}]
+    assert blind and all(distinct <= 1 for _, _, distinct in blind)
+
+
+def test_main_passes_and_prints(capsys):
+    assert audit.main(["--num-gts", "20", "--markdown", "--fail-on-shortcut"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("| probe |") and "`Answer: 0`" in out
+
+
+def test_detector_fires_on_a_lenient_verifier(monkeypatch, capsys):
+    def substring_verifier(response, gt, strict_box=False):  # a hackable verifier: pays if gt appears anywhere
+        text = response.decode("utf-8", "replace") if isinstance(response, bytes) else response
+        ok = gt in text
+        return RewardResult(1.0 if ok else -1.0, ok, None)
+
+    monkeypatch.setattr(audit, "compute_score", substring_verifier)
+    assert audit.main(["--num-gts", "30", "--fail-on-shortcut"]) == 1
+    assert "SHORTCUT" in capsys.readouterr().err
