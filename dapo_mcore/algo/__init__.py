@@ -17,7 +17,6 @@ from dapo_mcore.algo.loss import (
     policy_loss,
     register_loss_agg,
     token_entropy,
-    truncated_is_weights,
 )
 from dapo_mcore.algo.overlong import overlong_filter_mask, overlong_penalty
 
@@ -39,6 +38,5 @@ __all__ = [
     "policy_loss",
     "register_loss_agg",
     "token_entropy",
-    "truncated_is_weights",
     "usable_groups",
 ]

@@ -154,8 +154,8 @@ def policy_loss(
         agg: a registered aggregation mode (:func:`loss_agg_names`).
         global_tokens, global_seqs: mini-batch totals (:func:`loss_denominators`, summed and all-reduced).
         max_response_len: the constant horizon of ``seq-mean-token-sum-norm``.
-        tis_weights: optional ``[B, T]`` truncated importance weights (see :func:`truncated_is_weights`),
-            multiplied into the token loss without gradient.
+        tis_weights: optional ``[B, T]`` truncated importance weights for engine-vs-actor mismatch
+            (``dapo_mcore.rollout.mismatch.tis_weights``), multiplied into the token loss without gradient.
 
     Returns:
         ``(loss, metrics)``: the scalar loss contribution and detached metric contributions
@@ -192,16 +192,6 @@ def policy_loss(
     if tis_weights is not None:
         metrics["tis_weight"] = (tis_weights.detach().to(logp.dtype) * mask).sum() / global_tokens
     return loss, metrics
-
-
-def truncated_is_weights(old_logp: Tensor, rollout_logp: Tensor, cap: float) -> Tensor:
-    """Truncated importance weights ``min(exp(old_logp - rollout_logp), cap)`` for engine-vs-actor mismatch.
-
-    ``old_logp`` comes from the trainer's forward pass, ``rollout_logp`` from the generation engine.
-    """
-    if cap <= 0:
-        raise ValueError(f"tis cap={cap} must be > 0 (typical: 2.0)")
-    return torch.exp(old_logp.detach() - rollout_logp.detach()).clamp(max=cap)
 
 
 def masked_entropy_contrib(entropy: Tensor, mask: Tensor, global_tokens: float) -> Tensor:
