@@ -1,0 +1,34 @@
+"""Rollout engines: the engine protocol, the HF engine (CPU, small models), the vLLM engine (GPU, colocated),
+and training-inference mismatch metrics. ``VLLMEngine`` imports vLLM only when built."""
+
+from dapo_mcore.rollout.hf_engine import HFEngine
+from dapo_mcore.rollout.mismatch import MismatchStats, mismatch_metrics, tis_weights
+from dapo_mcore.rollout.protocol import (
+    Engine,
+    EngineError,
+    PromptFilterResult,
+    Response,
+    SamplingParams,
+    WeightBucket,
+    filter_prompts,
+)
+from dapo_mcore.rollout.vllm_engine import VLLMEngine, VLLMEngineOptions
+from dapo_mcore.rollout.weight_sync import SyncTracker, qwen2_param_shapes
+
+__all__ = [
+    "Engine",
+    "EngineError",
+    "HFEngine",
+    "MismatchStats",
+    "PromptFilterResult",
+    "Response",
+    "SamplingParams",
+    "SyncTracker",
+    "VLLMEngine",
+    "VLLMEngineOptions",
+    "WeightBucket",
+    "filter_prompts",
+    "mismatch_metrics",
+    "qwen2_param_shapes",
+    "tis_weights",
+]

@@ -1,0 +1,211 @@
+"""HFEngine: a rollout engine on a Hugging Face causal LM, for CPU and small models.
+
+A hand-written sampling loop with a KV cache (not ``model.generate``) so that positions are explicit:
+prompts are LEFT-padded and ``position_ids = cumsum(attention_mask) - 1`` (clipped at 0), so the real
+tokens of every row get positions ``0..L-1`` exactly as an unpadded forward (and the actor) gives them.
+Each decoding step feeds one token per row at position ``prompt_len + t``. Rows that finish (EOS/stop
+token) are dropped from the batch and from the KV cache, so the batch shrinks as responses end.
+
+``sleep``/``wake`` are no-ops: on CPU there is no accelerator memory to give back.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from dapo_mcore.rollout.protocol import EngineError, Response, SamplingParams, WeightBucket, check_prompts
+from dapo_mcore.rollout.sampling import sample_next
+from dapo_mcore.rollout.weight_sync import SyncTracker
+
+__all__ = ["HFEngine"]
+
+logger = logging.getLogger(__name__)
+
+
+def _as_ids(ids: int | Sequence[int] | None) -> tuple[int, ...]:
+    if ids is None:
+        return ()
+    return (int(ids),) if isinstance(ids, int) else tuple(int(i) for i in ids)
+
+
+class HFEngine:
+    """Rollout engine on an in-memory ``transformers`` causal LM.
+
+    Args:
+        model: the causal LM (e.g. ``Qwen2ForCausalLM``); put in eval mode, weights owned by the engine.
+        eos_token_ids: token id(s) that end a response (finish_reason "stop").
+        pad_token_id: id written into padding (never attended); defaults to the first EOS id.
+        max_prompt_len: longest accepted prompt; defaults to ``max_position_embeddings``.
+        max_batch_rows: most (prompt x sample) rows decoded together; bounds memory.
+    """
+
+    def __init__(self, model: PreTrainedModel, *, eos_token_ids: int | Sequence[int],
+                 pad_token_id: int | None = None, max_prompt_len: int | None = None,
+                 max_batch_rows: int = 512):
+        self.model = model.eval()
+        self.eos_token_ids = _as_ids(eos_token_ids)
+        if not self.eos_token_ids:
+            raise EngineError("HFEngine needs at least one EOS token id (eos_token_ids=...).")
+        self.pad_token_id = self.eos_token_ids[0] if pad_token_id is None else int(pad_token_id)
+        self.max_positions = int(model.config.max_position_embeddings)
+        self.max_prompt_len = self.max_positions if max_prompt_len is None else int(max_prompt_len)
+        if max_batch_rows < 1:
+            raise EngineError(f"max_batch_rows={max_batch_rows} must be >= 1.")
+        self.max_batch_rows = max_batch_rows
+        self.vocab_size = int(model.config.vocab_size)
+        self.device = next(model.parameters()).device
+        # transformers >= 5.2x renamed the KV-cache argument/output from past_key_values to cache.
+        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self._tracker = self._make_tracker()
+        self._closed = False
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                        **kwargs) -> HFEngine:
+        """Load a Hugging Face model directory; EOS/pad ids come from its generation config / config."""
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device)
+        gen_cfg = model.generation_config
+        eos = _as_ids(gen_cfg.eos_token_id) or _as_ids(model.config.eos_token_id)
+        pad = gen_cfg.pad_token_id if gen_cfg.pad_token_id is not None else model.config.pad_token_id
+        kwargs.setdefault("pad_token_id", pad)
+        return cls(model, eos_token_ids=eos, **kwargs)
+
+    # ------------------------------------------------------------------ generation
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Response]]:
+        """Sample ``params.n`` responses per prompt (see ``Engine.generate``)."""
+        self._check_open()
+        params.validate()
+        check_prompts(prompts, self.max_prompt_len, self.vocab_size)
+        longest = max((len(p) for p in prompts), default=0)
+        if longest + params.max_new_tokens > self.max_positions:
+            raise EngineError(f"prompt length {longest} + max_new_tokens {params.max_new_tokens} exceeds the "
+                              f"model's max_position_embeddings={self.max_positions}; lower max_new_tokens or "
+                              f"the prompt limit.")
+        if params.seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+        else:
+            seed = params.seed
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        rows = [p for p in prompts for _ in range(params.n)]
+        stop_ids = torch.tensor(sorted(set(self.eos_token_ids) | set(params.stop_token_ids)), device=self.device)
+        flat: list[Response] = []
+        t0 = time.perf_counter()
+        for start in range(0, len(rows), self.max_batch_rows):
+            flat.extend(self._generate_rows(rows[start:start + self.max_batch_rows], params, stop_ids, generator))
+        logger.debug("HFEngine: %d responses, %d tokens in %.3f s", len(flat), sum(r.length for r in flat),
+                     time.perf_counter() - t0)
+        return [flat[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
+
+    def _left_pad(self, rows: list[list[int]]) -> tuple[Tensor, Tensor, Tensor]:
+        lens = torch.tensor([len(r) for r in rows], device=self.device)
+        width = int(lens.max())
+        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long, device=self.device)
+        mask = torch.zeros((len(rows), width), dtype=torch.long, device=self.device)
+        for i, r in enumerate(rows):
+            input_ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+            mask[i, width - len(r):] = 1
+        return input_ids, mask, lens
+
+    def _generate_rows(self, rows: list[list[int]], params: SamplingParams, stop_ids: Tensor,
+                       generator: torch.Generator) -> list[Response]:
+        input_ids, mask, lens = self._left_pad(rows)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         logits_to_keep=1)
+        cache, logits = getattr(out, self._cache_kw), out.logits[:, -1, :]
+        n_rows, max_new = len(rows), params.max_new_tokens
+        tokens = torch.full((n_rows, max_new), self.pad_token_id, dtype=torch.long, device=self.device)
+        logps = torch.zeros((n_rows, max_new), dtype=torch.float32, device=self.device)
+        n_gen = torch.zeros(n_rows, dtype=torch.long, device=self.device)
+        stopped = torch.zeros(n_rows, dtype=torch.bool, device=self.device)
+        active = torch.arange(n_rows, device=self.device)  # original row index of each batch row
+        next_pos = lens.clone()
+        for t in range(max_new):
+            tok, lp = sample_next(logits, params, generator)
+            tokens[active, t], logps[active, t], n_gen[active] = tok, lp.to(logps.dtype), t + 1
+            hit = torch.isin(tok, stop_ids)
+            stopped[active] |= hit
+            if t == max_new - 1 or bool(hit.all()):
+                break
+            if bool(hit.any()):
+                keep = (~hit).nonzero().squeeze(-1)
+                cache.batch_select_indices(keep)
+                active, tok, mask, next_pos = active[keep], tok[keep], mask[keep], next_pos[keep]
+            mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+            out = self.model(input_ids=tok.unsqueeze(-1), attention_mask=mask, position_ids=next_pos.unsqueeze(-1),
+                             use_cache=True, **{self._cache_kw: cache})
+            cache, logits = getattr(out, self._cache_kw), out.logits[:, -1, :]
+            next_pos = next_pos + 1
+        return self._to_responses(tokens, logps, n_gen, stopped, params)
+
+    @staticmethod
+    def _to_responses(tokens: Tensor, logps: Tensor, n_gen: Tensor, stopped: Tensor,
+                      params: SamplingParams) -> list[Response]:
+        tok_lists, lp_lists = tokens.tolist(), logps.tolist()
+        out = []
+        for i, (n, stop) in enumerate(zip(n_gen.tolist(), stopped.tolist(), strict=True)):
+            lp = lp_lists[i][:n] if params.logprobs != "none" else []
+            out.append(Response(token_ids=tok_lists[i][:n], logprobs=lp, finish_reason="stop" if stop else "length"))
+        return out
+
+    # ------------------------------------------------------------------ weights
+    def _make_tracker(self) -> SyncTracker:
+        canonical: dict[int, str] = {}
+        shapes: dict[str, tuple[int, ...]] = {}
+        aliases: dict[str, str] = {}
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            if id(param) in canonical:
+                aliases[name] = canonical[id(param)]
+            else:
+                canonical[id(param)] = name
+                shapes[name] = tuple(param.shape)
+        self._params = dict(self.model.named_parameters())
+        return SyncTracker(shapes, aliases)
+
+    @torch.no_grad()
+    def update_weights(self, buckets: Iterable[WeightBucket]) -> None:
+        """Copy one full sync of HF-named tensors into the model in place (no reallocation).
+
+        Each bucket is checked (unknown name, wrong shape, duplicate -> EngineError naming the tensor)
+        before any of it is copied; parameters never sent are reported at the end. Tied aliases
+        (``lm_head.weight`` of a tied model) are accepted and skipped.
+        """
+        self._check_open()
+        t0 = time.perf_counter()
+        tracker = self._tracker
+        tracker.start()
+        n_tensors = n_bytes = 0
+        for bucket in buckets:
+            for name, tensor in tracker.check_bucket(bucket):
+                self._params[name].copy_(tensor)
+                n_tensors += 1
+                n_bytes += tensor.numel() * tensor.element_size()
+        tracker.finish()
+        logger.info("HFEngine: loaded %d tensors (%.1f MB) in %.3f s", n_tensors, n_bytes / 1e6,
+                    time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------ life cycle
+    def sleep(self) -> None:
+        """No-op on CPU (nothing to release); kept so the trainer has one code path."""
+
+    def wake(self) -> None:
+        """No-op on CPU (see ``sleep``)."""
+
+    def close(self) -> None:
+        """Drop the model; further calls raise EngineError."""
+        self._closed = True
+        self._params = {}
+        del self.model
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineError("HFEngine is closed; build a new one.")

@@ -1,0 +1,190 @@
+"""The rollout engine contract: sampling parameters, responses, prompt filtering and the `Engine` protocol.
+
+Every engine (``HFEngine`` on CPU, ``VLLMEngine`` on GPU) takes prompts as token ids and returns, per
+prompt, ``n`` :class:`Response` objects carrying the sampled token ids and one log-probability per token.
+
+Engine life cycle inside one DAPO step (colocated with the trainer)::
+
+    engine.update_weights(buckets)   # weights awake, new weights loaded (KV cache may still be asleep)
+    engine.wake()                    # KV cache allocated: ready to generate
+    engine.generate(prompts, params)
+    engine.sleep()                   # give GPU memory back to the trainer
+
+On CPU ``sleep``/``wake`` are no-ops; the order is the same so the trainer has one code path.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+from torch import Tensor
+
+__all__ = [
+    "Engine",
+    "EngineError",
+    "FinishReason",
+    "LogprobsMode",
+    "PromptFilterResult",
+    "Response",
+    "SamplingParams",
+    "WeightBucket",
+    "filter_prompts",
+]
+
+FinishReason = Literal["stop", "length"]
+LogprobsMode = Literal["processed", "raw", "none"]
+WeightBucket = list[tuple[str, Tensor]]
+"""One bucket of a weight sync: (Hugging Face parameter name, full unsharded tensor) pairs."""
+
+
+class EngineError(RuntimeError):
+    """A rollout engine failed or was used wrongly; the message says what to change."""
+
+
+@dataclass
+class SamplingParams:
+    """How to sample responses. Mirrors the fields both engines support, nothing more."""
+
+    n: int = 1
+    """Responses per prompt (the group size G)."""
+    temperature: float = 1.0
+    """Softmax temperature. 0 = greedy (argmax); log-probs are then those of temperature 1."""
+    top_p: float = 1.0
+    """Nucleus sampling: sample from the smallest set of tokens whose probability mass reaches top_p (1 = off)."""
+    top_k: int = -1
+    """Sample from the k most likely tokens only (-1 = off; 1 = greedy)."""
+    max_new_tokens: int = 16
+    """Maximum response length; a response that reaches it ends with finish_reason "length"."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra token ids that end a response (finish_reason "stop"), besides the engine's EOS ids."""
+    seed: int | None = None
+    """Seed of the sampling RNG. Same seed, prompts and params -> same responses (per engine). None = fresh."""
+    logprobs: LogprobsMode = "processed"
+    """Which log-probability each Response carries per sampled token y_t with model logits z_t:
+
+    - ``"processed"`` (default): ``log_softmax(z_t / temperature)[y_t]`` over the FULL vocabulary, i.e.
+      temperature-scaled but BEFORE top-k/top-p truncation. This is exactly what the actor computes for the
+      old/new policy log-probs, so engine and actor are comparable token by token. (temperature 0 counts as 1.)
+      vLLM returns this with ``LLM(logprobs_mode="processed_logprobs")`` only when top_k and top_p are off:
+      its processed log-probs are taken after top-k/top-p masking, i.e. renormalised over the kept tokens.
+      VLLMEngine therefore refuses "processed" together with top_k/top_p truncation.
+    - ``"raw"``: ``log_softmax(z_t)[y_t]``, the untempered model distribution (vLLM's default
+      ``logprobs_mode="raw_logprobs"``, which ignores temperature, penalties, top-k and top-p).
+    - ``"none"``: no log-probs (Response.logprobs is empty); for evaluation, where nothing consumes them.
+    """
+
+    def validate(self) -> None:
+        """Raise ValueError naming the fix for an impossible setting."""
+        if self.n < 1:
+            raise ValueError(f"n={self.n}: ask for at least one response per prompt (n >= 1).")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} < 0; use 0 for greedy or a positive value.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p} must lie in (0, 1]; use 1.0 to turn nucleus sampling off.")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k={self.top_k}: use -1 (off) or a positive k.")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1.")
+        if self.logprobs not in ("processed", "raw", "none"):
+            raise ValueError(f"logprobs={self.logprobs!r}; use 'processed', 'raw' or 'none'.")
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling degenerates to argmax (temperature 0 or top_k 1)."""
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass
+class Response:
+    """One sampled response."""
+
+    token_ids: list[int]
+    """Generated token ids; on finish_reason "stop" the last one is the EOS/stop token."""
+    logprobs: list[float]
+    """One log-prob per token (see SamplingParams.logprobs), or empty when logprobs="none"."""
+    finish_reason: FinishReason
+    """"stop": ended by an EOS/stop token; "length": reached max_new_tokens."""
+
+    @property
+    def length(self) -> int:
+        """Number of generated tokens (EOS included)."""
+        return len(self.token_ids)
+
+
+@dataclass
+class PromptFilterResult:
+    """Which prompts may be generated from, and why the others were rejected."""
+
+    kept: list[int] = field(default_factory=list)
+    """Indices (into the input list) of acceptable prompts, in input order."""
+    rejected: dict[int, str] = field(default_factory=dict)
+    """Index -> reason ("empty", "too_long", "out_of_vocab") for each rejected prompt."""
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Number of rejected prompts per reason."""
+        return dict(Counter(self.rejected.values()))
+
+    def describe(self) -> str:
+        """Human-readable summary, e.g. ``"2 of 10 prompts rejected: empty=1, too_long=1"``."""
+        total = len(self.kept) + len(self.rejected)
+        reasons = ", ".join(f"{k}={v}" for k, v in sorted(self.counts.items())) or "none"
+        return f"{len(self.rejected)} of {total} prompts rejected: {reasons}"
+
+
+def filter_prompts(prompts: Sequence[Sequence[int]], max_prompt_len: int,
+                   vocab_size: int | None = None) -> PromptFilterResult:
+    """Split prompts into usable ones and rejected ones (empty, longer than ``max_prompt_len``, bad ids).
+
+    The trainer calls this before generation, drops the rejected prompts and counts them by reason.
+    """
+    if max_prompt_len < 1:
+        raise ValueError(f"max_prompt_len={max_prompt_len} must be >= 1.")
+    result = PromptFilterResult()
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            result.rejected[i] = "empty"
+        elif len(prompt) > max_prompt_len:
+            result.rejected[i] = "too_long"
+        elif vocab_size is not None and (min(prompt) < 0 or max(prompt) >= vocab_size):
+            result.rejected[i] = "out_of_vocab"
+        else:
+            result.kept.append(i)
+    return result
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], max_prompt_len: int, vocab_size: int | None) -> None:
+    """Raise EngineError if any prompt would be rejected by :func:`filter_prompts` (engines call this)."""
+    result = filter_prompts(prompts, max_prompt_len, vocab_size)
+    if result.rejected:
+        first = sorted(result.rejected.items())[:5]
+        raise EngineError(f"{result.describe()} (first: {first}); drop them with "
+                          f"dapo_mcore.rollout.filter_prompts(prompts, max_prompt_len={max_prompt_len}) first.")
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A rollout engine. Implementations: HFEngine (CPU/small models), VLLMEngine (GPU)."""
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Response]]:
+        """Sample ``params.n`` responses for each prompt; result[i][j] is sample j of prompt i."""
+        ...
+
+    def update_weights(self, buckets: Iterable[WeightBucket]) -> None:
+        """Load one full weight sync (every parameter exactly once, HF names, full tensors)."""
+        ...
+
+    def sleep(self) -> None:
+        """Release accelerator memory (weights and/or KV cache) while the trainer runs."""
+        ...
+
+    def wake(self) -> None:
+        """Re-acquire everything generation needs (weights if still asleep, then the KV cache)."""
+        ...
+
+    def close(self) -> None:
+        """Free all resources; the engine is unusable afterwards."""
+        ...

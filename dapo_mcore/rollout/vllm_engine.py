@@ -1,0 +1,382 @@
+"""VLLMEngine: rollouts with vLLM on GPU, colocated with the Megatron trainer in the same torchrun job.
+
+Every rank runs ``vllm.LLM(..., distributed_executor_backend="external_launcher")`` (SPMD): vLLM builds
+one in-process worker per rank on the existing ``torch.distributed`` world, groups consecutive ranks into
+tensor-parallel groups of ``tensor_parallel`` and treats the rest as data parallel. All ranks of one vLLM
+TP group must pass identical prompts and seeds. ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the engine core
+in this process, so weights are loaded straight from the trainer's tensors (no IPC, no copy to CPU).
+
+The sync order (``update_weights`` then ``wake``) follows the sleep-mode tags: wake the weights, load the
+buckets through the model's own ``load_weights`` (HF names; vLLM fuses q/k/v and gate/up and shards for
+its TP), let the trainer free what it can, then wake the KV cache and reset the prefix cache.
+``sleep()`` after generation hands the memory back (level 1: weights to CPU; level 2: weights discarded).
+
+Everything except the vLLM calls themselves is plain Python and is tested on CPU with a fake backend:
+option checks, request mapping, output conversion, the weight-name stream and the call order. See
+docs/rollout.md for the API choices and the vLLM version they were read from.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import logging
+import os
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from torch import Tensor
+
+from dapo_mcore.rollout.protocol import (
+    EngineError,
+    Response,
+    SamplingParams,
+    WeightBucket,
+    check_prompts,
+)
+from dapo_mcore.rollout.weight_sync import SyncTracker, qwen2_param_shapes
+
+__all__ = [
+    "SUPPORTED_VLLM",
+    "VLLMBackend",
+    "VLLMEngine",
+    "VLLMEngineOptions",
+    "build_requests",
+    "check_vllm_version",
+    "import_vllm",
+    "responses_from_outputs",
+]
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_VLLM: tuple[tuple[int, int], tuple[int, int]] = ((0, 11), (0, 34))
+"""Supported vLLM versions as [min, max) on (major, minor): the APIs used here (V1 engine, logprobs_mode,
+sleep-mode tags, external_launcher with data_parallel_size) are present throughout that range."""
+
+_INSTALL_HINT = "install the gpu extra: pip install 'dapo-mcore[gpu]'"
+_LOGPROBS_MODE = {"processed": "processed_logprobs", "raw": "raw_logprobs"}
+_MODEL_PATH = "llm.llm_engine.model_executor.driver_worker.worker.model_runner.model"
+
+
+def check_vllm_version(version: str) -> None:
+    """Raise EngineError unless ``version`` lies in :data:`SUPPORTED_VLLM`."""
+    try:
+        release = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+    except ValueError as exc:
+        raise EngineError(f"cannot parse vLLM version {version!r}") from exc
+    (lo, hi) = SUPPORTED_VLLM
+    if not lo <= release < hi:
+        raise EngineError(f"vLLM {version} is not supported: need >= {lo[0]}.{lo[1]} and < {hi[0]}.{hi[1]}; "
+                          f"{_INSTALL_HINT} (it pins a supported vLLM).")
+
+
+def import_vllm() -> Any:
+    """Import vLLM lazily (it needs CUDA) and check its version; EngineError with the install hint if absent."""
+    try:
+        vllm = importlib.import_module("vllm")
+    except ImportError as exc:
+        raise EngineError(f"vLLM is not installed ({exc}); {_INSTALL_HINT}. "
+                          f"On CPU use rollout.engine=hf.") from exc
+    check_vllm_version(str(vllm.__version__))
+    return vllm
+
+
+@dataclass
+class VLLMEngineOptions:
+    """Settings of the colocated vLLM engine."""
+
+    model_path: str
+    """Hugging Face model directory: config.json and tokenizer (and the weights unless load_format="dummy")."""
+    tensor_parallel: int = 1
+    """vLLM tensor-parallel size; must divide the world size (the quotient is vLLM's data parallelism)."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory vLLM takes for weights + KV cache while awake (the trainer needs the rest)."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs: faster start and less memory, slower decoding."""
+    max_num_batched_tokens: int = 8192
+    """Scheduler token budget per engine step (prefill chunking)."""
+    max_model_len: int | None = None
+    """Longest prompt + response; None = the model's max_position_embeddings."""
+    sleep_level: Literal[1, 2] = 1
+    """Sleep level: 1 offloads weights to CPU (wake restores them), 2 discards them (a sync must follow)."""
+    logprobs: Literal["processed", "raw"] = "processed"
+    """Engine-wide log-prob definition (vLLM fixes it per engine): see SamplingParams.logprobs."""
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Weight/activation dtype of the engine."""
+    seed: int = 0
+    """Engine seed; external_launcher requires one so all TP ranks sample alike."""
+    load_format: Literal["auto", "dummy"] = "auto"
+    """"auto" reads the weights from model_path; "dummy" allocates random weights (the first sync fills them)."""
+    enable_prefix_caching: bool = True
+    """Share prompt KV blocks between the n samples of a prompt; reset after every weight sync."""
+    external_launcher: bool = True
+    """SPMD inside a torchrun job (required for colocation); False = a standalone single-process engine."""
+    max_prompt_len: int = 4096
+    """Longest accepted prompt; longer ones must be filtered out before generate."""
+
+    def validate(self, world_size: int = 1) -> None:
+        """Raise ValueError naming the fix."""
+        if self.tensor_parallel < 1 or world_size % self.tensor_parallel:
+            raise ValueError(f"vllm tensor_parallel={self.tensor_parallel} must be >= 1 and divide the world "
+                             f"size {world_size}; use a divisor of {world_size}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must lie in (0, 1]; "
+                             f"colocated with training, 0.3-0.6 is usual.")
+        if self.sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level={self.sleep_level}: use 1 (offload weights) or 2 (discard them).")
+        if self.logprobs not in _LOGPROBS_MODE:
+            raise ValueError(f"logprobs={self.logprobs!r}: use 'processed' or 'raw'.")
+        if self.max_num_batched_tokens < 1 or self.max_prompt_len < 1:
+            raise ValueError("max_num_batched_tokens and max_prompt_len must be >= 1.")
+        if self.external_launcher is False and world_size > 1:
+            raise ValueError(f"external_launcher=False runs one engine per process; with world size {world_size} "
+                             f"set external_launcher=True (colocated SPMD).")
+
+    def llm_kwargs(self, world_size: int) -> dict[str, Any]:
+        """Keyword arguments of ``vllm.LLM`` for this job (pure: tested on CPU)."""
+        self.validate(world_size)
+        kwargs: dict[str, Any] = dict(
+            model=self.model_path, dtype=self.dtype, seed=self.seed, tensor_parallel_size=self.tensor_parallel,
+            gpu_memory_utilization=self.gpu_memory_utilization, enforce_eager=self.enforce_eager,
+            max_num_batched_tokens=self.max_num_batched_tokens, enable_sleep_mode=True,
+            logprobs_mode=_LOGPROBS_MODE[self.logprobs], load_format=self.load_format,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
+        if self.max_model_len is not None:
+            kwargs["max_model_len"] = self.max_model_len
+        if self.external_launcher:
+            kwargs["distributed_executor_backend"] = "external_launcher"
+            kwargs["data_parallel_size"] = world_size // self.tensor_parallel
+        return kwargs
+
+
+def build_requests(prompts: Sequence[Sequence[int]], params: SamplingParams,
+                   engine_logprobs: Literal["processed", "raw"]) -> tuple[list[dict], list[dict]]:
+    """Map prompts + our SamplingParams to vLLM inputs and per-prompt ``vllm.SamplingParams`` kwargs.
+
+    Prompt i gets seed ``seed + i * n`` (vLLM gives its j-th child ``seed + i * n + j``), so every sample
+    of a batch has its own seed and a batch is reproducible. Raises EngineError for a logprobs request
+    vLLM cannot honour (see SamplingParams.logprobs).
+    """
+    params.validate()
+    if params.logprobs not in ("none", engine_logprobs):
+        raise EngineError(f"params.logprobs={params.logprobs!r} but this vLLM engine was built with "
+                          f"logprobs={engine_logprobs!r} (vLLM fixes logprobs_mode per engine); build the engine "
+                          f"with the mode you need or ask for logprobs='none'.")
+    if params.logprobs == "processed" and (params.top_p < 1.0 or params.top_k not in (-1,)):
+        raise EngineError(f"logprobs='processed' with top_p={params.top_p}, top_k={params.top_k}: vLLM's processed "
+                          f"log-probs are renormalised over the top-k/top-p set and would not match the actor's "
+                          f"full-vocabulary log_softmax(logits/T). Use top_p=1, top_k=-1 for training rollouts, "
+                          f"or logprobs='none' (evaluation).")
+    inputs = [{"prompt_token_ids": list(p)} for p in prompts]
+    sampling = []
+    for i in range(len(prompts)):
+        sampling.append(dict(
+            n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+            max_tokens=params.max_new_tokens, stop_token_ids=list(params.stop_token_ids),
+            seed=None if params.seed is None else params.seed + i * params.n,
+            logprobs=None if params.logprobs == "none" else 0, detokenize=False, ignore_eos=False,
+        ))
+    return inputs, sampling
+
+
+def _sampled_logprob(entry: Any, token_id: int, where: str) -> float:
+    try:
+        return float(entry[token_id].logprob)
+    except (KeyError, TypeError, IndexError) as exc:
+        raise EngineError(f"{where}: vLLM returned no log-prob for the sampled token {token_id}") from exc
+
+
+def responses_from_outputs(outputs: Sequence[Any], n: int, logprobs: str) -> list[list[Response]]:
+    """Convert vLLM ``RequestOutput``s (``.outputs``: ``CompletionOutput`` with ``index``, ``token_ids``,
+    ``logprobs`` (per token a mapping ``token id -> Logprob(.logprob)``) and ``finish_reason``) into
+    Responses, in request order and completion index order."""
+    result = []
+    for r, out in enumerate(outputs):
+        comps = sorted(out.outputs, key=lambda c: c.index)
+        if len(comps) != n:
+            raise EngineError(f"request {r}: vLLM returned {len(comps)} completions, expected n={n}")
+        group = []
+        for c in comps:
+            where = f"request {r} completion {c.index}"
+            if c.finish_reason not in ("stop", "length"):
+                raise EngineError(f"{where}: finish_reason={c.finish_reason!r} (aborted?); expected stop/length")
+            token_ids = [int(t) for t in c.token_ids]
+            lps: list[float] = []
+            if logprobs != "none":
+                if c.logprobs is None or len(c.logprobs) != len(token_ids):
+                    got = None if c.logprobs is None else len(c.logprobs)
+                    raise EngineError(f"{where}: {got} log-prob entries for {len(token_ids)} tokens")
+                lps = [_sampled_logprob(e, t, where) for e, t in zip(c.logprobs, token_ids, strict=True)]
+            group.append(Response(token_ids=token_ids, logprobs=lps, finish_reason=c.finish_reason))
+        result.append(group)
+    return result
+
+
+class VLLMBackend(Protocol):
+    """The few vLLM calls the engine makes; tests replace it with a recording fake."""
+
+    def generate(self, inputs: list[dict], sampling: list[dict]) -> list[Any]: ...
+    def sleep(self, level: int) -> None: ...
+    def wake_up(self, tags: list[str]) -> None: ...
+    def load_weights(self, weights: list[tuple[str, Tensor]]) -> None: ...
+    def reset_prefix_cache(self) -> None: ...
+    def shutdown(self) -> None: ...
+
+
+class _LLMBackend:
+    """The real backend: one in-process ``vllm.LLM`` (never constructed without CUDA)."""
+
+    def __init__(self, vllm: Any, llm_kwargs: dict[str, Any]):
+        self._vllm = vllm
+        self.llm = vllm.LLM(**llm_kwargs)
+        self._model = self._resolve_model()
+
+    def _resolve_model(self) -> Any:
+        obj: Any = self
+        for attr in _MODEL_PATH.split("."):
+            if not hasattr(obj, attr):
+                raise EngineError(f"cannot reach the vLLM model through {_MODEL_PATH} (missing {attr!r}); "
+                                  f"VLLM_ENABLE_V1_MULTIPROCESSING must be 0 and vLLM within {SUPPORTED_VLLM}.")
+            obj = getattr(obj, attr)
+        return obj
+
+    def generate(self, inputs: list[dict], sampling: list[dict]) -> list[Any]:
+        sps = [self._vllm.SamplingParams(**kw) for kw in sampling]
+        return self.llm.generate(inputs, sps, use_tqdm=False)
+
+    def sleep(self, level: int) -> None:
+        self.llm.sleep(level=level)
+
+    def wake_up(self, tags: list[str]) -> None:
+        self.llm.wake_up(tags=tags)
+
+    def load_weights(self, weights: list[tuple[str, Tensor]]) -> None:
+        self._model.load_weights(weights=weights)
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        del self._model
+        del self.llm
+        gc.collect()
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+class VLLMEngine:
+    """Colocated vLLM rollout engine (see the module docstring for the life cycle).
+
+    Args:
+        options: engine settings.
+        hf_config: the model's config.json dict; fixes the expected weight names and shapes of a sync.
+        backend: the vLLM adapter; None builds the real one (imports vLLM, needs CUDA).
+        world_size: torch.distributed world size; None reads it from the initialised process group.
+    """
+
+    def __init__(self, options: VLLMEngineOptions, hf_config: dict[str, Any], *,
+                 backend: VLLMBackend | None = None, world_size: int | None = None):
+        self.options = options
+        world = _world_size() if world_size is None else world_size
+        kwargs = options.llm_kwargs(world)
+        self.vocab_size = int(hf_config["vocab_size"])
+        shapes = qwen2_param_shapes(hf_config)
+        aliases = {"lm_head.weight": "model.embed_tokens.weight"} if hf_config["tie_word_embeddings"] else {}
+        self._tracker = SyncTracker(shapes, aliases)
+        if backend is None:
+            backend = self._real_backend(kwargs)
+        self.backend = backend
+        self.state: Literal["awake", "weights_only", "asleep", "closed"] = "awake"
+        self.weights_valid = options.load_format != "dummy"
+        self._prefix_cache_stale = False
+
+    def _real_backend(self, kwargs: dict[str, Any]) -> VLLMBackend:
+        vllm = import_vllm()
+        flag = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+        if self.options.external_launcher:
+            if flag not in (None, "0"):
+                raise EngineError(f"VLLM_ENABLE_V1_MULTIPROCESSING={flag}: the colocated (external_launcher) engine "
+                                  f"needs it unset or 0, so the engine core runs in this process.")
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        logger.info("building vLLM %s engine: %s", vllm.__version__, kwargs)
+        return _LLMBackend(vllm, kwargs)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Response]]:
+        """Sample params.n responses per prompt; the engine must be awake (call wake() after a sync)."""
+        self._require("awake", "generate")
+        if not self.weights_valid:
+            raise EngineError("generate() before any weight sync: the engine holds no valid weights "
+                              "(load_format=dummy or a failed sync); call update_weights() and wake() first.")
+        check_prompts(prompts, self.options.max_prompt_len, self.vocab_size)
+        inputs, sampling = build_requests(prompts, params, self.options.logprobs)
+        t0 = time.perf_counter()
+        outputs = self.backend.generate(inputs, sampling)
+        if len(outputs) != len(prompts):
+            raise EngineError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
+        result = responses_from_outputs(outputs, params.n, params.logprobs)
+        logger.debug("vLLM: %d prompts x %d in %.2f s", len(prompts), params.n, time.perf_counter() - t0)
+        return result
+
+    def update_weights(self, buckets: Iterable[WeightBucket]) -> None:
+        """Wake the weights if asleep, then load one full sync bucket by bucket (KV cache stays asleep)."""
+        if self.state == "closed":
+            raise EngineError("VLLMEngine is closed; build a new one.")
+        if self.state == "asleep":
+            self.backend.wake_up(["weights"])
+            self.state = "weights_only"
+        t0, n_tensors = time.perf_counter(), 0
+        self._tracker.start()
+        self.weights_valid = False  # until the whole sync has landed
+        for bucket in buckets:
+            checked = self._tracker.check_bucket(bucket)
+            if checked:
+                self.backend.load_weights(checked)
+            n_tensors += len(checked)
+        self._tracker.finish()
+        self.weights_valid = True
+        self._prefix_cache_stale = True
+        logger.info("vLLM: loaded %d tensors in %.2f s", n_tensors, time.perf_counter() - t0)
+
+    def wake(self) -> None:
+        """Make the engine ready to generate: weights (if asleep), then the KV cache; reset the prefix cache."""
+        if self.state == "closed":
+            raise EngineError("VLLMEngine is closed; build a new one.")
+        if self.state == "asleep":
+            if not self.weights_valid:
+                raise EngineError("sleep level 2 discarded the weights; call update_weights() before wake().")
+            self.backend.wake_up(["weights"])
+            self.state = "weights_only"
+        if self.state == "weights_only":
+            self.backend.wake_up(["kv_cache"])
+            self.state = "awake"
+        if self._prefix_cache_stale:
+            self.backend.reset_prefix_cache()  # cached prompt KV was computed with the old weights
+            self._prefix_cache_stale = False
+
+    def sleep(self) -> None:
+        """Release GPU memory at options.sleep_level (idempotent)."""
+        if self.state in ("asleep", "closed"):
+            return
+        self.backend.sleep(self.options.sleep_level)
+        self.state = "asleep"
+        if self.options.sleep_level == 2:
+            self.weights_valid = False
+
+    def close(self) -> None:
+        """Shut the engine down."""
+        if self.state != "closed":
+            self.backend.shutdown()
+            self.state = "closed"
+
+    def _require(self, state: str, action: str) -> None:
+        if self.state != state:
+            hint = {"asleep": "call wake() (after update_weights())", "weights_only": "call wake()",
+                    "closed": "build a new engine"}[self.state]
+            raise EngineError(f"{action}() needs the engine {state}, it is {self.state}: {hint}.")

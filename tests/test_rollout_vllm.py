@@ -1,0 +1,359 @@
+"""VLLMEngine without CUDA: options, request mapping, output conversion, weight-name stream and call order
+through a recording fake backend, the real adapter against a fake ``vllm`` module, version and import checks.
+The last test (marked gpu) really generates with vLLM and is skipped without CUDA and vLLM."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import sys
+import types
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from dapo_mcore.model.presets import preset_config
+from dapo_mcore.rollout import EngineError, SamplingParams, VLLMEngine, VLLMEngineOptions, qwen2_param_shapes
+from dapo_mcore.rollout.vllm_engine import (
+    build_requests,
+    check_vllm_version,
+    import_vllm,
+    responses_from_outputs,
+)
+
+pytestmark = pytest.mark.unit
+
+TINY = preset_config("tiny")
+
+
+@dataclass
+class FakeLogprob:
+    logprob: float
+
+
+@dataclass
+class FakeCompletion:
+    """Shaped like vllm.outputs.CompletionOutput (the fields the engine reads)."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[dict[int, FakeLogprob]] | None
+    finish_reason: str | None
+    text: str = ""
+
+
+@dataclass
+class FakeRequestOutput:
+    request_id: str
+    outputs: list[FakeCompletion]
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+
+def fake_outputs(inputs: list[dict], sampling: list[dict]) -> list[FakeRequestOutput]:
+    """Deterministic completions: tokens derived from the prompt, a distractor logprob entry per step."""
+    outs = []
+    for r, (inp, sp) in enumerate(zip(inputs, sampling, strict=True)):
+        comps = []
+        for j in reversed(range(sp["n"])):  # vLLM does not promise index order
+            toks = [(inp["prompt_token_ids"][-1] + j + k) % 30 + 3 for k in range(j + 1)] + [2]
+            lps = [{t: FakeLogprob(-0.1 * (k + 1)), 31: FakeLogprob(-0.01)} for k, t in enumerate(toks)]
+            comps.append(FakeCompletion(j, toks, lps if sp["logprobs"] is not None else None, "stop"))
+        outs.append(FakeRequestOutput(str(r), comps, inp["prompt_token_ids"]))
+    return outs
+
+
+class FakeBackend:
+    """Records every call the engine makes to vLLM."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self.loaded: list[str] = []
+
+    def generate(self, inputs, sampling):
+        self.calls.append(("generate", len(inputs)))
+        return fake_outputs(inputs, sampling)
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags):
+        self.calls.append(("wake_up", tuple(tags)))
+
+    def load_weights(self, weights):
+        self.calls.append(("load_weights", len(weights)))
+        self.loaded.extend(name for name, _ in weights)
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+    def shutdown(self):
+        self.calls.append(("shutdown",))
+
+
+def hf_state_dict(seed: int = 0, **overrides) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(Qwen2Config(**preset_config("tiny", **overrides))).state_dict()
+
+
+def buckets(sd: dict[str, torch.Tensor], size: int):
+    items = list(sd.items())
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def make_engine(**opts) -> tuple[VLLMEngine, FakeBackend]:
+    backend = FakeBackend()
+    options = VLLMEngineOptions(model_path="/models/tiny", **opts)
+    return VLLMEngine(options, TINY, backend=backend, world_size=4), backend
+
+
+def test_llm_kwargs_for_colocated_spmd():
+    kw = VLLMEngineOptions(model_path="/m", tensor_parallel=2, sleep_level=2, max_model_len=4096).llm_kwargs(8)
+    assert kw["distributed_executor_backend"] == "external_launcher"
+    assert kw["tensor_parallel_size"] == 2 and kw["data_parallel_size"] == 4
+    assert kw["enable_sleep_mode"] is True and kw["logprobs_mode"] == "processed_logprobs"
+    assert kw["seed"] == 0 and kw["max_model_len"] == 4096 and kw["load_format"] == "auto"
+    raw = VLLMEngineOptions(model_path="/m", logprobs="raw", external_launcher=False).llm_kwargs(1)
+    assert raw["logprobs_mode"] == "raw_logprobs" and "distributed_executor_backend" not in raw
+    with pytest.raises(ValueError, match="divide the world size 6"):
+        VLLMEngineOptions(model_path="/m", tensor_parallel=4).llm_kwargs(6)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        VLLMEngineOptions(model_path="/m", gpu_memory_utilization=0.0).validate()
+    with pytest.raises(ValueError, match="external_launcher=True"):
+        VLLMEngineOptions(model_path="/m", external_launcher=False).validate(world_size=2)
+
+
+def test_build_requests_maps_params_and_seeds():
+    params = SamplingParams(n=3, temperature=0.9, max_new_tokens=7, stop_token_ids=(5,), seed=100)
+    inputs, sampling = build_requests([[1, 2], [1, 3, 4]], params, "processed")
+    assert inputs == [{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [1, 3, 4]}]
+    assert [s["seed"] for s in sampling] == [100, 103]  # vLLM adds the child index: 100..102, 103..105
+    s = sampling[0]
+    assert (s["n"], s["temperature"], s["top_p"], s["top_k"], s["max_tokens"]) == (3, 0.9, 1.0, -1, 7)
+    assert s["logprobs"] == 0 and s["detokenize"] is False and s["stop_token_ids"] == [5]
+    _, unseeded = build_requests([[1]], SamplingParams(), "processed")
+    assert unseeded[0]["seed"] is None
+    _, evals = build_requests([[1]], SamplingParams(top_p=0.7, logprobs="none"), "processed")
+    assert evals[0]["logprobs"] is None and evals[0]["top_p"] == 0.7
+    with pytest.raises(EngineError, match="renormalised"):
+        build_requests([[1]], SamplingParams(top_p=0.7), "processed")
+    with pytest.raises(EngineError, match="renormalised"):
+        build_requests([[1]], SamplingParams(top_k=20), "processed")
+    build_requests([[1]], SamplingParams(top_k=20, logprobs="raw"), "raw")  # raw ignores truncation anyway
+    with pytest.raises(EngineError, match="built with logprobs='processed'"):
+        build_requests([[1]], SamplingParams(logprobs="raw"), "processed")
+
+
+def test_responses_from_outputs():
+    inputs, sampling = build_requests([[1, 4], [1, 9]], SamplingParams(n=2), "processed")
+    out = responses_from_outputs(fake_outputs(inputs, sampling), n=2, logprobs="processed")
+    assert [[r.token_ids for r in g] for g in out] == [[[7, 2], [8, 9, 2]], [[12, 2], [13, 14, 2]]]
+    assert out[0][1].logprobs == pytest.approx([-0.1, -0.2, -0.3])  # the sampled token's, not the top entry
+    assert all(r.finish_reason == "stop" for g in out for r in g)
+    raw = fake_outputs(inputs, sampling)
+    raw[1].outputs[0].finish_reason = "abort"
+    with pytest.raises(EngineError, match="request 1 .*abort"):
+        responses_from_outputs(raw, 2, "processed")
+    raw = fake_outputs(inputs, sampling)
+    raw[0].outputs[0].logprobs = raw[0].outputs[0].logprobs[:-1]
+    with pytest.raises(EngineError, match="log-prob entries"):
+        responses_from_outputs(raw, 2, "processed")
+    raw = fake_outputs(inputs, sampling)
+    del raw[0].outputs[1].logprobs[0][raw[0].outputs[1].token_ids[0]]
+    with pytest.raises(EngineError, match="no log-prob for the sampled token"):
+        responses_from_outputs(raw, 2, "processed")
+    with pytest.raises(EngineError, match="expected n=3"):
+        responses_from_outputs(fake_outputs(inputs, sampling), 3, "processed")
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_weight_names_match_hf_qwen2(tied):
+    sd = hf_state_dict(tie_word_embeddings=tied)
+    shapes = qwen2_param_shapes(preset_config("tiny", tie_word_embeddings=tied))
+    want = {k: tuple(v.shape) for k, v in sd.items() if not (tied and k == "lm_head.weight")}
+    assert shapes == want
+
+
+def test_sync_order_and_weight_stream():
+    engine, backend = make_engine()
+    engine.sleep()
+    sd = hf_state_dict()
+    engine.update_weights(buckets(sd, 4))
+    engine.wake()
+    out = engine.generate([[1, 4], [1, 9]], SamplingParams(n=2, seed=0))
+    engine.sleep()
+    engine.sleep()  # idempotent
+    kinds = [c[0] for c in backend.calls]
+    n_loads = kinds.count("load_weights")
+    assert backend.calls[:2] == [("sleep", 1), ("wake_up", ("weights",))]
+    assert kinds[2:2 + n_loads] == ["load_weights"] * n_loads and n_loads == 7  # 27 tensors in buckets of 4
+    assert backend.calls[2 + n_loads:] == [("wake_up", ("kv_cache",)), ("reset_prefix_cache",), ("generate", 2),
+                                           ("sleep", 1)]
+    # every HF name once, in stream order, the tied lm_head alias dropped (vLLM's Qwen2 ties it itself)
+    assert backend.loaded == [k for k in sd if k != "lm_head.weight"]
+    assert len(out) == 2 and len(out[0]) == 2
+    engine.close()
+    assert backend.calls[-1] == ("shutdown",)
+
+
+def test_state_checks_and_failed_syncs():
+    engine, backend = make_engine(sleep_level=2)
+    sd = hf_state_dict()
+    engine.sleep()
+    with pytest.raises(EngineError, match="needs the engine awake, it is asleep"):
+        engine.generate([[1]], SamplingParams())
+    with pytest.raises(EngineError, match="discarded the weights"):
+        engine.wake()
+    bad = dict(sd, **{"model.norm.weight": torch.zeros(3)})
+    with pytest.raises(EngineError, match=r"model.norm.weight.*\(3,\)"):
+        engine.update_weights(buckets(bad, 100))
+    engine.wake()  # KV cache up, but the weights are half-loaded: generation must refuse
+    with pytest.raises(EngineError, match="no valid weights"):
+        engine.generate([[1]], SamplingParams())
+    with pytest.raises(EngineError, match="never sent: model.embed_tokens.weight"):
+        engine.update_weights(buckets({k: v for k, v in sd.items() if "embed" not in k}, 5))
+    engine.update_weights(buckets(sd, 5))
+    engine.wake()
+    assert engine.generate([[1, 2]], SamplingParams(n=1))[0][0].finish_reason == "stop"
+    with pytest.raises(EngineError, match="empty=1"):
+        engine.generate([[1, 2], []], SamplingParams())
+
+
+def test_dummy_load_needs_a_sync_first():
+    engine, _ = make_engine(load_format="dummy")
+    with pytest.raises(EngineError, match="before any weight sync"):
+        engine.generate([[1]], SamplingParams())
+    engine.update_weights(buckets(hf_state_dict(), 8))
+    engine.wake()
+    engine.generate([[1]], SamplingParams())
+
+
+def test_version_checks():
+    for ok in ("0.11.0", "0.20.1", "0.33.1+cu128", "0.12.0rc1.dev5"):
+        check_vllm_version(ok)
+    for bad in ("0.10.2", "0.34.0", "1.0.0"):
+        with pytest.raises(EngineError, match="not supported"):
+            check_vllm_version(bad)
+    with pytest.raises(EngineError, match="cannot parse"):
+        check_vllm_version("nightly")
+
+
+def test_missing_vllm_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
+    with pytest.raises(EngineError, match=r"pip install 'dapo-mcore\[gpu\]'"):
+        import_vllm()
+    with pytest.raises(EngineError, match="not installed"):
+        VLLMEngine(VLLMEngineOptions(model_path="/m"), TINY, world_size=1)
+
+
+def fake_vllm_module(version: str, log: list) -> types.ModuleType:
+    """A stand-in ``vllm`` module with the LLM surface the real adapter touches."""
+    model = types.SimpleNamespace(load_weights=lambda weights: log.append(("load", [n for n, _ in weights])))
+
+    class LLM:
+        def __init__(self, **kwargs):
+            log.append(("LLM", kwargs))
+            runner = types.SimpleNamespace(model=model)
+            worker = types.SimpleNamespace(worker=types.SimpleNamespace(model_runner=runner))
+            self.llm_engine = types.SimpleNamespace(model_executor=types.SimpleNamespace(driver_worker=worker))
+
+        def generate(self, inputs, sampling_params, use_tqdm):
+            log.append(("generate", use_tqdm))
+            return fake_outputs(inputs, [sp.kwargs for sp in sampling_params])
+
+        def sleep(self, level):
+            log.append(("sleep", level))
+
+        def wake_up(self, tags):
+            log.append(("wake_up", tags))
+
+        def reset_prefix_cache(self):
+            log.append(("reset",))
+
+    class FakeSamplingParams:
+        def __init__(self, **kwargs):
+            self.kwargs = kwargs
+
+    return types.SimpleNamespace(__version__=version, LLM=LLM, SamplingParams=FakeSamplingParams)
+
+
+def test_real_adapter_against_fake_vllm_module(monkeypatch):
+    log: list = []
+    monkeypatch.setitem(sys.modules, "vllm", fake_vllm_module("0.20.0", log))
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    options = VLLMEngineOptions(model_path="/m", tensor_parallel=2)
+    with pytest.raises(EngineError, match="VLLM_ENABLE_V1_MULTIPROCESSING=1"):
+        VLLMEngine(options, TINY, world_size=2)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
+    engine = VLLMEngine(options, TINY, world_size=2)
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert log[0][0] == "LLM" and log[0][1]["data_parallel_size"] == 1
+    engine.sleep()
+    engine.update_weights(buckets(hf_state_dict(), 30))
+    engine.wake()
+    out = engine.generate([[1, 5]], SamplingParams(n=2, seed=3))
+    assert out[0][0].token_ids == [8, 2]
+    names = [n for step in log if step[0] == "load" for n in step[1]]
+    assert "model.layers.1.mlp.down_proj.weight" in names and "lm_head.weight" not in names
+    assert [s[0] for s in log[1:]] == ["sleep", "wake_up", "load", "wake_up", "reset", "generate"]
+    monkeypatch.setitem(sys.modules, "vllm", fake_vllm_module("0.9.2", log))
+    with pytest.raises(EngineError, match="vLLM 0.9.2 is not supported"):
+        VLLMEngine(options, TINY, world_size=2)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
+                    reason="needs CUDA and vLLM (pip install 'dapo-mcore[gpu]')")
+def test_vllm_generates_and_syncs_weights_on_gpu(tmp_path, monkeypatch):
+    from dapo_mcore.data.tokenizer import build_tiny_tokenizer
+
+    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(_free_port())).items():
+        monkeypatch.setenv(key, value)
+    cfg = preset_config("tiny", hidden_size=128, intermediate_size=352)  # head_dim 32: supported by GPU kernels
+    models = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        m = Qwen2ForCausalLM(Qwen2Config(**cfg)).float().eval()
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+        models.append(m)
+    models[0].save_pretrained(tmp_path)
+    build_tiny_tokenizer().save_pretrained(tmp_path)
+    options = VLLMEngineOptions(model_path=str(tmp_path), dtype="float32", enforce_eager=True,
+                                gpu_memory_utilization=0.2, max_model_len=128, max_prompt_len=64)
+    engine = VLLMEngine(options, cfg, world_size=1)
+    prompts = [[1, 7, 9, 12], [1, 3], [1, 4, 4, 8, 9, 10, 11]]
+
+    def check(model, params):
+        out = engine.generate(prompts, params)
+        for prompt, group in zip(prompts, out, strict=True):
+            for r in group:
+                with torch.no_grad():
+                    logits = model(torch.tensor([prompt + r.token_ids])).logits[0].float()
+                T = params.temperature or 1.0
+                ref = torch.log_softmax(logits / T, -1)[len(prompt) - 1:-1].gather(
+                    1, torch.tensor(r.token_ids)[:, None]).squeeze(1)
+                assert torch.allclose(torch.tensor(r.logprobs), ref, atol=2e-3)
+                if params.temperature == 0:
+                    assert r.token_ids == model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8,
+                                                         eos_token_id=2, pad_token_id=0)[0, len(prompt):].tolist()
+        return out
+
+    check(models[0], SamplingParams(n=1, temperature=0.0, max_new_tokens=8))
+    sampled = check(models[0], SamplingParams(n=4, temperature=0.7, max_new_tokens=8, seed=1))
+    assert sampled == engine.generate(prompts, SamplingParams(n=4, temperature=0.7, max_new_tokens=8, seed=1))
+    engine.sleep()
+    engine.update_weights(buckets(models[1].state_dict(), 6))
+    engine.wake()
+    check(models[1], SamplingParams(n=1, temperature=0.0, max_new_tokens=8))
+    engine.close()
