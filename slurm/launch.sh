@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# The one launch path of every dapo-mcore job: run COMMAND once per task (one task per GPU) with
+# torch.distributed's env rendezvous, forward the pre-emption signal, and requeue on request.
+#
+# Usage (inside an sbatch allocation):  slurm/launch.sh COMMAND [ARGS...]
+#   e.g. slurm/launch.sh dapo-mcore train examples/qwen2.5-32b.yaml run.dir=/runs/x
+#
+# Rendezvous: MASTER_ADDR = first host of `scontrol show hostnames $SLURM_JOB_NODELIST`,
+# MASTER_PORT = DAPO_MASTER_PORT_BASE + SLURM_JOB_ID % 10000 (per job, so jobs sharing a node do not
+# collide; a requeued job keeps its id and port). Each task gets RANK/LOCAL_RANK/WORLD_SIZE from
+# SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS, so any torch `env://` program works unchanged.
+#
+# Signals and requeue (contract with the trainer):
+#   The sbatch scripts ask for `--signal=B:USR1@<secs>`: Slurm signals only this batch shell, which
+#   is waiting on srun in the background. The trap forwards USR1 with `kill -USR1 <srun pid>`; srun
+#   relays it to every task of the step on every node. (`scancel --signal=USR1 --batch` would signal
+#   the batch shell again, not the tasks; without `B:` Slurm would signal the tasks directly but this
+#   shell would not know a requeue was asked for, and a signal arriving before srun starts would be
+#   lost.) The trainer finishes its step, checkpoints and exits 75 (EX_TEMPFAIL); then this script
+#   runs `scontrol requeue $SLURM_JOB_ID` and the job restarts later under the same id, resuming
+#   from the latest checkpoint. Because srun is started with --kill-on-bad-exit=1, the first rank to
+#   exit 75 gets its peers killed, so srun may report 128+9 instead of 75: after a forwarded
+#   signal any non-zero exit is treated as "requeue". DAPO_MAX_REQUEUES bounds the restarts.
+# shellcheck source-path=SCRIPTDIR
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=env.sh
+source "$here/env.sh"
+
+log() { echo "[launch.sh $(date '+%F %T')] $*" >&2; }
+
+if [[ -z "${SLURM_JOB_ID:-}" ]]; then
+    log "not inside a Slurm allocation: submit an sbatch script from slurm/ (or use salloc)"
+    exit 2
+fi
+if (( $# == 0 )); then
+    log "usage: launch.sh COMMAND [ARGS...]"
+    exit 2
+fi
+
+mapfile -t hosts < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+export MASTER_ADDR=${MASTER_ADDR:-${hosts[0]}}
+export MASTER_PORT=${MASTER_PORT:-$(( DAPO_MASTER_PORT_BASE + SLURM_JOB_ID % 10000 ))}
+log "job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0}: ${SLURM_NTASKS} tasks on ${#hosts[@]} node(s)," \
+    "rendezvous $MASTER_ADDR:$MASTER_PORT, command: $*"
+
+srun_pid=""
+signalled=""
+# shellcheck disable=SC2317  # invoked by the traps below
+forward() {
+    local sig=$1
+    signalled=$sig
+    if [[ -n "$srun_pid" ]] && kill -0 "$srun_pid" 2>/dev/null; then
+        log "got SIG$sig: forwarding to srun (pid $srun_pid)"
+        kill -s "$sig" "$srun_pid" || log "srun exited before SIG$sig could be forwarded"
+    else
+        log "got SIG$sig before/after the step ran: nothing to forward"
+    fi
+}
+trap 'forward USR1' USR1
+trap 'forward TERM' TERM
+
+read -r -a extra_srun_args <<<"${DAPO_SRUN_ARGS:-}"
+# One task per allocated task slot (the sbatch scripts ask for one per GPU). The bash wrapper only
+# exports torch's env names and execs the command, so signals reach the command itself.
+# shellcheck disable=SC2016  # the $SLURM_* variables are expanded per task, not here
+srun --kill-on-bad-exit=1 "${extra_srun_args[@]}" \
+    bash -c 'export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS
+             export LOCAL_WORLD_SIZE=${SLURM_NTASKS_PER_NODE:-$SLURM_NTASKS}; exec "$@"' dapo-task "$@" &
+srun_pid=$!
+
+# A trapped signal makes `wait` return early (status > 128) while srun still runs: wait again.
+rc=0
+while true; do
+    wait "$srun_pid" && rc=0 || rc=$?
+    if kill -0 "$srun_pid" 2>/dev/null; then
+        continue
+    fi
+    break
+done
+srun_pid=""
+log "step exited with $rc"
+
+if (( rc == 0 )); then
+    exit 0
+fi
+if (( rc == DAPO_REQUEUE_EXIT_CODE )) || [[ -n "$signalled" ]]; then
+    restarts=${SLURM_RESTART_COUNT:-0}
+    if (( restarts >= DAPO_MAX_REQUEUES )); then
+        log "requeue requested but the job already restarted $restarts times (DAPO_MAX_REQUEUES); giving up"
+        exit "$rc"
+    fi
+    log "requeueing job $SLURM_JOB_ID (restart $(( restarts + 1 )))"
+    scontrol requeue "$SLURM_JOB_ID"
+    exit 0
+fi
+exit "$rc"

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Install the single-node Slurm used by the tests (Debian/Ubuntu, as root).
+# Slurm 22.05 on Debian 12; shellcheck is for the script lint test.
+set -euo pipefail
+export DEBIAN_FRONTEND=noninteractive
+apt-get update
+apt-get install -y slurmctld slurmd slurm-client munge shellcheck
