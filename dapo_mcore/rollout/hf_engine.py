@@ -44,7 +44,7 @@ class HFEngine:
         eos_token_ids: token id(s) that end a response (finish_reason "stop").
         pad_token_id: id written into padding (never attended); defaults to the first EOS id.
         max_prompt_len: longest accepted prompt; defaults to ``max_position_embeddings``.
-        max_batch_rows: most (prompt x sample) rows decoded together; bounds memory.
+        max_batch_rows: most (prompt x sample) rows decoded together (at least n); bounds memory.
     """
 
     def __init__(self, model: PreTrainedModel, *, eos_token_ids: int | Sequence[int],
@@ -94,13 +94,13 @@ class HFEngine:
             seed = int(torch.randint(0, 2**62, (1,)).item())
         else:
             seed = params.seed
-        generator = torch.Generator(device="cpu").manual_seed(seed)
-        rows = [p for p in prompts for _ in range(params.n)]
+        generator = torch.Generator(device=self.device).manual_seed(seed)
         stop_ids = torch.tensor(sorted(set(self.eos_token_ids) | set(params.stop_token_ids)), device=self.device)
+        per_chunk = max(1, self.max_batch_rows // params.n)  # prompts per chunk; each becomes n rows
         flat: list[Response] = []
         t0 = time.perf_counter()
-        for start in range(0, len(rows), self.max_batch_rows):
-            flat.extend(self._generate_rows(rows[start:start + self.max_batch_rows], params, stop_ids, generator))
+        for start in range(0, len(prompts), per_chunk):
+            flat.extend(self._generate_rows(prompts[start:start + per_chunk], params, stop_ids, generator))
         logger.debug("HFEngine: %d responses, %d tokens in %.3f s", len(flat), sum(r.length for r in flat),
                      time.perf_counter() - t0)
         return [flat[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
@@ -115,14 +115,18 @@ class HFEngine:
             mask[i, width - len(r):] = 1
         return input_ids, mask, lens
 
-    def _generate_rows(self, rows: list[list[int]], params: SamplingParams, stop_ids: Tensor,
+    def _generate_rows(self, prompts: list[list[int]], params: SamplingParams, stop_ids: Tensor,
                        generator: torch.Generator) -> list[Response]:
-        input_ids, mask, lens = self._left_pad(rows)
+        """Prefill each prompt once, fan the KV cache out to n rows, decode until every row stops."""
+        input_ids, mask, lens = self._left_pad(prompts)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
                          logits_to_keep=1)
         cache, logits = getattr(out, self._cache_kw), out.logits[:, -1, :]
-        n_rows, max_new = len(rows), params.max_new_tokens
+        if params.n > 1:
+            cache.batch_repeat_interleave(params.n)
+            logits, mask, lens = (x.repeat_interleave(params.n, dim=0) for x in (logits, mask, lens))
+        n_rows, max_new = len(prompts) * params.n, params.max_new_tokens
         tokens = torch.full((n_rows, max_new), self.pad_token_id, dtype=torch.long, device=self.device)
         logps = torch.zeros((n_rows, max_new), dtype=torch.float32, device=self.device)
         n_gen = torch.zeros(n_rows, dtype=torch.long, device=self.device)
