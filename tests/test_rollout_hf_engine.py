@@ -8,7 +8,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from dapo_mcore.model.presets import preset_config
-from dapo_mcore.rollout import EngineError, HFEngine, SamplingParams, filter_prompts
+from dapo_mcore.rollout import Engine, EngineError, HFEngine, SamplingParams, filter_prompts
 
 pytestmark = pytest.mark.unit
 
@@ -188,6 +188,7 @@ def test_from_pretrained_roundtrip(model, tmp_path):
     model.generation_config.pad_token_id = 0
     model.save_pretrained(tmp_path)
     loaded = HFEngine.from_pretrained(tmp_path)
+    assert isinstance(loaded, Engine)
     assert loaded.eos_token_ids == (EOS,) and loaded.pad_token_id == 0
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=6)
     assert loaded.generate(PROMPTS, params) == HFEngine(model, eos_token_ids=EOS).generate(PROMPTS, params)

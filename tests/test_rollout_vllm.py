@@ -16,7 +16,14 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from dapo_mcore.model.presets import preset_config
-from dapo_mcore.rollout import EngineError, SamplingParams, VLLMEngine, VLLMEngineOptions, qwen2_param_shapes
+from dapo_mcore.rollout import (
+    Engine,
+    EngineError,
+    SamplingParams,
+    VLLMEngine,
+    VLLMEngineOptions,
+    qwen2_param_shapes,
+)
 from dapo_mcore.rollout.vllm_engine import (
     build_requests,
     check_vllm_version,
@@ -178,6 +185,7 @@ def test_weight_names_match_hf_qwen2(tied):
 
 def test_sync_order_and_weight_stream():
     engine, backend = make_engine()
+    assert isinstance(engine, Engine)
     engine.sleep()
     sd = hf_state_dict()
     engine.update_weights(buckets(sd, 4))
