@@ -1,0 +1,207 @@
+"""Build, pre-train and cache the tiny base model of the embedded CPU default.
+
+The model is a Hugging Face ``Qwen2ForCausalLM`` of the ``tiny`` preset. Its "pre-training" corpus is
+drawn from a synthetic task (``data/tasks.py``) as a mixture of rules: for each sampled training
+prompt the target answer comes from the correct rule with probability ``correct_weight`` and from one
+of the task's distractor rules otherwise. A corpus with one fixed answer per prompt gets memorised
+(deterministic model, no mixed DAPO groups); a mixture yields a model that is uncertain on every prompt,
+held-out ones included, whose mixture weight RL can then shift globally.
+
+Outputs go to ``cache_dir/<task>-<hash of settings>/``: ``save_pretrained`` safetensors + the tiny
+tokenizer + ``settings.json`` + ``pretrain_log.jsonl``. A second call with equal settings is a cache hit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM
+
+from dapo_mcore.data.prompts import render_prompt_ids
+from dapo_mcore.data.records import PromptRecord
+from dapo_mcore.data.tasks import get_task, split_problems, task_records
+from dapo_mcore.data.tokenizer import TINY_VOCAB, build_tiny_tokenizer
+from dapo_mcore.model.presets import preset_config
+
+logger = logging.getLogger(__name__)
+
+_CACHE_FORMAT_VERSION = 1
+_DONE_MARKER = "DONE"
+
+
+@dataclass(frozen=True)
+class TinyBaseSettings:
+    """Everything that determines the cached base model (all fields enter the cache key)."""
+
+    task: str = "max4"
+    """Registered synthetic task whose training split makes the corpus."""
+    split_seed: int = 0
+    """Seed of the task's train/held-out permutation (must match the one used for RL and eval)."""
+    heldout_fraction: float = 0.2
+    """Share of the task's problems held out (never seen in pre-training or RL)."""
+    correct_weight: float = 0.25
+    """Probability that a corpus answer comes from the correct rule; the distractors share the rest equally."""
+    steps: int = 600
+    """Optimizer steps of pre-training."""
+    batch_size: int = 64
+    """Sequences per pre-training step (each a fresh draw of prompt and rule)."""
+    lr: float = 3e-3
+    """Peak AdamW learning rate (linear warm-up over 5% of the steps, cosine decay to 10%)."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    seed: int = 0
+    """Seed of the initial weights and of the corpus draws."""
+
+    def validate(self) -> None:
+        get_task(self.task)
+        if not 0.0 < self.correct_weight < 1.0:
+            raise ValueError(f"correct_weight={self.correct_weight} must lie in (0, 1), e.g. 0.25, "
+                             "so that the base model is uncertain")
+        if self.steps < 1 or self.batch_size < 1:
+            raise ValueError(f"steps={self.steps} and batch_size={self.batch_size} must be >= 1")
+        if self.lr <= 0:
+            raise ValueError(f"lr={self.lr} must be > 0, e.g. 3e-3")
+
+    def cache_key(self) -> str:
+        """A short hash of the settings, the vocabulary and the cache format."""
+        payload = json.dumps([dataclasses.asdict(self), list(TINY_VOCAB), _CACHE_FORMAT_VERSION], sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+def build_tiny_model(seed: int) -> Qwen2ForCausalLM:
+    """A randomly initialised float32 ``Qwen2ForCausalLM`` of the ``tiny`` preset (pad id 0)."""
+    torch.manual_seed(seed)
+    config = Qwen2Config(**preset_config("tiny", pad_token_id=0, dtype="float32"))
+    return Qwen2ForCausalLM(config)
+
+
+def response_text(answer: str) -> str:
+    """The assistant's text for an answer, in the form the math verifier extracts."""
+    return f"Answer: {answer}"
+
+
+def encode_examples(tokenizer: PreTrainedTokenizerBase, prompts: list[str],
+                    answers: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids ``[B, T]`` of prompt + response + eos (right-padded) and labels masking all but the response."""
+    rows, labels = [], []
+    for prompt, answer in zip(prompts, answers, strict=True):
+        p_ids = render_prompt_ids(tokenizer, prompt)
+        r_ids = tokenizer(response_text(answer), add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        rows.append(p_ids + r_ids)
+        labels.append([-100] * len(p_ids) + r_ids)
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    lab = torch.full((len(rows), width), -100, dtype=torch.long)
+    for i, (r, l_) in enumerate(zip(rows, labels, strict=True)):
+        ids[i, : len(r)] = torch.tensor(r)
+        lab[i, : len(l_)] = torch.tensor(l_)
+    return ids, lab
+
+
+@torch.no_grad()
+def correct_response_prob(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerBase,
+                          records: list[PromptRecord]) -> torch.Tensor:
+    """Per record, the exact probability that temperature-1 sampling emits ``Answer: <truth><eos>``.
+
+    Its mean is the expected accuracy at temperature 1 (avg@k as k grows), counting only the canonical
+    response; ``1 - p**G - (1-p)**G`` is the chance that a group of G samples is usable.
+    """
+    model.eval()
+    ids, labels = encode_examples(tokenizer, [r.prompt for r in records], [r.ground_truth for r in records])
+    logits = model(input_ids=ids).logits[:, :-1].float()
+    targets = labels[:, 1:]
+    mask = targets != -100
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return torch.exp((logp * mask).sum(-1))
+
+
+def _lr_at(step: int, settings: TinyBaseSettings) -> float:
+    warmup = max(1, settings.steps // 20)
+    if step < warmup:
+        return settings.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, settings.steps - warmup)
+    return settings.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def pretrain(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerBase, settings: TinyBaseSettings,
+             log_path: Path | None = None) -> list[dict[str, float]]:
+    """Next-token training on mixture-of-rules answers; returns (and appends to ``log_path``) progress rows."""
+    task = get_task(settings.task)
+    problems = split_problems(task, "train", settings.split_seed, settings.heldout_fraction)
+    rules = [task.answer, *task.distractors().values()]
+    n_wrong = len(rules) - 1
+    weights = torch.tensor([settings.correct_weight] + [(1 - settings.correct_weight) / n_wrong] * n_wrong)
+    heldout = task_records(settings.task, "heldout", settings.split_seed, settings.heldout_fraction)[:256]
+    gen = torch.Generator().manual_seed(settings.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay,
+                            betas=(0.9, 0.98))
+    log: list[dict[str, float]] = []
+    start = time.perf_counter()
+    every = max(1, settings.steps // 10)
+    for step in range(settings.steps):
+        model.train()
+        picks = torch.randint(len(problems), (settings.batch_size,), generator=gen).tolist()
+        which = torch.multinomial(weights, settings.batch_size, replacement=True, generator=gen).tolist()
+        batch = [problems[i] for i in picks]
+        ids, labels = encode_examples(tokenizer, [task.render(p) for p in batch],
+                                      [rules[r](p) for p, r in zip(batch, which, strict=True)])
+        for group in opt.param_groups:
+            group["lr"] = _lr_at(step, settings)
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if (step + 1) % every == 0 or step + 1 == settings.steps:
+            p = correct_response_prob(model, tokenizer, heldout)
+            row = {"step": step + 1, "loss": round(loss.item(), 4),
+                   "heldout_p_correct": round(p.mean().item(), 4),
+                   "heldout_usable_g8": round((1 - p**8 - (1 - p) ** 8).mean().item(), 4),
+                   "elapsed_s": round(time.perf_counter() - start, 2)}
+            log.append(row)
+            logger.info("pretrain %s: %s", settings.task, row)
+            if log_path is not None:
+                with log_path.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+    model.eval()
+    return log
+
+
+def ensure_base_model(cache_dir: Path, settings: TinyBaseSettings) -> Path:
+    """Return the directory of the cached base model for ``settings``, pre-training it on a miss.
+
+    The directory holds a ``from_pretrained``-loadable model and tokenizer. Writing happens in a
+    temporary sibling that is renamed when complete, so an interrupted build is never a cache hit.
+    """
+    settings.validate()
+    cache_dir = Path(cache_dir)
+    final = cache_dir / f"{settings.task}-{settings.cache_key()}"
+    if (final / _DONE_MARKER).is_file():
+        logger.info("tiny base model cache hit: %s", final)
+        return final
+    logger.info("tiny base model cache miss: pre-training %s into %s", settings, final)
+    tmp = cache_dir / f".{final.name}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model(settings.seed)
+    (tmp / "settings.json").write_text(json.dumps(dataclasses.asdict(settings), indent=2) + "\n")
+    pretrain(model, tokenizer, settings, log_path=tmp / "pretrain_log.jsonl")
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / _DONE_MARKER).write_text("ok\n")
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    logger.info("tiny base model saved to %s", final)
+    return final

@@ -1,0 +1,160 @@
+"""Registry of synthetic verifiable tasks for the tiny CPU default.
+
+A task enumerates a finite universe of problems, renders each as a short prompt the tiny tokenizer
+can spell, and knows the correct answer plus a few systematic *distractor rules* (plausible wrong
+procedures). The distractors are what make a useful base model: pre-training on answers drawn from a
+mixture "correct rule with probability p, a distractor otherwise" gives a model that is uncertain per
+prompt, so DAPO groups have mixed outcomes, and RL can shift the mixture weight globally.
+
+Splits are honest: one seeded permutation of the universe, the first ``heldout_fraction`` of it is
+the held-out set and the rest the training set, so the two are disjoint prompt sets drawn from the
+same distribution. Every prompt of a task has the same token length (no padding needed).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Literal
+
+from dapo_mcore.data.records import PromptRecord
+
+Problem = tuple[int, ...]
+Rule = Callable[[Problem], str]
+Split = Literal["train", "heldout"]
+
+
+class SyntheticTask(ABC):
+    """A finite set of problems with a correct rule and distractor rules (all deterministic)."""
+
+    name: str
+    description: str
+
+    @abstractmethod
+    def problems(self) -> list[Problem]:
+        """Every problem of the universe, in a fixed canonical order."""
+
+    @abstractmethod
+    def render(self, problem: Problem) -> str:
+        """The user-turn prompt text."""
+
+    @abstractmethod
+    def answer(self, problem: Problem) -> str:
+        """The ground-truth answer string (what the verifier compares against)."""
+
+    @abstractmethod
+    def distractors(self) -> dict[str, Rule]:
+        """Named wrong procedures, used only to build the base model's pre-training corpus."""
+
+
+class OrderStatTask(SyntheticTask):
+    """``max(3,9,1,4)`` (or ``min``) over 4 distinct digits: 5040 problems.
+
+    Distractors are the opposite extreme and the correct extreme off by one either way. With 4
+    distinct digits max - min >= 3, so the four rules always give four different answers and chance
+    accuracy equals the correct rule's weight. (A mixture over the four *order statistics* would be
+    useless: with equal weights it is just "copy a random prompt digit", which carries no signal.)
+    """
+
+    def __init__(self, op: Literal["max", "min"]) -> None:
+        self.op = op
+        self.name = f"{op}4"
+        self.description = f"{op} of 4 distinct digits, e.g. {op}(3,9,1,4)"
+
+    def problems(self) -> list[Problem]:
+        return list(itertools.permutations(range(10), 4))
+
+    def render(self, problem: Problem) -> str:
+        return f"{self.op}({','.join(str(d) for d in problem)})"
+
+    def answer(self, problem: Problem) -> str:
+        return str(max(problem) if self.op == "max" else min(problem))
+
+    def distractors(self) -> dict[str, Rule]:
+        other, extreme = (min, max) if self.op == "max" else (max, min)
+        return {
+            f"{other.__name__}_instead": lambda p: str(other(p)),
+            "off_by_minus_one": lambda p: str(extreme(p) - 1),
+            "off_by_plus_one": lambda p: str(extreme(p) + 1),
+        }
+
+
+class AddTask(SyntheticTask):
+    """``07+45`` with zero-padded two-digit operands: 10000 problems (a harder, non-default task).
+
+    Distractors are classic slips: dropping the carry, and being off by ten either way.
+    """
+
+    name = "add2"
+    description = "sum of two zero-padded two-digit numbers, e.g. 07+45"
+
+    def problems(self) -> list[Problem]:
+        return [(a, b) for a in range(100) for b in range(100)]
+
+    def render(self, problem: Problem) -> str:
+        return f"{problem[0]:02d}+{problem[1]:02d}"
+
+    def answer(self, problem: Problem) -> str:
+        return str(problem[0] + problem[1])
+
+    def distractors(self) -> dict[str, Rule]:
+        def no_carry(p: Problem) -> str:
+            return str(((p[0] // 10 + p[1] // 10) % 10) * 10 + (p[0] + p[1]) % 10)
+
+        return {
+            "no_carry": no_carry,
+            "plus_ten": lambda p: str(p[0] + p[1] + 10),
+            "minus_ten": lambda p: str(abs(p[0] + p[1] - 10)),
+        }
+
+
+_REGISTRY: dict[str, SyntheticTask] = {}
+
+
+def register_task(task: SyntheticTask) -> SyntheticTask:
+    """Add a task to the registry; a second task with the same name is an error."""
+    if task.name in _REGISTRY:
+        raise ValueError(f"task {task.name!r} is already registered; pick another name")
+    _REGISTRY[task.name] = task
+    return task
+
+
+def task_names() -> list[str]:
+    """Names of all registered tasks, sorted."""
+    return sorted(_REGISTRY)
+
+
+def get_task(name: str) -> SyntheticTask:
+    """Look up a registered task by name."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown task {name!r}; registered tasks: {', '.join(task_names())}")
+    return _REGISTRY[name]
+
+
+def split_problems(task: SyntheticTask, split: Split, seed: int = 0,
+                   heldout_fraction: float = 0.2) -> list[Problem]:
+    """The problems of one split: a seeded permutation, held-out first, train the rest (disjoint)."""
+    if not 0.0 < heldout_fraction < 1.0:
+        raise ValueError(f"heldout_fraction={heldout_fraction} must lie strictly between 0 and 1, e.g. 0.2")
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split={split!r}; use 'train' or 'heldout'")
+    problems = task.problems()
+    random.Random(f"{task.name}:{seed}").shuffle(problems)
+    n_heldout = max(1, round(len(problems) * heldout_fraction))
+    return problems[:n_heldout] if split == "heldout" else problems[n_heldout:]
+
+
+def task_records(name: str, split: Split, seed: int = 0, heldout_fraction: float = 0.2) -> list[PromptRecord]:
+    """The prompts and ground truths of one split of a registered task, deterministic in ``seed``."""
+    task = get_task(name)
+    return [
+        PromptRecord(prompt=task.render(p), ground_truth=task.answer(p), data_source=f"synthetic/{name}", index=i)
+        for i, p in enumerate(split_problems(task, split, seed, heldout_fraction))
+    ]
+
+
+register_task(OrderStatTask("max"))
+register_task(OrderStatTask("min"))
+register_task(AddTask())

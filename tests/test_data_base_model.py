@@ -1,0 +1,70 @@
+"""Tiny base model: cache keying, cache hits, loadability, the corpus encoding."""
+
+import json
+
+import pytest
+import torch
+from transformers import Qwen2ForCausalLM
+
+import dapo_mcore.data.base_model as bm
+from dapo_mcore.data.tasks import task_records
+from dapo_mcore.data.tokenizer import build_tiny_tokenizer, load_tokenizer
+
+pytestmark = pytest.mark.unit
+
+FAST = bm.TinyBaseSettings(steps=6, batch_size=8)
+
+
+def test_cache_key_depends_on_every_setting():
+    keys = {FAST.cache_key(), bm.TinyBaseSettings(steps=7, batch_size=8).cache_key(),
+            bm.TinyBaseSettings(steps=6, batch_size=8, correct_weight=0.3).cache_key(),
+            bm.TinyBaseSettings(steps=6, batch_size=8, task="min4").cache_key()}
+    assert len(keys) == 4
+
+
+def test_ensure_base_model_builds_then_hits_the_cache(tmp_path, monkeypatch):
+    path = bm.ensure_base_model(tmp_path, FAST)
+    assert (path / "model.safetensors").is_file() and (path / "tokenizer.json").is_file()
+    log = [json.loads(x) for x in (path / "pretrain_log.jsonl").read_text().splitlines()]
+    assert log[-1]["step"] == FAST.steps
+    model = Qwen2ForCausalLM.from_pretrained(path)
+    assert next(model.parameters()).dtype == torch.float32 and model.config.vocab_size == 32
+    tok = load_tokenizer(path)
+    assert tok.decode(tok("Answer: 9", add_special_tokens=False).input_ids) == "Answer: 9"
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a second call must be a cache hit")
+
+    monkeypatch.setattr(bm, "pretrain", no_training)
+    assert bm.ensure_base_model(tmp_path, FAST) == path
+
+
+def test_settings_validate():
+    with pytest.raises(ValueError, match="correct_weight"):
+        bm.TinyBaseSettings(correct_weight=1.0).validate()
+    with pytest.raises(ValueError, match="unknown task"):
+        bm.TinyBaseSettings(task="nope").validate()
+
+
+def test_encode_examples_masks_all_but_the_response():
+    tok = build_tiny_tokenizer()
+    ids, labels = bm.encode_examples(tok, ["max(1,2,3,4)", "max(5,2,3,4)"], ["4", "10"])
+    assert ids.shape == labels.shape and ids.shape[1] == 13 + 4 + 1
+    resp = labels[1][labels[1] != -100].tolist()
+    assert tok.decode(resp) == "Answer: 10<eos>"
+    assert ids[0, -1].item() == tok.pad_token_id and labels[0, -1].item() == -100
+
+
+def test_correct_response_prob_matches_naive_chain_rule():
+    tok = build_tiny_tokenizer()
+    model = bm.build_tiny_model(seed=0).eval()
+    rec = task_records("max4", "heldout")[:1]
+    p = bm.correct_response_prob(model, tok, rec)
+    ids, labels = bm.encode_examples(tok, [rec[0].prompt], [rec[0].ground_truth])
+    naive = 1.0
+    with torch.no_grad():
+        for t in range(ids.shape[1] - 1):
+            if labels[0, t + 1] != -100:
+                probs = torch.softmax(model(input_ids=ids[:, : t + 1]).logits[0, -1], -1)
+                naive *= probs[ids[0, t + 1]].item()
+    assert p.item() == pytest.approx(naive, rel=1e-4)

@@ -1,0 +1,126 @@
+"""Prompt files: parquet/jsonl loading, dedupe, rejected rows, bad paths; prompts; DataConfig."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dapo_mcore.data.config import DataConfig
+from dapo_mcore.data.datasets import DatasetFormatError, load_prompt_dataset
+from dapo_mcore.data.prompts import DAPO_INSTRUCTION, DAPO_REMINDER, dapo_math_prompt, encode_prompts
+from dapo_mcore.data.records import PromptRecord
+from dapo_mcore.data.sources import load_records
+from dapo_mcore.data.tokenizer import build_tiny_tokenizer
+
+pytestmark = pytest.mark.unit
+
+
+def _dapo_row(content, truth, style="rule-lighteval/MATH_v2"):
+    return {"data_source": "math_dapo", "prompt": [{"role": "user", "content": content}], "ability": "MATH",
+            "reward_model": {"ground_truth": truth, "style": style}, "extra_info": {"index": "x", "split": "default"}}
+
+
+def _write_parquet(path, rows):
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def test_parquet_dedupes_and_counts(tmp_path):
+    rows = [_dapo_row("p1", "540"), _dapo_row("p2", "7"), _dapo_row("p1", "540"), _dapo_row("p1", "540"),
+            _dapo_row("p3", "1")]
+    ds = load_prompt_dataset(_write_parquet(tmp_path / "d.parquet", rows))
+    assert [r.prompt for r in ds.records] == ["p1", "p2", "p3"]
+    assert [r.ground_truth for r in ds.records] == ["540", "7", "1"]
+    assert ds.report.n_rows == 5 and ds.report.n_duplicates == 2 and ds.report.rejected == []
+    assert ds.records[0].data_source == "math_dapo" and [r.index for r in ds.records] == [0, 1, 2]
+
+
+def test_parquet_rejects_bad_ground_truth_with_index_and_reason(tmp_path):
+    rows = [_dapo_row("p1", "5"), _dapo_row("p2", None), _dapo_row("p3", ""), _dapo_row("p4", "9")]
+    ds = load_prompt_dataset(_write_parquet(tmp_path / "d.parquet", rows))
+    assert [r.prompt for r in ds.records] == ["p1", "p4"]
+    assert [i for i, _ in ds.report.rejected] == [1, 2]
+    assert "missing" in ds.report.rejected[0][1] and "empty" in ds.report.rejected[1][1]
+
+
+def test_jsonl_both_layouts_dedupe_and_rejects(tmp_path):
+    lines = [_dapo_row("p1", "3"), {"prompt": "What is 1+1?", "answer": "2"}, {"prompt": "What is 1+1?", "answer": "2"},
+             {"prompt": "q", "answer": 5}, {"prompt": "r"}, {"prompt": 7, "answer": "1"}]
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    ds = load_prompt_dataset(path)
+    assert [r.prompt for r in ds.records] == ["p1", dapo_math_prompt("What is 1+1?")]
+    assert ds.report.n_duplicates == 1 and ds.report.n_rows == 6
+    assert {i for i, _ in ds.report.rejected} == {3, 4, 5}
+    reasons = dict(ds.report.rejected)
+    assert "int" in reasons[3] and "no ground truth" in reasons[4] and "prompt" in reasons[5]
+    raw = load_prompt_dataset(path, wrap_raw=False)
+    assert raw.records[1].prompt == "What is 1+1?"
+
+
+def test_dapo_math_prompt_wording():
+    text = dapo_math_prompt("Find x.")
+    assert text == f"{DAPO_INSTRUCTION}\n\nFind x.\n\n{DAPO_REMINDER}"
+    assert text.startswith("Solve the following math problem step by step. The last line of your response")
+    assert text.endswith('Remember to put your answer on its own line after "Answer:".')
+
+
+@pytest.mark.parametrize("name,content,match", [
+    ("missing.jsonl", None, "no such file"),
+    ("d.csv", "a,b\n1,2\n", "unsupported suffix"),
+    ("d.jsonl", "a,b\n1,2\n", "line 1 is not JSON"),
+    ("d.jsonl", "[1, 2]\n", "not an object"),
+    ("d.parquet", "not parquet at all", "not a readable parquet"),
+    ("e.jsonl", "\n", "no rows"),
+])
+def test_bad_files_raise_one_clear_error(tmp_path, name, content, match):
+    path = tmp_path / name
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(DatasetFormatError, match=match) as info:
+        load_prompt_dataset(path)
+    assert isinstance(info.value, ValueError) and str(path) in str(info.value) and "expected" in str(info.value)
+
+
+def test_parquet_without_prompt_column(tmp_path):
+    path = _write_parquet(tmp_path / "d.parquet", [{"question": "q", "answer": "1"}])
+    with pytest.raises(DatasetFormatError, match="no 'prompt' column"):
+        load_prompt_dataset(path)
+
+
+def test_all_rows_rejected_is_an_error(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"prompt": "q", "answer": 1}) + "\n")
+    with pytest.raises(DatasetFormatError, match="no usable rows"):
+        load_prompt_dataset(path)
+
+
+def test_encode_prompts_drop_and_left_truncate():
+    tok = build_tiny_tokenizer()
+    recs = [PromptRecord("1+2", "3", "t", 0), PromptRecord("1+2+3+4+5", "15", "t", 1)]
+    kept, dropped = encode_prompts(recs, tok, max_prompt_len=8, truncation="drop")
+    assert [p.record.index for p in kept] == [0] and dropped[0][0] == 1 and "12 tokens" in dropped[0][1]
+    kept, dropped = encode_prompts(recs, tok, max_prompt_len=8, truncation="left")
+    assert dropped == [] and kept[1].truncated and len(kept[1].input_ids) == 8
+    assert tok.decode(kept[1].input_ids) == "2+3+4+5<assistant>"
+    with pytest.raises(ValueError, match="truncation"):
+        encode_prompts(recs, tok, 8, truncation="right")
+
+
+def test_data_config_validate_and_sources(tmp_path):
+    cfg = DataConfig()
+    cfg.validate()
+    train, held = load_records(cfg, "train"), load_records(cfg, "eval")
+    assert len(train) == 4032 and len(held) == 1008
+    with pytest.raises(ValueError, match="registered tasks: .*task:max4"):
+        DataConfig(train="task:nope").validate()
+    with pytest.raises(ValueError, match="no such file"):
+        DataConfig(eval=str(tmp_path / "x.parquet")).validate()
+    with pytest.raises(ValueError, match="truncation"):
+        DataConfig(truncation="right").validate()
+    path = _write_parquet(tmp_path / "aime.parquet", [_dapo_row("p1", "5")] * 3)
+    cfg = DataConfig(eval=str(path))
+    cfg.validate()
+    assert [r.ground_truth for r in load_records(cfg, "eval")] == ["5"]
+    assert load_records(DataConfig(eval=""), "eval") == []
