@@ -10,7 +10,7 @@ from dapo_mcore.data.config import DataConfig
 from dapo_mcore.data.datasets import DatasetFormatError, load_prompt_dataset
 from dapo_mcore.data.prompts import DAPO_INSTRUCTION, DAPO_REMINDER, dapo_math_prompt, encode_prompts
 from dapo_mcore.data.records import PromptRecord
-from dapo_mcore.data.sources import load_records
+from dapo_mcore.data.sources import filter_by_length, load_prompt_records, prompt_encoder
 from dapo_mcore.data.tokenizer import build_tiny_tokenizer
 
 pytestmark = pytest.mark.unit
@@ -111,7 +111,7 @@ def test_encode_prompts_drop_and_left_truncate():
 def test_data_config_validate_and_sources(tmp_path):
     cfg = DataConfig()
     cfg.validate()
-    train, held = load_records(cfg, "train"), load_records(cfg, "eval")
+    train, held = load_prompt_records(cfg, "train"), load_prompt_records(cfg, "eval")
     assert len(train) == 4032 and len(held) == 1008
     with pytest.raises(ValueError, match="registered tasks: .*task:max4"):
         DataConfig(train="task:nope").validate()
@@ -122,5 +122,18 @@ def test_data_config_validate_and_sources(tmp_path):
     path = _write_parquet(tmp_path / "aime.parquet", [_dapo_row("p1", "5")] * 3)
     cfg = DataConfig(eval=str(path))
     cfg.validate()
-    assert [r.ground_truth for r in load_records(cfg, "eval")] == ["5"]
-    assert load_records(DataConfig(eval=""), "eval") == []
+    assert [r.ground_truth for r in load_prompt_records(cfg, "eval")] == ["5"]
+    assert load_prompt_records(DataConfig(eval=""), "eval") == []
+
+
+def test_filter_by_length_and_prompt_encoder():
+    tok = build_tiny_tokenizer()
+    recs = [PromptRecord("1+2", "3", "t", 0), PromptRecord("1+2+3+4+5", "15", "t", 1)]
+    kept, dropped = filter_by_length(recs, tok, DataConfig(max_prompt_len=8))
+    assert kept == recs[:1] and [i for i, _ in dropped] == [1]
+    enc = prompt_encoder(tok, DataConfig(max_prompt_len=8))
+    assert tok.decode(enc(recs[0])) == "<bos><user>1+2<assistant>"
+    with pytest.raises(ValueError, match="truncation=left"):
+        enc(recs[1])
+    left = prompt_encoder(tok, DataConfig(max_prompt_len=8, truncation="left"))
+    assert len(left(recs[1])) == 8

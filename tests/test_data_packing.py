@@ -72,3 +72,10 @@ def test_efficiencies_match_naive():
     lengths = [3, 5, 2, 8]
     assert padded_efficiency(lengths, 2) == pytest.approx(18 / (2 * 5 + 2 * 8))
     assert token_efficiency([[0, 1], [2, 3]], lengths, 10) == pytest.approx(18 / 20)
+
+
+def test_actor_name_is_the_balanced_packer():
+    from dapo_mcore.data.packing import pack_micro_batches
+
+    lengths = _lengths(50, 9)
+    assert pack_micro_batches(lengths, 900, 2) == balance_across_ranks(lengths, 900, 2)

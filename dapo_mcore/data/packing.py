@@ -127,3 +127,7 @@ def padded_efficiency(lengths: Sequence[int], micro_batch_size: int) -> float:
     padded = sum(max(lengths[s:s + micro_batch_size]) * len(lengths[s:s + micro_batch_size])
                  for s in range(0, len(lengths), micro_batch_size))
     return sum(lengths) / padded if padded else 0.0
+
+
+# The name the actor calls: per DP rank, its token-budget micro-batches.
+pack_micro_batches = balance_across_ranks

@@ -1,27 +1,29 @@
-"""Seedable prompt sampler: epoch-wise shuffles, batches of N prompt indices, exact resume.
+"""Seedable prompt sampler: epoch-wise shuffles, batches of N prompts, exact resume.
 
 Each epoch's order is a pure function of ``(seed, epoch)``, so the state is just the epoch and the
-cursor inside it: ``load_state_dict(state_dict())`` continues with exactly the batches an
-uninterrupted run would have drawn. A batch that reaches the end of an epoch continues into the
-next epoch's order, so every prompt is drawn once per epoch and no prompt is silently skipped.
+cursor inside it: ``load_state_dict(state_dict())`` continues with exactly the prompts an
+uninterrupted run would have drawn. The state does not depend on the batch sizes asked for (DAPO's
+dynamic sampling draws generation batches until enough usable groups exist). A batch that reaches the
+end of an epoch continues into the next epoch's order, so every prompt is drawn once per epoch.
 """
 
 from __future__ import annotations
 
 import random
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
 
 
-class PromptSampler:
-    """Draws batches of indices into a dataset of ``num_prompts`` prompts."""
+class PromptSampler(Generic[T]):
+    """Draws batches from a fixed sequence of prompts (usually ``PromptRecord``)."""
 
-    def __init__(self, num_prompts: int, batch_size: int, seed: int = 0, shuffle: bool = True) -> None:
-        if num_prompts < 1:
-            raise ValueError(f"num_prompts={num_prompts}: the prompt set is empty; check the data source")
-        if batch_size < 1:
-            raise ValueError(f"batch_size={batch_size} must be >= 1")
-        self.num_prompts = num_prompts
-        self.batch_size = batch_size
+    def __init__(self, records: Sequence[T], seed: int = 0, shuffle: bool = True) -> None:
+        if len(records) < 1:
+            raise ValueError("the prompt set is empty; check data.train")
+        self.records = records
+        self.num_prompts = len(records)
         self.seed = seed
         self.shuffle = shuffle
         self.epoch = 0
@@ -34,11 +36,13 @@ class PromptSampler:
             random.Random(f"prompt-sampler:{self.seed}:{epoch}").shuffle(order)
         return order
 
-    def next_batch(self) -> list[int]:
-        """The next ``batch_size`` prompt indices (crossing into the next epoch when needed)."""
+    def next_indices(self, n: int) -> list[int]:
+        """The next ``n`` prompt indices (crossing into the next epoch when needed)."""
+        if n < 1:
+            raise ValueError(f"batch size {n} must be >= 1")
         batch: list[int] = []
-        while len(batch) < self.batch_size:
-            take = min(self.batch_size - len(batch), self.num_prompts - self.cursor)
+        while len(batch) < n:
+            take = min(n - len(batch), self.num_prompts - self.cursor)
             batch.extend(self._order[self.cursor : self.cursor + take])
             self.cursor += take
             if self.cursor == self.num_prompts:
@@ -47,20 +51,23 @@ class PromptSampler:
                 self._order = self._epoch_order(self.epoch)
         return batch
 
+    def next_batch(self, n: int) -> list[T]:
+        """The next ``n`` prompts."""
+        return [self.records[i] for i in self.next_indices(n)]
+
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume (plain ints and bools, JSON-serialisable)."""
-        return {"num_prompts": self.num_prompts, "batch_size": self.batch_size, "seed": self.seed,
-                "shuffle": self.shuffle, "epoch": self.epoch, "cursor": self.cursor}
+        return {"num_prompts": self.num_prompts, "seed": self.seed, "shuffle": self.shuffle,
+                "epoch": self.epoch, "cursor": self.cursor}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict`; the dataset, seed and shuffle must match the saved run."""
+        """Resume from :meth:`state_dict`; the prompt set, seed and shuffle must match the saved run."""
         for key in ("num_prompts", "seed", "shuffle"):
             if state[key] != getattr(self, key):
                 raise ValueError(f"sampler state has {key}={state[key]!r} but this run has "
-                                 f"{getattr(self, key)!r}; resume with the same data and data.shuffle_seed")
+                                 f"{getattr(self, key)!r}; resume with the same data and seed")
         if not 0 <= state["cursor"] < self.num_prompts or state["epoch"] < 0:
             raise ValueError(f"sampler state epoch={state['epoch']} cursor={state['cursor']} is out of range")
-        # A changed batch size is allowed: the stream of indices stays the same, only its chunking changes.
         self.epoch = state["epoch"]
         self.cursor = state["cursor"]
         self._order = self._epoch_order(self.epoch)
