@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
+    # Megatron logs every config and parameter name at INFO; keep its warnings only.
+    logging.getLogger("megatron").setLevel(logging.WARNING)
     parser = _parser()
     if argv and argv[0] in _DELEGATED:
         module, func, _ = _DELEGATED[argv[0]]
@@ -82,13 +84,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _guard(fn: Callable[[], int]) -> int:
     """Run a command; a user error becomes one paragraph on stderr and exit code 2."""
+    from dapo_mcore.data.datasets import DatasetFormatError
+
     try:
         return fn()
     except ConfigError as exc:
         print(f"dapo-mcore: configuration error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except FileNotFoundError as exc:
-        print(f"dapo-mcore: {exc}", file=sys.stderr)
+    except DatasetFormatError as exc:
+        print(f"dapo-mcore: dataset error: {exc}", file=sys.stderr)
         return EXIT_USAGE
 
 

@@ -16,6 +16,7 @@ import yaml
 
 from dapo_mcore.algo.config import AlgoConfig
 from dapo_mcore.configtree import ConfigError, apply_overrides, from_dict, read_yaml, to_dict
+from dapo_mcore.data.base_model import TinyBaseSettings
 from dapo_mcore.data.config import DataConfig
 from dapo_mcore.model.presets import PRESET_NAMES, preset_config
 
@@ -213,6 +214,26 @@ class CheckpointConfig:
 
 
 @dataclass
+class RewardConfig:
+    """How responses are scored."""
+
+    name: str = "math_dapo"
+    """Registered reward function (dapo_mcore.reward): math_dapo (Answer: line) or math_dapo_strict_box (last \\boxed{})."""
+    workers: int = 0
+    """Scoring processes: 0 scores in the trainer process (fast rule verifier); >0 uses an isolated pool."""
+    timeout_s: float = 10.0
+    """Per-answer time limit in the pool; an answer over it is scored wrong."""
+
+    def validate(self) -> None:
+        from dapo_mcore.reward.registry import reward_names
+
+        if self.name not in reward_names():
+            raise ConfigError(f"reward.name={self.name!r} is unknown; choose one of {', '.join(reward_names())}.")
+        if self.workers < 0 or self.timeout_s <= 0:
+            raise ConfigError("reward.workers must be >= 0 and reward.timeout_s > 0.")
+
+
+@dataclass
 class RunConfig:
     """Where the run lives and what to do with an existing run directory."""
 
@@ -239,6 +260,9 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    tiny_base: TinyBaseSettings = field(default_factory=TinyBaseSettings)
+    """How the embedded tiny base model is pre-trained (used when model.tiny_base=true)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
@@ -246,8 +270,14 @@ class Config:
     def validate(self, world_size: int = 1) -> None:
         """Check every rule that can be checked before anything is allocated."""
         self.model.validate()
-        self.algo.validate()
-        self.data.validate()
+        for section in (self.algo, self.data, self.tiny_base):
+            try:
+                section.validate()
+            except ConfigError:
+                raise
+            except ValueError as exc:  # component configs raise ValueError; report it as a config error
+                raise ConfigError(str(exc)) from exc
+        self.reward.validate()
         _validate_layout(self, world_size)
         _validate_batches(self, world_size)
         _validate_rollout(self)

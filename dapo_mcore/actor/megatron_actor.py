@@ -80,7 +80,11 @@ class MegatronActor:
 
     def __init__(self, settings: ActorSettings):
         from megatron.core import parallel_state as ps
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         from dapo_mcore.model.qwen import QwenShape, build_gpt_model, transformer_config
@@ -126,19 +130,9 @@ class MegatronActor:
         """The bare GPTModel chunks (unwrapped from DDP)."""
         return [m.module for m in self.model]
 
-    def layout_metadata(self) -> dict[str, Any]:
-        """What a checkpoint of this model must match (see ``actor.checkpoint``)."""
-        from dapo_mcore.actor.checkpoint import layout_metadata
-        from dapo_mcore.model.qwen import padded_vocab_size
-
-        s = self.s
-        padded = padded_vocab_size(self.shape.vocab_size, s.make_vocab_size_divisible_by, s.tensor_parallel)
-        return layout_metadata(s.hf_config, s.tensor_parallel, s.pipeline_parallel, s.virtual_pipeline, s.layer_spec,
-                               s.make_vocab_size_divisible_by, padded, s.params_dtype)
-
     def load_hf(self, hf_dir: str) -> None:
         """Load a Hugging Face checkpoint into the live model (this rank's slices only, streamed)."""
-        from dapo_mcore.weights import load_hf_into_model
+        from dapo_mcore.weights.live import load_hf_into_model
 
         load_hf_into_model(self.chunks, hf_dir, layer_spec=self.s.layer_spec,
                            make_vocab_size_divisible_by=self.s.make_vocab_size_divisible_by)

@@ -1,0 +1,327 @@
+"""Everything a run needs before its first step: config, run directory, process groups, model, engine, data, telemetry.
+
+``build_components`` returns a ``Components`` bundle that the trainer uses through a few verbs (encode a prompt,
+score responses, save, log a step, close). The order matters and is fixed here: validate the config before any
+process group exists; build the tiny base (rank 0, cached) before anyone loads it; load weights into the actor
+and then sync the engine from the actor, so the engine always serves exactly the actor's weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from dapo_mcore.actor.parallel import LaunchEnv, read_launch_env
+from dapo_mcore.config import Config, ConfigError, load_config, write_resolved
+from dapo_mcore.configtree import to_dict
+
+log = logging.getLogger(__name__)
+
+# Config sections that define what a run *is*; a run directory holding a different one is another run.
+_IDENTITY_SECTIONS = ("model", "algo", "data", "rollout", "train", "optim", "tiny_base")
+
+
+def read_config(path: str, overrides: list[str]) -> tuple[Config, LaunchEnv]:
+    """Load + validate the config against the launch's world size. Raises ConfigError before anything starts."""
+    cfg = load_config(path, overrides)
+    launch = read_launch_env()
+    cfg.validate(launch.world_size)
+    return cfg, launch
+
+
+def prepare_run_dir(cfg: Config, launch: LaunchEnv) -> None:
+    """Refuse a run directory that holds another run (unless told to overwrite); write the resolved config."""
+    run_dir = Path(cfg.run.dir)
+    existing = run_dir / "config.yaml"
+    if launch.rank == 0:
+        if run_dir.exists() and cfg.run.overwrite:
+            log.warning("run.overwrite=true: deleting %s", run_dir)
+            shutil.rmtree(run_dir)
+        elif existing.is_file():
+            old = yaml.safe_load(existing.read_text()) or {}
+            new = to_dict(cfg)
+            changed = [s for s in _IDENTITY_SECTIONS if old.get(s) != new.get(s)]
+            if changed:
+                raise ConfigError(f"run directory {run_dir} holds another run (its {', '.join(changed)} settings differ). "
+                                  "Use a new run.dir, or run.overwrite=true to delete it.")
+            if cfg.run.resume == "never":
+                raise ConfigError(f"run directory {run_dir} already holds this run and run.resume=never; use "
+                                  "run.resume=auto to continue it or run.overwrite=true to start over.")
+        write_resolved(cfg, run_dir)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+@dataclass
+class Components:
+    """The live pieces of a run (see module docstring)."""
+
+    cfg: Config
+    launch: LaunchEnv
+    actor: Any
+    engine: Any
+    tokenizer: Any
+    sampler: Any
+    eval_records: list
+    timer: Any
+    score: Callable[[list[str], list[str]], list]
+    normalize: Callable[[str], str]
+    encode_prompt: Callable[[Any], list[int]]
+    start_step: int = 0
+    writer: Any = None
+    ledger: Any = None
+    store: Any = None
+    _closers: list[Callable[[], None]] = field(default_factory=list)
+
+    @property
+    def is_main(self) -> bool:
+        return self.launch.rank == 0
+
+    def trainer_state(self, step: int) -> dict[str, Any]:
+        state = {"step": step, "sampler": self.sampler.state_dict()}
+        if self.ledger is not None:
+            state["ledger"] = self.ledger.state_dict()
+        return state
+
+    def save(self, step: int) -> Path:
+        from dapo_mcore.actor.checkpoint import save_checkpoint
+
+        return save_checkpoint(Path(self.cfg.run.dir) / "checkpoints", step, self.actor, self.trainer_state(step),
+                               self.cfg.checkpoint.keep_last)
+
+    def log_step(self, step: int, metrics: dict[str, Any], generated: list) -> None:
+        """Per-phase seconds and the cost ledger join the step's metrics; rank 0 writes everything."""
+        seconds = self.timer.pop_step()
+        if not self.is_main:
+            return
+        from dapo_mcore.telemetry.timers import PhaseTimer
+
+        metrics.update(PhaseTimer.as_metrics(seconds))
+        self.ledger.record_step(step, **_ledger_counts(metrics), phase_seconds=seconds,
+                                num_devices=self.launch.world_size)
+        metrics.update(self.ledger.as_metrics())
+        self.writer.log(step, metrics)
+        if self.store is not None:
+            self.store.append_step(step, _rollouts(generated))
+        _print_progress(step, self.cfg.train.steps, metrics, self.cfg.run.log_every)
+
+    def close(self) -> None:
+        for closer in reversed(self._closers):
+            closer()
+        self._closers.clear()
+
+
+def _ledger_counts(metrics: dict[str, Any]) -> dict[str, int]:
+    return {
+        "prompts_generated": int(metrics.get("sampling/groups_generated", 0)),
+        "prompts_kept": int(metrics.get("sampling/groups_kept", 0)),
+        "rollouts_generated": int(metrics.get("sampling/rollouts_generated", 0)),
+        "rollouts_kept": int(metrics.get("sampling/rollouts_kept", 0)),
+        "tokens_generated": int(metrics.get("sampling/tokens_generated", 0)),
+        "tokens_generated_kept": int(metrics.get("sampling/tokens_kept", 0)),
+        "tokens_trained": int(metrics.get("train/tokens", 0)),
+    }
+
+
+def _rollouts(generated: list) -> list:
+    import numpy as np
+
+    from dapo_mcore.telemetry.rollout_store import Rollout
+
+    out = []
+    for gi, g in enumerate(generated):
+        for r, reward, acc in zip(g.responses, g.rewards, g.acc, strict=True):
+            out.append(Rollout(prompt_ids=np.asarray(g.prompt_ids, dtype=np.int64),
+                               response_ids=np.asarray(r.token_ids, dtype=np.int64),
+                               logprobs=np.asarray(r.logprobs, dtype=np.float32) if r.logprobs else None,
+                               reward=float(reward), acc=bool(acc), finish_reason=r.finish_reason, kept=g.kept,
+                               group_id=gi, gen_batch=g.gen_batch))
+    return out
+
+
+def _print_progress(step: int, total: int, m: dict[str, Any], every: int) -> None:
+    if every and (step % every == 0 or step == total):
+        evals = f" heldout_avg@k={m['eval/avg_at_k']:.3f}" if "eval/avg_at_k" in m else ""
+        log.info("step %d/%d  acc=%.3f usable=%.2f batches=%d loss=%.4f ent=%.3f clip=%.3f len=%.1f %.2fs%s",
+                 step, total, m.get("rollout/acc_mean", float("nan")), m.get("rollout/usable_group_frac", float("nan")),
+                 int(m.get("rollout/gen_batches", 0)), m.get("train/loss", float("nan")),
+                 m.get("train/entropy", float("nan")), m.get("train/clipfrac", float("nan")),
+                 m.get("rollout/resp_len_mean", float("nan")), m.get("time/step", float("nan")), evals)
+
+
+def make_scorer(rcfg, closers: list) -> Callable[[list[str], list[str]], list]:
+    """A ``score(responses, ground_truths)`` function: in process, or through an isolated worker pool."""
+    from dapo_mcore.reward.registry import get_reward
+
+    spec = get_reward(rcfg.name)
+    if rcfg.workers == 0:
+        return lambda texts, truths: [spec.fn(t, g) for t, g in zip(texts, truths, strict=True)]
+    from dapo_mcore.reward.pool import RewardPool
+
+    pool = RewardPool(rcfg.name, num_workers=rcfg.workers, timeout_s=rcfg.timeout_s)
+    closers.append(pool.close)
+    return pool.score
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("DAPO_MCORE_CACHE", Path.home() / ".cache" / "dapo-mcore"))
+
+
+def resolve_base_model(cfg: Config, launch: LaunchEnv) -> Path | None:
+    """The HF directory the run starts from: the configured one, or the cached tiny base (built by rank 0)."""
+    if not cfg.model.tiny_base:
+        return Path(cfg.model.hf_path) if cfg.model.hf_path else None
+    from dapo_mcore.data.base_model import ensure_base_model
+
+    root = _cache_root() / "tiny_base"
+    if launch.rank == 0:
+        path = ensure_base_model(root, cfg.tiny_base)
+    if dist.is_initialized():
+        dist.barrier()
+    if launch.rank != 0:
+        path = ensure_base_model(root, cfg.tiny_base)  # a cache hit now
+    return path
+
+
+def _actor_settings(cfg: Config, hf_config: dict[str, Any], pad_id: int):
+    from dapo_mcore.actor.megatron_actor import ActorSettings
+
+    dtype = torch.bfloat16 if cfg.model.params_dtype == "bfloat16" else torch.float32
+    return ActorSettings(
+        hf_config=hf_config, tensor_parallel=cfg.parallel.tensor_parallel, pipeline_parallel=cfg.parallel.pipeline_parallel,
+        virtual_pipeline=cfg.parallel.virtual_pipeline, sequence_parallel=cfg.parallel.sequence_parallel,
+        layer_spec=cfg.model.layer_spec, params_dtype=dtype, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
+        recompute=cfg.model.recompute, fp8=cfg.model.fp8, distributed_optimizer=cfg.parallel.distributed_optimizer,
+        lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay,
+        grad_clip=cfg.optim.grad_clip, micro_batch_tokens=cfg.train.micro_batch_tokens,
+        temperature=cfg.rollout.temperature, pad_id=pad_id, algo=cfg.algo, max_response_len=cfg.rollout.max_new_tokens)
+
+
+def _build_engine(cfg: Config, hf_dir: Path | None, hf_config: dict[str, Any], tokenizer):
+    if cfg.rollout.engine == "vllm":
+        from dapo_mcore.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine.from_config(cfg, hf_dir)
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from dapo_mcore.rollout.hf_engine import HFEngine
+
+    if hf_dir is not None:
+        model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    else:  # a preset: random weights; the first sync from the actor overwrites them
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**hf_config))
+    return HFEngine(model, eos_token_ids=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                    max_prompt_len=cfg.data.max_prompt_len)
+
+
+def build_components(cfg: Config, launch: LaunchEnv, *, resume: bool = True, checkpoint: str | None = None,
+                     for_eval: bool = False) -> Components:
+    """Start process groups and build actor, engine, data and telemetry (see module docstring for the order)."""
+    from dapo_mcore.actor.megatron_actor import MegatronActor
+    from dapo_mcore.actor.parallel import init_distributed, init_model_parallel
+    from dapo_mcore.data.sampler import PromptSampler
+    from dapo_mcore.data.sources import filter_by_length, load_prompt_records, prompt_encoder
+    from dapo_mcore.data.tokenizer import load_tokenizer
+    from dapo_mcore.reward import normalize_answer
+    from dapo_mcore.telemetry.timers import PhaseTimer
+
+    # Data first: a bad dataset path fails before any process group or model exists.
+    train_records = [] if for_eval else load_prompt_records(cfg.data, "train")
+    eval_records = load_prompt_records(cfg.data, "eval")
+    init_distributed(launch, cfg.parallel.backend, cfg.parallel.timeout_minutes)
+    init_model_parallel(cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel, cfg.parallel.virtual_pipeline,
+                        seed=cfg.train.seed, timeout_minutes=cfg.parallel.timeout_minutes)
+    hf_dir = resolve_base_model(cfg, launch)
+    hf_config = cfg.model.hf_config() if hf_dir is None else _read_json(hf_dir / "config.json")
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path or hf_dir)
+    train_records = _drop_long(train_records, tokenizer, cfg, "train", filter_by_length)
+    eval_records = _drop_long(eval_records, tokenizer, cfg, "eval", filter_by_length)
+    actor = MegatronActor(_actor_settings(cfg, hf_config, tokenizer.pad_token_id))
+    if cfg.model.mcore_path:
+        from dapo_mcore.weights.live import load_megatron_checkpoint_into_model
+
+        load_megatron_checkpoint_into_model(actor.chunks, Path(cfg.model.mcore_path))
+    elif hf_dir is not None:
+        actor.load_hf(str(hf_dir))
+    engine = _build_engine(cfg, hf_dir, hf_config, tokenizer)
+    sampler = PromptSampler(train_records, seed=cfg.train.seed) if train_records else None
+    parts_closers: list[Callable[[], None]] = []
+    scorer = make_scorer(cfg.reward, parts_closers)
+    parts = Components(cfg=cfg, launch=launch, actor=actor, engine=engine, tokenizer=tokenizer, sampler=sampler,
+                       eval_records=eval_records, timer=PhaseTimer(), score=scorer,
+                       normalize=normalize_answer, encode_prompt=prompt_encoder(tokenizer, cfg.data))
+    parts._closers.extend(parts_closers)
+    parts._closers.append(engine.close)
+    start = _restore(parts, resume=resume and not for_eval, checkpoint=checkpoint)
+    parts.start_step = start
+    if not for_eval:
+        _open_telemetry(parts, start)
+    engine.update_weights(actor.export_hf_weights())  # the engine serves exactly the actor's weights
+    return parts
+
+
+def _drop_long(records: list, tokenizer, cfg: Config, which: str, filter_by_length) -> list:
+    if not records:
+        return records
+    kept, dropped = filter_by_length(records, tokenizer, cfg.data)
+    if dropped:
+        log.warning("%s set: dropped %d of %d prompts longer than data.max_prompt_len=%d (first: row %d, %s)",
+                    which, len(dropped), len(records), cfg.data.max_prompt_len, dropped[0][0], dropped[0][1])
+    if not kept:
+        raise ConfigError(f"every {which} prompt is longer than data.max_prompt_len={cfg.data.max_prompt_len}; raise it.")
+    return kept
+
+
+def _restore(parts: Components, *, resume: bool, checkpoint: str | None) -> int:
+    from dapo_mcore.actor import checkpoint as ckpt
+
+    root = Path(parts.cfg.run.dir) / "checkpoints"
+    if checkpoint == "base":
+        return 0
+    target = Path(checkpoint) if checkpoint else (ckpt.find_latest(root) if (resume or checkpoint is None) else None)
+    if checkpoint and not (target / "COMPLETE").is_file():
+        raise ConfigError(f"--checkpoint {checkpoint} is not a complete dapo-mcore checkpoint directory.")
+    if target is None:
+        return 0
+    state = ckpt.load_checkpoint(target, parts.actor)
+    if parts.sampler is not None:
+        parts.sampler.load_state_dict(state["sampler"])
+    parts._resume_state = state
+    log.info("resumed from %s (step %d)", target, state["step"])
+    return int(state["step"])
+
+
+def _open_telemetry(parts: Components, start: int) -> None:
+    from dapo_mcore.telemetry.ledger import CostLedger
+    from dapo_mcore.telemetry.metrics import MetricsWriter
+    from dapo_mcore.telemetry.rollout_store import ROLLOUTS_DIR, RolloutStore
+
+    run_dir = Path(parts.cfg.run.dir)
+    resume_step = start + 1 if start else None
+    parts.writer = MetricsWriter(run_dir, enabled=parts.is_main, resume_step=resume_step)
+    parts.ledger = CostLedger(run_dir, enabled=parts.is_main)
+    state = getattr(parts, "_resume_state", None)
+    if state is not None and "ledger" in state:
+        parts.ledger.load_state_dict(state["ledger"])
+    if parts.is_main and parts.cfg.run.rollout_store:
+        parts.store = RolloutStore(run_dir / ROLLOUTS_DIR, resume_step=resume_step)
+    if parts.is_main:
+        parts.tokenizer.save_pretrained(str(run_dir / "tokenizer"))
+    parts._closers.append(parts.writer.close)
+    parts._closers.append(parts.ledger.close)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    import json
+
+    return json.loads(Path(path).read_text())
+

@@ -1,0 +1,301 @@
+"""The DAPO training loop, read top to bottom.
+
+    generate -> score -> overlong shaping -> dynamic sampling (refill) -> advantages -> old log-probs
+      -> mini-batch updates -> weight sync -> log / eval / checkpoint
+
+Every rank runs this loop. Generation is deterministic in (seed, step, generation batch), and the engine on each
+rank holds the same weights after a sync, so every rank sees the same rollout batch without shipping it around;
+the actor splits the work over data-parallel ranks itself. Rank 0 writes metrics, the ledger and the rollout store.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dapo_mcore.actor.megatron_actor import TrainSample
+from dapo_mcore.algo.advantages import group_advantages
+from dapo_mcore.algo.dynamic_sampling import DynamicSamplingExhausted, Group, SamplingStats, collect_groups
+from dapo_mcore.algo.overlong import overlong_penalty
+from dapo_mcore.config import Config
+from dapo_mcore.data.records import PromptRecord
+from dapo_mcore.rollout.protocol import Response, SamplingParams
+from dapo_mcore.runtime import Components, build_components, prepare_run_dir, read_config
+from dapo_mcore.telemetry import keys
+
+log = logging.getLogger(__name__)
+
+EXIT_REQUEUE = 75      # EX_TEMPFAIL: checkpointed on a signal; Slurm requeues and the run resumes
+EXIT_INTERRUPTED = 130
+
+
+@dataclass
+class GroupData:
+    """One prompt's G rollouts and their scores (the payload of a dynamic-sampling Group)."""
+
+    record: PromptRecord
+    prompt_ids: list[int]
+    responses: list[Response]
+    scores: list[float]
+    acc: list[bool]
+    rewards: list[float]
+    gen_batch: int
+    preds: list[str | None] = field(default_factory=list)
+    kept: bool = False
+
+
+class _Signals:
+    """SIGUSR1/SIGTERM ask for a checkpoint and a requeue exit at the end of the current step."""
+
+    def __init__(self) -> None:
+        self.requested: str | None = None
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.requested = signal.Signals(signum).name
+        log.warning("%s received: will checkpoint after this step and exit %d", self.requested, EXIT_REQUEUE)
+
+
+class Trainer:
+    """Owns the components of a run and steps through the DAPO loop."""
+
+    def __init__(self, cfg: Config, parts: Components):
+        self.cfg, self.p = cfg, parts
+        self.step = 0
+
+    # ---- one generation batch: generate, score, shape ---------------------------------------------------
+    def _sampling(self, eval_mode: bool = False, seed: int = 0) -> SamplingParams:
+        r, e = self.cfg.rollout, self.cfg.eval
+        return SamplingParams(
+            n=e.k if eval_mode else r.n, temperature=e.temperature if eval_mode else r.temperature,
+            top_p=e.top_p if eval_mode else r.top_p, top_k=r.top_k,
+            max_new_tokens=(e.max_new_tokens or r.max_new_tokens) if eval_mode else r.max_new_tokens,
+            seed=seed, logprobs="none" if eval_mode else "processed")
+
+    def _generate_and_score(self, records: list[PromptRecord], params: SamplingParams, gen_batch: int) -> list[GroupData]:
+        p = self.p
+        prompt_ids = [p.encode_prompt(rec) for rec in records]
+        with p.timer.phase("generate"):
+            outputs = p.engine.generate(prompt_ids, params)
+        with p.timer.phase("reward"):
+            flat = [r for group in outputs for r in group]
+            texts = [p.tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in flat]
+            truths = [rec.ground_truth for rec in records for _ in range(params.n)]
+            results = p.score(texts, truths)
+        groups = []
+        for i, rec in enumerate(records):
+            res = results[i * params.n:(i + 1) * params.n]
+            scores = [float(x.score) for x in res]
+            groups.append(GroupData(rec, prompt_ids[i], outputs[i], scores, [bool(x.acc) for x in res],
+                                    self._shape_rewards(scores, outputs[i]), gen_batch, [x.pred for x in res]))
+        return groups
+
+    def _shape_rewards(self, scores: list[float], responses: list[Response]) -> list[float]:
+        a = self.cfg.algo
+        if not a.overlong_shaping:
+            return list(scores)
+        lengths = torch.tensor([r.length for r in responses])
+        penalty = overlong_penalty(lengths, a.overlong_max_len, a.overlong_cache_len, a.overlong_penalty_factor)
+        return [s + float(pen) for s, pen in zip(scores, penalty, strict=True)]
+
+    # ---- phases of a step --------------------------------------------------------------------------------
+    def collect(self) -> tuple[list[GroupData], list[GroupData], SamplingStats]:
+        """generate -> score -> shape, refilled by dynamic sampling until the batch holds enough usable groups."""
+        generated: list[GroupData] = []
+
+        def generate_batch(i: int) -> list[Group]:
+            records = self.p.sampler.next_batch(self.cfg.rollout.gen_batch_prompts)
+            seed = _seed(self.cfg.train.seed, self.step, i)
+            groups = self._generate_and_score(records, self._sampling(seed=seed), i)
+            generated.extend(groups)
+            return [Group(acc=g.acc, payload=g, response_lengths=[r.length for r in g.responses]) for g in groups]
+
+        kept, stats = collect_groups(generate_batch, self.cfg.train.prompts_per_step,
+                                     self.cfg.algo.max_gen_batches, enabled=self.cfg.algo.dynamic_sampling)
+        return [g.payload for g in kept], generated, stats
+
+    def make_samples(self, groups: list[GroupData]) -> list[TrainSample]:
+        """Group-normalized advantages broadcast to every token of each response (+ the overlong filter mask)."""
+        a = self.cfg.algo
+        rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
+        adv = group_advantages(rewards, norm_by_std=a.norm_adv_by_std, eps=a.adv_eps)
+        samples = []
+        for gi, g in enumerate(groups):
+            for ri, resp in enumerate(g.responses):
+                mask = torch.ones(resp.length)
+                if a.overlong_filter and resp.finish_reason == "length":
+                    mask = torch.zeros(resp.length)
+                samples.append(TrainSample(g.prompt_ids, list(resp.token_ids), float(adv[gi, ri]), loss_mask=mask,
+                                           extra={"engine_logp": torch.tensor(resp.logprobs, dtype=torch.float32)}))
+        return samples
+
+    def old_logprobs(self, samples: list[TrainSample]) -> dict[str, float]:
+        """The actor's log-probs of the rollout tokens, compared with what the engine reported."""
+        from dapo_mcore.rollout.mismatch import mismatch_metrics, tis_weights
+
+        logps, _ = self.p.actor.compute_logprobs(samples)
+        actor_lp, engine_lp, masks = [], [], []
+        for s, lp in zip(samples, logps, strict=True):
+            s.old_logprobs = lp
+            if self.cfg.algo.tis_cap is not None:
+                s.tis_weights = tis_weights(lp, s.extra["engine_logp"], self.cfg.algo.tis_cap)
+            actor_lp.append(lp)
+            engine_lp.append(s.extra["engine_logp"])
+        flat_a, flat_e = torch.cat(actor_lp), torch.cat(engine_lp)
+        masks = torch.ones_like(flat_a)
+        return mismatch_metrics(flat_e.unsqueeze(0), flat_a.unsqueeze(0), masks.unsqueeze(0), self.cfg.algo.tis_cap)
+
+    def train(self, groups: list[GroupData], samples: list[TrainSample]) -> dict[str, float]:
+        """Mini-batch updates: prompts_per_step / mini_batch_prompts optimizer steps per epoch."""
+        t, n = self.cfg.train, self.cfg.rollout.n
+        lr = self.lr_at(self.step)
+        per_update: list[dict[str, float]] = []
+        for _ in range(t.epochs):
+            for start in range(0, len(groups), t.mini_batch_prompts):
+                mini = samples[start * n:(start + t.mini_batch_prompts) * n]
+                per_update.append(self.p.actor.train_mini_batch(mini, lr))
+        out = {k: sum(u.get(k, 0.0) for u in per_update) / len(per_update) for k in per_update[0]}
+        out["lr"] = lr
+        out["updates"] = float(len(per_update))
+        return out
+
+    def lr_at(self, step: int) -> float:
+        o = self.cfg.optim
+        return o.lr if o.warmup_steps == 0 else o.lr * min(1.0, (step + 1) / o.warmup_steps)
+
+    def sync_weights(self) -> None:
+        self.p.engine.update_weights(self.p.actor.export_hf_weights())
+
+    # ---- evaluation ----------------------------------------------------------------------------------------
+    def evaluate(self) -> dict[str, float]:
+        from dapo_mcore.evaluation import summarize
+
+        records = self.p.eval_records
+        params = self._sampling(eval_mode=True, seed=_seed(self.cfg.train.seed + 7919, self.step, 0))
+        groups = self._generate_and_score(records, params, 0)
+        truth_norm = [self.p.normalize(g.record.ground_truth) for g in groups]
+        result = summarize([g.acc for g in groups], [g.preds for g in groups],
+                           [[p is not None and p == t for p in g.preds] for g, t in zip(groups, truth_norm, strict=True)],
+                           [[r.length for r in g.responses] for g in groups])
+        return result.as_metrics()
+
+    # ---- the loop ------------------------------------------------------------------------------------------
+    def run_step(self) -> tuple[dict[str, Any], list[GroupData]]:
+        """One DAPO step; returns its metrics and every group generated (kept or rejected)."""
+        p = self.p
+        groups, generated, stats = self.collect()
+        samples = self.make_samples(groups)
+        with p.timer.phase("old_logprobs"):
+            mismatch = self.old_logprobs(samples)
+        with p.timer.phase("train"):
+            train_metrics = self.train(groups, samples)
+        with p.timer.phase("sync_weights"):
+            self.sync_weights()
+        kept = {id(g) for g in groups}
+        for g in generated:
+            g.kept = id(g) in kept
+        metrics = self._step_metrics(groups, generated, stats, samples, train_metrics, mismatch)
+        metrics["train/tokens"] = float(sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+                                        * self.cfg.train.epochs)
+        return metrics, generated
+
+    def _step_metrics(self, groups, generated, stats, samples, tm, mismatch) -> dict[str, Any]:
+        from dapo_mcore.algo.metrics import response_length_stats
+
+        kept_resp = [r for g in groups for r in g.responses]
+        lengths = torch.tensor([r.length for r in kept_resp], dtype=torch.float32)
+        truncated = torch.tensor([r.finish_reason == "length" for r in kept_resp])
+        all_acc = [a for g in generated for a in g.acc]
+        adv = torch.tensor([s.advantage for s in samples])
+        m: dict[str, Any] = {
+            keys.TRAIN_LOSS: tm.get("loss", math.nan), keys.TRAIN_GRAD_NORM: tm.get("grad_norm", math.nan),
+            keys.TRAIN_LR: tm["lr"], keys.TRAIN_CLIPFRAC: tm.get("clipfrac", 0.0),
+            keys.TRAIN_CLIPFRAC_LOW: tm.get("clipfrac_low", 0.0), keys.TRAIN_CLIPFRAC_HIGH: tm.get("clipfrac_high", 0.0),
+            keys.TRAIN_DUAL_CLIPFRAC: tm.get("dual_clipfrac", 0.0), keys.TRAIN_PPO_KL: tm.get("ppo_kl", 0.0),
+            keys.TRAIN_ENTROPY: tm.get("entropy", 0.0), "train/updates": tm["updates"],
+            keys.ROLLOUT_REWARD_MEAN: sum(r for g in generated for r in g.rewards) / max(len(all_acc), 1),
+            keys.ROLLOUT_ACC_MEAN: sum(all_acc) / max(len(all_acc), 1),
+            keys.ROLLOUT_USABLE_GROUP_FRAC: stats.usable_fraction, keys.ROLLOUT_GEN_BATCHES: stats.gen_batches,
+            keys.ROLLOUT_ADV_MEAN: float(adv.mean()), keys.ROLLOUT_ADV_STD: float(adv.std()) if adv.numel() > 1 else 0.0,
+            "rollout/kept_acc_mean": sum(a for g in groups for a in g.acc) / max(len(kept_resp), 1),
+        }
+        lens = response_length_stats(lengths, truncated, prefix="")
+        m.update({keys.ROLLOUT_RESP_LEN_MEAN: lens["mean"], keys.ROLLOUT_RESP_LEN_MAX: lens["max"],
+                  keys.ROLLOUT_RESP_LEN_MIN: lens["min"], keys.ROLLOUT_TRUNCATED_FRAC: lens["truncated_frac"]})
+        renamed = {"mismatch/mean_abs_diff": keys.MISMATCH_LOGP_ABS_DIFF_MEAN,
+                   "mismatch/max_abs_diff": keys.MISMATCH_LOGP_ABS_DIFF_MAX, "mismatch/kl_k1": keys.MISMATCH_KL}
+        m.update({renamed.get(k, k): v for k, v in mismatch.items()})
+        m.update(stats.as_metrics())
+        return m
+
+    def run(self) -> int:
+        p, cfg = self.p, self.cfg
+        signals = _Signals()
+        self.step = p.start_step
+        if self.step >= cfg.train.steps:
+            log.info("run already finished %d steps; nothing to do", self.step)
+        try:
+            while self.step < cfg.train.steps:
+                with p.timer.phase("step"):
+                    metrics, generated = self.run_step()
+                    self.step += 1
+                    if (cfg.eval.every and self.step % cfg.eval.every == 0) or self.step == cfg.train.steps:
+                        with p.timer.phase("eval"):
+                            metrics.update(self.evaluate())
+                    if self.step == cfg.train.steps or signals.requested or (
+                            cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
+                        with p.timer.phase("checkpoint"):
+                            p.save(self.step)
+                p.log_step(self.step, metrics, generated)
+                if signals.requested:
+                    log.warning("checkpointed at step %d after %s; exiting %d for requeue", self.step,
+                                signals.requested, EXIT_REQUEUE)
+                    return EXIT_REQUEUE
+        except KeyboardInterrupt:
+            log.error("interrupted during step %d: the step was abandoned; the last good checkpoint is kept "
+                      "(resume with the same command)", self.step + 1)
+            return EXIT_INTERRUPTED
+        except DynamicSamplingExhausted as exc:
+            log.error("%s", exc)
+            return 1
+        finally:
+            p.close()
+        return 0
+
+
+def _seed(base: int, step: int, batch: int) -> int:
+    """A distinct, reproducible seed per (run seed, step, generation batch)."""
+    return (base * 1_000_003 + step * 10_007 + batch) % (2**62)
+
+
+def train_main(config_path: str, overrides: list[str]) -> int:
+    """``dapo-mcore train``: validate, prepare the run directory, build everything, run the loop."""
+    cfg, launch = read_config(config_path, overrides)
+    prepare_run_dir(cfg, launch)
+    parts = build_components(cfg, launch)
+    return Trainer(cfg, parts).run()
+
+
+def eval_main(config_path: str, overrides: list[str], checkpoint: str | None) -> int:
+    """``dapo-mcore eval``: held-out avg@k / pass@k / maj@k of a checkpoint (or the base model)."""
+    cfg, launch = read_config(config_path, overrides)
+    parts = build_components(cfg, launch, resume=False, checkpoint=checkpoint, for_eval=True)
+    trainer = Trainer(cfg, parts)
+    try:
+        metrics = trainer.evaluate()
+    finally:
+        parts.close()
+    if launch.rank == 0:
+        for k, v in metrics.items():
+            sys.stdout.write(f"{k}: {v:.4f}\n")
+    return 0
+
+
+__all__ = ["Trainer", "train_main", "eval_main", "EXIT_REQUEUE"]
