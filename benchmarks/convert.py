@@ -1,0 +1,151 @@
+"""Benchmark: HF -> Megatron conversion of a Qwen2.5-32B-shaped checkpoint vs reading the same files once.
+
+Writes a synthetic bf16 checkpoint with the 32B shapes (hidden 5120, FFN 27648, 40 heads / 8 KV heads,
+vocab 152064) and a few layers into a temp dir, then, each in a fresh subprocess, (1) reads every tensor
+fully once (same positioned-read path the converter uses for contiguous ranges), (2) converts to TP=2 PP=2, (3) reads again; prints conversion time over the (faster) read time
+and the conversion's peak RSS over the largest tensor. Deletes everything afterwards.
+
+    python benchmarks/convert.py [--layers 2] [--tp 2] [--pp 2] [--workdir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+READ = """
+import json, sys, time
+from dapo_mcore.weights.safetensors_io import SafetensorsDirSource
+src = SafetensorsDirSource(sys.argv[1])
+t0 = time.perf_counter(); total = 0
+for name in src.file_of:
+    t = src.read(name)   # every tensor fully, by the same reader the conversion uses
+    total += t.numel() * t.element_size(); del t
+print(json.dumps({"seconds": time.perf_counter() - t0, "bytes": total}))
+"""
+
+WRITE = """
+import json, os, sys, time, torch
+buf = torch.empty(64 << 20, dtype=torch.uint8).fill_(1).numpy()
+left = int(sys.argv[2]); t0 = time.perf_counter()
+with open(sys.argv[1], "wb") as f:
+    while left > 0:
+        n = min(left, len(buf)); f.write(memoryview(buf)[:n]); left -= n
+print(json.dumps({"seconds": time.perf_counter() - t0}))
+"""
+
+CONVERT = """
+import json, sys, time
+from conversion.hf_to_mcore import convert_hf_to_mcore
+from dapo_mcore.weights import ParallelLayout
+t0 = time.perf_counter()
+convert_hf_to_mcore(sys.argv[1], sys.argv[2], ParallelLayout(tp=int(sys.argv[3]), pp=int(sys.argv[4])))
+print(json.dumps({"seconds": time.perf_counter() - t0}))
+"""
+
+
+def run_measured(code: str, *args: str) -> tuple[dict, int]:
+    """Run `code` in a subprocess; return its json line and its peak RSS (bytes, sampled every 20 ms)."""
+    proc = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    peak = 0
+    ps = psutil.Process(proc.pid)
+    done = threading.Event()
+
+    def sample():
+        nonlocal peak
+        while not done.is_set():
+            try:
+                peak = max(peak, ps.memory_info().rss)
+            except psutil.NoSuchProcess:
+                return
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    out, _ = proc.communicate()
+    done.set()
+    thread.join()
+    if proc.returncode != 0:
+        raise RuntimeError(f"benchmark subprocess failed with code {proc.returncode}")
+    return json.loads(out.strip().splitlines()[-1]), peak
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--pp", type=int, default=2)
+    p.add_argument("--workdir", default=None, help="parent dir for the temp checkpoint (default: system temp)")
+    p.add_argument("--also-out", default="/dev/shm",
+                   help="also convert into this dir (e.g. a tmpfs, to separate converter cost from disk writes); "
+                        "'' to skip")
+    args = p.parse_args(argv)
+
+    from conversion.synthetic import write_synthetic_hf_checkpoint
+    from dapo_mcore.model.presets import preset_config
+    from dapo_mcore.weights.registry import get_mapping
+
+    hf_config = preset_config("qwen2.5-32b", num_hidden_layers=args.layers)
+    shapes = get_mapping(hf_config).hf_shapes()
+    largest = max(torch.Size(s).numel() * 2 for s in shapes.values())
+    work = Path(tempfile.mkdtemp(prefix="dapo_convert_bench_", dir=args.workdir))
+    try:
+        t0 = time.perf_counter()
+        total = write_synthetic_hf_checkpoint(work / "hf", hf_config, dtype=torch.bfloat16)
+        print(f"synthetic Qwen2.5-32B-shaped checkpoint: {args.layers} layers, {total / 1e9:.2f} GB bf16, "
+              f"largest tensor {largest / 1e9:.2f} GB (written in {time.perf_counter() - t0:.1f} s)")
+        os.sync()  # flush the generator's dirty pages so they do not throttle the measured writes
+        read1, read_rss = run_measured(READ, str(work / "hf"))
+        os.sync()
+        conv, conv_rss = run_measured(CONVERT, str(work / "hf"), str(work / "mcore"), str(args.tp), str(args.pp))
+        out_bytes = sum(f.stat().st_size for f in (work / "mcore").rglob("*.safetensors"))
+        shutil.rmtree(work / "mcore")
+        os.sync()
+        write, _ = run_measured(WRITE, str(work / "write_baseline"), str(out_bytes))
+        (work / "write_baseline").unlink()
+        os.sync()
+        read2, _ = run_measured(READ, str(work / "hf"))
+        read_s = min(read1["seconds"], read2["seconds"])
+        bound = 4 * largest + (1 << 30)
+        fast = None
+        if args.also_out and Path(args.also_out).is_dir() and shutil.disk_usage(args.also_out).free > 2 * out_bytes:
+            fast_dir = Path(tempfile.mkdtemp(prefix="dapo_convert_bench_", dir=args.also_out))
+            try:
+                fast, fast_rss = run_measured(CONVERT, str(work / "hf"), str(fast_dir / "mcore"), str(args.tp),
+                                              str(args.pp))
+            finally:
+                shutil.rmtree(fast_dir, ignore_errors=True)
+        print(f"read once:            {read1['seconds']:.2f} s / {read2['seconds']:.2f} s "
+              f"({read1['bytes'] / 1e9 / read_s:.2f} GB/s), peak RSS {read_rss / 1e9:.2f} GB")
+        print(f"convert tp={args.tp} pp={args.pp}:    {conv['seconds']:.2f} s, wrote {out_bytes / 1e9:.2f} GB, "
+              f"peak RSS {conv_rss / 1e9:.2f} GB")
+        print(f"plain write of {out_bytes / 1e9:.2f} GB to the same disk: {write['seconds']:.2f} s "
+              f"({out_bytes / 1e9 / write['seconds']:.2f} GB/s); convert / (read + plain write): "
+              f"{conv['seconds'] / (read_s + write['seconds']):.2f}")
+        if fast is not None:
+            print(f"convert into {args.also_out} (no disk writes): {fast['seconds']:.2f} s, peak RSS "
+                  f"{fast_rss / 1e9:.2f} GB, over read: {fast['seconds'] / read_s:.2f}")
+        print(f"peak_rss_over_largest_tensor: {conv_rss / largest:.2f} (target <= 4x + 1 GB: "
+              f"{conv_rss / 1e9:.2f} GB <= {bound / 1e9:.2f} GB {'OK' if conv_rss <= bound else 'OVER'})")
+        print(f"convert_time_over_read: {conv['seconds'] / read_s:.2f}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
