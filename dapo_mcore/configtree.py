@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 import yaml
 
 T = TypeVar("T")
+_FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
 
 class ConfigError(ValueError):
@@ -37,7 +39,7 @@ def _type_name(tp: Any) -> str:
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """Check ``value`` against the annotation ``tp`` and return it (ints widen to floats; nothing else converts)."""
+    """Check ``value`` against the annotation ``tp`` and return it (ints and numeric strings such as 5e-4 widen to floats; nothing else converts)."""
     origin = get_origin(tp)
     if origin is Literal:
         if value in get_args(tp):
@@ -69,6 +71,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         return value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str) and _FLOAT_RE.match(value.strip()):
+        return float(value)  # YAML 1.1 reads "5e-4" (no dot) as a string
     if tp is bool and not isinstance(value, bool):
         raise ConfigError(f"{key}={value!r}: expected true or false.")
     if tp in (int, float) and isinstance(value, bool):
