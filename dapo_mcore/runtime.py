@@ -39,7 +39,8 @@ def read_config(path: str, overrides: list[str]) -> tuple[Config, LaunchEnv]:
 
 
 def prepare_run_dir(cfg: Config, launch: LaunchEnv) -> None:
-    """Refuse a run directory that holds another run (unless told to overwrite); write the resolved config."""
+    """Refuse a run directory that holds another run (unless told to overwrite). Writes nothing else:
+    ``write_resolved`` runs once every input has been checked."""
     run_dir = Path(cfg.run.dir)
     existing = run_dir / "config.yaml"
     if launch.rank == 0:
@@ -47,8 +48,8 @@ def prepare_run_dir(cfg: Config, launch: LaunchEnv) -> None:
             log.warning("run.overwrite=true: deleting %s", run_dir)
             shutil.rmtree(run_dir)
         elif existing.is_file():
-            old = yaml.safe_load(existing.read_text()) or {}
-            new = to_dict(cfg)
+            old = _identity(yaml.safe_load(existing.read_text()) or {})
+            new = _identity(to_dict(cfg))
             changed = [s for s in _IDENTITY_SECTIONS if old.get(s) != new.get(s)]
             if changed:
                 raise ConfigError(f"run directory {run_dir} holds another run (its {', '.join(changed)} settings differ). "
@@ -56,9 +57,14 @@ def prepare_run_dir(cfg: Config, launch: LaunchEnv) -> None:
             if cfg.run.resume == "never":
                 raise ConfigError(f"run directory {run_dir} already holds this run and run.resume=never; use "
                                   "run.resume=auto to continue it or run.overwrite=true to start over.")
-        write_resolved(cfg, run_dir)
-    if dist.is_initialized():
-        dist.barrier()
+
+
+def _identity(tree: dict[str, Any]) -> dict[str, Any]:
+    """The config sections that define a run; train.steps may grow (continue a finished run for longer)."""
+    out = {k: tree.get(k) for k in _IDENTITY_SECTIONS}
+    if isinstance(out.get("train"), dict):
+        out["train"] = {k: v for k, v in out["train"].items() if k != "steps"}
+    return out
 
 
 @dataclass
@@ -113,6 +119,13 @@ class Components:
         if self.store is not None:
             self.store.append_step(step, _rollouts(generated))
         _print_progress(step, self.cfg.train.steps, metrics, self.cfg.run.log_every)
+
+    def log_base_eval(self, metrics: dict[str, Any]) -> None:
+        """Held-out scores of the starting model, logged as step 0."""
+        if self.is_main:
+            self.writer.log(0, metrics)
+            log.info("step 0 (base model): heldout avg@%d=%.3f pass@%d=%.3f", int(metrics["eval/k"]),
+                     metrics["eval/avg_at_k"], int(metrics["eval/k"]), metrics["eval/pass_at_k"])
 
     def close(self) -> None:
         for closer in reversed(self._closers):
@@ -264,6 +277,8 @@ def build_components(cfg: Config, launch: LaunchEnv, *, resume: bool = True, che
     start = _restore(parts, resume=resume and not for_eval, checkpoint=checkpoint)
     parts.start_step = start
     if not for_eval:
+        if launch.rank == 0:
+            write_resolved(cfg, cfg.run.dir)
         _open_telemetry(parts, start)
     engine.update_weights(actor.export_hf_weights())  # the engine serves exactly the actor's weights
     return parts
@@ -306,12 +321,13 @@ def _open_telemetry(parts: Components, start: int) -> None:
     from dapo_mcore.telemetry.rollout_store import ROLLOUTS_DIR, RolloutStore
 
     run_dir = Path(parts.cfg.run.dir)
-    resume_step = start + 1 if start else None
+    resume_step = start + 1 if start else 0
     parts.writer = MetricsWriter(run_dir, enabled=parts.is_main, resume_step=resume_step)
     parts.ledger = CostLedger(run_dir, enabled=parts.is_main)
     state = getattr(parts, "_resume_state", None)
-    if state is not None and "ledger" in state:
-        parts.ledger.load_state_dict(state["ledger"])
+    # A fresh start restores an empty ledger: lines left by a run that died before its first checkpoint go.
+    parts.ledger.load_state_dict(state["ledger"] if state is not None and "ledger" in state
+                                 else CostLedger(None, enabled=False).state_dict())
     if parts.is_main and parts.cfg.run.rollout_store:
         parts.store = RolloutStore(run_dir / ROLLOUTS_DIR, resume_step=resume_step)
     if parts.is_main:

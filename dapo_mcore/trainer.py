@@ -242,7 +242,13 @@ class Trainer:
         if self.step >= cfg.train.steps:
             log.info("run already finished %d steps; nothing to do", self.step)
         try:
+            if self.step == 0 and cfg.eval.at_start and cfg.train.steps > 0:
+                with p.timer.phase("eval"):
+                    base = self.evaluate()
+                p.timer.pop_step()
+                p.log_base_eval(base)
             while self.step < cfg.train.steps:
+                saved = False
                 with p.timer.phase("step"):
                     metrics, generated = self.run_step()
                     self.step += 1
@@ -253,8 +259,11 @@ class Trainer:
                             cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
                         with p.timer.phase("checkpoint"):
                             p.save(self.step)
+                        saved = True
                 p.log_step(self.step, metrics, generated)
                 if signals.requested:
+                    if not saved:  # the signal came after this step's checkpoint decision
+                        p.save(self.step)
                     log.warning("checkpointed at step %d after %s; exiting %d for requeue", self.step,
                                 signals.requested, EXIT_REQUEUE)
                     return EXIT_REQUEUE
