@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
 def _guard(fn: Callable[[], int]) -> int:
     """Run a command; a user error becomes one paragraph on stderr and exit code 2."""
     from dapo_mcore.data.datasets import DatasetFormatError
+    from dapo_mcore.model.fp8 import MissingGPUExtra
 
     try:
         return fn()
@@ -93,6 +94,9 @@ def _guard(fn: Callable[[], int]) -> int:
         return EXIT_USAGE
     except DatasetFormatError as exc:
         print(f"dapo-mcore: dataset error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except MissingGPUExtra as exc:
+        print(f"dapo-mcore: {exc}", file=sys.stderr)
         return EXIT_USAGE
 
 

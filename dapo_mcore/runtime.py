@@ -35,7 +35,26 @@ def read_config(path: str, overrides: list[str]) -> tuple[Config, LaunchEnv]:
     cfg = load_config(path, overrides)
     launch = read_launch_env()
     cfg.validate(launch.world_size)
+    check_hardware(cfg)
     return cfg, launch
+
+
+def check_hardware(cfg: Config) -> None:
+    """Refuse GPU-only settings on a machine that cannot run them (before any process group or allocation).
+
+    Kept out of ``Config.validate`` so that cluster configs can be validated and planned on a laptop.
+    """
+    from dapo_mcore.model.fp8 import MissingGPUExtra, check_fp8, require_transformer_engine
+
+    if cfg.rollout.engine == "vllm" and not torch.cuda.is_available():
+        raise MissingGPUExtra("rollout.engine=vllm needs CUDA GPUs and the gpu extra (pip install 'dapo-mcore[gpu]'); "
+                              "use rollout.engine=hf on CPU.")
+    if cfg.model.layer_spec == "transformer_engine":
+        require_transformer_engine("model.layer_spec=transformer_engine")
+    check_fp8(cfg.model.fp8)
+    if cfg.parallel.distributed_optimizer and not torch.cuda.is_available():
+        raise MissingGPUExtra("parallel.distributed_optimizer=true needs NCCL (GPU): gloo has no reduce-scatter. "
+                              "Set parallel.distributed_optimizer=false on CPU.")
 
 
 def prepare_run_dir(cfg: Config, launch: LaunchEnv) -> None:
@@ -221,9 +240,17 @@ def _actor_settings(cfg: Config, hf_config: dict[str, Any], pad_id: int):
 
 def _build_engine(cfg: Config, hf_dir: Path | None, hf_config: dict[str, Any], tokenizer):
     if cfg.rollout.engine == "vllm":
-        from dapo_mcore.rollout.vllm_engine import VLLMEngine
+        from dapo_mcore.rollout.vllm_engine import VLLMEngine, VLLMEngineOptions
 
-        return VLLMEngine.from_config(cfg, hf_dir)
+        if hf_dir is None:
+            raise ConfigError("rollout.engine=vllm needs model.hf_path (vLLM loads the model's config and tokenizer).")
+        v = cfg.rollout.vllm
+        options = VLLMEngineOptions(
+            model_path=str(hf_dir), tensor_parallel=v.tensor_parallel, gpu_memory_utilization=v.gpu_memory_utilization,
+            enforce_eager=v.enforce_eager, max_num_batched_tokens=v.max_num_batched_tokens,
+            max_model_len=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens, sleep_level=v.sleep_level,
+            dtype=cfg.model.params_dtype, seed=cfg.train.seed, max_prompt_len=cfg.data.max_prompt_len)
+        return VLLMEngine(options, hf_config)
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from dapo_mcore.rollout.hf_engine import HFEngine

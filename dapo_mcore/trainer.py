@@ -117,8 +117,12 @@ class Trainer:
             generated.extend(groups)
             return [Group(acc=g.acc, payload=g, response_lengths=[r.length for r in g.responses]) for g in groups]
 
-        kept, stats = collect_groups(generate_batch, self.cfg.train.prompts_per_step,
-                                     self.cfg.algo.max_gen_batches, enabled=self.cfg.algo.dynamic_sampling)
+        self.p.engine.wake()  # colocated engines hold GPU memory only while they generate
+        try:
+            kept, stats = collect_groups(generate_batch, self.cfg.train.prompts_per_step,
+                                         self.cfg.algo.max_gen_batches, enabled=self.cfg.algo.dynamic_sampling)
+        finally:
+            self.p.engine.sleep()
         return [g.payload for g in kept], generated, stats
 
     def make_samples(self, groups: list[GroupData]) -> list[TrainSample]:
@@ -179,7 +183,11 @@ class Trainer:
 
         records = self.p.eval_records
         params = self._sampling(eval_mode=True, seed=_seed(self.cfg.train.seed + 7919, self.step, 0))
-        groups = self._generate_and_score(records, params, 0)
+        self.p.engine.wake()
+        try:
+            groups = self._generate_and_score(records, params, 0)
+        finally:
+            self.p.engine.sleep()
         truth_norm = [self.p.normalize(g.record.ground_truth) for g in groups]
         result = summarize([g.acc for g in groups], [g.preds for g in groups],
                            [[p is not None and p == t for p in g.preds] for g, t in zip(groups, truth_norm, strict=True)],
