@@ -1,11 +1,14 @@
 """Benchmark: HF -> Megatron conversion of a Qwen2.5-32B-shaped checkpoint vs reading the same files once.
 
 Writes a synthetic bf16 checkpoint with the 32B shapes (hidden 5120, FFN 27648, 40 heads / 8 KV heads,
-vocab 152064) and a few layers into a temp dir, then, each in a fresh subprocess, (1) reads every tensor
-fully once (same positioned-read path the converter uses for contiguous ranges), (2) converts to TP=2 PP=2, (3) reads again; prints conversion time over the (faster) read time
-and the conversion's peak RSS over the largest tensor. Deletes everything afterwards.
+vocab 152064) and a few layers into a temp dir, then, each in a fresh subprocess: (1) reads every tensor
+fully once into fresh tensors (`SafetensorsDirSource.read`, positioned reads: the baseline), (2) converts to
+TP=2 PP=2 with the default writer (O_DIRECT where the filesystem allows it), (3) converts again through the
+page cache (`direct=False`, the pre-O_DIRECT write path, for comparison), (4) writes the same number of bytes
+with plain buffered writes, (5) reads again, (6) converts into --also-out (a tmpfs). Prints conversion time over
+the faster of the two reads and the conversion's peak RSS over the largest tensor. Deletes everything after.
 
-    python benchmarks/convert.py [--layers 2] [--tp 2] [--pp 2] [--workdir DIR]
+    python benchmarks/convert.py [--layers 2] [--tp 2] [--pp 2] [--workdir DIR] [--also-out /dev/shm]
 """
 
 from __future__ import annotations
@@ -52,8 +55,10 @@ CONVERT = """
 import json, sys, time
 from conversion.hf_to_mcore import convert_hf_to_mcore
 from dapo_mcore.weights import ParallelLayout
+direct = {"auto": None, "off": False}[sys.argv[5]]
 t0 = time.perf_counter()
-convert_hf_to_mcore(sys.argv[1], sys.argv[2], ParallelLayout(tp=int(sys.argv[3]), pp=int(sys.argv[4])))
+convert_hf_to_mcore(sys.argv[1], sys.argv[2], ParallelLayout(tp=int(sys.argv[3]), pp=int(sys.argv[4])),
+                    direct=direct)
 print(json.dumps({"seconds": time.perf_counter() - t0}))
 """
 
@@ -102,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_config = preset_config("qwen2.5-32b", num_hidden_layers=args.layers)
     shapes = get_mapping(hf_config).hf_shapes()
     largest = max(torch.Size(s).numel() * 2 for s in shapes.values())
+    load0 = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="dapo_convert_bench_", dir=args.workdir))
     try:
         t0 = time.perf_counter()
@@ -111,8 +117,12 @@ def main(argv: list[str] | None = None) -> int:
         os.sync()  # flush the generator's dirty pages so they do not throttle the measured writes
         read1, read_rss = run_measured(READ, str(work / "hf"))
         os.sync()
-        conv, conv_rss = run_measured(CONVERT, str(work / "hf"), str(work / "mcore"), str(args.tp), str(args.pp))
+        layout = (str(args.tp), str(args.pp))
+        conv, conv_rss = run_measured(CONVERT, str(work / "hf"), str(work / "mcore"), *layout, "auto")
         out_bytes = sum(f.stat().st_size for f in (work / "mcore").rglob("*.safetensors"))
+        shutil.rmtree(work / "mcore")
+        os.sync()
+        paged, paged_rss = run_measured(CONVERT, str(work / "hf"), str(work / "mcore"), *layout, "off")
         shutil.rmtree(work / "mcore")
         os.sync()
         write, _ = run_measured(WRITE, str(work / "write_baseline"), str(out_bytes))
@@ -125,15 +135,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.also_out and Path(args.also_out).is_dir() and shutil.disk_usage(args.also_out).free > 2 * out_bytes:
             fast_dir = Path(tempfile.mkdtemp(prefix="dapo_convert_bench_", dir=args.also_out))
             try:
-                fast, fast_rss = run_measured(CONVERT, str(work / "hf"), str(fast_dir / "mcore"), str(args.tp),
-                                              str(args.pp))
+                fast, fast_rss = run_measured(CONVERT, str(work / "hf"), str(fast_dir / "mcore"), *layout, "auto")
             finally:
                 shutil.rmtree(fast_dir, ignore_errors=True)
         print(f"read once:            {read1['seconds']:.2f} s / {read2['seconds']:.2f} s "
               f"({read1['bytes'] / 1e9 / read_s:.2f} GB/s), peak RSS {read_rss / 1e9:.2f} GB")
-        print(f"convert tp={args.tp} pp={args.pp}:    {conv['seconds']:.2f} s, wrote {out_bytes / 1e9:.2f} GB, "
-              f"peak RSS {conv_rss / 1e9:.2f} GB")
-        print(f"plain write of {out_bytes / 1e9:.2f} GB to the same disk: {write['seconds']:.2f} s "
+        print(f"convert tp={args.tp} pp={args.pp} (default, O_DIRECT where allowed): {conv['seconds']:.2f} s, "
+              f"wrote {out_bytes / 1e9:.2f} GB, peak RSS {conv_rss / 1e9:.2f} GB, over read: "
+              f"{conv['seconds'] / read_s:.2f}")
+        print(f"convert through the page cache (direct=False): {paged['seconds']:.2f} s, peak RSS "
+              f"{paged_rss / 1e9:.2f} GB, over read: {paged['seconds'] / read_s:.2f}")
+        print(f"plain buffered write of {out_bytes / 1e9:.2f} GB to the same disk: {write['seconds']:.2f} s "
               f"({out_bytes / 1e9 / write['seconds']:.2f} GB/s); convert / (read + plain write): "
               f"{conv['seconds'] / (read_s + write['seconds']):.2f}")
         if fast is not None:
@@ -141,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{fast_rss / 1e9:.2f} GB, over read: {fast['seconds'] / read_s:.2f}")
         print(f"peak_rss_over_largest_tensor: {conv_rss / largest:.2f} (target <= 4x + 1 GB: "
               f"{conv_rss / 1e9:.2f} GB <= {bound / 1e9:.2f} GB {'OK' if conv_rss <= bound else 'OVER'})")
+        print("load average (1/5/15 min) at start: {:.1f} {:.1f} {:.1f}, at end: {:.1f} {:.1f} {:.1f} ({} CPUs)".format(
+            *load0, *os.getloadavg(), os.cpu_count()))
         print(f"convert_time_over_read: {conv['seconds'] / read_s:.2f}")
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -1,8 +1,10 @@
 """Hugging Face checkpoint dir -> the canonical Megatron checkpoint at a chosen TP/PP/VPP, in one process.
 
-No process groups: each (tp, pp) rank file is computed directly from the memory-mapped HF safetensors, one
-tensor slice at a time, and streamed into its file (the file's header is known from the config up front).
-Peak memory is a few tensors; every HF byte is read once (replicated norms once per TP rank).
+No process groups: each (tp, pp) rank file is computed directly from the HF safetensors and streamed into
+its file (the file's header is known from the config up front). Without a dtype cast no tensor is built:
+each rank tensor is a list of byte ranges of the HF tensors (q/k/v groups, gate/up halves, column slices),
+read straight into reused staging buffers that a thread writes out with O_DIRECT (`staged_io`). Peak memory
+is the staging buffers plus one memory-mapped tensor; every HF byte is read once (norms once per TP rank).
 
     python -m conversion.hf_to_mcore --hf DIR --out DIR --tp 2 --pp 2 [--vpp 1] [--layer-spec local]
         [--vocab-divisible-by 128] [--dtype bfloat16]
@@ -39,8 +41,13 @@ def _progress(enabled: bool):
 
 
 def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, layout: ParallelLayout, *,
-                        dtype: torch.dtype | None = None, progress: bool = False) -> ckpt.CheckpointMeta:
-    """Convert; all checks (config, layout, tensors, target path) run before anything is written."""
+                        dtype: torch.dtype | None = None, progress: bool = False,
+                        direct: bool | None = None) -> ckpt.CheckpointMeta:
+    """Convert; all checks (config, layout, tensors, target path) run before anything is written.
+
+    `direct`: write the rank files with O_DIRECT (True), through the page cache (False), or O_DIRECT where
+    the output filesystem allows it (None, logged when it does not).
+    """
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     hf_config = read_hf_config(hf_dir)
     mapping = get_mapping(hf_config)
@@ -59,12 +66,14 @@ def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, layout: Paralle
             path = ckpt.rank_file(tmp, tp_rank, pp_rank)
             path.parent.mkdir()
             entries = [(key, out_dtype, shape) for key, _, shape in plan]
-            with StreamingSafetensorsWriter(path, entries) as writer:
-                for key, pl, _ in plan:
-                    tensor = mapping.shard(pl, source, layout, tp_rank).to(out_dtype)
-                    writer.write(key, tensor)
-                    bar.advance(task, tensor.numel() * itemsize)
-                    del tensor
+            with StreamingSafetensorsWriter(path, entries, direct=direct) as writer:
+                for key, pl, shape in plan:
+                    if all(source.dtype(n) == out_dtype for n in pl.hf_names):  # bytes move file to file
+                        writer.write_extents(key, source, pl.hf_names,
+                                             mapping.shard_extents(pl, layout, tp_rank, itemsize))
+                    else:  # a cast: build the tensor
+                        writer.write(key, mapping.shard(pl, source, layout, tp_rank).to(out_dtype))
+                    bar.advance(task, torch.Size(shape).numel() * itemsize)
         ckpt.write_meta(tmp, meta)
     log.info("wrote %s: tp=%d pp=%d vpp=%d, %s, %.2f GB", out_dir, layout.tp, layout.pp, layout.vpp,
              meta.dtype, total / 1e9)

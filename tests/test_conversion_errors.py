@@ -104,7 +104,7 @@ def test_failure_midway_leaves_no_target(hf, tmp_path, monkeypatch):
     from dapo_mcore.weights import mapping as mapping_mod
 
     calls = {"n": 0}
-    real = mapping_mod.ModelMapping.shard
+    real = mapping_mod.ModelMapping.shard_extents  # the no-cast path plans byte ranges instead of tensors
 
     def flaky(self, *a, **k):
         calls["n"] += 1
@@ -112,7 +112,20 @@ def test_failure_midway_leaves_no_target(hf, tmp_path, monkeypatch):
             raise RuntimeError("disk on fire")
         return real(self, *a, **k)
 
-    monkeypatch.setattr(mapping_mod.ModelMapping, "shard", flaky)
+    monkeypatch.setattr(mapping_mod.ModelMapping, "shard_extents", flaky)
     with pytest.raises(RuntimeError, match="disk on fire"):
+        convert_hf_to_mcore(hf, tmp_path / "out", ParallelLayout(tp=2))
+    assert calls["n"] == 10
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_background_write_failure_raises_and_leaves_no_target(hf, tmp_path, monkeypatch):
+    from dapo_mcore.weights import staged_io
+
+    def broken(fd, data, offset):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(staged_io.os, "pwrite", broken)
+    with pytest.raises(OSError, match="background write failed.*No space left"):
         convert_hf_to_mcore(hf, tmp_path / "out", ParallelLayout(tp=2))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]

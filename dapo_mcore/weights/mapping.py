@@ -147,6 +147,12 @@ class ModelMapping:
         """This TP rank's Megatron tensor for `pl`, read from HF tensors."""
         return transforms.shard(pl.rule.split, source, pl.hf_names, layout.tp, tp_rank, self.geometry(layout))
 
+    def shard_extents(self, pl: Placement, layout: ParallelLayout, tp_rank: int,
+                      itemsize: int) -> list[transforms.Extent]:
+        """This TP rank's Megatron tensor for `pl` as byte ranges of `pl.hf_names` (see `transforms.Extent`)."""
+        return transforms.shard_extents(pl.rule.split, self._hf_tensor_shapes(pl.rule), itemsize, layout.tp,
+                                        tp_rank, self.geometry(layout))
+
     def merge(self, pl: Placement, parts: list[torch.Tensor],
               layout: ParallelLayout) -> list[tuple[str, torch.Tensor]]:
         """All TP ranks' tensors for `pl` -> HF (name, tensor) pairs; nothing for the tied output layer."""

@@ -4,18 +4,25 @@
 shapes), then appends each tensor's bytes in header order: no file ever needs all its tensors in memory.
 `SafetensorsDirSource` reads one HF checkpoint directory (a single file or shards + index json) as a
 `TensorSource`: contiguous ranges by positioned reads, strided ones from the memory map (safetensors
-``get_slice``), opened per read so mapped pages are released with each tensor.
+``get_slice``), opened per read so mapped pages are released with each tensor. For file-to-file conversion,
+`SafetensorsDirSource.copy_extents` + `StreamingSafetensorsWriter.write_extents` move byte ranges from the
+source files straight into the writer's staging buffers (`staged_io`), with no intermediate tensor.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import mmap
 import os
 import struct
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+
+from dapo_mcore.weights.staged_io import StagedFileWriter
+from dapo_mcore.weights.transforms import ZERO, Extent
 
 _DTYPE_TO_ST = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -37,10 +44,14 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 class StreamingSafetensorsWriter:
-    """Write a safetensors file tensor by tensor, in the order of `entries` (name, dtype, shape)."""
+    """Write a safetensors file tensor by tensor, in the order of `entries` (name, dtype, shape).
+
+    Bytes go through a `StagedFileWriter` (large positioned writes from a thread); `direct` is its O_DIRECT
+    choice (False: page cache, as a plain file write; None: O_DIRECT where the filesystem allows it).
+    """
 
     def __init__(self, path: str | Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None):
+                 metadata: dict[str, str] | None = None, *, direct: bool | None = False):
         header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
         offset = 0
         self._pending: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
@@ -52,17 +63,33 @@ class StreamingSafetensorsWriter:
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)
         self.path = Path(path)
-        self._file = open(self.path, "wb")  # noqa: SIM115  (closed in close())
+        self._file = StagedFileWriter(self.path, direct=direct)
         self._file.write(struct.pack("<Q", len(blob)) + blob)
         self._next = 0
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
+    def _expect(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
         exp_name, exp_dtype, exp_shape = self._pending[self._next]
-        if name != exp_name or tensor.dtype != exp_dtype or tuple(tensor.shape) != exp_shape:
+        if name != exp_name or dtype != exp_dtype or tuple(shape) != exp_shape:
             raise ValueError(f"{self.path.name}: expected {exp_name} {exp_dtype} {exp_shape}, got {name} "
-                             f"{tensor.dtype} {tuple(tensor.shape)}")
+                             f"{dtype} {tuple(shape)}")
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        self._expect(name, tensor.dtype, tuple(tensor.shape))
         data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-        self._file.write(memoryview(data))
+        self._file.write(data)
+        self._next += 1
+
+    def write_extents(self, name: str, source: SafetensorsDirSource, hf_names: tuple[str, ...],
+                      extents: list[Extent]) -> None:
+        """Write the next tensor as byte ranges of `source` tensors (`transforms.shard_extents`), no cast."""
+        exp_name, dtype, shape = self._pending[self._next]
+        self._expect(name, dtype, shape)
+        wrong = [n for n in hf_names if source.dtype(n) != dtype]
+        nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        if wrong or sum(n for _, _, n in extents) != nbytes:
+            raise ValueError(f"{self.path.name}: {name}: extents of {hf_names} do not make a {dtype} {shape} "
+                             f"tensor (dtype mismatch in {wrong} or {sum(n for _, _, n in extents)} != {nbytes} B)")
+        source.copy_extents(hf_names, extents, self._file)
         self._next += 1
 
     def close(self) -> None:
@@ -78,7 +105,7 @@ class StreamingSafetensorsWriter:
         if exc_type is None:
             self.close()
         else:
-            self._file.close()
+            self._file.abort()
 
 
 def read_header_offsets(path: str | Path) -> dict[str, tuple[torch.dtype, tuple[int, ...], int]]:
@@ -160,3 +187,42 @@ class SafetensorsDirSource:
             sl = f.get_slice(name)
             index = (slice(None),) * dim + (slice(start, stop),)
             return sl[index]
+
+    def copy_extents(self, names: tuple[str, ...], extents: list[Extent], out: StagedFileWriter, *,
+                     small: int = 256 << 10) -> None:
+        """Append the bytes `extents` name (ranges of the tensors `names`) to `out`.
+
+        Ranges of at least `small` bytes are read with positioned reads straight into `out`'s staging buffers;
+        smaller ones (the rows of a column slice) are copied from a memory map of just that tensor, unmapped
+        before returning so the mapped pages do not stay in this process.
+        """
+        with contextlib.ExitStack() as stack:
+            fds: dict[Path, int] = {}
+            maps: dict[str, tuple[memoryview, int]] = {}
+            for idx, off, n in extents:
+                if idx == ZERO:
+                    out.write_zeros(n)
+                    continue
+                name = names[idx]
+                path = self.file_of[name]
+                if path not in fds:
+                    fds[path] = os.open(path, os.O_RDONLY)
+                    stack.callback(os.close, fds[path])
+                if n >= small:
+                    out.read_into(fds[path], self.offset[name] + off, n)
+                    continue
+                if name not in maps:
+                    maps[name] = self._map_tensor(name, fds[path], stack)
+                view, base = maps[name]
+                out.write(view[base + off: base + off + n])
+
+    def _map_tensor(self, name: str, fd: int, stack: contextlib.ExitStack) -> tuple[memoryview, int]:
+        """A read-only map of tensor `name`'s bytes (closed by `stack`); returns (view, tensor start in it)."""
+        dtype, shape = self.meta[name]
+        nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        start = self.offset[name] - self.offset[name] % mmap.ALLOCATIONGRANULARITY
+        mapped = mmap.mmap(fd, self.offset[name] + nbytes - start, prot=mmap.PROT_READ, offset=start)
+        stack.callback(mapped.close)
+        view = memoryview(mapped)
+        stack.callback(view.release)
+        return view, self.offset[name] - start

@@ -10,6 +10,9 @@ safetensors file is never loaded whole), and how to merge all ranks' tensors bac
 * ``qkv``: HF q, k, v fused per query group as ``[q heads of the group, k, v]`` and split on dim 0 by groups
   (weight and bias alike), so each rank holds whole groups.
 * ``gate_up``: HF gate and up each split on dim 0, then concatenated per rank as ``[gate_r; up_r]``.
+
+`shard_extents` describes the same rank tensor as byte ranges of the HF tensors (no dtype cast), so a file
+converter can copy them straight from the source file into the output file without building the tensor.
 """
 
 from __future__ import annotations
@@ -128,6 +131,53 @@ def shard(split: Split, source: TensorSource, names: tuple[str, ...], tp: int, r
         return _qkv_shard(source, names, tp, rank, geo)
     if split is Split.GATE_UP:
         return torch.cat([_rows(source, names[0], tp, rank), _rows(source, names[1], tp, rank)], dim=0)
+    raise AssertionError(split)
+
+
+ZERO = -1
+"""`Extent` source index meaning "this many zero bytes" (vocabulary padding)."""
+
+Extent = tuple[int, int, int]
+"""(index into the HF names, or ZERO; byte offset inside that HF tensor; length in bytes)."""
+
+
+def _coalesce(extents: list[Extent]) -> list[Extent]:
+    out: list[Extent] = []
+    for idx, off, n in extents:
+        if n and out and out[-1][0] == idx and (idx == ZERO or out[-1][1] + out[-1][2] == off):
+            out[-1] = (idx, out[-1][1], out[-1][2] + n)
+        elif n:
+            out.append((idx, off, n))
+    return out
+
+
+def shard_extents(split: Split, hf_shapes: list[tuple[int, ...]], itemsize: int, tp: int, rank: int,
+                  geo: Geometry) -> list[Extent]:
+    """TP rank `rank`'s Megatron tensor as byte ranges of the HF tensors, in output order (same bytes as
+    `shard` without a dtype cast; adjacent ranges merged)."""
+    first = hf_shapes[0]
+    row = int(torch.Size(first[1:]).numel()) * itemsize  # bytes per dim-0 row (itemsize for a bias)
+    if split is Split.REPLICATED:
+        return [(0, 0, first[0] * row if first else itemsize)]
+    if split is Split.ROW:
+        cols = first[1] // tp
+        return _coalesce([(0, (r * first[1] + rank * cols) * itemsize, cols * itemsize) for r in range(first[0])])
+    if split is Split.VOCAB:
+        rows = geo.padded_vocab_size // tp
+        start = rank * rows
+        real = max(0, min(start + rows, geo.vocab_size) - start)
+        return _coalesce([(0, start * row, real * row), (ZERO, 0, (rows - real) * row)])
+    if split is Split.QKV:
+        groups = geo.num_kv_heads // tp
+        q_rows, kv_rows = geo.heads_per_group * geo.head_dim, geo.head_dim
+        out: list[Extent] = []
+        for g in range(rank * groups, (rank + 1) * groups):
+            out += [(0, g * q_rows * row, q_rows * row), (1, g * kv_rows * row, kv_rows * row),
+                    (2, g * kv_rows * row, kv_rows * row)]
+        return _coalesce(out)
+    if split is Split.GATE_UP:
+        n = first[0] // tp
+        return _coalesce([(0, rank * n * row, n * row), (1, rank * n * row, n * row)])
     raise AssertionError(split)
 
 
