@@ -67,7 +67,7 @@ def convert_mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, *, max_shard
     placements = [pl for pl in mapping.placements(layout) if pl.exported]
     plan = [(name, dtype, shape) for pl in placements for name, shape in mapping.hf_output_shapes(pl)]
     with ckpt.atomic_directory(out_dir) as tmp, _progress(progress) as bar:
-        writer = HFShardedWriter(tmp, plan, max_shard_bytes)
+        writer = HFShardedWriter(tmp, plan, max_shard_bytes, direct=None)  # O_DIRECT where the filesystem allows
         task = bar.add_task("mcore -> hf", total=writer.total)
         for pl in placements:
             parts = [ckpt.read_rank_tensor(directory, t, pl.pp_rank, layout.chunk_prefix(pl.vchunk) + pl.key)

@@ -65,8 +65,10 @@ def check_hf_tensors(mapping: ModelMapping, source: SafetensorsDirSource, *, dty
 class HFShardedWriter:
     """Stream (name, tensor) pairs, in a known order, into size-capped HF safetensors shards + index json."""
 
-    def __init__(self, directory: Path, plan: list[tuple[str, torch.dtype, tuple[int, ...]]], max_shard_bytes: int):
+    def __init__(self, directory: Path, plan: list[tuple[str, torch.dtype, tuple[int, ...]]], max_shard_bytes: int,
+                 *, direct: bool | None = False):
         self.dir = directory
+        self.direct = direct  # O_DIRECT choice for the shard files (see StreamingSafetensorsWriter)
         shards: list[list[tuple[str, torch.dtype, tuple[int, ...]]]] = [[]]
         size = 0
         self.total = 0
@@ -91,7 +93,8 @@ class HFShardedWriter:
             if self._writer is not None:
                 self._writer.close()
             self._shard += 1
-            self._writer = StreamingSafetensorsWriter(self.dir / self.files[self._shard], self.shards[self._shard])
+            self._writer = StreamingSafetensorsWriter(self.dir / self.files[self._shard], self.shards[self._shard],
+                                                      direct=self.direct)
             self._left = len(self.shards[self._shard])
         self._writer.write(name, tensor)
         self._left -= 1
