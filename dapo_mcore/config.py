@@ -269,15 +269,10 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
-    def validate(self, world_size: int = 1, check_hardware: bool = True) -> None:
-        """Check every rule that can be checked before anything is allocated.
-
-        ``check_hardware`` also refuses GPU-only settings (FP8, the transformer_engine spec) on a machine that
-        cannot run them; planning tools that validate a GPU config on a CPU-only machine turn it off.
-        """
+    def validate(self, world_size: int = 1) -> None:
+        """Check every rule that can be checked before anything is allocated (hardware-independent: GPU-only
+        settings are refused by ``runtime.check_hardware``, so cluster configs validate on a laptop)."""
         self.model.validate()
-        if check_hardware:
-            _validate_hardware(self.model)
         for section in (self.algo, self.data, self.tiny_base):
             try:
                 section.validate()
@@ -289,18 +284,6 @@ class Config:
         _validate_layout(self, world_size)
         _validate_batches(self, world_size)
         _validate_rollout(self)
-
-
-def _validate_hardware(model: ModelConfig) -> None:
-    """FP8 / Transformer Engine requested where they cannot run: a ConfigError now, not a traceback mid-start."""
-    from dapo_mcore.model.fp8 import MissingGPUExtra, check_fp8, require_transformer_engine
-
-    try:
-        check_fp8(model.fp8)
-        if model.layer_spec == "transformer_engine":
-            require_transformer_engine("model.layer_spec=transformer_engine")
-    except MissingGPUExtra as exc:
-        raise ConfigError(str(exc)) from exc
 
 
 def _divisors(n: int) -> str:

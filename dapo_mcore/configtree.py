@@ -124,7 +124,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError as exc:
-        raise ConfigError(f"override {text!r}: the value is not valid YAML ({exc}).") from exc
+        raise ConfigError(f"override {text!r}: the value is not valid YAML ({_yaml_problem(exc)}).") from exc
     return key.split("."), value
 
 
@@ -145,6 +145,13 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return out
 
 
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """One line for a YAML error (PyYAML's own text spans several lines with a source excerpt)."""
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    mark = getattr(exc, "problem_mark", None)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else problem
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML mapping, with errors that say what is wrong with the file."""
     p = Path(path)
@@ -153,8 +160,10 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
                           f"(e.g. examples/tiny_cpu.yaml).")
     try:
         data = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {_yaml_problem(exc)}.") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {str(p)!r} is not UTF-8 text ({exc.reason} at byte {exc.start}).") from exc
     if data is None:
         return {}
     if not isinstance(data, dict):

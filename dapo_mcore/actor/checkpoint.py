@@ -147,7 +147,8 @@ def find_latest(root: Path) -> Path | None:
     marker = root / "latest"
     candidates = _complete_steps(root)
     if marker.is_file():
-        named = root / marker.read_text().strip()
+        # A marker torn by a crash may hold any bytes: undecodable ones must not stop the fallback below.
+        named = root / marker.read_bytes().decode("utf-8", errors="replace").strip()
         if named in candidates and _readable(named):
             return named
         log.warning("latest checkpoint marker points at %s, which is missing or corrupt; using an older one", named)
@@ -167,9 +168,32 @@ def _readable(ckpt: Path) -> bool:
     return True
 
 
+def check_same_model(ckpt: Path, actor) -> None:
+    """Raise CheckpointError naming every architecture field where the checkpoint's model differs from the actor's.
+
+    Tensor shapes alone miss some differences (a vocabulary of 37 or 45 pads to the same 48 rows; rope_theta or
+    rms_norm_eps have no shape), so the HF configs are compared field by field before anything is loaded.
+    """
+    import dataclasses
+
+    from dapo_mcore.model.qwen import QwenShape
+    from dapo_mcore.weights.checkpoint import CheckpointError, read_meta
+
+    saved = QwenShape.from_hf(read_meta(Path(ckpt) / "model").hf_config)
+    diffs = [f"{f.name}: checkpoint {getattr(saved, f.name)!r}, live model {getattr(actor.shape, f.name)!r}"
+             for f in dataclasses.fields(saved) if getattr(saved, f.name) != getattr(actor.shape, f.name)]
+    if diffs:
+        raise CheckpointError(f"checkpoint {ckpt} holds a different model than the one being trained: "
+                              f"{'; '.join(diffs)}. Resume with the model config it was saved with, or start a new run.")
+
+
 def load_checkpoint(ckpt: Path, actor) -> dict[str, Any]:
-    """Collective. Restores model, optimizer and RNG states; returns the trainer state dict."""
+    """Collective. Restores model, optimizer and RNG states; returns the trainer state dict.
+
+    Every check (model architecture, parallel layout, tensor shapes) runs before any parameter changes.
+    """
     ckpt = Path(ckpt)
+    check_same_model(ckpt, actor)
     load_megatron_checkpoint_into_model(actor.chunks, ckpt / "model")
     tp_rank, pp_rank, _ = _ranks()
     opt_state = torch.load(ckpt / "optim" / f"{shard_name(tp_rank, pp_rank)}.pt", weights_only=False)

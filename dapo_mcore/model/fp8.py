@@ -45,7 +45,7 @@ def check_fp8(fp8: Any) -> None:
     """Refuse an FP8 setting this machine cannot run, naming the fix. ``fp8`` is a config.FP8Config."""
     if fp8 is None or not fp8.enabled:
         return
-    require_transformer_engine(f"FP8 training (recipe {fp8.recipe})")
+    require_transformer_engine(f"model.fp8.enabled=true (FP8 training, recipe {fp8.recipe})")
     import transformer_engine
 
     te_version = _version_tuple(getattr(transformer_engine, "__version__", "0"))
