@@ -28,7 +28,9 @@ def test_kill_during_save_leaves_a_partial_checkpoint_that_is_skipped(runs):
     assert runs["ckpt_entries_after_kill"] == ["latest", f"step_{k:06d}", f"step_{k + 1:06d}.partial"]
     assert runs["resume"]["found"] == f"step_{k:06d}"
     assert runs["resume"]["state"] == {"step": k}
-    assert find_latest(runs["ws"] / "ckpt").name == f"step_{k:06d}"
+    n = runs["spec"]["resume_steps"]
+    assert runs["resume"]["entries_after_next_save"] == ["latest", f"step_{n:06d}"]  # keep_last=1, partial gone
+    assert find_latest(runs["ws"] / "ckpt").name == f"step_{n:06d}"
 
 
 def test_resumed_run_equals_the_straight_run_exactly(runs):

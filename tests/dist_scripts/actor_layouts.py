@@ -64,7 +64,7 @@ def check_layout(ws: Path, spec: dict, tp: int, pp: int) -> dict:
     res["grads"] = grad_check(actor, batch, spec)
     res["metrics"] = [actor.train_mini_batch(c.samples(spec, key), lr=spec["lr"]) for key in ("update1", "update2")]
     res["weights"] = c.export(actor)
-    tp1_ckpt = ws / "ckpt" / f"step_{spec['resume_k']:06d}"
+    tp1_ckpt = ws / "ckpt_tp1"
     if (tp, pp) != (1, 1) and tp1_ckpt.is_dir():
         before = c.params_snapshot(actor)
         try:

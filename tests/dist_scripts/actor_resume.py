@@ -3,7 +3,7 @@
 usage: python actor_resume.py WS MODE
   straight  N steps from the HF weights; per-step metrics -> WS/out/straight_log.json, weights -> straight.pt
   killed    k steps, save_checkpoint(k), one more step, then SIGKILL itself in the middle of save_checkpoint(k+1)
-  resume    find_latest -> load_checkpoint -> steps k+1..N; then checkpoints of another shape/layout are refused
+  resume    find_latest -> load_checkpoint -> steps k+1..N, save N (prunes); then models of another shape are refused
 
 Each step draws its samples from the global torch RNG (so the RNG state must be restored exactly), takes
 on-policy old log-probs from the actor, and runs two mini-batch updates (so the second one is off-policy and
@@ -93,13 +93,16 @@ def resume(ws: Path, spec: dict) -> None:
     state = ckpt.load_checkpoint(found, actor)
     run_steps(actor, spec, state["step"] + 1, spec["resume_steps"], ws / "out" / "resume_log.json")
     result = {"found": found.name, "state": state, "weights": c.export(actor), "mismatch": {}}
+    # The next save completes, prunes to keep_last and removes the .partial left by the killed run.
+    final = ckpt.save_checkpoint(ws / "ckpt", spec["resume_steps"], actor, {"step": spec["resume_steps"]}, keep_last=1)
+    result["entries_after_next_save"] = sorted(p.name for p in (ws / "ckpt").iterdir())
     for name, change in spec["mismatch_shapes"].items():
         hf = json.loads((ws / "hf" / "config.json").read_text())
         hf.update(change)
         other = c.make_actor(ws, spec, 1, 1, hf_config=hf, load=False)
         before = c.params_snapshot(other)
         try:
-            ckpt.load_checkpoint(found, other)
+            ckpt.load_checkpoint(final, other)
             message = None
         except ValueError as err:  # CheckpointError is a ValueError
             message = f"{type(err).__name__}: {err}"

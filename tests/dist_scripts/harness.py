@@ -127,6 +127,8 @@ def run_all() -> dict:
     killed = _launch([resume, str(ws), "killed"])
     _wait(killed, "killed run", expect=-9)
     partial_after_kill = sorted(p.name for p in (ws / "ckpt").iterdir())
+    # The 2-process run tries this TP=1 checkpoint at other layouts; the resumed run prunes the original meanwhile.
+    shutil.copytree(ws / "ckpt" / f"step_{spec['resume_k']:06d}", ws / "ckpt_tp1")
     resumed = _launch([resume, str(ws), "resume"])
     _wait(ref, "reference run")
     multi = _launch([layouts, str(ws), "multi", MULTI_LAYOUTS], nproc=2)
