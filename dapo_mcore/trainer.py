@@ -230,7 +230,9 @@ class Trainer:
             keys.TRAIN_ENTROPY: tm.get("entropy", 0.0), "train/updates": tm["updates"],
             keys.ROLLOUT_REWARD_MEAN: sum(r for g in generated for r in g.rewards) / max(len(all_acc), 1),
             keys.ROLLOUT_ACC_MEAN: sum(all_acc) / max(len(all_acc), 1),
-            keys.ROLLOUT_USABLE_GROUP_FRAC: stats.usable_fraction, keys.ROLLOUT_GEN_BATCHES: stats.gen_batches,
+            # Mixed-outcome groups among everything generated, whether or not dynamic sampling filters on it.
+            keys.ROLLOUT_USABLE_GROUP_FRAC: sum(0 < sum(g.acc) < len(g.acc) for g in generated) / len(generated),
+            keys.ROLLOUT_GEN_BATCHES: stats.gen_batches,
             keys.ROLLOUT_ADV_MEAN: float(adv.mean()), keys.ROLLOUT_ADV_STD: float(adv.std()) if adv.numel() > 1 else 0.0,
             "rollout/kept_acc_mean": sum(a for g in groups for a in g.acc) / max(len(kept_resp), 1),
         }
