@@ -19,7 +19,7 @@ import torch.distributed as dist
 from dapo_mcore.weights.live import live_layout, live_tensors
 from dapo_mcore.weights.mapping import Placement
 from dapo_mcore.weights.registry import get_mapping
-from dapo_mcore.weights.transforms import Split
+from dapo_mcore.weights.transforms import Geometry, Split
 
 log = logging.getLogger(__name__)
 
@@ -74,12 +74,60 @@ def iter_hf_weights(model_chunks: list, hf_config: dict[str, Any], *, layer_spec
 
 def _gather_and_merge(mapping, pl: Placement, param: torch.Tensor, layout, tp_group) -> Bucket:
     local = param.detach().contiguous()
-    if layout.tp > 1:
-        parts = [torch.empty_like(local) for _ in range(layout.tp)]
-        dist.all_gather(parts, local, group=tp_group)
-    else:
-        parts = [local]
-    merged = mapping.merge(pl, parts, layout)
-    if pl.rule.split is Split.REPLICATED and layout.tp == 1:
-        merged = [(n, t.clone()) for n, t in merged]  # do not hand out the live parameter itself
+    if layout.tp == 1:
+        merged = mapping.merge(pl, [local], layout)
+        if pl.rule.split is Split.REPLICATED:
+            merged = [(n, t.clone()) for n, t in merged]  # do not hand out the live parameter itself
+        return [(n, t.contiguous()) for n, t in merged]
+    flat = _gather_rows(local, layout.tp, tp_group)
+    merged = merge_gathered(pl.rule.split, flat, layout.tp, pl.hf_names, mapping.geometry(layout))
     return [(n, t.contiguous()) for n, t in merged]
+
+
+def _gather_rows(local: torch.Tensor, tp: int, group) -> torch.Tensor:
+    """All TP ranks' ``local`` tensors stacked on dim 0 (in rank order) in one fresh buffer.
+
+    NCCL: ``all_gather_into_tensor``. gloo: one broadcast per rank into its slice of the buffer, because gloo's
+    all-gather stages the data through its own buffers and copies in and out; at TP=2 on CPU the broadcasts move
+    the same bytes about twice as fast (benchmarks/weight_sync.py). Each root sends its slice to every other
+    rank, so at large TP an all-gather's ring would win again; gloo runs on CPU, where TP stays small.
+    """
+    rows = local.shape[0]
+    flat = torch.empty((tp * rows, *local.shape[1:]), dtype=local.dtype, device=local.device)
+    if dist.get_backend(group) != "gloo":
+        dist.all_gather_into_tensor(flat, local, group=group)
+        return flat
+    me = dist.get_rank()
+    for r, src in enumerate(dist.get_process_group_ranks(group)):
+        part = flat[r * rows:(r + 1) * rows]
+        if src == me:
+            part.copy_(local)
+        dist.broadcast(part, src=src, group=group)
+    return flat
+
+
+def merge_gathered(split: Split, flat: torch.Tensor, tp: int, names: tuple[str, ...],
+                   geo: Geometry) -> Bucket:
+    """`transforms.merge` on all TP ranks' tensors stacked along dim 0 in one buffer, with the fewest copies.
+
+    Same result as ``transforms.merge(split, list(flat.chunk(tp)), names, geo)``, but each HF tensor costs at
+    most one copy (``cat`` after ``reshape`` costs two for q/k/v), and the vocabulary (the largest tensors) and
+    the replicated norms none: they are contiguous row ranges of ``flat``, returned as views of it.
+    """
+    if split is Split.REPLICATED:
+        return [(names[0], flat[: flat.shape[0] // tp])]
+    if split is Split.VOCAB:
+        return [(names[0], flat[: geo.vocab_size])]
+    rest = tuple(flat.shape[1:])
+    if split is Split.ROW:  # [tp * rows, cols / tp] -> [rows, cols]: rank r's columns are block r
+        rows = flat.shape[0] // tp
+        return [(names[0], flat.view(tp, rows, -1).transpose(0, 1).reshape(rows, -1))]
+    if split is Split.GATE_UP:  # rank r holds [gate_r; up_r]
+        halves = flat.view(tp, 2, -1, *rest)
+        return [(names[0], halves[:, 0].reshape(-1, *rest)), (names[1], halves[:, 1].reshape(-1, *rest))]
+    if split is Split.QKV:  # ranks hold whole query groups [q heads; k; v], in rank order = global group order
+        q_rows, kv_rows = geo.heads_per_group * geo.head_dim, geo.head_dim
+        groups = flat.view(-1, q_rows + 2 * kv_rows, *rest)
+        q, k, v = groups.split([q_rows, kv_rows, kv_rows], dim=1)
+        return [(n, t.reshape(-1, *rest)) for n, t in zip(names, (q, k, v), strict=True)]
+    raise AssertionError(split)

@@ -1,0 +1,199 @@
+"""Benchmark: export throughput of a TP=2 Megatron model (2 gloo processes) vs plain transfers of the same bytes.
+
+Builds a Qwen2-shaped Megatron model (default hidden 1024, 4 layers, 16 heads / 4 KV heads, FFN 2816, vocab
+32000, untied head, fp32: about 0.45 GB) at TP=2 on two gloo processes launched by torchrun, fills it with
+random values, and times, interleaved over several repeats, on every rank:
+
+* ``export``: ``iter_hf_weights`` run to the end (every rank receives every full HF tensor);
+* three plain transfers of the same local shards, in the same order, into fresh buffers, nothing else (no
+  merge, no names): ``gather`` (``dist.all_gather`` into a list), ``gather_flat``
+  (``dist.all_gather_into_tensor``) and ``bcast`` (one ``dist.broadcast`` per rank into its slice of one buffer);
+* ``memcpy``: ``torch.cat`` of ``tp`` copies of each local shard (the same bytes written, no communication): the
+  machine's copy bandwidth, which no TP export can reach (it must also communicate), for scale;
+* ``sync``: ``iter_hf_weights`` into ``HFEngine.update_weights`` (export + checks + copy into an HF model).
+
+Throughput = bytes of the full tensors each rank ends up with / seconds (slowest rank, best repeat). The
+headline ``export_over_copy`` divides the export's throughput by the FASTEST of the three plain transfers.
+
+    python benchmarks/weight_sync.py [--hidden 1024] [--layers 4] [--vocab 32000] [--repeats 5] [--no-engine]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def _config(args) -> dict:
+    from dapo_mcore.model.presets import preset_config
+
+    return preset_config("tiny", hidden_size=args.hidden, intermediate_size=args.ffn, num_hidden_layers=args.layers,
+                         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, vocab_size=args.vocab,
+                         tie_word_embeddings=False, max_position_embeddings=4096)
+
+
+def _build(hf: dict, tp: int):
+    from dapo_mcore.model.qwen import build_gpt_model, transformer_config
+
+    tconfig = transformer_config(hf, tensor_parallel=tp)
+    tconfig.perform_initialization = False  # filled below: cheaper than Megatron's full-matrix CPU init
+    chunks = build_gpt_model(hf, tconfig, make_vocab_size_divisible_by=128)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in chunks[0].parameters():
+            p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+    return chunks
+
+
+def _time(fn) -> float:
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    seconds = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the slowest rank bounds a collective sync
+    return float(seconds)
+
+
+def _engine(hf: dict):
+    import transformers
+    from transformers.initialization import no_init_weights
+
+    from dapo_mcore.rollout import HFEngine
+
+    with no_init_weights():
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**hf)).float()
+    return HFEngine(model, eos_token_ids=hf["eos_token_id"], pad_token_id=0)
+
+
+def worker(args) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from dapo_mcore.actor.parallel import init_distributed, init_model_parallel, read_launch_env, shutdown
+    from dapo_mcore.weights.export import iter_hf_weights
+
+    torch.set_num_threads(1)
+    env = read_launch_env()
+    init_distributed(env, "gloo")
+    init_model_parallel(args.tp, 1, seed=1)
+    hf = _config(args)
+    chunks = _build(hf, args.tp)
+    group = ps.get_tensor_model_parallel_group()
+    shards = [p.detach() for p in chunks[0].parameters()]
+    bucket_bytes = args.bucket_mb << 20
+    hf_bytes = sum(t.numel() * t.element_size() for b in iter_hf_weights(chunks, hf, bucket_bytes=bucket_bytes)
+                   for _, t in b)
+    engine = None if args.no_engine else _engine(hf)
+
+    def export():
+        for _bucket in iter_hf_weights(chunks, hf, bucket_bytes=bucket_bytes):
+            pass
+
+    def gather():
+        for s in shards:
+            dist.all_gather([torch.empty_like(s) for _ in range(args.tp)], s, group=group)
+
+    def gather_flat():
+        for s in shards:
+            dist.all_gather_into_tensor(torch.empty((args.tp * s.shape[0], *s.shape[1:])), s, group=group)
+
+    def bcast():
+        ranks = dist.get_process_group_ranks(group)
+        for s in shards:
+            flat = torch.empty((args.tp * s.shape[0], *s.shape[1:]))
+            for r, src in enumerate(ranks):
+                dist.broadcast(s if src == env.rank else flat[r * s.shape[0]:(r + 1) * s.shape[0]], src, group=group)
+
+    def memcpy():
+        for s in shards:
+            torch.cat([s] * args.tp)
+
+    def sync():
+        engine.update_weights(iter_hf_weights(chunks, hf, bucket_bytes=bucket_bytes))
+
+    phases = {"export": export, "gather": gather, "gather_flat": gather_flat, "bcast": bcast, "memcpy": memcpy}
+    if engine is not None:
+        phases["sync"] = sync
+    times: dict[str, list[float]] = {k: [] for k in phases}
+    for _ in range(args.repeats):
+        for name, fn in phases.items():
+            times[name].append(_time(fn))
+    if env.rank == 0:
+        gathered_bytes = sum(s.numel() * s.element_size() for s in shards) * args.tp
+        Path(args.out).write_text(json.dumps({"times": times, "hf_bytes": hf_bytes, "gathered_bytes": gathered_bytes,
+                                              "tp": args.tp, "config": hf}))
+    shutdown()
+
+
+def _report(res: dict) -> float:
+    hf_gb = res["hf_bytes"] / 1e9
+    print(f"model: hidden {res['config']['hidden_size']}, {res['config']['num_hidden_layers']} layers, vocab "
+          f"{res['config']['vocab_size']}, fp32, {hf_gb:.3f} GB of HF tensors; TP={res['tp']} on gloo, 2 processes")
+    rates = {}
+    for name, ts in res["times"].items():
+        nbytes = res["hf_bytes"] if name in ("export", "sync") else res["gathered_bytes"]
+        rates[name] = nbytes / 1e9 / min(ts)
+        print(f"{name:>11}: best {min(ts):.3f} s, median {statistics.median(ts):.3f} s -> {rates[name]:.2f} GB/s")
+    best = max(("gather", "gather_flat", "bcast"), key=rates.get)
+    print(f"export / memcpy: {rates['export'] / rates['memcpy']:.3f}")
+    if "sync" in rates:
+        print(f"sync (export + HFEngine.update_weights) / {best}: {rates['sync'] / rates[best]:.3f}")
+    ratio = rates["export"] / rates[best]
+    print(f"baseline: {best} (the fastest plain transfer of the same shards)")
+    print(f"export_over_copy: {ratio:.3f}")
+    return ratio
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--ffn", type=int, default=2816)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--bucket-mb", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--no-engine", action="store_true", help="skip the export + HFEngine.update_weights timing")
+    p.add_argument("--port", type=int, default=29571)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        forwarded = [a for a in (argv if argv is not None else sys.argv[1:])]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.tp), "--master_port",
+               str(args.port), __file__, *forwarded, "--worker", "--out", str(out)]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+        proc = subprocess.run(cmd, env=env, cwd=REPO)
+        if proc.returncode != 0:
+            print(f"torchrun failed with exit code {proc.returncode}", file=sys.stderr)
+            return proc.returncode
+        _report(json.loads(out.read_text()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
