@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -294,8 +295,16 @@ def _seed(base: int, step: int, batch: int) -> int:
     return (base * 1_000_003 + step * 10_007 + batch) % (2**62)
 
 
+def _cpu_threads() -> None:
+    """One intra-op thread per process on CPU unless OMP_NUM_THREADS says otherwise: the tiny default's
+    kernels are too small to split, and two ranks on two cores with two threads each spin against each other."""
+    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+
+
 def train_main(config_path: str, overrides: list[str]) -> int:
     """``dapo-mcore train``: validate, prepare the run directory, build everything, run the loop."""
+    _cpu_threads()
     cfg, launch = read_config(config_path, overrides)
     prepare_run_dir(cfg, launch)
     parts = build_components(cfg, launch)
@@ -304,6 +313,7 @@ def train_main(config_path: str, overrides: list[str]) -> int:
 
 def eval_main(config_path: str, overrides: list[str], checkpoint: str | None) -> int:
     """``dapo-mcore eval``: held-out avg@k / pass@k / maj@k of a checkpoint (or the base model)."""
+    _cpu_threads()
     cfg, launch = read_config(config_path, overrides)
     parts = build_components(cfg, launch, resume=False, checkpoint=checkpoint, for_eval=True)
     trainer = Trainer(cfg, parts)
