@@ -107,6 +107,9 @@ class ParallelConfig:
     """Megatron sequence parallelism (needs tensor_parallel > 1)."""
     distributed_optimizer: bool = False
     """Shard optimizer state over data-parallel ranks (needs NCCL: GPU only)."""
+    offload_for_rollout: bool = False
+    """Colocated runs: move the actor's grad buffers and optimizer state to CPU while the engine generates, and back
+    before training (Megatron's RL offload hooks). Frees GPU memory for the KV cache at the cost of two copies a step."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """torch.distributed backend: auto = nccl with CUDA, gloo without."""
     timeout_minutes: int = 10

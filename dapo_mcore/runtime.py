@@ -233,6 +233,7 @@ def _actor_settings(cfg: Config, hf_config: dict[str, Any], pad_id: int):
         virtual_pipeline=cfg.parallel.virtual_pipeline, sequence_parallel=cfg.parallel.sequence_parallel,
         layer_spec=cfg.model.layer_spec, params_dtype=dtype, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
         recompute=cfg.model.recompute, fp8=cfg.model.fp8, distributed_optimizer=cfg.parallel.distributed_optimizer,
+        offload_for_rollout=cfg.parallel.offload_for_rollout,
         lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay,
         grad_clip=cfg.optim.grad_clip, micro_batch_tokens=cfg.train.micro_batch_tokens,
         temperature=cfg.rollout.temperature, pad_id=pad_id, algo=cfg.algo, max_response_len=cfg.rollout.max_new_tokens)
@@ -338,7 +339,7 @@ def _restore(parts: Components, *, resume: bool, checkpoint: str | None) -> int:
     if parts.sampler is not None:
         parts.sampler.load_state_dict(state["sampler"])
     parts._resume_state = state
-    log.info("resumed from %s (step %d)", target, state["step"])
+    log.info("loaded checkpoint %s (step %d)", target, state["step"])
     return int(state["step"])
 
 

@@ -10,11 +10,13 @@ the actor splits the work over data-parallel ranks itself. Rank 0 writes metrics
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,13 +120,22 @@ class Trainer:
             generated.extend(groups)
             return [Group(acc=g.acc, payload=g, response_lengths=[r.length for r in g.responses]) for g in groups]
 
-        self.p.engine.wake()  # colocated engines hold GPU memory only while they generate
-        try:
+        with self._engine_awake():
             kept, stats = collect_groups(generate_batch, self.cfg.train.prompts_per_step,
                                          self.cfg.algo.max_gen_batches, enabled=self.cfg.algo.dynamic_sampling)
+        return [g.payload for g in kept], generated, stats
+
+    @contextlib.contextmanager
+    def _engine_awake(self) -> Iterator[None]:
+        """Colocated phases: the actor's grads and optimizer state leave the GPU (if configured) while the
+        engine holds its KV cache; everything returns before training."""
+        self.p.actor.offload()
+        self.p.engine.wake()
+        try:
+            yield
         finally:
             self.p.engine.sleep()
-        return [g.payload for g in kept], generated, stats
+            self.p.actor.reload()
 
     def make_samples(self, groups: list[GroupData]) -> list[TrainSample]:
         """Group-normalized advantages broadcast to every token of each response (+ the overlong filter mask)."""
@@ -184,11 +195,8 @@ class Trainer:
 
         records = self.p.eval_records
         params = self._sampling(eval_mode=True, seed=_seed(self.cfg.train.seed + 7919, self.step, 0))
-        self.p.engine.wake()
-        try:
+        with self._engine_awake():
             groups = self._generate_and_score(records, params, 0)
-        finally:
-            self.p.engine.sleep()
         truth_norm = [self.p.normalize(g.record.ground_truth) for g in groups]
         result = summarize([g.acc for g in groups], [g.preds for g in groups],
                            [[p is not None and p == t for p in g.preds] for g, t in zip(groups, truth_norm, strict=True)],

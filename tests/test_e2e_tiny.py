@@ -105,6 +105,10 @@ def test_tiny_run_learns_and_writes_every_artifact(env, tmp_path):
     assert out.returncode == 0 and "Answer:" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
     prof = _run([sys.executable, "-m", "dapo_mcore.cli", "profile", str(run_dir)], env)
     assert prof.returncode == 0 and "generate" in prof.stdout
+    ev = _run([sys.executable, "-m", "dapo_mcore.cli", "eval", str(CONFIG), f"run.dir={run_dir}"], env)
+    assert ev.returncode == 0, ev.stderr[-2000:]
+    scores = dict(line.split(": ") for line in ev.stdout.splitlines() if line.startswith("eval/"))
+    assert float(scores["eval/avg_at_k"]) >= held[0] + 0.25
 
 
 def test_signal_checkpoints_and_resume_continues_the_same_trajectory(env, straight_run, tmp_path):
@@ -194,3 +198,14 @@ def test_grpo_baseline_config_is_valid():
     assert not cfg.algo.dynamic_sampling and not cfg.algo.overlong_shaping
     dapo = load_config(CONFIG)
     assert (cfg.train, cfg.rollout, cfg.optim) == (dapo.train, dapo.rollout, dapo.optim), "same budget"
+
+
+def test_offload_between_phases_keeps_the_trajectory(env, straight_run, tmp_path):
+    """Megatron's RL offload hooks (grad buffers + optimizer state to CPU while the engine generates) run on
+    CPU too (storage freed and restored): the trajectory must be unchanged."""
+    run_dir = tmp_path / "offload"
+    proc = _run(_cmd(run_dir, *SHORT, "parallel.offload_for_rollout=true"), env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = _metrics(straight_run), _metrics(run_dir)
+    for key in ("train/loss", "train/grad_norm", "rollout/acc_mean"):
+        assert _by_step(a, key) == _by_step(b, key), key

@@ -42,6 +42,7 @@ class ActorSettings:
     recompute: str = "none"
     fp8: Any = None
     distributed_optimizer: bool = False
+    offload_for_rollout: bool = False
     lr: float = 1e-6
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -136,6 +137,31 @@ class MegatronActor:
 
         load_hf_into_model(self.chunks, hf_dir, layer_spec=self.s.layer_spec,
                            make_vocab_size_divisible_by=self.s.make_vocab_size_divisible_by)
+
+    def offload(self) -> None:
+        """Grad buffers and optimizer state to CPU while the rollout engine needs the memory (if configured)."""
+        if not self.s.offload_for_rollout:
+            return
+        self._require_offload_api()
+        for m in self.model:
+            m.offload_grad_buffers()
+        self.optimizer.offload_to_cpu()
+
+    def reload(self) -> None:
+        """Back from CPU before training (if configured); grads come back zeroed."""
+        if not self.s.offload_for_rollout:
+            return
+        for m in self.model:
+            m.restore_grad_buffers()
+        self.optimizer.restore_from_cpu()
+
+    def _require_offload_api(self) -> None:
+        if not (hasattr(self.model[0], "offload_grad_buffers") and hasattr(self.optimizer, "offload_to_cpu")):
+            import megatron.core
+
+            raise RuntimeError(f"parallel.offload_for_rollout=true needs Megatron-Core's RL offload hooks "
+                               f"(DDP.offload_grad_buffers, optimizer.offload_to_cpu; megatron-core >= 0.16); found "
+                               f"megatron-core {megatron.core.__version__}. Upgrade it or set the option to false.")
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
