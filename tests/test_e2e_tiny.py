@@ -197,7 +197,9 @@ def test_grpo_baseline_config_is_valid():
     assert cfg.algo.loss_agg == "seq-mean-token-mean"
     assert not cfg.algo.dynamic_sampling and not cfg.algo.overlong_shaping
     dapo = load_config(CONFIG)
-    assert (cfg.train, cfg.rollout, cfg.optim) == (dapo.train, dapo.rollout, dapo.optim), "same budget"
+    assert (cfg.train, cfg.optim, cfg.tiny_base) == (dapo.train, dapo.optim, dapo.tiny_base), "same budget"
+    assert (cfg.rollout.n, cfg.rollout.max_new_tokens) == (dapo.rollout.n, dapo.rollout.max_new_tokens)
+    assert cfg.rollout.gen_batch_prompts == cfg.train.prompts_per_step, "GRPO generates exactly one training batch"
 
 
 def test_offload_between_phases_keeps_the_trajectory(env, straight_run, tmp_path):
