@@ -98,8 +98,16 @@ class PlanInput:
     """Responses sampled per prompt (group size G)."""
     mini_batch_prompts: int = 32
     """Prompts per gradient update (mini-batch)."""
+    gen_batch_prompts: int = 1536
+    """Prompts per generation batch (DAPO: 3 x the 512-prompt train batch, so rejected groups can be replaced)."""
     generation_batches: float = 1.0
-    """Generation batches per step (dynamic sampling draws more when groups are rejected)."""
+    """Generation batches per step (dynamic sampling draws more when too few groups are usable)."""
+    peak_tflops: float = 989.4
+    """Dense bf16 peak of one GPU in TFLOP/s (H100 SXM), the MFU reference even for FP8 GEMMs."""
+    train_mfu: float = 0.35
+    """Assumed MFU of the old-log-prob and update passes, for the step-time estimate."""
+    decode_mfu: float = 0.10
+    """Assumed MFU of generation (decoding is memory-bound), for the step-time estimate."""
 
     def validate(self) -> None:
         """Raise ValueError naming the fix for an impossible layout."""
@@ -129,6 +137,13 @@ class PlanInput:
             raise ValueError("vllm_gpu_memory_utilization must lie in (0, 1), e.g. 0.5")
         if self.precision == "fp32" and self.distributed_optimizer and self.data_parallel > 1:
             raise ValueError("precision=fp32 is the plain CPU path; set distributed_optimizer=False")
+        responses = self.mini_batch_prompts * self.responses_per_prompt
+        if responses % self.data_parallel:
+            raise ValueError(f"a mini-batch of {self.mini_batch_prompts} prompts x {self.responses_per_prompt} = "
+                             f"{responses} responses cannot be shared equally by data_parallel={self.data_parallel}; "
+                             f"choose a layout whose data parallelism divides {responses}")
+        if min(self.peak_tflops, self.train_mfu, self.decode_mfu) <= 0:
+            raise ValueError("peak_tflops, train_mfu and decode_mfu must be > 0 (e.g. 989.4, 0.35, 0.10)")
 
 
 @dataclass
@@ -284,38 +299,94 @@ def estimate_flops(p: PlanInput) -> FlopsEstimate:
     shape = ModelShape.from_hf(p.model)
     seq = p.mean_prompt_len + p.mean_response_len
     n_seq = p.rollout_prompts * p.responses_per_prompt
+    n_generated = p.gen_batch_prompts * p.responses_per_prompt * p.generation_batches
     fwd = sequence_forward_flops(shape, seq)
     return FlopsEstimate(
-        generation=fwd * n_seq * p.generation_batches, old_logprobs=fwd * n_seq,
+        generation=fwd * n_generated, old_logprobs=fwd * n_seq,
         train=sequence_train_flops(shape, seq, p.recompute) * n_seq, train_model=3 * fwd * n_seq,
         train_tokens=n_seq * seq,
     )
+
+
+def estimate_step_seconds(p: PlanInput, flops: FlopsEstimate) -> tuple[float, float]:
+    """(log-prob + update seconds, generation seconds) of one step at the assumed MFUs on all GPUs."""
+    peak = p.tensor_parallel * p.pipeline_parallel * p.data_parallel * p.peak_tflops * 1e12
+    return (flops.old_logprobs + flops.train) / (peak * p.train_mfu), flops.generation / (peak * p.decode_mfu)
 
 
 class LayoutDoesNotFit(ValueError):
     """A layout whose estimated peak exceeds the GPU; the message lists changes that would fit."""
 
 
-def _alternatives(p: PlanInput) -> list[tuple[str, PlanInput]]:
-    """Single changes worth trying, in the order a user would usually prefer them."""
+Names = dict[str, str]
+"""How a PlanInput field is spelled in a message: itself (flag mode) or its config key (config mode)."""
+
+
+def _say(names: Names | None, field: str, value: Any) -> str:
+    """``field=value`` in the user's vocabulary; a bool as true/false."""
+    text = str(value).lower() if isinstance(value, bool) else str(value)
+    return f"{(names or {}).get(field, field)}={text}"
+
+
+def _alternatives(p: PlanInput, names: Names | None = None) -> list[tuple[str, PlanInput]]:
+    """Single changes worth trying, in the order a user would usually prefer them.
+
+    With ``names`` (config mode) only changes the trainer can make are offered, spelled as config keys.
+    """
     shape = ModelShape.from_hf(p.model)
     alts: list[tuple[str, PlanInput]] = []
     if not p.distributed_optimizer and p.data_parallel > 1 and p.precision != "fp32":
-        alts.append(("distributed_optimizer=true", replace(p, distributed_optimizer=True)))
+        alts.append((_say(names, "distributed_optimizer", True), replace(p, distributed_optimizer=True)))
     for mode in ("selective", "full"):
         if RECOMPUTE_MODES.index(mode) > RECOMPUTE_MODES.index(p.recompute):
-            alts.append((f"recompute={mode}", replace(p, recompute=mode)))
+            alts.append((_say(names, "recompute", mode), replace(p, recompute=mode)))
+    half_dp = max(1, p.data_parallel // 2)
     tp2 = p.tensor_parallel * 2
     if tp2 <= 8 and shape.kv_heads % tp2 == 0 and shape.heads % tp2 == 0:
-        alts.append((f"tensor_parallel={tp2} (data_parallel={max(1, p.data_parallel // 2)} on the same GPUs)",
-                     replace(p, tensor_parallel=tp2, data_parallel=max(1, p.data_parallel // 2))))
+        alts.append((f"{_say(names, 'tensor_parallel', tp2)} ({_say(names, 'data_parallel', half_dp)} on the same GPUs)",
+                     replace(p, tensor_parallel=tp2, data_parallel=half_dp)))
     pp2 = p.pipeline_parallel * 2
     if shape.layers % (pp2 * p.virtual_pipeline) == 0:
-        alts.append((f"pipeline_parallel={pp2} (data_parallel={max(1, p.data_parallel // 2)} on the same GPUs)",
-                     replace(p, pipeline_parallel=pp2, data_parallel=max(1, p.data_parallel // 2))))
-    if p.colocate_vllm and not p.offload_train_state_in_rollout:
-        alts.append(("offload_train_state_in_rollout=true", replace(p, offload_train_state_in_rollout=True)))
+        alts.append((f"{_say(names, 'pipeline_parallel', pp2)} ({_say(names, 'data_parallel', half_dp)} on the same GPUs)",
+                     replace(p, pipeline_parallel=pp2, data_parallel=half_dp)))
+    offload_ok = names is None or "offload_train_state_in_rollout" in names
+    if p.colocate_vllm and not p.offload_train_state_in_rollout and offload_ok:
+        alts.append((_say(names, "offload_train_state_in_rollout", True), replace(p, offload_train_state_in_rollout=True)))
     return alts
+
+
+def _fits(p: PlanInput) -> bool:
+    """Whether every check of :func:`check` passes (no suggestions computed)."""
+    est = estimate_memory(p)
+    limit, seq = p.gpu_memory_gib * GIB, p.max_prompt_len + p.max_response_len
+    rollout_ok = not p.colocate_vllm or (est.rollout_peak <= limit and est.vllm_kv_tokens >= seq)
+    return est.train_peak <= limit and rollout_ok and p.micro_batch_tokens >= seq
+
+
+def fitting_layouts(p: PlanInput, max_tensor_parallel: int = 8, limit: int = 3) -> list[PlanInput]:
+    """Model-parallel layouts (TP x PP) on the same GPUs that fit, fewest model-parallel GPUs first.
+
+    TP stays within ``max_tensor_parallel`` (one node's GPUs: TP traffic must stay on NVLink); among equal
+    TP x PP the larger TP comes first (no pipeline bubble).
+    """
+    shape = ModelShape.from_hf(p.model)
+    world = p.tensor_parallel * p.pipeline_parallel * p.data_parallel
+    found: list[PlanInput] = []
+    for tp in range(1, max_tensor_parallel + 1):
+        if shape.heads % tp or shape.kv_heads % tp:
+            continue
+        for pp in range(1, shape.layers + 1):
+            if shape.layers % (pp * p.virtual_pipeline) or world % (tp * pp):
+                continue
+            candidate = replace(p, tensor_parallel=tp, pipeline_parallel=pp, data_parallel=world // (tp * pp))
+            try:
+                candidate.validate()
+            except ValueError:
+                continue  # e.g. the mini-batch does not split over this data parallelism: not a candidate
+            if _fits(candidate):
+                found.append(candidate)
+    found.sort(key=lambda c: (c.tensor_parallel * c.pipeline_parallel, -c.tensor_parallel))
+    return found[:limit]
 
 
 def _largest_fitting_budget(p: PlanInput) -> int | None:
@@ -337,37 +408,49 @@ def _largest_fitting_vllm_fraction(p: PlanInput, est: MemoryEstimate) -> float:
     return math.floor(100 * free / (p.gpu_memory_gib * GIB)) / 100
 
 
-def check(p: PlanInput) -> MemoryEstimate:
-    """Return the estimate, or raise LayoutDoesNotFit naming what to change."""
+def check(p: PlanInput, names: Names | None = None, max_tensor_parallel: int = 8) -> MemoryEstimate:
+    """Return the estimate, or raise LayoutDoesNotFit naming what to change (as ``names`` spells it)."""
     est = estimate_memory(p)
     limit = p.gpu_memory_gib * GIB
+    seq = p.max_prompt_len + p.max_response_len
     problems: list[str] = []
     if est.train_peak > limit:
-        tried = sorted(((estimate_memory(alt).train_peak, name) for name, alt in _alternatives(p)))
+        tried = sorted(((estimate_memory(alt).train_peak, name) for name, alt in _alternatives(p, names)))
         fixes = [f"{name} (train peak {peak / GIB:.1f} GiB)" for peak, name in tried if peak <= limit]
         if not fixes and tried:
             fixes = ["no single change fits; combine the largest savings: " + ", ".join(
                 f"{name} ({peak / GIB:.1f} GiB)" for peak, name in tried[:3])]
         budget = _largest_fitting_budget(p)
-        if budget and budget >= p.max_prompt_len + p.max_response_len:
-            fixes.append(f"micro_batch_tokens={budget} (must still hold max_prompt_len+max_response_len="
-                         f"{p.max_prompt_len + p.max_response_len} for one sequence)")
+        if budget and budget >= seq:
+            fixes.append(f"{_say(names, 'micro_batch_tokens', budget)} (must still hold one sequence of "
+                         f"{_say(names, 'max_prompt_len', p.max_prompt_len)} + "
+                         f"{_say(names, 'max_response_len', p.max_response_len)} tokens)")
         problems.append(f"training phase needs {est.train_peak / GIB:.1f} GiB > {p.gpu_memory_gib} GiB on "
                         f"{est.worst_stage}; try: " + ("; ".join(fixes) or "more GPUs per replica (TP x PP)"))
     if p.colocate_vllm and est.rollout_peak > limit:
         frac = _largest_fitting_vllm_fraction(p, est)
-        lower = (f"vllm_gpu_memory_utilization<={frac:.2f}, " if frac >= 0.1
+        util = (names or {}).get("vllm_gpu_memory_utilization", "vllm_gpu_memory_utilization")
+        lower = (f"{util}<={frac:.2f}, " if frac >= 0.1
                  else "(vLLM cannot fit beside the trainer state at any useful fraction) ")
+        extra = [] if p.distributed_optimizer else [_say(names, "distributed_optimizer", True)]
+        if not p.offload_train_state_in_rollout and (names is None or "offload_train_state_in_rollout" in names):
+            extra.append(_say(names, "offload_train_state_in_rollout", True))
         problems.append(f"rollout phase needs {est.rollout_peak / GIB:.1f} GiB > {p.gpu_memory_gib} GiB; try "
-                        f"{lower}distributed_optimizer=true, offload_train_state_in_rollout=true or more TP x PP")
-    seq = p.max_prompt_len + p.max_response_len
+                        f"{lower}{''.join(e + ', ' for e in extra)}or more TP x PP")
     if p.micro_batch_tokens < seq:
-        problems.append(f"micro_batch_tokens={p.micro_batch_tokens} cannot hold one sequence of {seq} tokens; "
-                        "raise it or shorten max_response_len")
+        problems.append(f"{_say(names, 'micro_batch_tokens', p.micro_batch_tokens)} cannot hold one sequence of "
+                        f"{seq} tokens; raise it or shorten {(names or {}).get('max_response_len', 'max_response_len')}")
     if p.colocate_vllm and est.vllm_kv_tokens < seq:
+        n = names or {}
         problems.append(f"vLLM KV cache holds {est.vllm_kv_tokens} tokens < one sequence of {seq}; raise "
-                        "vllm_gpu_memory_utilization or vllm_tensor_parallel")
+                        f"{n.get('vllm_gpu_memory_utilization', 'vllm_gpu_memory_utilization')} or "
+                        f"{n.get('vllm_tensor_parallel', 'vllm_tensor_parallel')}")
     if problems:
+        layouts = fitting_layouts(p, max_tensor_parallel)
+        if layouts:
+            problems.append("layouts that fit on the same GPUs: " + "; ".join(
+                f"{_say(names, 'tensor_parallel', c.tensor_parallel)} {_say(names, 'pipeline_parallel', c.pipeline_parallel)}"
+                f" ({_say(names, 'data_parallel', c.data_parallel)})" for c in layouts))
         raise LayoutDoesNotFit("layout does not fit:\n  - " + "\n  - ".join(problems))
     return est
 
@@ -384,17 +467,76 @@ def format_report(p: PlanInput, est: MemoryEstimate, flops: FlopsEstimate) -> st
     for name in ("weights", "grads", "optimizer", "fp8_weight_cache", "activations", "logits", "overhead"):
         rows.append(f"  {name:<18}{getattr(est, name) / GIB:8.2f}")
     if p.colocate_vllm:
-        rows.append(f"  {'vllm (awake)':<18}{est.vllm_awake / GIB:8.2f}   weights {est.vllm_weights / GIB:.2f}, "
-                    f"KV cache {est.vllm_kv_cache / GIB:.2f} = {est.vllm_kv_tokens} tokens "
+        rows.append(f"  {'vllm (awake)':<18}{est.vllm_awake / GIB:8.2f}   TP={p.vllm_tensor_parallel}: weights "
+                    f"{est.vllm_weights / GIB:.2f}, KV cache {est.vllm_kv_cache / GIB:.2f} = {est.vllm_kv_tokens} tokens "
                     f"({est.vllm_kv_tokens // (p.max_prompt_len + p.max_response_len)} max-length sequences)")
         rows.append(f"  {'vllm (asleep)':<18}{est.vllm_asleep / GIB:8.2f}")
     rows.append(f"  {'TRAIN PEAK':<18}{est.train_peak / GIB:8.2f}   of {p.gpu_memory_gib}")
     if p.colocate_vllm:
         rows.append(f"  {'ROLLOUT PEAK':<18}{est.rollout_peak / GIB:8.2f}   of {p.gpu_memory_gib}")
-    rows.append(f"FLOPs per step (PFLOP): generation {flops.generation / 1e15:.0f}, old log-probs "
+    rows.append(f"FLOPs per step (PFLOP): generation {flops.generation / 1e15:.0f} ({p.gen_batch_prompts} prompts x "
+                f"{p.responses_per_prompt} x {p.generation_batches:g} batches), old log-probs "
                 f"{flops.old_logprobs / 1e15:.0f}, train {flops.train / 1e15:.0f} (model {flops.train_model / 1e15:.0f}), "
-                f"{flops.train_tokens / 1e6:.1f} M tokens")
+                f"{flops.train_tokens / 1e6:.1f} M tokens trained")
+    train_s, gen_s = estimate_step_seconds(p, flops)
+    rows.append(f"step time at assumed MFU (train {p.train_mfu:.0%}, decode {p.decode_mfu:.0%} of {p.peak_tflops:g} "
+                f"TFLOP/s): log-probs + updates {train_s / 60:.1f} min, generation {gen_s / 60:.1f} min, "
+                f"total {(train_s + gen_s) / 60:.1f} min")
     return "\n".join(rows)
+
+
+# --- the command line ---------------------------------------------------------------------------------
+
+CONFIG_KEYS: dict[str, str] = {
+    "tensor_parallel": "parallel.tensor_parallel", "pipeline_parallel": "parallel.pipeline_parallel",
+    "virtual_pipeline": "parallel.virtual_pipeline", "data_parallel": "DP",
+    "distributed_optimizer": "parallel.distributed_optimizer", "recompute": "model.recompute",
+    "precision": "model.fp8.enabled / model.params_dtype", "micro_batch_tokens": "train.micro_batch_tokens",
+    "colocate_vllm": "rollout.engine", "vllm_tensor_parallel": "rollout.vllm.tensor_parallel",
+    "vllm_gpu_memory_utilization": "rollout.vllm.gpu_memory_utilization", "max_prompt_len": "data.max_prompt_len",
+    "max_response_len": "rollout.max_new_tokens", "rollout_prompts": "train.prompts_per_step",
+    "responses_per_prompt": "rollout.n", "mini_batch_prompts": "train.mini_batch_prompts",
+    "gen_batch_prompts": "rollout.gen_batch_prompts",
+}
+"""PlanInput fields a project config determines, and the config key (or note) that sets each one."""
+
+# Fixed by the trainer, not by the config: it reduces gradients in fp32 and never offloads during rollout.
+TRAINER_FIXED: dict[str, Any] = {"grad_reduce_in_fp32": True, "offload_train_state_in_rollout": False}
+
+
+def plan_input_from_config(cfg: Any, world_size: int, **planner_settings: Any) -> PlanInput:
+    """The PlanInput of a project ``Config`` launched on ``world_size`` GPUs (``planner_settings``: the rest).
+
+    The model shape comes from ``model.hf_path``'s config.json, ``model.preset`` or the tiny base.
+    """
+    p = cfg.parallel
+    precision = "fp8" if cfg.model.fp8.enabled else ("bf16" if cfg.model.params_dtype == "bfloat16" else "fp32")
+    derived = dict(
+        model=cfg.model.hf_config(), tensor_parallel=p.tensor_parallel, pipeline_parallel=p.pipeline_parallel,
+        data_parallel=world_size // (p.tensor_parallel * p.pipeline_parallel), virtual_pipeline=p.virtual_pipeline or 1,
+        micro_batch_tokens=cfg.train.micro_batch_tokens, recompute=cfg.model.recompute, precision=precision,
+        distributed_optimizer=p.distributed_optimizer, colocate_vllm=cfg.rollout.engine == "vllm",
+        vllm_tensor_parallel=cfg.rollout.vllm.tensor_parallel,
+        vllm_gpu_memory_utilization=cfg.rollout.vllm.gpu_memory_utilization, max_prompt_len=cfg.data.max_prompt_len,
+        max_response_len=cfg.rollout.max_new_tokens, rollout_prompts=cfg.train.prompts_per_step,
+        responses_per_prompt=cfg.rollout.n, mini_batch_prompts=cfg.train.mini_batch_prompts,
+        gen_batch_prompts=cfg.rollout.gen_batch_prompts, **TRAINER_FIXED,
+    )
+    return PlanInput(**derived, **planner_settings)
+
+
+def validate_config_layout(cfg: Any, world_size: int) -> None:
+    """The config's own layout, batch and rollout rules at ``world_size`` (ConfigError naming the fix).
+
+    Deliberately not ``Config.validate``: planning happens on a laptop, where the datasets, GPU libraries and
+    checkpoints of the cluster are absent; only the rules that decide the layout are checked here.
+    """
+    from dapo_mcore.config import _validate_batches, _validate_layout, _validate_rollout
+
+    cfg.model.validate()
+    _validate_layout(cfg, world_size)
+    _validate_batches(cfg, world_size)
+    _validate_rollout(cfg)
 
 
 def _parse_bool(text: str) -> bool:
@@ -406,41 +548,73 @@ def _parse_bool(text: str) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dapo-mcore plan", description=__doc__.splitlines()[0])
-    src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="a preset name from dapo_mcore.model.presets")
-    src.add_argument("--hf-config", help="path to a Hugging Face config.json")
+    parser = argparse.ArgumentParser(
+        prog="dapo-mcore plan", description=__doc__.splitlines()[0],
+        epilog="Either CONFIG [OVERRIDES...] --nodes N (the layout of a project config, e.g. "
+               "examples/qwen2.5-32b-fp8.yaml), or --model/--hf-config with layout flags.")
+    parser.add_argument("config", nargs="?", help="a project YAML config (its layout, batch sizes and model)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides of CONFIG, e.g. parallel.tensor_parallel=4")
+    parser.add_argument("--model", help="a preset name from dapo_mcore.model.presets (without CONFIG)")
+    parser.add_argument("--hf-config", help="path to a Hugging Face config.json (without CONFIG)")
+    parser.add_argument("--nodes", type=int, default=None, help="nodes of the job (with CONFIG)")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (= tasks) per node (with CONFIG; default 8)")
     parser.add_argument("--json", action="store_true", help="print the estimate as JSON")
     for f in fields(PlanInput):
         if f.name == "model":
             continue
         kind = {bool: _parse_bool, int: int, float: float, str: str}[type(f.default)]
-        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=f.default,
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=argparse.SUPPRESS,
                             help=f"(default: {f.default})")
     return parser
 
 
+def _plan_from_args(parser: argparse.ArgumentParser, args: dict[str, Any]) -> tuple[PlanInput, Names | None, int]:
+    """(PlanInput, message names, max TP) from parsed arguments; parser.error on a mixed-up command line."""
+    config, overrides, preset, path = args.pop("config"), args.pop("overrides"), args.pop("model"), args.pop("hf_config")
+    nodes, gpus_per_node = args.pop("nodes"), args.pop("gpus_per_node")
+    if config is None:
+        if overrides or (preset is None) == (path is None):
+            parser.error("give CONFIG [OVERRIDES...] --nodes N, or exactly one of --model / --hf-config")
+        if path:
+            with open(path) as fh:
+                model = json.load(fh)
+        else:
+            from dapo_mcore.model.presets import preset_config
+
+            model = preset_config(preset)
+        return PlanInput(model=model, **args), None, 8
+    if preset or path:
+        parser.error("CONFIG names the model already; drop --model/--hf-config (override model.preset=... instead)")
+    clashes = sorted(set(args) & (set(CONFIG_KEYS) | set(TRAINER_FIXED)))
+    if clashes:
+        parser.error("with CONFIG, set the layout through overrides, not flags: " + ", ".join(
+            f"--{c.replace('_', '-')} -> {CONFIG_KEYS.get(c, 'fixed by the trainer')}" for c in clashes))
+    if nodes is None or nodes < 1 or gpus_per_node < 1:
+        parser.error("with CONFIG, give the job size: --nodes N [--gpus-per-node 8]")
+    from dapo_mcore.config import load_config
+
+    cfg = load_config(config, overrides)
+    world = nodes * gpus_per_node
+    validate_config_layout(cfg, world)
+    return plan_input_from_config(cfg, world, **args), CONFIG_KEYS, gpus_per_node
+
+
 def main(argv: list[str] | None = None) -> int:
     """``dapo-mcore plan``: print the estimate; exit 1 with the suggested changes if it does not fit."""
-    from dapo_mcore.model.presets import preset_config
-
-    args = vars(build_parser().parse_args(argv))
-    as_json, preset, path = args.pop("json"), args.pop("model"), args.pop("hf_config")
-    if path:
-        with open(path) as fh:
-            model = json.load(fh)
-    else:
-        model = preset_config(preset)
-    plan = PlanInput(model=model, **args)
+    parser = build_parser()
+    args = vars(parser.parse_intermixed_args(argv))
+    as_json = args.pop("json")
+    plan, names, max_tp = _plan_from_args(parser, args)
     est, flops = estimate_memory(plan), estimate_flops(plan)
     if as_json:
+        train_s, gen_s = estimate_step_seconds(plan, flops)
         print(json.dumps({"memory_gib": {k: v / GIB if isinstance(v, float) else v
                                          for k, v in asdict(est).items()},
-                          "flops": asdict(flops)}, indent=2))
+                          "flops": asdict(flops), "step_seconds": {"train": train_s, "generation": gen_s}}, indent=2))
     else:
         print(format_report(plan, est, flops))
     try:
-        check(plan)
+        check(plan, names, max_tp)
     except LayoutDoesNotFit as err:
         print(err)
         return 1

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import re
@@ -18,9 +17,20 @@ REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "examples" / "nemo_run" / "launch.py"
 
 
-def launch(tmp_path: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def session_cache(tmp_path_factory) -> str:
+    """One tiny-base-model cache per test session, shared by every e2e module (never ~/.cache)."""
+    path = os.environ.get("DAPO_MCORE_TEST_CACHE") or str(tmp_path_factory.getbasetemp() / "dapo-mcore-cache")
+    Path(path).mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def launch(tmp_path: Path, *args: str, timeout: int = 300, cache: str | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, NEMORUN_HOME=str(tmp_path / "nemorun_home"),
                PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", PYTHONPATH=str(REPO))
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    if cache is not None:
+        env["DAPO_MCORE_CACHE"] = cache
     return subprocess.run([sys.executable, str(LAUNCH), *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -33,16 +43,15 @@ def test_slurm_dry_run_prints_the_32b_sbatch(tmp_path):
     out = proc.stdout
     flags = dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(\S*))?$", out, flags=re.M))
     assert flags["nodes"] == "16" and flags["ntasks-per-node"] == "8" and flags["gpus-per-node"] == "8"
-    assert flags["time"] == "12:00:00" and flags["signal"] == "USR1@1800"
+    assert flags["time"] == "12:00:00" and flags["signal"] == "USR1@3600"
     assert flags["account"] == "acct" and flags["partition"] == "batch" and "exclusive" in flags
     assert "source /shared/dapo-mcore/slurm/env.sh" in out
     assert "export MASTER_ADDR=$head_node_ip" in out and "export TORCHX_MAX_RETRIES=20" in out
     srun = next(line for line in out.splitlines() if line.startswith("srun "))
     assert srun.rindex("--chdir /shared/dapo-mcore") > srun.index("--chdir")  # the last --chdir wins
-    assert "python -m dapo_mcore.cli train examples/qwen2.5-32b-fp8.yaml" in srun
-    for override in ("parallel.tensor_parallel=8", "parallel.pipeline_parallel=2", "model.fp8.enabled=true",
-                     "rollout.vllm.tensor_parallel=4", "algo.clip_high=0.28"):
-        assert override in srun
+    # The layout lives in the config (TP=8 PP=2 on 16 x 8 GPUs); only the run dir and the user's overrides follow.
+    assert "python -m dapo_mcore.cli train examples/qwen2.5-32b-fp8.yaml run.dir=runs/dapo-32b-fp8 algo.clip_high=0.28" in srun
+    assert "parallel." not in srun
     assert 'scontrol requeue "$SLURM_JOB_ID"' in out
     assert not list((tmp_path / "jobs").rglob("*_sbatch.sh")), "the dry run leaves no experiment behind"
 
@@ -56,13 +65,15 @@ def test_local_executor_runs_a_real_gloo_job(tmp_path):
 
 
 @pytest.mark.e2e
-def test_local_executor_runs_the_tiny_trainer(tmp_path):
-    try:
-        importlib.import_module("dapo_mcore.trainer")
-    except ImportError as err:  # the lead removes this skip once the trainer lands
-        pytest.skip(f"dapo_mcore.trainer cannot be imported yet: {err}")
+def test_local_executor_runs_the_tiny_trainer(tmp_path, tmp_path_factory):
     run_dir = tmp_path / "run"
-    proc = launch(tmp_path, "local", "--run-dir", str(run_dir), timeout=900)
+    proc = launch(tmp_path, "local", "--run-dir", str(run_dir), "train.steps=3", "eval.every=0", "checkpoint.every=0",
+                  timeout=900, cache=session_cache(tmp_path_factory))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert (run_dir / "metrics.jsonl").read_text().strip()
-    assert any((run_dir / "checkpoints").iterdir())
+    assert "SUCCEEDED" in proc.stdout
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000003"
+    # torchrun started 2 ranks and the trainer split the model over them (TP=2): one shard per rank.
+    model = run_dir / "checkpoints" / "step_000003" / "model"
+    assert sorted(p.name for p in model.iterdir() if p.is_dir()) == ["mp_rank_00_000", "mp_rank_01_000"]

@@ -74,3 +74,17 @@ def test_launch_forwards_signal_and_requeues_on_75():
     assert 'scontrol requeue "$SLURM_JOB_ID"' in text and "scontrol show hostnames" in text
     env = (SLURM_DIR / "env.sh").read_text()
     assert "CUDA_DEVICE_MAX_CONNECTIONS" in env and "DAPO_REQUEUE_EXIT_CODE:-75" in env
+
+
+@pytest.mark.parametrize("name, preset", [("dapo_qwen2.5_32b_fp8.sbatch", "qwen2.5-32b"),
+                                          ("dapo_qwen2.5_7b.sbatch", "qwen2.5-7b")])
+def test_gpu_recipe_layout_lives_in_its_config_and_fits_the_allocation(name, preset, capsys):
+    from dapo_mcore.planner import main as plan
+
+    text = (SLURM_DIR / name).read_text()
+    d = directives(SLURM_DIR / name)
+    assert "parallel." not in text.split("set -euo pipefail")[1], "the layout is set in the config, not here"
+    config = re.search(r"config=\$\{CONFIG:-([^}]+)\}", text).group(1)
+    rc = plan([str(SLURM_DIR.parent / config), "model.hf_path=null", f"model.preset={preset}",
+               "--nodes", d["nodes"], "--gpus-per-node", d["gpus-per-node"]])
+    assert rc == 0, capsys.readouterr().out

@@ -12,9 +12,10 @@
 Relation to slurm/: NeMo-Run writes its own sbatch script (srun of the command on every task),
 so this path does not go through slurm/launch.sh. What stays the same: slurm/env.sh is sourced
 in the batch shell, MASTER_ADDR/MASTER_PORT are exported from the head node, the trainer reads
-SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID, and the layout overrides are those of
-slurm/dapo_qwen2.5_32b_fp8.sbatch. The requeue differs: the script NeMo-Run generates does not
-trap signals, so ``--signal=USR1@secs`` (no ``B:``) lets Slurm signal the step's tasks directly;
+SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID, and the layout comes from the same config
+(examples/qwen2.5-32b-fp8.yaml: TP=8 PP=2, so DP=8 on 16 nodes; check it with
+``dapo-mcore plan examples/qwen2.5-32b-fp8.yaml --nodes 16``). The requeue differs: the script NeMo-Run generates does not
+trap signals, so ``--signal=USR1@3600`` (no ``B:``) lets Slurm signal the step's tasks directly;
 the trainer checkpoints and exits 75, and NeMo-Run's script requeues any non-zero exit while
 ``SLURM_RESTART_COUNT < retries``.
 """
@@ -32,16 +33,6 @@ from pathlib import Path
 import nemo_run as run
 
 REPO = Path(__file__).resolve().parents[2]
-
-# The 32B recipe's layout: keep in step with slurm/dapo_qwen2.5_32b_fp8.sbatch and docs/cluster.md.
-RECIPE_32B_OVERRIDES = [
-    "parallel.tensor_parallel=8", "parallel.pipeline_parallel=2", "parallel.sequence_parallel=true",
-    "parallel.distributed_optimizer=true", "parallel.backend=nccl",
-    "model.layer_spec=transformer_engine", "model.params_dtype=bfloat16", "model.recompute=selective",
-    "model.fp8.enabled=true", "train.micro_batch_tokens=22528",
-    "rollout.engine=vllm", "rollout.vllm.tensor_parallel=4", "rollout.vllm.gpu_memory_utilization=0.5",
-]
-
 
 def train_task(config: str, run_dir: str, overrides: list[str]) -> run.Script:
     """``python -m dapo_mcore.cli train CONFIG run.dir=RUN_DIR OVERRIDES...`` as a NeMo-Run script."""
@@ -105,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     slurm.add_argument("--partition", default=None)
     slurm.add_argument("--nodes", type=int, default=16)
     slurm.add_argument("--time", default="12:00:00")
-    slurm.add_argument("--signal-seconds", type=int, default=1800)
+    slurm.add_argument("--signal-seconds", type=int, default=3600,
+                       help="pre-emption warning: at least one step (~26 min for 32B) plus the checkpoint")
     slurm.add_argument("--max-requeues", type=int, default=20)
     slurm.add_argument("--config", default="examples/qwen2.5-32b-fp8.yaml")
     slurm.add_argument("--run-dir", default="runs/dapo-32b-fp8")
@@ -136,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         states = [str(job.status(exp._runner)) for job in exp.jobs]  # noqa: SLF001 (no public runner accessor)
         print(f"job states: {states}")
         return 0 if all(s.endswith("SUCCEEDED") for s in states) else 1
-    task = train_task(args.config, args.run_dir, [*RECIPE_32B_OVERRIDES, *overrides])
+    task = train_task(args.config, args.run_dir, overrides)
     executor = slurm_executor(args)
     if args.dry_run:
         print(render_sbatch(executor, task, "32b-fp8"))

@@ -1,0 +1,115 @@
+"""`dapo-mcore plan CONFIG [overrides] --nodes N`: the planner reads a project config and names config keys."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dapo_mcore.cli import main as cli_main
+from dapo_mcore.config import ConfigError, load_config
+from dapo_mcore.model.presets import preset_config
+from dapo_mcore.planner import GIB, check, estimate_memory, main, plan_input_from_config
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[1]
+CFG_32B = str(ROOT / "examples" / "qwen2.5-32b-fp8.yaml")
+CFG_7B = str(ROOT / "examples" / "qwen2.5-7b.yaml")
+PRESET_32B = ["model.hf_path=null", "model.preset=qwen2.5-32b"]
+
+
+def plan_json(capsys, *argv: str) -> tuple[int, dict]:
+    rc = main([*argv, "--json"])
+    out = capsys.readouterr().out
+    return rc, json.loads(out[: out.rindex("}") + 1])
+
+
+def test_32b_recipe_fits_h100_with_the_documented_estimate(capsys):
+    rc, est = plan_json(capsys, CFG_32B, *PRESET_32B, "--nodes", "16")
+    assert rc == 0
+    mem = est["memory_gib"]
+    # docs/cluster.md, "Qwen2.5-32B, paper recipe": train peak 59.1, rollout peak 60.9 GiB, activations 37.1.
+    assert mem["train_peak"] == pytest.approx(59.1, abs=0.05)
+    assert mem["rollout_peak"] == pytest.approx(60.9, abs=0.05)
+    assert mem["activations"] == pytest.approx(37.1, abs=0.05)
+    assert mem["vllm_kv_tokens"] >= 16 * (2048 + 20480)
+    # A generation batch is 1536 prompts x 16 (dynamic sampling draws 3x the 512-prompt train batch).
+    assert est["flops"]["generation"] == pytest.approx(3 * est["flops"]["old_logprobs"])
+
+
+def test_config_fields_reach_the_plan():
+    cfg = load_config(CFG_32B, PRESET_32B)
+    p = plan_input_from_config(cfg, 128)
+    assert (p.tensor_parallel, p.pipeline_parallel, p.data_parallel, p.virtual_pipeline) == (8, 2, 8, 1)
+    assert (p.precision, p.recompute, p.distributed_optimizer, p.colocate_vllm) == ("fp8", "selective", True, True)
+    assert (p.vllm_tensor_parallel, p.vllm_gpu_memory_utilization) == (4, 0.5)
+    assert (p.micro_batch_tokens, p.max_prompt_len, p.max_response_len) == (22528, 2048, 20480)
+    assert (p.rollout_prompts, p.responses_per_prompt, p.mini_batch_prompts, p.gen_batch_prompts) == (512, 16, 32, 1536)
+    assert p.model == preset_config("qwen2.5-32b")
+    tiny = plan_input_from_config(load_config(str(ROOT / "examples" / "tiny_cpu.yaml")), 2)
+    assert (tiny.precision, tiny.colocate_vllm, tiny.model["hidden_size"]) == ("fp32", False, 64)
+
+
+def test_model_shape_from_hf_path_config_json(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(preset_config("qwen2.5-32b")))
+    rc, from_dir = plan_json(capsys, CFG_32B, f"model.hf_path={tmp_path}", "--nodes", "16")
+    _, from_preset = plan_json(capsys, CFG_32B, *PRESET_32B, "--nodes", "16")
+    assert rc == 0 and from_dir == from_preset
+
+
+def test_7b_recipe_fits_on_its_4_nodes(capsys):
+    rc, est = plan_json(capsys, CFG_7B, "model.hf_path=null", "model.preset=qwen2.5-7b", "--nodes", "4")
+    assert rc == 0
+    assert est["memory_gib"]["train_peak"] == pytest.approx(48.6, abs=0.05)
+    assert est["memory_gib"]["rollout_peak"] == pytest.approx(56.3, abs=0.05)
+
+
+def test_bad_layout_override_is_refused_naming_config_keys(capsys):
+    rc = main([CFG_32B, *PRESET_32B, "parallel.tensor_parallel=1", "parallel.pipeline_parallel=1",
+               "parallel.sequence_parallel=false", "--nodes", "16"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "does not fit" in out and "training phase needs" in out and "rollout phase needs" in out
+    # Suggestions are spelled as the overrides the user would type, and the smallest fitting layouts are named.
+    assert "parallel.tensor_parallel=2" in out and "model.recompute=full" in out
+    layouts = next(line for line in out.splitlines() if "layouts that fit" in line)
+    assert "parallel.tensor_parallel=8 parallel.pipeline_parallel=1 (DP=16)" in layouts
+    assert "parallel.tensor_parallel=8 parallel.pipeline_parallel=2 (DP=8)" in layouts
+    # The trainer has no rollout offload switch: a config plan must not suggest one.
+    assert "offload" not in out
+
+
+def test_each_suggested_layout_really_fits():
+    cfg = load_config(CFG_32B, [*PRESET_32B, "parallel.tensor_parallel=2", "parallel.pipeline_parallel=1"])
+    plan = plan_input_from_config(cfg, 128)
+    from dapo_mcore.planner import fitting_layouts
+
+    layouts = fitting_layouts(plan)
+    assert layouts and all(estimate_memory(c).peak <= 80 * GIB for c in layouts)
+    assert all(c.tensor_parallel * c.pipeline_parallel * c.data_parallel == 128 for c in layouts)
+    assert all(c.tensor_parallel <= 8 for c in layouts)  # TP stays inside a node
+    check(layouts[0])
+
+
+def test_config_rules_refuse_before_planning():
+    with pytest.raises(ConfigError, match="multiple of 16"):
+        main([CFG_32B, *PRESET_32B, "--nodes", "1", "--gpus-per-node", "12"])
+    with pytest.raises(ConfigError, match="parallel.tensor_parallel=16 does not divide"):
+        main([CFG_32B, *PRESET_32B, "parallel.tensor_parallel=16", "--nodes", "16"])
+
+
+def test_command_line_mixups_are_usage_errors(capsys):
+    for argv in ([CFG_32B, *PRESET_32B, "--nodes", "16", "--tensor-parallel", "4"],  # layout flag with CONFIG
+                 [CFG_32B, *PRESET_32B],                                             # no job size
+                 [CFG_32B, "--model", "qwen2.5-32b", "--nodes", "16"],                # two model sources
+                 ["--tensor-parallel", "8"]):                                        # neither CONFIG nor model
+        with pytest.raises(SystemExit) as err:
+            main(argv)
+        assert err.value.code == 2
+    assert "parallel.tensor_parallel" in capsys.readouterr().err
+
+
+def test_cli_turns_config_errors_into_exit_2(capsys):
+    assert cli_main(["plan", CFG_32B, *PRESET_32B, "--nodes", "1"]) == 2
+    assert "configuration error" in capsys.readouterr().err
