@@ -4,9 +4,10 @@ Writes a synthetic bf16 checkpoint with the 32B shapes (hidden 5120, FFN 27648, 
 vocab 152064) and a few layers into a temp dir, then, each in a fresh subprocess: (1) reads every tensor
 fully once into fresh tensors (`SafetensorsDirSource.read`, positioned reads: the baseline), (2) converts to
 TP=2 PP=2 with the default writer (O_DIRECT where the filesystem allows it), (3) converts again through the
-page cache (`direct=False`, the pre-O_DIRECT write path, for comparison), (4) writes the same number of bytes
-with plain buffered writes, (5) reads again, (6) converts into --also-out (a tmpfs). Prints conversion time over
-the faster of the two reads and the conversion's peak RSS over the largest tensor. Deletes everything after.
+page cache (`direct=False`: the same converter without O_DIRECT, to show where the time went), (4) writes
+the same number of bytes with plain buffered writes, (5) reads again, (6) converts into --also-out (a tmpfs).
+Prints conversion time over the faster of the two reads and the conversion's peak RSS over the largest tensor,
+and the load average. Deletes everything after.
 
     python benchmarks/convert.py [--layers 2] [--tp 2] [--pp 2] [--workdir DIR] [--also-out /dev/shm]
 """
