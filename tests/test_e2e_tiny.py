@@ -128,7 +128,7 @@ def test_signal_checkpoints_and_resume_continues_the_same_trajectory(env, straig
     assert 3 <= stopped_at < 8
     resumed = _run(_cmd(run_dir, *SHORT), env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stderr
+    assert "loaded checkpoint" in resumed.stderr
     a, b = _metrics(straight_run), _metrics(run_dir)
     assert [r["step"] for r in b] == list(range(0, 9)), "every step logged exactly once"
     for key in ("train/loss", "train/grad_norm", "rollout/reward_mean", "rollout/acc_mean", "eval/avg_at_k"):
