@@ -1,0 +1,752 @@
+"""The prepared GPU check (issue 9): one script that a session with a lent H200 runs once to record numbers.
+
+Sections, in the order they run (the ones whose numbers nothing else can give first, so a late overrun costs least):
+
+  env         device, versions, what was imported from where
+  parity      log-probs of the Megatron actor (bf16, local spec) against Hugging Face on sequences the model itself
+              sampled (a Qwen2.5-0.5B-shaped random model), with HF bf16 vs HF fp32 as the bf16 noise floor
+  throughput  the actor's train step (``train_mini_batch``) and log-prob pass (``compute_logprobs``) for 0.5B- and
+              1.5B-shaped models at 4k/8k/16k tokens per micro-batch: tokens/s, MFU against the bf16 matmul rate
+              measured in the same process (8192^3 after warm-up, CUDA events), peak memory
+  pytest      ``pytest -m gpu`` (the gpu-marked tests)
+  tiny        the tiny DAPO job on the GPU, side by side with the same job on the CPU (CUDA hidden), same machine
+
+Each section runs in its own process under a time limit taken from one overall budget, so a hang, a CUDA error or
+an out-of-memory in one cannot take the others down; a failure is recorded as FAILED with its error, never hidden.
+Full logs and ``gpu_check.json`` go to ``--out`` (``$OUT`` on the device machine); a short table is printed last.
+``--smoke`` runs the same plumbing on the CPU with tiny shapes (tests/test_gpu_check_smoke.py).
+
+Run on the device machine through ``benchmarks/gpu_check.sh`` (docs/gpu-check.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+log = logging.getLogger("gpu_check")
+
+SECTIONS = ("env", "parity", "throughput", "pytest", "tiny")
+WORKER_SECTIONS = ("parity", "throughput")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one mode measures: the GPU check proper, or the CPU smoke run of the same plumbing."""
+
+    smoke: bool
+    """True for the CPU smoke mode (tiny shapes, fp32 matmul rate)."""
+    parity_preset: str
+    """Model preset of the parity check (dapo_mcore.model.presets)."""
+    parity_overrides: dict[str, Any]
+    """HF config fields replaced in the parity preset (e.g. fewer layers)."""
+    parity_prompts: int
+    """Random prompts the HF engine samples responses for."""
+    parity_n: int
+    """Responses sampled per prompt."""
+    parity_prompt_len: int
+    """Tokens per prompt."""
+    parity_new_tokens: int
+    """Longest sampled response."""
+    bench_models: tuple[tuple[str, str, dict[str, Any]], ...]
+    """(label, preset, overrides) of each model the throughput section measures."""
+    bench_budgets: tuple[int, ...]
+    """Tokens per micro-batch (the actor's micro_batch_tokens), ascending: a budget that runs out of memory ends
+    the model's list early without losing the smaller ones."""
+    bench_seq_len: int
+    """Tokens of every benchmark sequence (prompt + response)."""
+    bench_minibatch_tokens: int
+    """Tokens of the mini-batch that one train step / log-prob pass covers (split into micro-batches by budget)."""
+    bench_iters: int
+    """Timed repetitions per measurement, after one warm-up."""
+    matmul_n: int
+    """Square matmul size of the peak-rate measurement."""
+    tiny_steps: int
+    """train.steps of the tiny DAPO job."""
+    tiny_overrides: tuple[str, ...]
+    """Extra dotted overrides of the tiny job (smoke mode shrinks it)."""
+    pytest_paths: tuple[str, ...]
+    """What pytest collects."""
+    budget_s: float
+    """Wall-clock budget of the whole check; sections get what is left, minus the floors of later sections."""
+    caps: dict[str, float] = field(default_factory=dict)
+    """Most seconds a section may take."""
+    floors: dict[str, float] = field(default_factory=dict)
+    """Fewest seconds worth starting a section with (reserved for it while earlier sections run)."""
+
+
+def gpu_plan() -> Plan:
+    return Plan(
+        smoke=False, parity_preset="qwen2.5-0.5b", parity_overrides={}, parity_prompts=8, parity_n=4,
+        parity_prompt_len=64, parity_new_tokens=192,
+        bench_models=(("qwen2.5-0.5b", "qwen2.5-0.5b", {}), ("qwen2.5-1.5b", "qwen2.5-1.5b", {})),
+        bench_budgets=(4096, 8192, 16384), bench_seq_len=1024, bench_minibatch_tokens=32768, bench_iters=2,
+        matmul_n=8192, tiny_steps=20, tiny_overrides=(), pytest_paths=("tests",), budget_s=450.0,
+        caps={"env": 60, "parity": 120, "throughput": 180, "pytest": 150, "tiny": 240},
+        floors={"env": 10, "parity": 40, "throughput": 60, "pytest": 45, "tiny": 60})
+
+
+def smoke_plan() -> Plan:
+    tiny_wide = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3}
+    return Plan(
+        smoke=True, parity_preset="tiny", parity_overrides={}, parity_prompts=3, parity_n=2, parity_prompt_len=6,
+        parity_new_tokens=8, bench_models=(("tiny", "tiny", {}), ("tiny-wide", "tiny", tiny_wide)),
+        bench_budgets=(64, 128), bench_seq_len=32, bench_minibatch_tokens=256, bench_iters=1, matmul_n=256,
+        tiny_steps=1, pytest_paths=("tests/test_gpu_actor.py", "tests/test_gpu_tiny_run.py"), budget_s=300.0,
+        tiny_overrides=("tiny_base.steps=4", "eval.at_start=false", "eval.k=1", "train.prompts_per_step=4",
+                        "rollout.gen_batch_prompts=8", "rollout.n=4", "algo.dynamic_sampling=false"),
+        caps={s: 120 for s in SECTIONS}, floors={s: 5 for s in SECTIONS})
+
+
+# ---- small helpers -------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def device():
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def synchronize() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def start_single_process_world(seed: int = 1234) -> str:
+    """A world of one (NCCL on GPU, gloo + the CPU compatibility layer on CPU) with TP=PP=1 groups."""
+    from dapo_mcore.actor.parallel import LaunchEnv, init_distributed, init_model_parallel
+
+    backend = init_distributed(LaunchEnv(0, 1, 0, "127.0.0.1", free_port(), "single"), "auto")
+    init_model_parallel(1, 1, seed=seed)
+    return backend
+
+
+def make_actor(hf_config: dict[str, Any], micro_batch_tokens: int, lr: float = 1e-6):
+    """A bf16 Megatron actor (local spec, TP=PP=1) with the DAPO defaults."""
+    import torch
+
+    from dapo_mcore.actor.megatron_actor import ActorSettings, MegatronActor
+    from dapo_mcore.algo.config import AlgoConfig
+
+    return MegatronActor(ActorSettings(hf_config=hf_config, params_dtype=torch.bfloat16, layer_spec="local",
+                                       micro_batch_tokens=micro_batch_tokens, lr=lr, algo=AlgoConfig()))
+
+
+def random_hf_model(hf_config: dict[str, Any], dev, seed: int = 0):
+    """A random HF Qwen2ForCausalLM in bf16 on ``dev``, norms and biases randomised (as conversion/synthetic does)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    with torch.device(dev):
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**hf_config))
+    model = model.to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    return model
+
+
+def sample_sequences(model, hf_config: dict[str, Any], prompts: int, n: int, prompt_len: int, new_tokens: int,
+                     seed: int = 1):
+    """Responses the model itself samples (the project's HFEngine, temperature 1): (TrainSamples, engine log-probs)."""
+    import torch
+
+    from dapo_mcore.actor.megatron_actor import TrainSample
+    from dapo_mcore.rollout.hf_engine import HFEngine
+    from dapo_mcore.rollout.protocol import SamplingParams
+
+    eos = int(hf_config["eos_token_id"])
+    gen = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(3, hf_config["vocab_size"], (prompt_len,), generator=gen).tolist() for _ in range(prompts)]
+    engine = HFEngine(model, eos_token_ids=eos, pad_token_id=eos)
+    out = engine.generate(ids, SamplingParams(n=n, temperature=1.0, max_new_tokens=new_tokens, seed=seed))
+    samples, engine_lp = [], []
+    for prompt, group in zip(ids, out, strict=True):
+        for resp in group:
+            samples.append(TrainSample(prompt, list(resp.token_ids)))
+            engine_lp.append(torch.tensor(resp.logprobs, dtype=torch.float32))
+    return samples, engine_lp
+
+
+def hf_logprobs(model, samples) -> list:
+    """Naive reference: one unpadded forward per sequence, fp32 log_softmax over the full vocabulary."""
+    import torch
+
+    dev = next(model.parameters()).device
+    out = []
+    with torch.no_grad():
+        for s in samples:
+            ids = torch.tensor([s.prompt_ids + s.response_ids], device=dev)
+            logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
+            p, r = len(s.prompt_ids), len(s.response_ids)
+            target = torch.tensor(s.response_ids, device=dev)
+            out.append(logp[p - 1:p + r - 1].gather(-1, target.unsqueeze(-1)).squeeze(-1).cpu())
+    return out
+
+
+def diff_stats(got: list, want: list) -> dict[str, float]:
+    """max / mean / p99 of |got - want| over every token of every sequence."""
+    import torch
+
+    a, b = torch.cat([g.double() for g in got]), torch.cat([w.double() for w in want])
+    d = (a - b).abs()
+    return {"max": float(d.max()), "mean": float(d.mean()), "p99": float(d.quantile(0.99)), "tokens": int(d.numel())}
+
+
+def parity_verdict(stats: dict[str, dict[str, float]]) -> tuple[bool, str]:
+    """bf16 parity holds when Megatron's error against the fp32 reference is within twice HF's own bf16 error
+    (plus a small slack) and no token is off by more than 0.5 nat against HF bf16. A real bug (positions, masks,
+    rotary, QKV layout) moves log-probs by far more than the bf16 noise floor."""
+    floor = stats["hf_bf16_vs_hf_fp32"]["mean"]
+    mine = stats["megatron_vs_hf_fp32"]["mean"]
+    worst = stats["megatron_vs_hf_bf16"]["max"]
+    ok = mine <= 2.0 * floor + 2e-3 and worst <= 0.5
+    return ok, (f"mean|megatron-hf_fp32|={mine:.4g} vs 2*floor+2e-3={2 * floor + 2e-3:.4g}; "
+                f"max|megatron-hf_bf16|={worst:.4g} (<= 0.5)")
+
+
+def measure_matmul_rate(n: int, warmup: int = 3, iters: int = 10) -> dict[str, Any]:
+    """Square matmul FLOP/s (bf16 with CUDA events on GPU; fp32 with a wall clock on CPU): the MFU denominator."""
+    import torch
+
+    dev = device()
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
+    for _ in range(warmup):
+        a @ b
+    synchronize()
+    if dev.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            a @ b
+        end.record()
+        end.synchronize()
+        seconds = start.elapsed_time(end) / 1e3
+    else:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            a @ b
+        seconds = time.perf_counter() - t0
+    return {"n": n, "dtype": str(dtype).replace("torch.", ""), "iters": iters, "seconds": seconds,
+            "tflops": 2.0 * n ** 3 * iters / seconds / 1e12}
+
+
+# ---- worker sections (each in its own process) -----------------------------------------------------------------
+def run_parity(plan: Plan, workdir: Path) -> dict[str, Any]:
+    from dapo_mcore.model.presets import preset_config
+
+    backend = start_single_process_world()
+    dev = device()
+    cfg = preset_config(plan.parity_preset, **plan.parity_overrides)
+    hf16 = random_hf_model(cfg, dev)
+    hf_dir = workdir / "parity_hf"
+    hf16.save_pretrained(hf_dir, safe_serialization=True)
+    samples, engine_lp = sample_sequences(hf16, cfg, plan.parity_prompts, plan.parity_n, plan.parity_prompt_len,
+                                          plan.parity_new_tokens)
+    ref16 = hf_logprobs(hf16, samples)
+    ref32 = hf_logprobs(hf16.float(), samples)  # the same weights, upcast: the fp32 reference
+    del hf16
+    actor = make_actor(cfg, micro_batch_tokens=8192)
+    actor.load_hf(str(hf_dir))
+    synchronize()
+    t0 = time.perf_counter()
+    got, _ = actor.compute_logprobs(samples)
+    synchronize()
+    seconds = time.perf_counter() - t0
+    stats = {"megatron_vs_hf_bf16": diff_stats(got, ref16), "megatron_vs_hf_fp32": diff_stats(got, ref32),
+             "hf_bf16_vs_hf_fp32": diff_stats(ref16, ref32), "hf_engine_vs_megatron": diff_stats(engine_lp, got)}
+    ok, verdict = parity_verdict(stats)
+    import torch
+
+    flat = torch.cat(ref32)
+    out = {"backend": backend, "device": str(dev), "model": plan.parity_preset, "sequences": len(samples),
+           "logprob_seconds": seconds, "ref_logp_mean": float(flat.mean()), "ref_logp_std": float(flat.std()),
+           "stats": stats, "verdict": verdict}
+    if not ok:
+        out.update(status="FAILED", error=f"bf16 parity outside tolerance: {verdict}")
+    return out
+
+
+def bench_samples(vocab: int, seq_len: int, count: int, seed: int = 2) -> list:
+    """``count`` sequences of ``seq_len`` tokens (1/8 prompt, 7/8 response), random ids, advantages +-1."""
+    import torch
+
+    from dapo_mcore.actor.megatron_actor import TrainSample
+
+    gen = torch.Generator().manual_seed(seed)
+    p = max(1, seq_len // 8)
+    out = []
+    for i in range(count):
+        ids = torch.randint(3, vocab, (seq_len,), generator=gen).tolist()
+        out.append(TrainSample(ids[:p], ids[p:], advantage=1.0 if i % 2 == 0 else -1.0))
+    return out
+
+
+def _timed(fn: Callable[[], Any], iters: int) -> tuple[float, Any]:
+    """Mean seconds of ``fn`` over ``iters`` runs after one warm-up (device synchronised around each)."""
+    result = fn()
+    synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        result = fn()
+    synchronize()
+    return (time.perf_counter() - t0) / iters, result
+
+
+def bench_model(label: str, hf_config: dict[str, Any], plan: Plan, peak_tflops: float,
+                record: Callable[[dict[str, Any]], None]) -> None:
+    """Log-prob pass then train step of one model at each micro-batch budget; each row goes to ``record``."""
+    import torch
+
+    from dapo_mcore.telemetry.flops import PEAK_FLOPS, ModelShape, sequence_forward_flops
+
+    cuda = torch.cuda.is_available()
+    actor = make_actor(hf_config, micro_batch_tokens=plan.bench_budgets[0])
+    shape = ModelShape.from_hf(hf_config)
+    samples = bench_samples(hf_config["vocab_size"], plan.bench_seq_len,
+                            plan.bench_minibatch_tokens // plan.bench_seq_len)
+    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    fwd = len(samples) * sequence_forward_flops(shape, plan.bench_seq_len)
+    for budget in plan.bench_budgets:
+        row: dict[str, Any] = {"model": label, "params": shape.num_params(), "budget": budget, "tokens": tokens,
+                               "seq_len": plan.bench_seq_len}
+        actor.s.micro_batch_tokens = budget
+        row["micro_batches"] = len(actor._my_micro_batches(samples))
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            logp_s, (logps, _) = _timed(lambda: actor.compute_logprobs(samples), plan.bench_iters)
+            for s, lp in zip(samples, logps, strict=True):
+                s.old_logprobs = lp
+            train_s, metrics = _timed(lambda: actor.train_mini_batch(samples, lr=1e-6), plan.bench_iters)
+        except torch.OutOfMemoryError as exc:
+            row.update(status="OOM", error=str(exc).splitlines()[0])
+            record(row)
+            continue
+        row.update(status="ok", logp_s=logp_s, train_s=train_s, logp_tok_s=tokens / logp_s,
+                   train_tok_s=tokens / train_s, logp_mfu=fwd / logp_s / (peak_tflops * 1e12),
+                   train_mfu=3 * fwd / train_s / (peak_tflops * 1e12),
+                   train_mfu_datasheet=3 * fwd / train_s / PEAK_FLOPS["h200-bf16"],
+                   loss_finite=bool(torch.isfinite(torch.tensor(metrics["loss"]))),
+                   peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None)
+        record(row)
+
+
+def run_throughput(plan: Plan, workdir: Path, partial: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    import gc
+
+    import torch
+
+    from dapo_mcore.model.presets import preset_config
+
+    backend = start_single_process_world()
+    out: dict[str, Any] = {"backend": backend, "device": str(device()), "matmul": measure_matmul_rate(plan.matmul_n),
+                           "rows": [], "model_flops": "6*N-style matmul FLOPs, causal attention (dapo_mcore.telemetry.flops)"}
+    peak = out["matmul"]["tflops"]
+
+    def record(row: dict[str, Any]) -> None:
+        out["rows"].append(row)
+        partial(out)
+
+    for label, preset, overrides in plan.bench_models:
+        try:
+            bench_model(label, preset_config(preset, **overrides), plan, peak, record)
+        except Exception as exc:  # recorded as FAILED and the next model still runs
+            record({"model": label, "status": "FAILED", "error": _error_text(exc)})
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    bad = [r for r in out["rows"] if r["status"] != "ok"]
+    if bad:
+        out.update(status="FAILED", error="; ".join(f"{r['model']}@{r.get('budget')}: {r['status']}" for r in bad))
+    return out
+
+
+def _error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def worker_main(section: str, plan: Plan, result: Path, workdir: Path) -> int:
+    """Run one worker section and write its result JSON (a failure is recorded there, with its traceback)."""
+    t0 = time.perf_counter()
+
+    def write(data: dict[str, Any]) -> None:
+        payload = {"status": "ok", **data, "seconds": time.perf_counter() - t0}
+        tmp = result.with_suffix(".tmp")
+        tmp.write_text(json.dumps(payload, indent=1, default=str))
+        tmp.replace(result)
+
+    try:
+        if section == "parity":
+            data = run_parity(plan, workdir)
+        else:
+            data = run_throughput(plan, workdir, lambda d: write({**d, "status": "running"}))
+    except Exception as exc:  # the whole point: record it and let the driver go on
+        traceback.print_exc()
+        data = {"status": "FAILED", "error": _error_text(exc), "traceback": traceback.format_exc()[-4000:]}
+    write(data)
+    from dapo_mcore.actor.parallel import shutdown
+
+    shutdown()
+    return 0
+
+
+# ---- driver sections (in the main process; heavy work in subprocesses) --------------------------------------
+def _child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env.update(extra)
+    return env
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """End a child we started, and its own process group (it was started in a new session)."""
+    for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        if proc.poll() is not None:
+            return
+        os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _spawn(cmd: list[str], log_path: Path, env: dict[str, str]) -> tuple[subprocess.Popen, Any]:
+    handle = open(log_path, "w")  # noqa: SIM115 -- closed by _finish
+    handle.write("$ " + " ".join(cmd) + "\n")
+    handle.flush()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, handle
+
+
+def _finish(proc: subprocess.Popen, handle, deadline: float) -> tuple[int | None, bool]:
+    """Wait until ``deadline`` (monotonic); (exit code, timed out)."""
+    try:
+        proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        _stop(proc)
+        timed_out = True
+    handle.close()
+    return proc.returncode, timed_out
+
+
+def _tail(path: Path, lines: int = 3) -> str:
+    text = path.read_text(errors="replace").strip().splitlines() if path.is_file() else []
+    return " | ".join(line.strip() for line in text[-lines:])[-400:]
+
+
+def section_env(plan: Plan) -> dict[str, Any]:
+    import importlib.metadata as md
+
+    import torch
+
+    info: dict[str, Any] = {"python": sys.version.split()[0], "torch": torch.__version__,
+                            "cuda_available": torch.cuda.is_available(), "cpu_count": os.cpu_count()}
+    for pkg in ("megatron-core", "transformers", "safetensors", "zarr", "numpy", "pytest"):
+        try:
+            info[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            info[pkg] = None
+    import megatron.core
+
+    info["megatron_path"] = str(Path(megatron.core.__file__).parent)
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(device_name=props.name, sms=props.multi_processor_count, memory_gib=props.total_memory / 2**30,
+                    capability=f"{props.major}.{props.minor}", cuda_runtime=torch.version.cuda,
+                    nccl=".".join(map(str, torch.cuda.nccl.version())))
+    cache = Path(os.environ.get("DAPO_MCORE_CACHE", Path.home() / ".cache" / "dapo-mcore")) / "tiny_base"
+    info["tiny_base_cache"] = sorted(p.name for p in cache.glob("*")) if cache.is_dir() else []
+    problems = [f"{k} is not installed" for k in ("megatron-core", "transformers", "zarr") if info[k] is None]
+    if not plan.smoke and not info["cuda_available"]:
+        problems.append("CUDA is not available (run with --smoke on a CPU machine)")
+    if problems:
+        info.update(status="FAILED", error="; ".join(problems))
+    return info
+
+
+def section_worker(name: str, plan: Plan, out_dir: Path, workdir: Path, timeout: float) -> dict[str, Any]:
+    result = workdir / f"{name}.json"
+    result.unlink(missing_ok=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--result", str(result),
+           "--workdir", str(workdir)] + (["--smoke"] if plan.smoke else [])
+    proc, handle = _spawn(cmd, out_dir / f"{name}.log", _child_env())
+    rc, timed_out = _finish(proc, handle, time.monotonic() + timeout)
+    data = json.loads(result.read_text()) if result.is_file() else {}
+    if timed_out:
+        data.update(status="FAILED", error=f"timed out after {timeout:.0f} s (rows measured so far are kept)")
+    elif rc != 0 or not data:
+        data.update(status="FAILED", error=f"worker exit code {rc}: {_tail(out_dir / f'{name}.log')}")
+    elif data.get("status") == "running":
+        data.update(status="FAILED", error="worker ended without its final result")
+    return data
+
+
+_PYTEST_COUNT = re.compile(r"(\d+) (passed|failed|skipped|deselected|errors?|xfailed|xpassed|warnings?)")
+
+
+def parse_pytest_counts(text: str) -> dict[str, int]:
+    """Counts of pytest's closing line (``3 passed, 1 skipped, 700 deselected in 9.1s``)."""
+    for line in reversed(text.strip().splitlines()):
+        found = _PYTEST_COUNT.findall(line)
+        if found:
+            return {word.rstrip("s") if word.startswith("error") else word: int(n) for n, word in found}
+    return {}
+
+
+def section_pytest(plan: Plan, out_dir: Path, timeout: float) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rA", "-p", "no:cacheprovider",
+           "--continue-on-collection-errors", *plan.pytest_paths]
+    log_path = out_dir / "pytest.log"
+    proc, handle = _spawn(cmd, log_path, _child_env())
+    rc, timed_out = _finish(proc, handle, time.monotonic() + timeout)
+    counts = parse_pytest_counts(log_path.read_text(errors="replace"))
+    out: dict[str, Any] = {"exit_code": rc, "counts": counts}
+    if timed_out:
+        out.update(status="FAILED", error=f"pytest timed out after {timeout:.0f} s")
+    elif rc != 0:
+        out.update(status="FAILED", error=f"pytest exit code {rc}: {_tail(log_path, 1)}")
+    elif not plan.smoke and counts.get("passed", 0) == 0:
+        out.update(status="FAILED", error="no gpu test passed (all skipped?): CUDA not seen by pytest")
+    return out
+
+
+def summarize_tiny_run(run_dir: Path, log_path: Path) -> dict[str, Any]:
+    """Steps done, seconds per step and per phase, last accuracy / held-out score, backend, from a run's files."""
+    text = log_path.read_text(errors="replace") if log_path.is_file() else ""
+    backend = re.findall(r"process group ready: rank \d+/\d+ \((\w+),", text)
+    rows = []
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if r.get("step", 0) > 0 and "time/step" in r]
+    out: dict[str, Any] = {"backend": backend[0] if backend else None, "steps_done": len(steps)}
+    if steps:
+        for key in ("time/step", "time/generate", "time/old_logprobs", "time/train", "time/eval"):
+            out[key.replace("time/", "mean_s_")] = sum(r.get(key, 0.0) for r in steps) / len(steps)
+        last = steps[-1]
+        out.update(last_loss=last.get("train/loss"), last_acc=last.get("rollout/acc_mean"),
+                   last_heldout_avg_at_k=next((r["eval/avg_at_k"] for r in reversed(rows) if "eval/avg_at_k" in r),
+                                              None))
+    return out
+
+
+def _wait_all(runs: dict[str, dict[str, Any]], deadline: float) -> None:
+    """Poll concurrent children until all end or the deadline passes, noting each one's end time (``t1``)."""
+    while time.monotonic() < deadline:
+        for r in runs.values():
+            if "t1" not in r and r["proc"].poll() is not None:
+                r["t1"] = time.monotonic()
+        if all("t1" in r for r in runs.values()):
+            return
+        time.sleep(0.2)
+
+
+def section_tiny(plan: Plan, out_dir: Path, workdir: Path, timeout: float) -> dict[str, Any]:
+    """The tiny DAPO job on the device and, at the same time, on the CPU (CUDA hidden); cores split evenly."""
+    threads = str(max(1, (os.cpu_count() or 2) // 2))
+    deadline = time.monotonic() + timeout
+    runs: dict[str, dict[str, Any]] = {}
+    for name, extra in (("device", {}), ("cpu", {"CUDA_VISIBLE_DEVICES": ""})):
+        run_dir = workdir / f"tiny_{name}"
+        cmd = [sys.executable, "-m", "dapo_mcore.cli", "train", "examples/tiny_cpu.yaml",
+               f"train.steps={plan.tiny_steps}", f"run.dir={run_dir}", "run.overwrite=true", *plan.tiny_overrides]
+        env = _child_env(MASTER_PORT=str(free_port()), OMP_NUM_THREADS=threads, **extra)
+        proc, handle = _spawn(cmd, out_dir / f"tiny_{name}.log", env)
+        runs[name] = {"proc": proc, "handle": handle, "t0": time.monotonic(), "run_dir": run_dir}
+    _wait_all(runs, deadline)
+    out: dict[str, Any] = {"steps": plan.tiny_steps, "threads_each": int(threads)}
+    errors = []
+    for name, r in runs.items():
+        rc, timed_out = _finish(r["proc"], r["handle"], deadline)
+        info = {"exit_code": rc, "timed_out": timed_out, "wall_s": r.get("t1", time.monotonic()) - r["t0"],
+                **summarize_tiny_run(r["run_dir"], out_dir / f"tiny_{name}.log")}
+        out[name] = info
+        if timed_out or rc != 0:
+            errors.append(f"{name} run {'timed out' if timed_out else f'exit code {rc}'}: "
+                          f"{_tail(out_dir / f'tiny_{name}.log', 1)}")
+    if not plan.smoke and out["device"].get("backend") != "nccl":
+        errors.append(f"device run used backend {out['device'].get('backend')!r}, not nccl")
+    if not errors:
+        out["cpu_over_device_wall"] = out["cpu"]["wall_s"] / out["device"]["wall_s"]
+    else:
+        out.update(status="FAILED", error="; ".join(errors))
+    return out
+
+
+# ---- report --------------------------------------------------------------------------------------------------
+def headline(name: str, r: dict[str, Any]) -> str:
+    """One line per section for the closing table."""
+    if r.get("status") != "ok":
+        return str(r.get("error", r.get("status")))[:160]
+    if name == "env":
+        where = r.get("device_name", "cpu")
+        return f"{where}, torch {r['torch']}, megatron-core {r['megatron-core']}, transformers {r['transformers']}"
+    if name == "parity":
+        s = r["stats"]
+        return (f"megatron vs HF bf16: max {s['megatron_vs_hf_bf16']['max']:.3g} mean {s['megatron_vs_hf_bf16']['mean']:.3g}; "
+                f"vs HF fp32 mean {s['megatron_vs_hf_fp32']['mean']:.3g} (HF bf16 floor {s['hf_bf16_vs_hf_fp32']['mean']:.3g})")
+    if name == "throughput":
+        ok = [row for row in r["rows"] if row["status"] == "ok"]
+        best = max(ok, key=lambda row: row["train_mfu"])
+        return (f"{r['matmul']['dtype']} matmul {r['matmul']['tflops']:.3g} TFLOP/s; best train MFU "
+                f"{best['train_mfu']:.1%} ({best['model']} @ {best['budget']} tok)")
+    if name == "pytest":
+        return ", ".join(f"{n} {k}" for k, n in r["counts"].items())
+    if name == "tiny":
+        d, c = r["device"], r["cpu"]
+        return (f"{r['steps']} steps: device {d['wall_s']:.0f} s ({d.get('mean_s_step', float('nan')):.2f} s/step) "
+                f"vs cpu {c['wall_s']:.0f} s ({c.get('mean_s_step', float('nan')):.2f} s/step), cpu/device "
+                f"x{r['cpu_over_device_wall']:.2f}")
+    return ""
+
+
+def throughput_lines(r: dict[str, Any]) -> list[str]:
+    rows = r.get("rows") or []
+    if not rows:
+        return []
+    lines = [f"{'model':<14} {'mb_tok':>6} {'mbs':>3} {'train tok/s':>11} {'MFU':>6} {'logp tok/s':>11} {'MFU':>6} "
+             f"{'peak GiB':>8}"]
+    for row in rows:
+        if row["status"] != "ok":
+            lines.append(f"{row['model']:<14} {row.get('budget', '-')!s:>6} {row['status']}: {row.get('error', '')[:80]}")
+            continue
+        mem = f"{row['peak_mem_gib']:.1f}" if row.get("peak_mem_gib") is not None else "-"
+        lines.append(f"{row['model']:<14} {row['budget']:>6} {row['micro_batches']:>3} {row['train_tok_s']:>11.0f} "
+                     f"{row['train_mfu']:>6.1%} {row['logp_tok_s']:>11.0f} {row['logp_mfu']:>6.1%} {mem:>8}")
+    return lines
+
+
+def summary_lines(report: dict[str, Any]) -> list[str]:
+    sections = report["sections"]
+    mode = " (SMOKE: CPU, tiny shapes; not GPU numbers)" if report["smoke"] else ""
+    lines = ["", f"GPU check summary{mode}", f"{'section':<11} {'status':<7} {'sec':>6}  headline"]
+    for name in SECTIONS:
+        r = sections.get(name, {"status": "SKIPPED", "error": "not run"})
+        lines.append(f"{name:<11} {r['status']:<7} {r.get('seconds', 0.0):>6.1f}  {headline(name, r)}")
+    lines += throughput_lines(sections.get("throughput", {}))
+    ok = sum(1 for n in SECTIONS if sections.get(n, {}).get("status") == "ok")
+    lines.append(f"gpu_check_sections_ok: {ok}/{len(SECTIONS)}")
+    return lines
+
+
+# ---- main ----------------------------------------------------------------------------------------------------
+def run_section(name: str, plan: Plan, out_dir: Path, workdir: Path, timeout: float) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    try:
+        if name == "env":
+            data = section_env(plan)
+        elif name in WORKER_SECTIONS:
+            data = section_worker(name, plan, out_dir, workdir, timeout)
+        elif name == "pytest":
+            data = section_pytest(plan, out_dir, timeout)
+        else:
+            data = section_tiny(plan, out_dir, workdir, timeout)
+    except Exception as exc:  # recorded as FAILED; the next section still runs
+        log.exception("section %s failed", name)
+        data = {"status": "FAILED", "error": _error_text(exc)}
+    data.setdefault("status", "ok")
+    data["seconds"] = time.perf_counter() - t0
+    return data
+
+
+def run_all(plan: Plan, out_dir: Path, workdir: Path, selected: tuple[str, ...]) -> dict[str, Any]:
+    """Every selected section within the budget; gpu_check.json rewritten after each."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    workdir.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + plan.budget_s
+    report: dict[str, Any] = {"smoke": plan.smoke, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                              "budget_s": plan.budget_s, "sections": {}}
+    for i, name in enumerate(SECTIONS):
+        if name not in selected:
+            report["sections"][name] = {"status": "SKIPPED", "error": "not selected (--sections)"}
+            continue
+        reserve = sum(plan.floors[s] for s in SECTIONS[i + 1:] if s in selected)
+        timeout = min(plan.caps[name], deadline - time.monotonic() - reserve)
+        if timeout < plan.floors[name]:
+            report["sections"][name] = {"status": "SKIPPED", "error": f"budget: {timeout:.0f} s left for it"}
+            continue
+        log.info("section %s (limit %.0f s)", name, timeout)
+        result = run_section(name, plan, out_dir, workdir, timeout)
+        report["sections"][name] = result
+        log.info("section %s: %s in %.1f s %s", name, result["status"], result["seconds"],
+                 "" if result["status"] == "ok" else f"-- {result.get('error')}")
+        (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
+    report["seconds"] = plan.budget_s - (deadline - time.monotonic())
+    (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
+    return report
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="CPU plumbing check with tiny shapes")
+    p.add_argument("--out", default=None, help="logs + gpu_check.json (default: $OUT, else ./gpu_check_out)")
+    p.add_argument("--workdir", default=None, help="scratch space: run dirs, checkpoints (default: a temp dir)")
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list out of {','.join(SECTIONS)}")
+    p.add_argument("--budget-s", type=float, default=None, help="overall wall-clock budget (default 450; smoke 300)")
+    p.add_argument("--tiny-steps", type=int, default=None, help="train.steps of the tiny DAPO job (default 20)")
+    p.add_argument("--worker", choices=WORKER_SECTIONS, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import dataclasses
+    import tempfile
+
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    plan = smoke_plan() if args.smoke else gpu_plan()
+    if args.budget_s is not None:
+        plan = dataclasses.replace(plan, budget_s=args.budget_s)
+    if args.tiny_steps is not None:
+        plan = dataclasses.replace(plan, tiny_steps=args.tiny_steps)
+    if args.worker:
+        return worker_main(args.worker, plan, Path(args.result), Path(args.workdir))
+    selected = tuple(s.strip() for s in args.sections.split(",") if s.strip())
+    unknown = sorted(set(selected) - set(SECTIONS))
+    if unknown:
+        print(f"gpu_check: unknown section(s) {unknown}; choose from {', '.join(SECTIONS)}", file=sys.stderr)
+        return 2
+    out_dir = Path(args.out or os.environ.get("OUT") or "gpu_check_out").resolve()
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="gpu_check_")).resolve()
+    report = run_all(plan, out_dir, workdir, selected)
+    print("\n".join(summary_lines(report)), flush=True)
+    return 0 if all(report["sections"][s]["status"] == "ok" for s in selected) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
