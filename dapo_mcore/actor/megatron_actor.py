@@ -102,7 +102,9 @@ class MegatronActor:
         chunks = build_gpt_model(settings.hf_config, tconfig, spec=settings.layer_spec,
                                  make_vocab_size_divisible_by=settings.make_vocab_size_divisible_by)
         for chunk in chunks:
-            chunk.to(self.device)
+            # Megatron's torch norms ignore params_dtype (fp32 weights in a bf16 model): cast like its Float16Module
+            # does, so every parameter has one dtype (PP weight broadcasts allocate by dtype; fused rms_norm needs it).
+            chunk.to(device=self.device, dtype=settings.params_dtype)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
             use_distributed_optimizer=settings.distributed_optimizer)
