@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from benchmarks.gpu_check import (
+from benchmarks.gpu_measure import (
     diff_stats,
     hf_logprobs,
     make_actor,
@@ -71,7 +71,7 @@ def test_world_of_one_uses_nccl_on_the_current_gpu(world):
 
 
 def test_bf16_update_on_the_gpu_moves_log_probs_toward_the_advantage(world):
-    from benchmarks.gpu_check import bench_samples
+    from benchmarks.gpu_measure import bench_samples
 
     cfg = _config()
     actor = make_actor(cfg, micro_batch_tokens=512, lr=1e-4)

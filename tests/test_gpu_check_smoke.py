@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.gpu_check import SECTIONS, diff_stats, parity_verdict, parse_pytest_counts, summary_lines
+from benchmarks.gpu_check import SECTIONS, parse_pytest_counts, summary_lines
+from benchmarks.gpu_measure import diff_stats, parity_verdict
 
 pytestmark = pytest.mark.e2e
 

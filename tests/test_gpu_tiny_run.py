@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.gpu_check import free_port, summarize_tiny_run
+from benchmarks.gpu_check import summarize_tiny_run
+from benchmarks.gpu_measure import free_port
 
 ON_CPU = os.environ.get("DAPO_MCORE_GPU_TESTS_ON_CPU") == "1"
 pytestmark = [
@@ -33,7 +34,7 @@ STEPS = 3
 def test_tiny_dapo_run_on_the_gpu(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "dapo_mcore.cli", "train", "examples/tiny_cpu.yaml", f"train.steps={STEPS}",
-           f"run.dir={run_dir}", "eval.every=0", "checkpoint.every=0"]
+           f"run.dir={run_dir}", "eval.every=0", "eval.at_start=false", "checkpoint.every=0"]
     env = {**os.environ, "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     log = tmp_path / "train.log"

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# The GPU check (issue 9) in one command. Two modes, both from the repository root:
+#
+#   bash benchmarks/gpu_check.sh prepare    on the development machine (it reaches PyPI): puts the cp312 wheels the
+#                                           device image lacks into .whl/ and the tiny base model into
+#                                           .cache/dapo-mcore/ (both git-ignored; the device call carries them)
+#   bash benchmarks/gpu_check.sh [ARGS]     on the lent GPU machine (no network): installs the carried wheels into
+#                                           /tmp/site, then runs benchmarks/gpu_check.py ARGS under an overall time
+#                                           limit, logging to $OUT (gpu_check.log + the files gpu_check.py writes)
+#
+# docs/gpu-check.md has the exact device call (carry list, timeout) and what each section measures.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# What the device image lacks (its package list: .library/device/KINDS.md). megatron-core 0.16.1 is the version
+# the CPU machines run; its cp312 wheel needs only torch, numpy, packaging (all in the image). zarr 3 (the rollout
+# store, imported by every training run) needs numcodecs, donfig and google-crc32c; pyyaml, numpy and
+# typing-extensions are in the image.
+WHEELS=(megatron-core==0.16.1 zarr==3.1.6 numcodecs==0.16.6 donfig==0.8.1.post1 google-crc32c==1.9.0)
+WHEEL_GLOBS=(megatron_core-0.16.1-* zarr-3.1.6-* numcodecs-0.16.6-* donfig-0.8.1.post1-* google_crc32c-1.9.0-*)
+CACHE=.cache/dapo-mcore
+LIMIT_S=${GPU_CHECK_LIMIT_S:-540}   # under the device tool's 600 s per command, leaving time for install + copy-back
+
+prepare() {
+    local py=${PYTHON:-/work/venv/bin/python}
+    mkdir -p .whl
+    "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
+        --platform any -d .whl "${WHEELS[@]}"
+    # The tiny DAPO job starts from a pre-trained tiny base (minutes of CPU to build): carry it, keyed as the
+    # runtime keys it, so the device machine gets a cache hit.
+    DAPO_MCORE_TARGET="$CACHE" "$py" - <<'EOF'
+import os, shutil
+from pathlib import Path
+from dapo_mcore.config import load_config
+from dapo_mcore.data.base_model import ensure_base_model
+
+settings = load_config("examples/tiny_cpu.yaml", []).tiny_base
+name = f"{settings.task}-{settings.cache_key()}"
+target = Path(os.environ["DAPO_MCORE_TARGET"]) / "tiny_base"
+user = Path(os.environ.get("DAPO_MCORE_CACHE", Path.home() / ".cache" / "dapo-mcore")) / "tiny_base" / name
+if not (target / name / "DONE").is_file():
+    if (user / "DONE").is_file():  # already built on this machine: copy it
+        shutil.rmtree(target / name, ignore_errors=True)
+        shutil.copytree(user, target / name)
+    else:
+        ensure_base_model(target, settings)
+print(f"tiny base: {target / name}")
+EOF
+    ls -la .whl "$CACHE/tiny_base"
+    du -sh .whl "$CACHE"
+    echo "carry: [\".whl\", \"$CACHE\"]   command: bash benchmarks/gpu_check.sh   timeout_s: 600"
+}
+
+run_check() {
+    local py=${PYTHON:-python3}
+    local out=${OUT:-gpu_check_out}
+    mkdir -p "$out"
+    local wheels=()
+    for g in "${WHEEL_GLOBS[@]}"; do
+        local found=()
+        mapfile -t found < <(compgen -G ".whl/$g.whl" || true)
+        if [[ ${#found[@]} -ne 1 ]]; then
+            echo "gpu_check.sh: need exactly one .whl/$g.whl (found ${#found[@]}): run 'bash benchmarks/gpu_check.sh" \
+                 "prepare' where pip works, and carry .whl" | tee "$out/gpu_check.log" >&2
+            exit 2
+        fi
+        wheels+=("${found[0]}")
+    done
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        "${wheels[@]}" 2>&1 | tee "$out/gpu_check.log"
+    export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    export DAPO_MCORE_CACHE="$PWD/$CACHE" PYTHONUNBUFFERED=1 NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+    [[ -d "$CACHE/tiny_base" ]] || echo "gpu_check.sh: WARNING: no carried tiny base in $CACHE: the tiny job" \
+        "pre-trains one on the device CPU first (minutes)" | tee -a "$out/gpu_check.log"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv 2>&1 \
+        | tee -a "$out/gpu_check.log" || true
+    set +e
+    timeout -k 15 "$LIMIT_S" "$py" benchmarks/gpu_check.py --out "$out" "$@" 2>&1 | tee -a "$out/gpu_check.log"
+    local rc=${PIPESTATUS[0]}
+    set -e
+    [[ $rc -eq 124 || $rc -eq 137 ]] && echo "gpu_check.sh: stopped at the ${LIMIT_S} s limit" \
+        | tee -a "$out/gpu_check.log"
+    return "$rc"
+}
+
+if [[ "${1:-}" == "prepare" ]]; then
+    prepare
+else
+    run_check "$@"
+fi
