@@ -139,6 +139,15 @@ class Components:
             self.store.append_step(step, _rollouts(generated))
         _print_progress(step, self.cfg.train.steps, metrics, self.cfg.run.log_every)
 
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank if it is True on any rank (a MAX all-reduce; collective)."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return flag
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32,
+                         device="cuda" if torch.cuda.is_available() else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
     def log_base_eval(self, metrics: dict[str, Any]) -> None:
         """Held-out scores of the starting model, logged as step 0."""
         if self.is_main:

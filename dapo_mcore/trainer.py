@@ -267,24 +267,22 @@ class Trainer:
                 p.timer.pop_step()
                 p.log_base_eval(base)
             while self.step < cfg.train.steps:
-                saved = False
                 with p.timer.phase("step"):
                     metrics, generated = self.run_step()
                     self.step += 1
                     if (cfg.eval.every and self.step % cfg.eval.every == 0) or self.step == cfg.train.steps:
                         with p.timer.phase("eval"):
                             metrics.update(self.evaluate())
-                    if self.step == cfg.train.steps or signals.requested or (
-                            cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
-                        with p.timer.phase("checkpoint"):
-                            p.save(self.step)
-                        saved = True
+                # The step is recorded (metrics, ledger, rollouts) before its checkpoint, so the checkpoint's
+                # ledger includes it; checkpoint seconds are accounted to the next step's phases.
                 p.log_step(self.step, metrics, generated)
-                if signals.requested:
-                    if not saved:  # the signal came after this step's checkpoint decision
+                stop = p.any_rank(signals.requested is not None)  # every rank must take the same branch
+                if stop or self.step == cfg.train.steps or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
+                    with p.timer.phase("checkpoint"):
                         p.save(self.step)
+                if stop:
                     log.warning("checkpointed at step %d after %s; exiting %d for requeue", self.step,
-                                signals.requested, EXIT_REQUEUE)
+                                signals.requested or "a signal on another rank", EXIT_REQUEUE)
                     return EXIT_REQUEUE
         except KeyboardInterrupt:
             log.error("interrupted during step %d: the step was abandoned; the last good checkpoint is kept "
