@@ -20,7 +20,10 @@
 #   runs `scontrol requeue $SLURM_JOB_ID` and the job restarts later under the same id, resuming
 #   from the latest checkpoint. Because srun is started with --kill-on-bad-exit=1, the first rank to
 #   exit 75 gets its peers killed, so srun may report 128+9 instead of 75: after a forwarded
-#   signal any non-zero exit is treated as "requeue". DAPO_MAX_REQUEUES bounds the restarts.
+#   USR1 any non-zero exit is treated as "requeue". DAPO_MAX_REQUEUES bounds the restarts.
+#   SIGTERM (scancel, or the time limit without a USR1 warning) is forwarded too, so the trainer can
+#   checkpoint, but never leads to a requeue: the job is being ended on purpose, and requeueing it
+#   would turn a user's `scancel` into a restart two minutes later.
 # shellcheck source-path=SCRIPTDIR
 set -euo pipefail
 
@@ -46,11 +49,12 @@ log "job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0}: ${SLURM_NTASKS} tasks 
     "rendezvous $MASTER_ADDR:$MASTER_PORT, command: $*"
 
 srun_pid=""
-signalled=""
+warned=""       # USR1: the pre-emption warning, a requeue request
+terminating=""  # TERM: scancel or the time limit, never requeued
 # shellcheck disable=SC2317  # invoked by the traps below
 forward() {
     local sig=$1
-    signalled=$sig
+    if [[ "$sig" == USR1 ]]; then warned=1; else terminating=1; fi
     if [[ -n "$srun_pid" ]] && kill -0 "$srun_pid" 2>/dev/null; then
         log "got SIG$sig: forwarding to srun (pid $srun_pid)"
         kill -s "$sig" "$srun_pid" || log "srun exited before SIG$sig could be forwarded"
@@ -85,7 +89,11 @@ log "step exited with $rc"
 if (( rc == 0 )); then
     exit 0
 fi
-if (( rc == DAPO_REQUEUE_EXIT_CODE )) || [[ -n "$signalled" ]]; then
+if [[ -n "$terminating" ]]; then
+    log "terminated by SIGTERM (scancel or time limit): not requeueing"
+    exit "$rc"
+fi
+if (( rc == DAPO_REQUEUE_EXIT_CODE )) || [[ -n "$warned" ]]; then
     restarts=${SLURM_RESTART_COUNT:-0}
     if (( restarts >= DAPO_MAX_REQUEUES )); then
         log "requeue requested but the job already restarted $restarts times (DAPO_MAX_REQUEUES); giving up"

@@ -7,22 +7,50 @@ slurm-client munge); skipped with that reason otherwise.
 
 from __future__ import annotations
 
-import importlib
 import json
+import math
 import os
+import random
 import shutil
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import yaml
+
+from dapo_mcore.telemetry.rollout_store import RolloutReader
 
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "slurm" / "tiny_cpu.sbatch"
 PROBE = ["python", "slurm/probe.py"]
+
+
+def session_cache(tmp_path_factory) -> str:
+    """One tiny-base-model cache per test session, shared by every e2e module (never ~/.cache)."""
+    path = os.environ.get("DAPO_MCORE_TEST_CACHE") or str(tmp_path_factory.getbasetemp() / "dapo-mcore-cache")
+    Path(path).mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def free_port_base(span: int = 32) -> int:
+    """A rendezvous port base whose next ``span`` ports are free: each private cluster numbers its jobs from 1,
+    so two test sessions on one host would otherwise both rendezvous on 20001 (launch.sh: base + job id)."""
+    rng = random.Random()
+    for _ in range(50):
+        base = rng.randrange(20000, 60000 - span)
+        try:
+            for port in range(base + 1, base + span + 1):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no run of {span} free ports found for the rendezvous")
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +62,12 @@ def slurm_env(tmp_path_factory):
         pytest.skip("the local Slurm runs slurmd as root; run the e2e tests as root")
     state = tmp_path_factory.mktemp("slurm")
     subprocess.run([str(REPO / "slurm/local/start.sh"), str(state)], check=True, capture_output=True, text=True)
-    env = dict(os.environ, SLURM_CONF=str(state / "slurm.conf"), DAPO_REPO=str(REPO),
+    env = dict(os.environ, SLURM_CONF=str(state / "slurm.conf"), DAPO_REPO=str(REPO), OMP_NUM_THREADS="1",
                PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-               PYTHONPATH=f"{REPO}:{os.environ.get('PYTHONPATH', '')}".rstrip(":"))
+               PYTHONPATH=f"{REPO}:{os.environ.get('PYTHONPATH', '')}".rstrip(":"),
+               DAPO_MCORE_CACHE=session_cache(tmp_path_factory), DAPO_MASTER_PORT_BASE=str(free_port_base()))
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
     try:
         yield env
     finally:
@@ -59,6 +90,16 @@ def wait_for(predicate, timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.5)
+
+
+def release_requeued(env, job_id: str) -> None:
+    """Start a requeued job now instead of after slurmctld's ~2 min hold (BeginTime).
+
+    slurmd refuses a job credential created in the same second as the requeue's revocation ("Job credential
+    revoked": it compares whole seconds), so wait past that second first.
+    """
+    time.sleep(2.0)
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, check=True)
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -95,8 +136,7 @@ def test_signal_checkpoints_requeues_and_resumes(slurm_env, tmp_path):
     subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=slurm_env, check=True)
     wait_for(lambda: (run / "checkpoint.json").exists(), 60, "the checkpoint")
     wait_for(lambda: job_state(slurm_env, job_id) == "PENDING", 60, "the requeue")
-    # slurmctld holds a requeued job for ~2 min (BeginTime); release it now to keep the test short.
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=slurm_env, check=True)
+    release_requeued(slurm_env, job_id)
     wait_for(lambda: job_state(slurm_env, job_id) in ("COMPLETED", "FAILED", "CANCELLED"), 180, "the job to end")
     log = (tmp_path / "job.out").read_text()
     assert job_state(slurm_env, job_id) == "COMPLETED", log
@@ -106,24 +146,114 @@ def test_signal_checkpoints_requeues_and_resumes(slurm_env, tmp_path):
     assert "got SIGUSR1: forwarding to srun" in log and "step exited with 75" in log and "requeueing job" in log
 
 
-def _trainer_cmd(run_dir: Path) -> list[str]:
-    """The tiny trainer command; the sbatch default when the console script is installed."""
-    if shutil.which("dapo-mcore", path=f"{Path(sys.executable).parent}:{os.environ['PATH']}"):
-        return []  # tiny_cpu.sbatch's own default command
-    return ["python", "-m", "dapo_mcore.cli", "train", "examples/tiny_cpu.yaml", f"run.dir={run_dir}",
-            "parallel.tensor_parallel=2"]
+def train_rows(run_dir: Path) -> list[dict]:
+    """metrics.jsonl rows of training steps (the base-model eval row, if any, is step 0 without train/loss)."""
+    return [r for r in read_jsonl(run_dir / "metrics.jsonl") if "train/loss" in r]
 
 
 def test_tiny_trainer_job(slurm_env, tmp_path):
-    try:
-        importlib.import_module("dapo_mcore.trainer")
-    except ImportError as err:  # the lead removes this skip once the trainer lands
-        pytest.skip(f"dapo_mcore.trainer cannot be imported yet: {err}")
     run_dir = tmp_path / "run"
     env = dict(slurm_env, RUN_DIR=str(run_dir))
-    proc = sbatch(env, tmp_path / "job.out", *_trainer_cmd(run_dir))
+    # tiny_cpu.sbatch's own trainer command (TP=2 on 2 gloo tasks), shortened by overrides.
+    proc = sbatch(env, tmp_path / "job.out", "train.steps=4", "eval.every=2", "checkpoint.every=2")
     log = (tmp_path / "job.out").read_text()
     assert proc.returncode == 0, log[-4000:]
-    rows = read_jsonl(run_dir / "metrics.jsonl")
-    assert rows, "the trainer logged no step"
-    assert any((run_dir / "checkpoints").iterdir()), "no checkpoint written"
+    assert "2 tasks on 1 node(s)" in log and "step exited with 0" in log
+    rows = train_rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(math.isfinite(r["train/loss"]) and r["train/updates"] == 4 for r in rows)
+    assert [r["step"] for r in rows if "eval/avg_at_k" in r] == [2, 4]
+    resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert resolved["parallel"]["tensor_parallel"] == 2 and resolved["train"]["steps"] == 4
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000004"
+    ckpt = run_dir / "checkpoints" / "step_000004"
+    assert (ckpt / "COMPLETE").is_file()
+    # Two tasks, TP=2: one model shard and one RNG state per rank.
+    assert sorted(p.name for p in (ckpt / "model").iterdir() if p.is_dir()) == ["mp_rank_00_000", "mp_rank_01_000"]
+    assert sorted(p.name for p in (ckpt / "rng").iterdir()) == ["rank_00000.pt", "rank_00001.pt"]
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert RolloutReader(run_dir / "rollouts.zarr").steps() == [1, 2, 3, 4]
+
+
+REQUEUE_STEPS = 30  # ~0.5 s each on 2 idle cores: runway for the signal to land mid-run
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
+
+# The trainer reads its SIGUSR1 flag on each rank without agreeing on it: when the signal reaches one rank
+# before its end-of-step check and the other after, one rank checkpoints while the other starts the next step,
+# and the job hangs in mismatched collectives (seen here: one "SIGUSR1 received" line, then silence).
+SIGNAL_RACE = pytest.mark.xfail(strict=False, reason="trainer bug: ranks do not all-reduce the stop flag at the "
+                                "end of a step, so a pre-emption signal can deadlock a multi-rank run")
+
+
+@pytest.fixture(scope="module")
+def requeued_run(slurm_env, tmp_path_factory) -> tuple[Path, str, int]:
+    """The tiny trainer signalled mid-run: (run dir, Slurm log, step of the signal's checkpoint)."""
+    tmp = tmp_path_factory.mktemp("requeue")
+    run_dir, out = tmp / "run", tmp / "job.out"
+    env = dict(slurm_env, RUN_DIR=str(run_dir))
+    proc = sbatch(env, out, f"train.steps={REQUEUE_STEPS}", "eval.every=10", "checkpoint.every=0", wait=False)
+    assert proc.returncode == 0, proc.stderr
+    job_id = proc.stdout.strip().split(";")[0]
+    try:
+        wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(train_rows(run_dir)) >= 2, 240,
+                 "two trainer steps")
+        # What Slurm does at `--signal=B:USR1@secs`: signal the batch shell, which forwards to srun.
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=slurm_env, check=True)
+        wait_for(lambda: job_state(slurm_env, job_id) == "PENDING", 90, "the requeue")
+        # checkpoint.every=0: the only checkpoint before the end is the one the signal asked for.
+        stopped_at = int((run_dir / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
+        release_requeued(slurm_env, job_id)
+        wait_for(lambda: job_state(slurm_env, job_id) in ENDED, 300, "the job to end")
+    finally:
+        if job_state(slurm_env, job_id) not in ENDED:  # a hung or late job must not outlive the test cluster
+            subprocess.run(["scancel", job_id], env=slurm_env, check=True)
+            wait_for(lambda: job_state(slurm_env, job_id) in ENDED, 60, "the cancelled job to end")
+    log = out.read_text()
+    assert job_state(slurm_env, job_id) == "COMPLETED", log[-4000:]
+    return run_dir, log, stopped_at
+
+
+@SIGNAL_RACE
+def test_tiny_trainer_signal_checkpoints_requeues_and_resumes(requeued_run):
+    run_dir, log, stopped_at = requeued_run
+    assert 2 <= stopped_at < REQUEUE_STEPS
+    assert "got SIGUSR1: forwarding to srun" in log and "step exited with 0" in log
+    assert log.count("requeueing job") == 1 and "restart 1:" in log
+    assert f"step_{stopped_at:06d}" in log.split("restart 1:")[1], "the restarted job loads the signal's checkpoint"
+    assert [r["step"] for r in train_rows(run_dir)] == list(range(1, REQUEUE_STEPS + 1)), "every step exactly once"
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{REQUEUE_STEPS:06d}"
+    assert RolloutReader(run_dir / "rollouts.zarr").steps() == list(range(1, REQUEUE_STEPS + 1))
+
+
+@pytest.mark.xfail(strict=True, reason="trainer bug: Trainer.run saves the checkpoint before log_step records the "
+                   "step in the cost ledger, so the resumed ledger drops the checkpointed step")
+def test_tiny_trainer_requeue_keeps_the_cost_ledger_whole(requeued_run):
+    run_dir, _, stopped_at = requeued_run
+    ledger = read_jsonl(run_dir / "ledger.jsonl")
+    assert [r["step"] for r in ledger] == list(range(1, REQUEUE_STEPS + 1)), f"signal checkpoint at {stopped_at}"
+    last = read_jsonl(run_dir / "metrics.jsonl")[-1]
+    per_step = sum(r["cost/step/rollouts_generated"] for r in ledger)
+    assert last["cost/total/rollouts_generated"] == per_step
+
+
+def test_stop_cancels_jobs_left_running(slurm_env, tmp_path):
+    """Last in this module: stop.sh takes the cluster down, leaving no task behind (here a 'hung' sleep)."""
+    pid_file = tmp_path / "task.pid"
+    proc = sbatch(slurm_env, tmp_path / "job.out", "bash", "-c", f'echo $$ > {pid_file}; exec sleep 600', wait=False)
+    assert proc.returncode == 0, proc.stderr
+    wait_for(lambda: pid_file.exists() and pid_file.read_text().strip(), 60, "the task to start")
+    pid = int(pid_file.read_text())
+    subprocess.run([str(REPO / "slurm/local/stop.sh"), str(Path(slurm_env["SLURM_CONF"]).parent)], check=True,
+                   capture_output=True, text=True)
+
+    def gone() -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    wait_for(gone, 30, f"the task (pid {pid}) to be gone after stop.sh")
+    log = (tmp_path / "job.out").read_text()
+    # stop.sh ends jobs with scancel (SIGTERM): launch.sh forwards it but must not requeue a cancelled job.
+    assert "got SIGTERM: forwarding to srun" in log and "not requeueing" in log and "requeueing job" not in log
