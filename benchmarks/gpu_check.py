@@ -97,7 +97,7 @@ def gpu_plan() -> Plan:
         smoke=False, parity_preset="qwen2.5-0.5b", parity_overrides={}, parity_prompts=8, parity_n=4,
         parity_prompt_len=64, parity_new_tokens=192,
         bench_models=(("qwen2.5-0.5b", "qwen2.5-0.5b", {}), ("qwen2.5-1.5b", "qwen2.5-1.5b", {})),
-        bench_budgets=(4096, 8192, 16384), bench_seq_len=1024, bench_minibatch_tokens=32768, bench_iters=2,
+        bench_budgets=(4096, 8192, 16384), bench_seq_len=1024, bench_minibatch_tokens=32768, bench_iters=3,
         matmul_n=8192, tiny_steps=20, tiny_overrides=(), pytest_paths=("tests",), budget_s=450.0,
         caps={"env": 60, "parity": 120, "throughput": 180, "pytest": 150, "tiny": 240},
         floors={"env": 10, "parity": 40, "throughput": 60, "pytest": 45, "tiny": 60})
