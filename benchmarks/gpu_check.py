@@ -173,9 +173,10 @@ def section_env(plan: Plan) -> dict[str, Any]:
             info[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             info[pkg] = None
-    import megatron.core
+    if info["megatron-core"] is not None:
+        import megatron.core
 
-    info["megatron_path"] = str(Path(megatron.core.__file__).parent)
+        info["megatron_path"] = str(Path(megatron.core.__file__).parent)
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         info.update(device_name=props.name, sms=props.multi_processor_count, memory_gib=props.total_memory / 2**30,
@@ -411,6 +412,9 @@ def run_all(plan: Plan, out_dir: Path, workdir: Path, selected: tuple[str, ...])
         timeout = min(plan.caps[name], deadline - time.monotonic() - reserve)
         if timeout < plan.floors[name]:
             report["sections"][name] = {"status": "SKIPPED", "error": f"budget: {timeout:.0f} s left for it"}
+            continue
+        if name != "env" and not plan.smoke and not report["sections"].get("env", {}).get("cuda_available", True):
+            report["sections"][name] = {"status": "SKIPPED", "error": "no CUDA device (see env)"}
             continue
         log.info("section %s (limit %.0f s)", name, timeout)
         result = run_section(name, plan, out_dir, workdir, timeout)
