@@ -265,10 +265,13 @@ def _build_engine(cfg: Config, hf_dir: Path | None, hf_config: dict[str, Any], t
 
     from dapo_mcore.rollout.hf_engine import HFEngine
 
+    dtype = torch.bfloat16 if cfg.model.params_dtype == "bfloat16" else torch.float32
     if hf_dir is not None:
-        model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype)
     else:  # a preset: random weights; the first sync from the actor overwrites them
-        model = AutoModelForCausalLM.from_config(Qwen2Config(**hf_config))
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**hf_config), dtype=dtype)
+    if torch.cuda.is_available():
+        model = model.to(torch.device("cuda", torch.cuda.current_device()))
     return HFEngine(model, eos_token_ids=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                     max_prompt_len=cfg.data.max_prompt_len)
 

@@ -196,13 +196,15 @@ def load_checkpoint(ckpt: Path, actor) -> dict[str, Any]:
     check_same_model(ckpt, actor)
     load_megatron_checkpoint_into_model(actor.chunks, ckpt / "model")
     tp_rank, pp_rank, _ = _ranks()
-    opt_state = torch.load(ckpt / "optim" / f"{shard_name(tp_rank, pp_rank)}.pt", weights_only=False)
+    # On the CPU first: the optimizer moves its state to each parameter's device when it loads it.
+    opt_state = torch.load(ckpt / "optim" / f"{shard_name(tp_rank, pp_rank)}.pt", weights_only=False,
+                           map_location="cpu")
     actor.optimizer.load_state_dict(opt_state)
     if actor.s.distributed_optimizer:
         actor.optimizer.load_parameter_state(str(ckpt / "optim" / f"{shard_name(tp_rank, pp_rank)}_dist.pt"))
     rng_path = ckpt / "rng" / f"rank_{_rank():05d}.pt"
     if rng_path.is_file():
-        _set_rng_state(torch.load(rng_path, weights_only=False))
+        _set_rng_state(torch.load(rng_path, weights_only=False, map_location="cpu"))
     else:
         log.warning("no RNG state for rank %d in %s (different world size?); RNG continues unseeded from it", _rank(), ckpt)
     _barrier()

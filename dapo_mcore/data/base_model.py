@@ -18,8 +18,10 @@ import hashlib
 import json
 import logging
 import math
+import os
 import shutil
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -189,9 +191,9 @@ def ensure_base_model(cache_dir: Path, settings: TinyBaseSettings) -> Path:
         logger.info("tiny base model cache hit: %s", final)
         return final
     logger.info("tiny base model cache miss: pre-training %s into %s", settings, final)
-    tmp = cache_dir / f".{final.name}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    # A private staging folder per process: concurrent cache misses (two jobs, two test sessions) must not
+    # delete each other's files; the first finished rename wins and the other result is discarded.
+    tmp = cache_dir / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     tokenizer = build_tiny_tokenizer()
     model = build_tiny_model(settings.seed)
@@ -200,8 +202,12 @@ def ensure_base_model(cache_dir: Path, settings: TinyBaseSettings) -> Path:
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     (tmp / _DONE_MARKER).write_text("ok\n")
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
+    try:
+        tmp.rename(final)
+    except OSError:
+        if not (final / _DONE_MARKER).is_file():
+            raise
+        shutil.rmtree(tmp)  # another process finished the same build first
+        logger.info("tiny base model was built concurrently by another process; using %s", final)
     logger.info("tiny base model saved to %s", final)
     return final
