@@ -69,7 +69,7 @@ class PlanInput:
     distributed_optimizer: bool = True
     """Shard fp32 main weights and Adam states over data-parallel ranks (ZeRO-1)."""
     offload_train_state_in_rollout: bool = False
-    """Move gradients and optimizer state to host memory while vLLM generates."""
+    """Move gradients and optimizer state to host memory while vLLM generates (parallel.offload_for_rollout)."""
     colocate_vllm: bool = True
     """vLLM shares the trainer's GPUs (sleep mode between phases)."""
     vllm_tensor_parallel: int = 4
@@ -265,7 +265,7 @@ def estimate_memory(p: PlanInput) -> MemoryEstimate:
         w, g, o, c = _persistent_bytes(p, params / p.tensor_parallel, linear / p.tensor_parallel)
         acts, logits = _stage_activation_bytes(p, shape, stage)
         train = w + g + o + c + acts + logits + overhead + asleep
-        kept = w + (c if not p.offload_train_state_in_rollout else 0.0)
+        kept = w + c  # the offload hooks move grad buffers and optimizer state, not weights or FP8 copies
         if not p.offload_train_state_in_rollout:
             kept += g + o
         rollout = kept + overhead + awake if p.colocate_vllm else 0.0
@@ -331,7 +331,7 @@ def _say(names: Names | None, field: str, value: Any) -> str:
 def _alternatives(p: PlanInput, names: Names | None = None) -> list[tuple[str, PlanInput]]:
     """Single changes worth trying, in the order a user would usually prefer them.
 
-    With ``names`` (config mode) only changes the trainer can make are offered, spelled as config keys.
+    With ``names`` (config mode) the changes are spelled as config keys.
     """
     shape = ModelShape.from_hf(p.model)
     alts: list[tuple[str, PlanInput]] = []
@@ -349,8 +349,7 @@ def _alternatives(p: PlanInput, names: Names | None = None) -> list[tuple[str, P
     if shape.layers % (pp2 * p.virtual_pipeline) == 0:
         alts.append((f"{_say(names, 'pipeline_parallel', pp2)} ({_say(names, 'data_parallel', half_dp)} on the same GPUs)",
                      replace(p, pipeline_parallel=pp2, data_parallel=half_dp)))
-    offload_ok = names is None or "offload_train_state_in_rollout" in names
-    if p.colocate_vllm and not p.offload_train_state_in_rollout and offload_ok:
+    if p.colocate_vllm and not p.offload_train_state_in_rollout:
         alts.append((_say(names, "offload_train_state_in_rollout", True), replace(p, offload_train_state_in_rollout=True)))
     return alts
 
@@ -433,7 +432,7 @@ def check(p: PlanInput, names: Names | None = None, max_tensor_parallel: int = 8
         lower = (f"{util}<={frac:.2f}, " if frac >= 0.1
                  else "(vLLM cannot fit beside the trainer state at any useful fraction) ")
         extra = [] if p.distributed_optimizer else [_say(names, "distributed_optimizer", True)]
-        if not p.offload_train_state_in_rollout and (names is None or "offload_train_state_in_rollout" in names):
+        if not p.offload_train_state_in_rollout:
             extra.append(_say(names, "offload_train_state_in_rollout", True))
         problems.append(f"rollout phase needs {est.rollout_peak / GIB:.1f} GiB > {p.gpu_memory_gib} GiB; try "
                         f"{lower}{''.join(e + ', ' for e in extra)}or more TP x PP")
@@ -496,12 +495,12 @@ CONFIG_KEYS: dict[str, str] = {
     "vllm_gpu_memory_utilization": "rollout.vllm.gpu_memory_utilization", "max_prompt_len": "data.max_prompt_len",
     "max_response_len": "rollout.max_new_tokens", "rollout_prompts": "train.prompts_per_step",
     "responses_per_prompt": "rollout.n", "mini_batch_prompts": "train.mini_batch_prompts",
-    "gen_batch_prompts": "rollout.gen_batch_prompts",
+    "gen_batch_prompts": "rollout.gen_batch_prompts", "offload_train_state_in_rollout": "parallel.offload_for_rollout",
 }
 """PlanInput fields a project config determines, and the config key (or note) that sets each one."""
 
-# Fixed by the trainer, not by the config: it reduces gradients in fp32 and never offloads during rollout.
-TRAINER_FIXED: dict[str, Any] = {"grad_reduce_in_fp32": True, "offload_train_state_in_rollout": False}
+# Fixed by the trainer, not by the config: it reduces gradients in fp32.
+TRAINER_FIXED: dict[str, Any] = {"grad_reduce_in_fp32": True}
 
 
 def plan_input_from_config(cfg: Any, world_size: int, **planner_settings: Any) -> PlanInput:
@@ -520,7 +519,8 @@ def plan_input_from_config(cfg: Any, world_size: int, **planner_settings: Any) -
         vllm_gpu_memory_utilization=cfg.rollout.vllm.gpu_memory_utilization, max_prompt_len=cfg.data.max_prompt_len,
         max_response_len=cfg.rollout.max_new_tokens, rollout_prompts=cfg.train.prompts_per_step,
         responses_per_prompt=cfg.rollout.n, mini_batch_prompts=cfg.train.mini_batch_prompts,
-        gen_batch_prompts=cfg.rollout.gen_batch_prompts, **TRAINER_FIXED,
+        gen_batch_prompts=cfg.rollout.gen_batch_prompts, offload_train_state_in_rollout=p.offload_for_rollout,
+        **TRAINER_FIXED,
     )
     return PlanInput(**derived, **planner_settings)
 

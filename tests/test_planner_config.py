@@ -44,7 +44,7 @@ def test_config_fields_reach_the_plan():
     p = plan_input_from_config(cfg, 128)
     assert (p.tensor_parallel, p.pipeline_parallel, p.data_parallel, p.virtual_pipeline) == (8, 2, 8, 1)
     assert (p.precision, p.recompute, p.distributed_optimizer, p.colocate_vllm) == ("fp8", "selective", True, True)
-    assert (p.vllm_tensor_parallel, p.vllm_gpu_memory_utilization) == (4, 0.5)
+    assert (p.vllm_tensor_parallel, p.vllm_gpu_memory_utilization, p.offload_train_state_in_rollout) == (4, 0.5, False)
     assert (p.micro_batch_tokens, p.max_prompt_len, p.max_response_len) == (22528, 2048, 20480)
     assert (p.rollout_prompts, p.responses_per_prompt, p.mini_batch_prompts, p.gen_batch_prompts) == (512, 16, 32, 1536)
     assert p.model == preset_config("qwen2.5-32b")
@@ -76,8 +76,16 @@ def test_bad_layout_override_is_refused_naming_config_keys(capsys):
     layouts = next(line for line in out.splitlines() if "layouts that fit" in line)
     assert "parallel.tensor_parallel=8 parallel.pipeline_parallel=1 (DP=16)" in layouts
     assert "parallel.tensor_parallel=8 parallel.pipeline_parallel=2 (DP=8)" in layouts
-    # The trainer has no rollout offload switch: a config plan must not suggest one.
-    assert "offload" not in out
+    rollout = next(line for line in out.splitlines() if "rollout phase needs" in line)
+    assert "parallel.offload_for_rollout=true" in rollout and "parallel.distributed_optimizer=true" not in rollout
+
+
+def test_rollout_offload_frees_grads_and_optimizer_only():
+    base = plan_input_from_config(load_config(CFG_32B, PRESET_32B), 128)
+    off = plan_input_from_config(load_config(CFG_32B, [*PRESET_32B, "parallel.offload_for_rollout=true"]), 128)
+    a, b = estimate_memory(base), estimate_memory(off)
+    assert a.rollout_peak - b.rollout_peak == pytest.approx(a.grads + a.optimizer)
+    assert a.train_peak == b.train_peak
 
 
 def test_each_suggested_layout_really_fits():

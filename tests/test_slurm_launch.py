@@ -28,6 +28,7 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "slurm" / "tiny_cpu.sbatch"
 PROBE = ["python", "slurm/probe.py"]
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 
 
 def session_cache(tmp_path_factory) -> str:
@@ -75,13 +76,30 @@ def slurm_env(tmp_path_factory):
 
 
 def sbatch(env, out: Path, *cmd: str, wait: bool = True) -> subprocess.CompletedProcess:
-    args = ["sbatch", "--parsable", f"--output={out}"] + (["--wait"] if wait else []) + [str(TINY), *cmd]
-    return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    """Submit slurm/tiny_cpu.sbatch; with ``wait``, return once the job ended, with its exit code as returncode.
+
+    Polls the job state itself rather than ``sbatch --wait``, which checks only every ~10 s.
+    """
+    args = ["sbatch", "--parsable", f"--output={out}", str(TINY), *cmd]
+    proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    if not wait or proc.returncode != 0:
+        return proc
+    job_id = proc.stdout.strip().split(";")[0]
+    wait_for(lambda: job_state(env, job_id) in ENDED, 600, f"job {job_id} to end")
+    fields = job_fields(env, job_id)
+    status, sig = (int(x) for x in fields["ExitCode"].split(":"))
+    proc.returncode = 128 + sig if sig else status
+    return proc
+
+
+def job_fields(env, job_id: str) -> dict[str, str]:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    return dict(f.split("=", 1) for f in out.split() if "=" in f)
 
 
 def job_state(env, job_id: str) -> str:
-    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=env, capture_output=True, text=True).stdout
-    return next(f.split("=", 1)[1] for f in out.split() if f.startswith("JobState="))
+    return job_fields(env, job_id)["JobState"]
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:
@@ -137,7 +155,7 @@ def test_signal_checkpoints_requeues_and_resumes(slurm_env, tmp_path):
     wait_for(lambda: (run / "checkpoint.json").exists(), 60, "the checkpoint")
     wait_for(lambda: job_state(slurm_env, job_id) == "PENDING", 60, "the requeue")
     release_requeued(slurm_env, job_id)
-    wait_for(lambda: job_state(slurm_env, job_id) in ("COMPLETED", "FAILED", "CANCELLED"), 180, "the job to end")
+    wait_for(lambda: job_state(slurm_env, job_id) in ENDED, 180, "the job to end")
     log = (tmp_path / "job.out").read_text()
     assert job_state(slurm_env, job_id) == "COMPLETED", log
     rows = read_jsonl(metrics)
@@ -176,14 +194,6 @@ def test_tiny_trainer_job(slurm_env, tmp_path):
 
 
 REQUEUE_STEPS = 30  # ~0.5 s each on 2 idle cores: runway for the signal to land mid-run
-ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
-
-# The trainer reads its SIGUSR1 flag on each rank without agreeing on it: when the signal reaches one rank
-# before its end-of-step check and the other after, one rank checkpoints while the other starts the next step,
-# and the job hangs in mismatched collectives (seen here: one "SIGUSR1 received" line, then silence).
-SIGNAL_RACE = pytest.mark.xfail(strict=False, reason="trainer bug: ranks do not all-reduce the stop flag at the "
-                                "end of a step, so a pre-emption signal can deadlock a multi-rank run")
-
 
 @pytest.fixture(scope="module")
 def requeued_run(slurm_env, tmp_path_factory) -> tuple[Path, str, int]:
@@ -213,7 +223,6 @@ def requeued_run(slurm_env, tmp_path_factory) -> tuple[Path, str, int]:
     return run_dir, log, stopped_at
 
 
-@SIGNAL_RACE
 def test_tiny_trainer_signal_checkpoints_requeues_and_resumes(requeued_run):
     run_dir, log, stopped_at = requeued_run
     assert 2 <= stopped_at < REQUEUE_STEPS
@@ -225,8 +234,6 @@ def test_tiny_trainer_signal_checkpoints_requeues_and_resumes(requeued_run):
     assert RolloutReader(run_dir / "rollouts.zarr").steps() == list(range(1, REQUEUE_STEPS + 1))
 
 
-@pytest.mark.xfail(strict=True, reason="trainer bug: Trainer.run saves the checkpoint before log_step records the "
-                   "step in the cost ledger, so the resumed ledger drops the checkpointed step")
 def test_tiny_trainer_requeue_keeps_the_cost_ledger_whole(requeued_run):
     run_dir, _, stopped_at = requeued_run
     ledger = read_jsonl(run_dir / "ledger.jsonl")
