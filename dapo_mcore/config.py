@@ -284,6 +284,11 @@ class Config:
             except ValueError as exc:  # component configs raise ValueError; report it as a config error
                 raise ConfigError(str(exc)) from exc
         self.reward.validate()
+        self.validate_layout(world_size)
+
+    def validate_layout(self, world_size: int) -> None:
+        """The layout, batch and rollout rules alone (no dataset files or reward registry needed): what a
+        cluster config can be checked against on a laptop, e.g. by ``dapo-mcore plan``."""
         _validate_layout(self, world_size)
         _validate_batches(self, world_size)
         _validate_rollout(self)
@@ -301,12 +306,11 @@ def _validate_layout(cfg: Config, world_size: int) -> None:
     for name, value in (("tensor_parallel", p.tensor_parallel), ("pipeline_parallel", p.pipeline_parallel)):
         if value < 1:
             raise ConfigError(f"parallel.{name}={value} must be >= 1.")
-    if heads % p.tensor_parallel:
-        raise ConfigError(f"parallel.tensor_parallel={p.tensor_parallel} does not divide num_attention_heads={heads}; "
-                          f"use one of {_divisors(heads)}.")
-    if kv % p.tensor_parallel:
-        raise ConfigError(f"parallel.tensor_parallel={p.tensor_parallel} does not divide num_key_value_heads={kv}; "
-                          f"use one of {_divisors(kv)}.")
+    if heads % p.tensor_parallel or kv % p.tensor_parallel:
+        which = f"num_attention_heads={heads}" if heads % p.tensor_parallel else f"num_key_value_heads={kv}"
+        both = ", ".join(str(d) for d in range(1, kv + 1) if heads % d == 0 and kv % d == 0)
+        raise ConfigError(f"parallel.tensor_parallel={p.tensor_parallel} does not divide {which}; use one that divides "
+                          f"both {heads} heads and {kv} KV heads: {both}.")
     stages = p.pipeline_parallel * (p.virtual_pipeline or 1)
     if layers % stages:
         raise ConfigError(f"parallel.pipeline_parallel={p.pipeline_parallel} x virtual_pipeline={p.virtual_pipeline or 1} "

@@ -531,12 +531,8 @@ def validate_config_layout(cfg: Any, world_size: int) -> None:
     Deliberately not ``Config.validate``: planning happens on a laptop, where the datasets, GPU libraries and
     checkpoints of the cluster are absent; only the rules that decide the layout are checked here.
     """
-    from dapo_mcore.config import _validate_batches, _validate_layout, _validate_rollout
-
     cfg.model.validate()
-    _validate_layout(cfg, world_size)
-    _validate_batches(cfg, world_size)
-    _validate_rollout(cfg)
+    cfg.validate_layout(world_size)
 
 
 def _parse_bool(text: str) -> bool:
