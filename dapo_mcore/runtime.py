@@ -102,6 +102,9 @@ class Components:
     normalize: Callable[[str], str]
     encode_prompt: Callable[[Any], list[int]]
     start_step: int = 0
+    gen_groups: int = 1
+    """Engine groups that split each generation batch (ranks for the transformers engine, vLLM TP groups for vLLM)."""
+    gen_group_index: int = 0
     writer: Any = None
     ledger: Any = None
     store: Any = None
@@ -312,6 +315,8 @@ def build_components(cfg: Config, launch: LaunchEnv, *, resume: bool = True, che
     parts = Components(cfg=cfg, launch=launch, actor=actor, engine=engine, tokenizer=tokenizer, sampler=sampler,
                        eval_records=eval_records, timer=PhaseTimer(), score=scorer,
                        normalize=normalize_answer, encode_prompt=prompt_encoder(tokenizer, cfg.data))
+    engine_tp = cfg.rollout.vllm.tensor_parallel if cfg.rollout.engine == "vllm" else 1
+    parts.gen_groups, parts.gen_group_index = launch.world_size // engine_tp, launch.rank // engine_tp
     parts._closers.extend(parts_closers)
     parts._closers.append(engine.close)
     start = _restore(parts, resume=resume and not for_eval, checkpoint=checkpoint)

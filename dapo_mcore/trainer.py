@@ -11,6 +11,7 @@ the actor splits the work over data-parallel ranks itself. Rank 0 writes metrics
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from dapo_mcore.actor.megatron_actor import TrainSample
 from dapo_mcore.algo.advantages import group_advantages
@@ -66,12 +68,17 @@ class _Signals:
         log.warning("%s received: will checkpoint after this step and exit %d", self.requested, EXIT_REQUEUE)
 
 
+class _Preempted(Exception):
+    """A stop signal arrived while dynamic sampling was still refilling: the step is abandoned."""
+
+
 class Trainer:
     """Owns the components of a run and steps through the DAPO loop."""
 
     def __init__(self, cfg: Config, parts: Components):
         self.cfg, self.p = cfg, parts
         self.step = 0
+        self.signals: _Signals | None = None
 
     # ---- one generation batch: generate, score, shape ---------------------------------------------------
     def _sampling(self, eval_mode: bool = False, seed: int = 0) -> SamplingParams:
@@ -86,7 +93,7 @@ class Trainer:
         p = self.p
         prompt_ids = [p.encode_prompt(rec) for rec in records]
         with p.timer.phase("generate"):
-            outputs = p.engine.generate(prompt_ids, params)
+            outputs = self._generate(prompt_ids, params)
         with p.timer.phase("reward"):
             flat = [r for group in outputs for r in group]
             texts = [p.tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in flat]
@@ -99,6 +106,27 @@ class Trainer:
             groups.append(GroupData(rec, prompt_ids[i], outputs[i], scores, [bool(x.acc) for x in res],
                                     self._shape_rewards(scores, outputs[i]), gen_batch, [x.pred for x in res]))
         return groups
+
+    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Response]]:
+        """Each engine group generates its strided share of the prompts; every rank gets all the results.
+
+        An engine group is one rank for the transformers engine and the ranks of one vLLM tensor-parallel group for
+        vLLM (they see the same share). Each share has its own seed, derived from the batch seed.
+        """
+        groups, me = self.p.gen_groups, self.p.gen_group_index
+        if groups == 1:
+            return self.p.engine.generate(prompts, params)
+        mine = list(range(me, len(prompts), groups))
+        shard_params = dataclasses.replace(params, seed=(params.seed or 0) + 1_000_003 * me)
+        local = self.p.engine.generate([prompts[i] for i in mine], shard_params) if mine else []
+        everything: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everything, (mine, local))
+        out: list[list[Response] | None] = [None] * len(prompts)
+        for indices, results in everything:
+            for i, r in zip(indices, results, strict=True):
+                out[i] = r
+        assert all(o is not None for o in out), "every prompt belongs to exactly one engine group"
+        return out  # type: ignore[return-value]
 
     def _shape_rewards(self, scores: list[float], responses: list[Response]) -> list[float]:
         a = self.cfg.algo
@@ -114,6 +142,9 @@ class Trainer:
         generated: list[GroupData] = []
 
         def generate_batch(i: int) -> list[Group]:
+            # A pre-emption signal is honoured between generation batches too: one step can draw many batches.
+            if i > 0 and self.p.any_rank(self.signals.requested is not None):
+                raise _Preempted()
             records = self.p.sampler.next_batch(self.cfg.rollout.gen_batch_prompts)
             seed = _seed(self.cfg.train.seed, self.step, i)
             groups = self._generate_and_score(records, self._sampling(seed=seed), i)
@@ -256,7 +287,7 @@ class Trainer:
 
     def run(self) -> int:
         p, cfg = self.p, self.cfg
-        signals = _Signals()
+        signals = self.signals = _Signals()
         self.step = p.start_step
         if self.step >= cfg.train.steps:
             log.info("run already finished %d steps; nothing to do", self.step)
@@ -267,12 +298,21 @@ class Trainer:
                 p.timer.pop_step()
                 p.log_base_eval(base)
             while self.step < cfg.train.steps:
-                with p.timer.phase("step"):
-                    metrics, generated = self.run_step()
-                    self.step += 1
-                    if (cfg.eval.every and self.step % cfg.eval.every == 0) or self.step == cfg.train.steps:
-                        with p.timer.phase("eval"):
-                            metrics.update(self.evaluate())
+                sampler_at_start = p.sampler.state_dict()
+                try:
+                    with p.timer.phase("step"):
+                        metrics, generated = self.run_step()
+                        self.step += 1
+                        if (cfg.eval.every and self.step % cfg.eval.every == 0) or self.step == cfg.train.steps:
+                            with p.timer.phase("eval"):
+                                metrics.update(self.evaluate())
+                except _Preempted:
+                    p.timer.pop_step()
+                    p.sampler.load_state_dict(sampler_at_start)  # the abandoned step's prompts come again
+                    p.save(self.step)
+                    log.warning("stop signal during generation of step %d: step abandoned, checkpointed at step %d; "
+                                "exiting %d for requeue", self.step + 1, self.step, EXIT_REQUEUE)
+                    return EXIT_REQUEUE
                 # The step is recorded (metrics, ledger, rollouts) before its checkpoint, so the checkpoint's
                 # ledger includes it; checkpoint seconds are accounted to the next step's phases.
                 p.log_step(self.step, metrics, generated)

@@ -211,3 +211,32 @@ def test_offload_between_phases_keeps_the_trajectory(env, straight_run, tmp_path
     a, b = _metrics(straight_run), _metrics(run_dir)
     for key in ("train/loss", "train/grad_norm", "rollout/acc_mean"):
         assert _by_step(a, key) == _by_step(b, key), key
+
+
+def test_signal_during_dynamic_sampling_refill_resumes_the_same_trajectory(env, tmp_path):
+    """With one prompt per generation batch a step draws >= 16 batches, so a signal most likely lands while
+    dynamic sampling refills: the step is abandoned (its prompts come again) or, if it lands later, finished.
+    Either way the resumed run must follow the uninterrupted one exactly."""
+    many = ("train.steps=4", "eval.every=0", "checkpoint.every=0", "rollout.gen_batch_prompts=1",
+            "algo.max_gen_batches=0")
+    straight = tmp_path / "straight"
+    assert _run(_cmd(straight, *many), env).returncode == 0
+    run_dir = tmp_path / "preempted"
+    proc = subprocess.Popen(_cmd(run_dir, *many), env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.is_file() and sum(1 for _ in metrics.open()) >= 2:  # base eval + step 1
+            time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.02)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 75, err[-3000:]
+    resumed = _run(_cmd(run_dir, *many), env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = _metrics(straight), _metrics(run_dir)
+    assert [r["step"] for r in b] == [r["step"] for r in a]
+    for key in ("train/loss", "rollout/acc_mean", "rollout/gen_batches"):
+        assert _by_step(a, key) == _by_step(b, key), key
