@@ -26,7 +26,8 @@ CONFIG = ROOT / "examples" / "tiny_cpu.yaml"
 @pytest.fixture(scope="session")
 def env(tmp_path_factory) -> dict[str, str]:
     e = dict(os.environ)
-    e["DAPO_MCORE_CACHE"] = os.environ.get("DAPO_MCORE_TEST_CACHE") or str(tmp_path_factory.mktemp("cache"))
+    # The same per-session cache as the Slurm and nemo-run tests: the tiny base is pre-trained once per session.
+    e["DAPO_MCORE_CACHE"] = os.environ.get("DAPO_MCORE_TEST_CACHE") or str(tmp_path_factory.getbasetemp() / "dapo-mcore-cache")
     e["OMP_NUM_THREADS"] = "1"
     e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
     e.pop("RANK", None)

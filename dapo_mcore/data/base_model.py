@@ -198,7 +198,14 @@ def ensure_base_model(cache_dir: Path, settings: TinyBaseSettings) -> Path:
     tokenizer = build_tiny_tokenizer()
     model = build_tiny_model(settings.seed)
     (tmp / "settings.json").write_text(json.dumps(dataclasses.asdict(settings), indent=2) + "\n")
-    pretrain(model, tokenizer, settings, log_path=tmp / "pretrain_log.jsonl")
+    # One thread: the cached weights (and so every fixed-seed trace built on them) must not depend on the
+    # caller's thread count, which changes the reduction order of the matmuls.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        pretrain(model, tokenizer, settings, log_path=tmp / "pretrain_log.jsonl")
+    finally:
+        torch.set_num_threads(threads)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     (tmp / _DONE_MARKER).write_text("ok\n")
