@@ -252,6 +252,11 @@ class RunConfig:
     """Print a progress line every this many steps."""
     rollout_store: bool = True
     """Write every rollout to the zarr store in the run directory."""
+    peak_tflops_per_device: float | None = None
+    """Peak dense TFLOP/s of one device for MFU; default: the data-sheet value of a recognised GPU (H100/H200/A100),
+    none on CPU (then only tokens/s is logged)."""
+    profile_steps: list[int] = field(default_factory=list)
+    """[first, last] steps to record with torch.profiler (traces in RUN_DIR/profile/); empty = off."""
 
 
 @dataclass
@@ -365,6 +370,9 @@ def _validate_rollout(cfg: Config) -> None:
                           f"{r.max_new_tokens}: responses can never be that long; set them equal (L_max).")
     if cfg.eval.k < 1 or cfg.eval.every < 0:
         raise ConfigError("eval.k must be >= 1 and eval.every >= 0.")
+    ps = cfg.run.profile_steps
+    if ps and (len(ps) != 2 or ps[0] < 1 or ps[1] < ps[0]):
+        raise ConfigError(f"run.profile_steps={ps} must be [first, last] with 1 <= first <= last (e.g. [3, 4]), or [].")
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:

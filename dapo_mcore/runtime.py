@@ -62,6 +62,8 @@ def prepare_run_dir(cfg: Config, launch: LaunchEnv) -> None:
     ``write_resolved`` runs once every input has been checked."""
     run_dir = Path(cfg.run.dir)
     existing = run_dir / "config.yaml"
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"run.dir={str(run_dir)!r} exists and is not a directory; choose another run.dir.")
     if launch.rank == 0:
         if run_dir.exists() and cfg.run.overwrite:
             log.warning("run.overwrite=true: deleting %s", run_dir)
@@ -105,6 +107,10 @@ class Components:
     gen_groups: int = 1
     """Engine groups that split each generation batch (ranks for the transformers engine, vLLM TP groups for vLLM)."""
     gen_group_index: int = 0
+    step_work: Any = None
+    """The last step's model FLOPs and tokens (telemetry.perf.StepWork), for tokens/s and MFU."""
+    peak_flops: float | None = None
+    profiler: Any = None
     writer: Any = None
     ledger: Any = None
     store: Any = None
@@ -134,6 +140,9 @@ class Components:
         from dapo_mcore.telemetry.timers import PhaseTimer
 
         metrics.update(PhaseTimer.as_metrics(seconds))
+        if self.step_work is not None:
+            metrics.update(self.step_work.metrics(seconds, self.launch.world_size, self.peak_flops,
+                                                  int(metrics.get("sampling/tokens_generated", 0))))
         self.ledger.record_step(step, **_ledger_counts(metrics), phase_seconds=seconds,
                                 num_devices=self.launch.world_size)
         metrics.update(self.ledger.as_metrics())
@@ -141,6 +150,30 @@ class Components:
         if self.store is not None:
             self.store.append_step(step, _rollouts(generated))
         _print_progress(step, self.cfg.train.steps, metrics, self.cfg.run.log_every)
+
+    def profile_window(self, step: int, starting: bool) -> None:
+        """Start torch.profiler before step ``run.profile_steps[0]``; stop after ``[1]`` and write
+        ``RUN_DIR/profile/trace_rank{r}.json`` (chrome://tracing, Perfetto) and a per-op summary table."""
+        window = self.cfg.run.profile_steps
+        if not window:
+            return
+        if starting and step == window[0] and self.profiler is None:
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self.profiler = profile(activities=activities)
+            self.profiler.__enter__()
+            log.info("torch.profiler on for steps %d..%d", window[0], window[1])
+        elif not starting and step == window[1] and self.profiler is not None:
+            self.profiler.__exit__(None, None, None)
+            out = Path(self.cfg.run.dir) / "profile"
+            out.mkdir(parents=True, exist_ok=True)
+            self.profiler.export_chrome_trace(str(out / f"trace_rank{self.launch.rank}.json"))
+            sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+            (out / f"summary_rank{self.launch.rank}.txt").write_text(
+                self.profiler.key_averages().table(sort_by=sort, row_limit=40))
+            self.profiler = None
+            log.info("torch.profiler trace written to %s", out)
 
     def any_rank(self, flag: bool) -> bool:
         """True on every rank if it is True on any rank (a MAX all-reduce; collective)."""
@@ -315,6 +348,9 @@ def build_components(cfg: Config, launch: LaunchEnv, *, resume: bool = True, che
     parts = Components(cfg=cfg, launch=launch, actor=actor, engine=engine, tokenizer=tokenizer, sampler=sampler,
                        eval_records=eval_records, timer=PhaseTimer(), score=scorer,
                        normalize=normalize_answer, encode_prompt=prompt_encoder(tokenizer, cfg.data))
+    from dapo_mcore.telemetry.perf import device_peak_flops
+
+    parts.peak_flops = device_peak_flops(cfg.run.peak_tflops_per_device, cfg.model.fp8.enabled)
     engine_tp = cfg.rollout.vllm.tensor_parallel if cfg.rollout.engine == "vllm" else 1
     parts.gen_groups, parts.gen_group_index = launch.world_size // engine_tp, launch.rank // engine_tp
     parts._closers.extend(parts_closers)

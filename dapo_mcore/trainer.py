@@ -30,7 +30,7 @@ from dapo_mcore.algo.dynamic_sampling import DynamicSamplingExhausted, Group, Sa
 from dapo_mcore.algo.overlong import overlong_penalty
 from dapo_mcore.config import Config
 from dapo_mcore.data.records import PromptRecord
-from dapo_mcore.rollout.protocol import Response, SamplingParams
+from dapo_mcore.rollout.protocol import EngineError, Response, SamplingParams
 from dapo_mcore.runtime import Components, build_components, prepare_run_dir, read_config
 from dapo_mcore.telemetry import keys
 
@@ -89,12 +89,18 @@ class Trainer:
             max_new_tokens=(e.max_new_tokens or r.max_new_tokens) if eval_mode else r.max_new_tokens,
             seed=seed, logprobs="none" if eval_mode else "processed")
 
-    def _generate_and_score(self, records: list[PromptRecord], params: SamplingParams, gen_batch: int) -> list[GroupData]:
+    def _generate_and_score(self, records: list[PromptRecord], params: SamplingParams, gen_batch: int,
+                            timed: bool = True) -> list[GroupData]:
+        """Generate and score; ``timed=False`` inside evaluation, whose time is its own phase."""
         p = self.p
+
+        def phase(name: str):
+            return p.timer.phase(name) if timed else contextlib.nullcontext()
+
         prompt_ids = [p.encode_prompt(rec) for rec in records]
-        with p.timer.phase("generate"):
+        with phase("generate"):
             outputs = self._generate(prompt_ids, params)
-        with p.timer.phase("reward"):
+        with phase("reward"):
             flat = [r for group in outputs for r in group]
             texts = [p.tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in flat]
             truths = [rec.ground_truth for rec in records for _ in range(params.n)]
@@ -227,7 +233,7 @@ class Trainer:
         records = self.p.eval_records
         params = self._sampling(eval_mode=True, seed=_seed(self.cfg.train.seed + 7919, self.step, 0))
         with self._engine_awake():
-            groups = self._generate_and_score(records, params, 0)
+            groups = self._generate_and_score(records, params, 0, timed=False)
         truth_norm = [self.p.normalize(g.record.ground_truth) for g in groups]
         result = summarize([g.acc for g in groups], [g.preds for g in groups],
                            [[p is not None and p == t for p in g.preds] for g, t in zip(groups, truth_norm, strict=True)],
@@ -250,8 +256,12 @@ class Trainer:
         for g in generated:
             g.kept = id(g) in kept
         metrics = self._step_metrics(groups, generated, stats, samples, train_metrics, mismatch)
-        metrics["train/tokens"] = float(sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-                                        * self.cfg.train.epochs)
+        from dapo_mcore.telemetry.perf import StepWork
+
+        work = StepWork.of(self.p.actor.s.hf_config, [len(s.prompt_ids) + len(s.response_ids) for s in samples],
+                           self.cfg.train.epochs)
+        metrics["train/tokens"] = float(work.train_tokens)
+        self.p.step_work = work
         return metrics, generated
 
     def _step_metrics(self, groups, generated, stats, samples, tm, mismatch) -> dict[str, Any]:
@@ -299,6 +309,7 @@ class Trainer:
                 p.log_base_eval(base)
             while self.step < cfg.train.steps:
                 sampler_at_start = p.sampler.state_dict()
+                p.profile_window(self.step + 1, starting=True)
                 try:
                     with p.timer.phase("step"):
                         metrics, generated = self.run_step()
@@ -314,11 +325,12 @@ class Trainer:
                                 "exiting %d for requeue", self.step + 1, self.step, EXIT_REQUEUE)
                     return EXIT_REQUEUE
                 # The step is recorded (metrics, ledger, rollouts) before its checkpoint, so the checkpoint's
-                # ledger includes it; checkpoint seconds are accounted to the next step's phases.
+                # ledger includes it; checkpoint seconds (and their wall time) are accounted to the next step.
                 p.log_step(self.step, metrics, generated)
+                p.profile_window(self.step, starting=False)
                 stop = p.any_rank(signals.requested is not None)  # every rank must take the same branch
                 if stop or self.step == cfg.train.steps or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
-                    with p.timer.phase("checkpoint"):
+                    with p.timer.phase("step"), p.timer.phase("checkpoint"):
                         p.save(self.step)
                 if stop:
                     log.warning("checkpointed at step %d after %s; exiting %d for requeue", self.step,
@@ -330,6 +342,10 @@ class Trainer:
             return EXIT_INTERRUPTED
         except DynamicSamplingExhausted as exc:
             log.error("%s", exc)
+            return 1
+        except EngineError as exc:
+            log.error("the rollout engine failed during step %d: %s. The step was abandoned; the last checkpoint "
+                      "in %s/checkpoints is intact and the run resumes from it.", self.step + 1, exc, cfg.run.dir)
             return 1
         finally:
             p.close()
