@@ -65,21 +65,12 @@ def make_actor(hf_config: dict[str, Any], micro_batch_tokens: int, lr: float = 1
 
 
 def random_hf_model(hf_config: dict[str, Any], dev, seed: int = 0):
-    """A random HF Qwen2ForCausalLM in bf16 on ``dev``, norms and biases randomised (as conversion/synthetic does)."""
+    """A random HF Qwen2ForCausalLM in bf16 on ``dev``, norms and biases randomised."""
     import torch
-    import transformers
 
-    torch.manual_seed(seed)
-    with torch.device(dev):
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**hf_config))
-    model = model.to(torch.bfloat16).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif name.endswith(".bias"):
-                p.copy_(0.1 * torch.randn_like(p))
-    return model
+    from conversion.synthetic import build_tiny_hf_model
+
+    return build_tiny_hf_model(hf_config, seed, torch.bfloat16, device=dev)
 
 
 def sample_sequences(model, hf_config: dict[str, Any], prompts: int, n: int, prompt_len: int, new_tokens: int,

@@ -23,13 +23,16 @@ def tiny_hf_config(**overrides: Any) -> dict[str, Any]:
     return preset_config("tiny", **overrides)
 
 
-def build_tiny_hf_model(hf_config: dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32):
-    """A random HF Qwen2ForCausalLM with every tensor (biases, norms included) randomised."""
+def build_tiny_hf_model(hf_config: dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu"):
+    """A random HF Qwen2ForCausalLM with every tensor (biases, norms included) randomised, built on ``device``."""
     import transformers
 
     torch.manual_seed(seed)
     config = transformers.Qwen2Config(**hf_config)
-    model = transformers.Qwen2ForCausalLM(config).to(dtype).eval()
+    with torch.device(device):
+        model = transformers.Qwen2ForCausalLM(config)
+    model = model.to(dtype).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
