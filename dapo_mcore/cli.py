@@ -10,6 +10,7 @@ import argparse
 import importlib
 import logging
 import sys
+import warnings
 from collections.abc import Callable
 
 from dapo_mcore import __version__
@@ -60,8 +61,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    if sys.stderr.isatty():  # live, coloured progress in a terminal; plain lines in logs and pipes
+        from rich.logging import RichHandler
+
+        logging.basicConfig(level=logging.INFO, format="%(message)s", datefmt="%H:%M:%S",
+                            handlers=[RichHandler(show_path=False, rich_tracebacks=False)])
+    else:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                            datefmt="%H:%M:%S")
     # Megatron logs every config and parameter name at INFO; keep its warnings only.
     logging.getLogger("megatron").setLevel(logging.WARNING)
     parser = _parser()
@@ -75,11 +82,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "convert":
         module, func, _ = _CONVERT[args.direction]
         return _guard(lambda: _call(module, func, args.args))
+    _quiet_cpu_warnings()
     from dapo_mcore import trainer
 
     if args.command == "train":
         return _guard(lambda: trainer.train_main(args.config, args.overrides))
     return _guard(lambda: trainer.eval_main(args.config, args.overrides, args.checkpoint))
+
+
+def _quiet_cpu_warnings() -> None:
+    """Megatron's "Transformer Engine / Apex not installed" warnings are expected on CPU, where the local spec
+    and torch optimizers are the intended path; on a GPU they stay, since there they may mean a missing install."""
+    import torch
+
+    if not torch.cuda.is_available():
+        for pattern in (r"Transformer Engine and Apex are not installed.*", r"Apex is not installed.*",
+                        r"full scope is deprecated.*"):
+            warnings.filterwarnings("ignore", message=pattern)
 
 
 def _guard(fn: Callable[[], int]) -> int:

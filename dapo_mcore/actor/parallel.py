@@ -39,6 +39,14 @@ def _first_slurm_host(nodelist: str) -> str:
     return prefix + first
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def read_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
     """Rank, world size and rendezvous from torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or Slurm (SLURM_PROCID/...)."""
     env = dict(os.environ if environ is None else environ)
@@ -53,7 +61,12 @@ def read_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
     addr = env.get("MASTER_ADDR")
     if addr is None and source == "slurm" and env.get("SLURM_JOB_NODELIST"):
         addr = _first_slurm_host(env["SLURM_JOB_NODELIST"])
-    port = int(env.get("MASTER_PORT", 29500))
+    if "MASTER_PORT" in env:
+        port = int(env["MASTER_PORT"])
+    elif source == "single":
+        port = _free_port()  # a lone process rendezvouses with itself: never collide with another job's 29500
+    else:
+        port = 29500
     if world > 1 and addr is None:
         raise RuntimeError("MASTER_ADDR is not set for a multi-process launch; use torchrun or slurm/launch.sh, "
                            "which export it.")
@@ -80,8 +93,6 @@ def init_distributed(launch: LaunchEnv, backend: str = "auto", timeout_minutes: 
     elif torch.cuda.is_available():
         torch.cuda.set_device(launch.local_rank)
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", launch.master_addr)
-        os.environ.setdefault("MASTER_PORT", str(launch.master_port))
         dist.init_process_group(
             backend=backend, rank=launch.rank, world_size=launch.world_size,
             init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
