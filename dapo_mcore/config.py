@@ -71,7 +71,8 @@ class ModelConfig:
             path = Path(self.hf_path) / "config.json"
             if not path.is_file():
                 raise ConfigError(f"model.hf_path={self.hf_path!r} has no config.json; point it at a Hugging Face "
-                                  f"model directory.")
+                                  f"model directory (to plan without the checkpoint at hand, override "
+                                  f"model.hf_path=null model.preset=NAME with one of {', '.join(PRESET_NAMES)}).")
             return json.loads(path.read_text())
         if self.preset:
             return preset_config(self.preset)
