@@ -83,7 +83,7 @@ def choose_backend(requested: str) -> str:
     return requested
 
 
-def init_distributed(launch: LaunchEnv, backend: str = "auto", timeout_minutes: int = 10) -> str:
+def init_distributed(launch: LaunchEnv, backend: str = "auto", timeout_minutes: float = 10) -> str:
     """Create the default process group (if not already there). Returns the backend used."""
     backend = choose_backend(backend)
     if backend == "gloo":
