@@ -194,16 +194,15 @@ class Trainer:
         from dapo_mcore.rollout.mismatch import mismatch_metrics, tis_weights
 
         logps, _ = self.p.actor.compute_logprobs(samples)
-        actor_lp, engine_lp, masks = [], [], []
+        actor_lp, engine_lp = [], []
         for s, lp in zip(samples, logps, strict=True):
             s.old_logprobs = lp
             if self.cfg.algo.tis_cap is not None:
                 s.tis_weights = tis_weights(lp, s.extra["engine_logp"], self.cfg.algo.tis_cap)
             actor_lp.append(lp)
             engine_lp.append(s.extra["engine_logp"])
-        flat_a, flat_e = torch.cat(actor_lp), torch.cat(engine_lp)
-        masks = torch.ones_like(flat_a)
-        return mismatch_metrics(flat_e.unsqueeze(0), flat_a.unsqueeze(0), masks.unsqueeze(0), self.cfg.algo.tis_cap)
+        flat_a, flat_e = torch.cat(actor_lp).unsqueeze(0), torch.cat(engine_lp).unsqueeze(0)
+        return mismatch_metrics(flat_e, flat_a, torch.ones_like(flat_a), self.cfg.algo.tis_cap)
 
     def train(self, groups: list[GroupData], samples: list[TrainSample]) -> dict[str, float]:
         """Mini-batch updates: prompts_per_step / mini_batch_prompts optimizer steps per epoch."""
@@ -214,7 +213,8 @@ class Trainer:
             for start in range(0, len(groups), t.mini_batch_prompts):
                 mini = samples[start * n:(start + t.mini_batch_prompts) * n]
                 per_update.append(self.p.actor.train_mini_batch(mini, lr))
-        out = {k: sum(u.get(k, 0.0) for u in per_update) / len(per_update) for k in per_update[0]}
+        names = sorted({k for u in per_update for k in u})  # a skipped update reports fewer keys
+        out = {k: sum(u.get(k, 0.0) for u in per_update) / len(per_update) for k in names}
         out["lr"] = lr
         out["updates"] = float(len(per_update))
         return out

@@ -194,7 +194,7 @@ class HFEngine:
                 n_tensors += 1
                 n_bytes += tensor.numel() * tensor.element_size()
         tracker.finish()
-        logger.info("HFEngine: loaded %d tensors (%.1f MB) in %.3f s", n_tensors, n_bytes / 1e6,
+        logger.debug("HFEngine: loaded %d tensors (%.1f MB) in %.3f s", n_tensors, n_bytes / 1e6,
                     time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ life cycle
