@@ -24,7 +24,7 @@ _DELEGATED: dict[str, tuple[str, str, str]] = {
     "profile": ("dapo_mcore.telemetry.profile", "main", "summarize where a run's time and tokens went"),
     "rollouts": ("dapo_mcore.telemetry.rollout_store", "main", "print decoded rollouts of a step from the zarr store"),
     "audit-reward": ("dapo_mcore.reward.audit", "main", "probe the math verifier with shortcut answers"),
-    "plan": ("dapo_mcore.planner", "main", "estimate per-GPU memory and FLOPs of a layout before queueing"),
+    "plan": ("dapo_mcore.plan_cli", "main", "estimate per-GPU memory and FLOPs of a layout before queueing"),
 }
 _CONVERT: dict[str, tuple[str, str, str]] = {
     "hf-to-mcore": ("conversion.hf_to_mcore", "main", "Hugging Face dir -> Megatron checkpoint at a TP/PP layout"),

@@ -10,7 +10,8 @@ import pytest
 from dapo_mcore.cli import main as cli_main
 from dapo_mcore.config import ConfigError, load_config
 from dapo_mcore.model.presets import preset_config
-from dapo_mcore.planner import GIB, check, estimate_memory, main, plan_input_from_config
+from dapo_mcore.plan_cli import main, plan_input_from_config
+from dapo_mcore.planner import GIB, check, estimate_memory
 
 pytestmark = pytest.mark.unit
 

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from dapo_mcore.model.presets import preset_config
+from dapo_mcore.plan_cli import main
 from dapo_mcore.planner import (
     GIB,
     LayoutDoesNotFit,
@@ -14,7 +15,6 @@ from dapo_mcore.planner import (
     check,
     estimate_flops,
     estimate_memory,
-    main,
     stage_params,
 )
 from dapo_mcore.telemetry.flops import ModelShape

@@ -79,7 +79,7 @@ def test_launch_forwards_signal_and_requeues_on_75():
 @pytest.mark.parametrize("name, preset", [("dapo_qwen2.5_32b_fp8.sbatch", "qwen2.5-32b"),
                                           ("dapo_qwen2.5_7b.sbatch", "qwen2.5-7b")])
 def test_gpu_recipe_layout_lives_in_its_config_and_fits_the_allocation(name, preset, capsys):
-    from dapo_mcore.planner import main as plan
+    from dapo_mcore.plan_cli import main as plan
 
     text = (SLURM_DIR / name).read_text()
     d = directives(SLURM_DIR / name)

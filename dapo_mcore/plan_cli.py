@@ -1,0 +1,141 @@
+"""``dapo-mcore plan``: the capacity planner's command line and its bridge from a project config.
+
+The estimates themselves live in ``planner.py``; this module turns a YAML config (or ``--model`` flags) into a
+``PlanInput``, prints the report, and exits 0 when the layout fits, 1 when it does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, fields
+from typing import Any
+
+from dapo_mcore.planner import (
+    CONFIG_KEYS,
+    GIB,
+    TRAINER_FIXED,
+    LayoutDoesNotFit,
+    Names,
+    PlanInput,
+    check,
+    estimate_flops,
+    estimate_memory,
+    estimate_step_seconds,
+    format_report,
+)
+
+
+def plan_input_from_config(cfg: Any, world_size: int, **planner_settings: Any) -> PlanInput:
+    """The PlanInput of a project ``Config`` launched on ``world_size`` GPUs (``planner_settings``: the rest).
+
+    The model shape comes from ``model.hf_path``'s config.json, ``model.preset`` or the tiny base.
+    """
+    p = cfg.parallel
+    precision = "fp8" if cfg.model.fp8.enabled else ("bf16" if cfg.model.params_dtype == "bfloat16" else "fp32")
+    derived = dict(
+        model=cfg.model.hf_config(), tensor_parallel=p.tensor_parallel, pipeline_parallel=p.pipeline_parallel,
+        data_parallel=world_size // (p.tensor_parallel * p.pipeline_parallel), virtual_pipeline=p.virtual_pipeline or 1,
+        micro_batch_tokens=cfg.train.micro_batch_tokens, recompute=cfg.model.recompute, precision=precision,
+        distributed_optimizer=p.distributed_optimizer, colocate_vllm=cfg.rollout.engine == "vllm",
+        vllm_tensor_parallel=cfg.rollout.vllm.tensor_parallel,
+        vllm_gpu_memory_utilization=cfg.rollout.vllm.gpu_memory_utilization, max_prompt_len=cfg.data.max_prompt_len,
+        max_response_len=cfg.rollout.max_new_tokens, rollout_prompts=cfg.train.prompts_per_step,
+        responses_per_prompt=cfg.rollout.n, mini_batch_prompts=cfg.train.mini_batch_prompts,
+        gen_batch_prompts=cfg.rollout.gen_batch_prompts, offload_train_state_in_rollout=p.offload_for_rollout,
+        **TRAINER_FIXED,
+    )
+    return PlanInput(**derived, **planner_settings)
+
+
+def validate_config_layout(cfg: Any, world_size: int) -> None:
+    """The config's own layout, batch and rollout rules at ``world_size`` (ConfigError naming the fix).
+
+    Deliberately not ``Config.validate``: planning happens on a laptop, where the datasets, GPU libraries and
+    checkpoints of the cluster are absent; only the rules that decide the layout are checked here.
+    """
+    cfg.model.validate()
+    cfg.validate_layout(world_size)
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dapo-mcore plan", description=__doc__.splitlines()[0],
+        epilog="Either CONFIG [OVERRIDES...] --nodes N (the layout of a project config, e.g. "
+               "examples/qwen2.5-32b-fp8.yaml), or --model/--hf-config with layout flags.")
+    parser.add_argument("config", nargs="?", help="a project YAML config (its layout, batch sizes and model)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides of CONFIG, e.g. parallel.tensor_parallel=4")
+    parser.add_argument("--model", help="a preset name from dapo_mcore.model.presets (without CONFIG)")
+    parser.add_argument("--hf-config", help="path to a Hugging Face config.json (without CONFIG)")
+    parser.add_argument("--nodes", type=int, default=None, help="nodes of the job (with CONFIG)")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (= tasks) per node (with CONFIG; default 8)")
+    parser.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    for f in fields(PlanInput):
+        if f.name == "model":
+            continue
+        kind = {bool: _parse_bool, int: int, float: float, str: str}[type(f.default)]
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=argparse.SUPPRESS,
+                            help=f"(default: {f.default})")
+    return parser
+
+
+def _plan_from_args(parser: argparse.ArgumentParser, args: dict[str, Any]) -> tuple[PlanInput, Names | None, int]:
+    """(PlanInput, message names, max TP) from parsed arguments; parser.error on a mixed-up command line."""
+    config, overrides, preset, path = args.pop("config"), args.pop("overrides"), args.pop("model"), args.pop("hf_config")
+    nodes, gpus_per_node = args.pop("nodes"), args.pop("gpus_per_node")
+    if config is None:
+        if overrides or (preset is None) == (path is None):
+            parser.error("give CONFIG [OVERRIDES...] --nodes N, or exactly one of --model / --hf-config")
+        if path:
+            with open(path) as fh:
+                model = json.load(fh)
+        else:
+            from dapo_mcore.model.presets import preset_config
+
+            model = preset_config(preset)
+        return PlanInput(model=model, **args), None, 8
+    if preset or path:
+        parser.error("CONFIG names the model already; drop --model/--hf-config (override model.preset=... instead)")
+    clashes = sorted(set(args) & (set(CONFIG_KEYS) | set(TRAINER_FIXED)))
+    if clashes:
+        parser.error("with CONFIG, set the layout through overrides, not flags: " + ", ".join(
+            f"--{c.replace('_', '-')} -> {CONFIG_KEYS.get(c, 'fixed by the trainer')}" for c in clashes))
+    if nodes is None or nodes < 1 or gpus_per_node < 1:
+        parser.error("with CONFIG, give the job size: --nodes N [--gpus-per-node 8]")
+    from dapo_mcore.config import load_config
+
+    cfg = load_config(config, overrides)
+    world = nodes * gpus_per_node
+    validate_config_layout(cfg, world)
+    return plan_input_from_config(cfg, world, **args), CONFIG_KEYS, gpus_per_node
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``dapo-mcore plan``: print the estimate; exit 1 with the suggested changes if it does not fit."""
+    parser = build_parser()
+    args = vars(parser.parse_intermixed_args(argv))
+    as_json = args.pop("json")
+    plan, names, max_tp = _plan_from_args(parser, args)
+    est, flops = estimate_memory(plan), estimate_flops(plan)
+    if as_json:
+        train_s, gen_s = estimate_step_seconds(plan, flops)
+        print(json.dumps({"memory_gib": {k: v / GIB if isinstance(v, float) else v
+                                         for k, v in asdict(est).items()},
+                          "flops": asdict(flops), "step_seconds": {"train": train_s, "generation": gen_s}}, indent=2))
+    else:
+        print(format_report(plan, est, flops))
+    try:
+        check(plan, names, max_tp)
+    except LayoutDoesNotFit as err:
+        print(err)
+        return 1
+    print("fits")
+    return 0
