@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from dapo_mcore.actor.megatron_actor import TrainSample
 from dapo_mcore.algo.advantages import group_advantages
@@ -30,6 +29,7 @@ from dapo_mcore.algo.dynamic_sampling import DynamicSamplingExhausted, Group, Sa
 from dapo_mcore.algo.overlong import overlong_penalty
 from dapo_mcore.config import Config
 from dapo_mcore.data.records import PromptRecord
+from dapo_mcore.rollout.gather import all_gather_responses
 from dapo_mcore.rollout.protocol import EngineError, Response, SamplingParams
 from dapo_mcore.runtime import Components, build_components, prepare_run_dir, read_config
 from dapo_mcore.telemetry import keys
@@ -125,14 +125,10 @@ class Trainer:
         mine = list(range(me, len(prompts), groups))
         shard_params = dataclasses.replace(params, seed=(params.seed or 0) + 1_000_003 * me)
         local = self.p.engine.generate([prompts[i] for i in mine], shard_params) if mine else []
-        everything: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everything, (mine, local))
-        out: list[list[Response] | None] = [None] * len(prompts)
-        for indices, results in everything:
-            for i, r in zip(indices, results, strict=True):
-                out[i] = r
-        assert all(o is not None for o in out), "every prompt belongs to exactly one engine group"
-        return out  # type: ignore[return-value]
+        merged = all_gather_responses(mine, local)  # two tensor all-gathers, not pickles
+        if len(merged) != len(prompts):
+            raise EngineError(f"gathered responses for {len(merged)} of {len(prompts)} prompts from the engine groups")
+        return [merged[i] for i in range(len(prompts))]
 
     def _shape_rewards(self, scores: list[float], responses: list[Response]) -> list[float]:
         a = self.cfg.algo
