@@ -89,16 +89,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mcore", required=True, help="canonical checkpoint dir, or a trainer checkpoint dir with model/")
     p.add_argument("--out", required=True, help="output HF dir (must not exist)")
     p.add_argument("--max-shard-size", default="5GB")
-    p.add_argument("--tokenizer", default=None, help="dir whose tokenizer files are copied into the output")
+    p.add_argument("--tokenizer", default=None, help="dir whose tokenizer files are copied into the output "
+                   "(default for a trainer checkpoint RUN/checkpoints/step_N: RUN/tokenizer, if present)")
     p.add_argument("--no-progress", action="store_true")
     return p
+
+
+def _run_tokenizer(src: Path) -> Path | None:
+    """The tokenizer a training run saved beside its checkpoints (RUN/checkpoints/step_N -> RUN/tokenizer)."""
+    candidate = src.resolve().parent.parent / "tokenizer"
+    if src.resolve().parent.name == "checkpoints" and (candidate / "tokenizer_config.json").is_file():
+        logging.getLogger(__name__).info("copying the run's tokenizer from %s", candidate)
+        return candidate
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    tokenizer = args.tokenizer or _run_tokenizer(Path(args.mcore))
     convert_mcore_to_hf(args.mcore, args.out, max_shard_bytes=parse_size(args.max_shard_size),
-                        tokenizer_dir=args.tokenizer, progress=not args.no_progress)
+                        tokenizer_dir=tokenizer, progress=not args.no_progress)
     print(f"wrote {args.out}")
     return 0
 

@@ -106,6 +106,17 @@ def test_tiny_run_learns_and_writes_every_artifact(env, tmp_path):
     assert out.returncode == 0 and "Answer:" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
     prof = _run([sys.executable, "-m", "dapo_mcore.cli", "profile", str(run_dir)], env)
     assert prof.returncode == 0 and "generate" in prof.stdout
+    # The trained checkpoint exports to a Hugging Face model with the run's tokenizer, loadable by transformers.
+    hf_out = run_dir.parent / "exported_hf"
+    conv = _run([sys.executable, "-m", "dapo_mcore.cli", "convert", "mcore-to-hf", "--mcore",
+                 str(run_dir / "checkpoints" / "step_000030"), "--out", str(hf_out), "--no-progress"], env)
+    assert conv.returncode == 0, conv.stderr[-2000:]
+    from transformers import AutoModelForCausalLM
+
+    from dapo_mcore.data.tokenizer import load_tokenizer
+
+    assert AutoModelForCausalLM.from_pretrained(str(hf_out)).config.num_hidden_layers == 2
+    assert load_tokenizer(hf_out).decode(load_tokenizer(hf_out)("Answer: 7").input_ids) == "Answer: 7"
     ev = _run([sys.executable, "-m", "dapo_mcore.cli", "eval", str(CONFIG), f"run.dir={run_dir}"], env)
     assert ev.returncode == 0, ev.stderr[-2000:]
     scores = dict(line.split(": ") for line in ev.stdout.splitlines() if line.startswith("eval/"))
