@@ -229,28 +229,40 @@ class MegatronActor:
             return torch.zeros((), device=logits.device), out
 
         results = self._run(mbs, loss_fn, forward_only=True)
-        local: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        local: dict[int, torch.Tensor] = {}
         if self.is_last_stage:
             for mb, res in zip(mbs, results, strict=True):
                 for row, i in enumerate(mb.indices):
                     n = len(samples[i].response_ids)
-                    ent = res["entropy"][row, :n] if with_entropy else None
-                    local[i] = (res["logp"][row, :n], ent)
-        gathered = self._share_results(local)
-        logps = [gathered[i][0] for i in range(len(samples))]
-        ents = [gathered[i][1] for i in range(len(samples))] if with_entropy else None
+                    parts = [res["logp"][row, :n]] + ([res["entropy"][row, :n]] if with_entropy else [])
+                    local[i] = torch.cat(parts)
+        widths = [len(s.response_ids) * (2 if with_entropy else 1) for s in samples]
+        gathered = self._share_results(local, widths)
+        logps = [gathered[i][: len(s.response_ids)] for i, s in enumerate(samples)]
+        ents = [gathered[i][len(s.response_ids):] for i, s in enumerate(samples)] if with_entropy else None
         return logps, ents
 
-    def _share_results(self, local: dict[int, Any]) -> dict[int, Any]:
-        """Every rank gets every sample's result: from the last PP stage of each DP rank."""
+    def _share_results(self, local: dict[int, torch.Tensor], widths: list[int]) -> list[torch.Tensor]:
+        """Every rank gets every sample's values (``widths[i]`` floats each) from the rank that computed them:
+        TP rank 0 of the last PP stage of each DP rank sends, as two flat tensors (no pickling)."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
-            return local
-        everything: list[dict[int, Any]] = [None] * dist.get_world_size()  # type: ignore[list-item]
-        dist.all_gather_object(everything, local)
-        merged: dict[int, Any] = {}
-        for part in everything:
-            merged.update(part)
-        return merged
+            return [local[i] for i in range(len(widths))]
+        from megatron.core import parallel_state as ps
+
+        from dapo_mcore.rollout.gather import all_gather_packed
+
+        sender = self.is_last_stage and ps.get_tensor_model_parallel_rank() == 0
+        mine = sorted(local) if sender else []
+        ints = torch.tensor(mine, dtype=torch.int64)
+        floats = torch.cat([local[i] for i in mine]) if mine else torch.zeros(0)
+        out: list[torch.Tensor | None] = [None] * len(widths)
+        for idx, vals in all_gather_packed(ints, floats):
+            offset = 0
+            for i in idx.tolist():
+                out[i] = vals[offset:offset + widths[i]]
+                offset += widths[i]
+        assert all(o is not None for o in out), "every sample is computed by exactly one sender"
+        return out  # type: ignore[return-value]
 
     # ---- the DAPO update -----------------------------------------------------------------------------------
     def train_mini_batch(self, samples: Sequence[TrainSample], lr: float) -> dict[str, float]:
