@@ -302,10 +302,9 @@ def _build_engine(cfg: Config, hf_dir: Path | None, hf_config: dict[str, Any], t
     from dapo_mcore.rollout.hf_engine import HFEngine
 
     dtype = torch.bfloat16 if cfg.model.params_dtype == "bfloat16" else torch.float32
-    if hf_dir is not None:
-        model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype)
-    else:  # a preset: random weights; the first sync from the actor overwrites them
-        model = AutoModelForCausalLM.from_config(Qwen2Config(**hf_config), dtype=dtype)
+    # Built from the config alone: build_components syncs every weight from the actor before the first
+    # generation (the sync refuses to finish with a tensor missing), so reading the checkpoint again is wasted I/O.
+    model = AutoModelForCausalLM.from_config(Qwen2Config(**hf_config), dtype=dtype)
     if torch.cuda.is_available():
         model = model.to(torch.device("cuda", torch.cuda.current_device()))
     return HFEngine(model, eos_token_ids=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
@@ -322,6 +321,7 @@ def build_components(cfg: Config, launch: LaunchEnv, *, resume: bool = True, che
     from dapo_mcore.data.tokenizer import load_tokenizer
     from dapo_mcore.reward import normalize_answer
     from dapo_mcore.telemetry.timers import PhaseTimer
+    from dapo_mcore.weights.hf_checkpoint import read_hf_config
 
     # Data first: a bad dataset path fails before any process group or model exists.
     train_records = [] if for_eval else load_prompt_records(cfg.data, "train")
@@ -330,7 +330,7 @@ def build_components(cfg: Config, launch: LaunchEnv, *, resume: bool = True, che
     init_model_parallel(cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel, cfg.parallel.virtual_pipeline,
                         seed=cfg.train.seed, timeout_minutes=cfg.parallel.timeout_minutes)
     hf_dir = resolve_base_model(cfg, launch)
-    hf_config = cfg.model.hf_config() if hf_dir is None else _read_json(hf_dir / "config.json")
+    hf_config = cfg.model.hf_config() if hf_dir is None else read_hf_config(hf_dir)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or hf_dir)
     train_records = _drop_long(train_records, tokenizer, cfg, "train", filter_by_length)
     eval_records = _drop_long(eval_records, tokenizer, cfg, "eval", filter_by_length)
@@ -415,10 +415,3 @@ def _open_telemetry(parts: Components, start: int) -> None:
         parts.tokenizer.save_pretrained(str(run_dir / "tokenizer"))
     parts._closers.append(parts.writer.close)
     parts._closers.append(parts.ledger.close)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    import json
-
-    return json.loads(Path(path).read_text())
-
