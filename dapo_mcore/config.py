@@ -249,6 +249,9 @@ class RunConfig:
     """auto: continue from the latest checkpoint in `dir`; never: refuse a directory that already holds a run."""
     overwrite: bool = False
     """Delete an existing run directory first (dangerous; off by default)."""
+    resume_weights_only: bool = False
+    """Resume the model weights but start the optimizer fresh (for optimizer state that cannot be resharded to a
+    new layout: the distributed optimizer's). Adam's state of the default optimizer reshards exactly at any layout."""
     log_every: int = 1
     """Print a progress line every this many steps."""
     rollout_store: bool = True

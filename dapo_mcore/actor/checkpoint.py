@@ -1,19 +1,27 @@
-"""Checkpoints of the full training state: atomic, keep-last-N, and safe to resume after a kill -9.
+"""Checkpoints of the full training state: atomic, verified, keep-last-N, resumable at any layout after a kill -9.
 
 Layout of one checkpoint (``<run>/checkpoints/step_000010/``):
   model/mp_rank_TT_PPP/model.safetensors   this (tp, pp) rank's GPTModel chunk(s), Megatron names
   model/dapo_mcore_checkpoint.json          layout metadata (weights.checkpoint format: HF config, TP/PP/VPP, vocab padding)
-  optim/mp_rank_TT_PPP.pt                   optimizer state of that model shard (replicated over DP: DP rank 0 writes)
-  optim/mp_rank_TT_PPP_dist.pt              distributed-optimizer parameter state (GPU, gathered to DP rank 0)
+  optim/exp_avg/ optim/exp_avg_sq/ ...      Adam's state in the same canonical format (actor.optim_state)
+  optim/mp_rank_TT_PPP[_dist].pt            instead, with the distributed optimizer (GPU): Megatron's own format
   trainer_state.json                        step, data cursor, cost ledger, anything the trainer adds
   rng/rank_NNNNN.pt                         every rank's RNG states
+  manifest.json                             size + CRC-32 of every file above, the world size
   COMPLETE                                  written last, after every rank has finished
 
 A checkpoint is written into ``step_000010.partial`` and renamed after all ranks finish; then ``latest`` is
-replaced atomically. Resume takes ``latest`` if it is complete, else the newest complete checkpoint, warning
-about any partial or corrupt one it skips. Old checkpoints beyond ``keep_last`` are deleted only after a newer one
-is complete. The model directory is the same format as ``dapo-mcore convert hf-to-mcore`` writes, so
-``convert mcore-to-hf`` works on any trainer checkpoint.
+replaced atomically. Resume takes ``latest`` if it is complete and its files match the manifest, else the newest
+one that does, logging one line per checkpoint it skips (naming the bad file); if checkpoints exist but none is
+intact, it stops with a CheckpointError rather than start over. ``*.partial`` directories left by a killed save
+are removed when a run starts (`remove_partials`) and at the next save. Old checkpoints beyond ``keep_last`` are
+deleted only after a newer one is complete.
+
+Elastic resume: the model and Adam's state are canonical checkpoints, so they load at any valid TP/PP/VPP/DP
+layout (``weights.reshard``, exact). RNG states are per rank: at another world size or layout every rank takes
+rank 0's torch RNG state and keeps Megatron's freshly seeded model-parallel tracker (the trainer's sampling seeds
+are explicit per step, so its trajectory does not depend on them). The model directory is the same format as
+``dapo-mcore convert hf-to-mcore`` writes, so ``convert mcore-to-hf`` works on any trainer checkpoint.
 """
 
 from __future__ import annotations
@@ -28,6 +36,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dapo_mcore.actor import optim_state
+from dapo_mcore.weights import checkpoint as wckpt
+from dapo_mcore.weights.checkpoint import CheckpointError
 from dapo_mcore.weights.live import load_megatron_checkpoint_into_model, save_megatron_checkpoint
 
 log = logging.getLogger(__name__)
@@ -96,12 +107,16 @@ def save_checkpoint(root: Path, step: int, actor, trainer_state: dict[str, Any],
         actor.optimizer.save_parameter_state(str(partial / "optim" / f"{shard_name(tp_rank, pp_rank)}_dist.pt"))
     save_megatron_checkpoint(actor.chunks, partial / "model", actor.s.hf_config,
                              make_vocab_size_divisible_by=actor.s.make_vocab_size_divisible_by)
-    if dp_rank == 0:
-        torch.save(actor.optimizer.state_dict(), partial / "optim" / f"{shard_name(tp_rank, pp_rank)}.pt")
-    torch.save(_rng_state(), partial / "rng" / f"rank_{_rank():05d}.pt")
+    if actor.s.distributed_optimizer:
+        if dp_rank == 0:
+            wckpt.torch_save(actor.optimizer.state_dict(), partial / "optim" / f"{shard_name(tp_rank, pp_rank)}.pt")
+    else:
+        optim_state.save_optimizer(actor, partial / "optim", write=dp_rank == 0, write_meta=_rank() == 0)
+    wckpt.torch_save(_rng_state(), partial / "rng" / f"rank_{_rank():05d}.pt")
     if _rank() == 0:
         (partial / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1, default=_json_default))
     _barrier()
+    _write_manifest(partial)
     if _rank() == 0:
         (partial / "COMPLETE").write_text(str(step))
         if final.exists():
@@ -114,6 +129,34 @@ def save_checkpoint(root: Path, step: int, actor, trainer_state: dict[str, Any],
         log.info("checkpoint saved: %s", final)
     _barrier()
     return final
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _share(names: list[str]) -> list[str]:
+    """This rank's share of a file list: checksums of a checkpoint are computed and checked by all ranks."""
+    return names[_rank()::_world()]
+
+
+def _gather(obj: Any) -> list[Any]:
+    if _world() == 1:
+        return [obj]
+    out: list[Any] = [None] * _world()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _write_manifest(partial: Path) -> None:
+    """Collective, after every file is written: each rank checksums its share, rank 0 writes manifest.json."""
+    box: list[Any] = [wckpt.list_files(partial) if _rank() == 0 else None]
+    if _world() > 1:
+        dist.broadcast_object_list(box, src=0)
+    mine = {name: wckpt.file_digest(partial / name) for name in _share(box[0])}
+    digests = {k: v for part in _gather(mine) for k, v in part.items()}
+    if _rank() == 0:
+        wckpt.write_manifest(partial, digests, world_size=_world())
 
 
 def _json_default(value: Any) -> Any:
@@ -141,31 +184,77 @@ def _prune(root: Path, keep_last: int) -> None:
         shutil.rmtree(stale)
 
 
+def remove_partials(root: Path) -> list[Path]:
+    """Delete what interrupted saves left in `root` (``step_*.partial``, ``latest.tmp``); rank 0 calls it at start."""
+    root = Path(root)
+    removed = sorted(root.glob("step_*.partial")) + sorted(root.glob("latest.tmp"))
+    for path in removed:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+        log.info("removed %s, left by an interrupted checkpoint save", path)
+    return removed
+
+
 def find_latest(root: Path) -> Path | None:
-    """The checkpoint to resume from: ``latest`` if complete and readable, else the newest complete one."""
+    """The checkpoint to resume from: ``latest`` if intact, else the newest intact one; None if there is none.
+
+    Collective when a process group exists (the ranks share the checksum work and agree on the result).
+    Raises CheckpointError naming each bad file if checkpoints exist but none is intact.
+    """
     root = Path(root)
     marker = root / "latest"
-    candidates = _complete_steps(root)
+    candidates = list(reversed(_complete_steps(root)))
     if marker.is_file():
         # A marker torn by a crash may hold any bytes: undecodable ones must not stop the fallback below.
         named = root / marker.read_bytes().decode("utf-8", errors="replace").strip()
-        if named in candidates and _readable(named):
-            return named
-        log.warning("latest checkpoint marker points at %s, which is missing or corrupt; using an older one", named)
-    for ckpt in reversed(candidates):
-        if _readable(ckpt):
+        if named in candidates:
+            candidates.remove(named)
+            candidates.insert(0, named)
+        elif _rank() == 0:
+            log.warning("the latest marker names %r, which is not a complete checkpoint; using an older one",
+                        named.name)
+    bad = []
+    for i, ckpt in enumerate(candidates):
+        problems = check_intact(ckpt)
+        if not problems:
             return ckpt
-        log.warning("skipping corrupt checkpoint %s", ckpt)
+        bad.append(f"{ckpt.name}: {problems[0]}")
+        if _rank() == 0:
+            nxt = candidates[i + 1].name if i + 1 < len(candidates) else "none left"
+            log.warning("checkpoint %s is corrupt, skipping it (%s); next: %s", ckpt, problems[0], nxt)
+    if bad:
+        raise CheckpointError(f"no intact checkpoint in {root} ({'; '.join(bad)}). Restore the files, or move "
+                              "the checkpoints away (or use a new run.dir) to start over.")
     return None
 
 
-def _readable(ckpt: Path) -> bool:
+def check_intact(ckpt: Path) -> list[str]:
+    """Problems of one checkpoint directory (unreadable metadata, files that differ from its manifest); [] if none.
+
+    Collective when a process group exists: each rank checks a share of the files and all ranks get every problem.
+    """
+    ckpt = Path(ckpt)
+    problems: list[str] = []
+    for name in ("trainer_state.json", "model/" + wckpt.METADATA_FILE):
+        try:
+            json.loads((ckpt / name).read_text())
+        except (OSError, ValueError) as err:
+            problems.append(f"{ckpt / name}: unreadable ({type(err).__name__})")
     try:
-        json.loads((ckpt / "trainer_state.json").read_text())
-        json.loads((ckpt / "model" / "dapo_mcore_checkpoint.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return True
+        manifest = wckpt.read_manifest(ckpt)
+    except CheckpointError as err:
+        manifest, problems = None, problems + [str(err)]
+    if manifest is None and not problems:
+        if _rank() == 0:
+            log.warning("checkpoint %s has no %s (saved by an older dapo-mcore): its files are not verified",
+                        ckpt, wckpt.MANIFEST_FILE)
+        return []
+    if manifest is not None:
+        files = manifest["files"]
+        problems += wckpt.verify_files(ckpt, files, _share(sorted(files)))
+    return sorted({p for part in _gather(problems) for p in part})
 
 
 def check_same_model(ckpt: Path, actor) -> None:
@@ -187,25 +276,66 @@ def check_same_model(ckpt: Path, actor) -> None:
                               f"{'; '.join(diffs)}. Resume with the model config it was saved with, or start a new run.")
 
 
-def load_checkpoint(ckpt: Path, actor) -> dict[str, Any]:
-    """Collective. Restores model, optimizer and RNG states; returns the trainer state dict.
+def load_checkpoint(ckpt: Path, actor, *, weights_only: bool = False) -> dict[str, Any]:
+    """Collective. Restores model, optimizer and RNG states (at any layout); returns the trainer state dict.
 
-    Every check (model architecture, parallel layout, tensor shapes) runs before any parameter changes.
+    `weights_only`: the model only; the optimizer starts fresh (for state that cannot be resharded). Every check
+    (model architecture, tensor shapes, optimizer state) runs before any parameter changes.
     """
     ckpt = Path(ckpt)
     check_same_model(ckpt, actor)
-    load_megatron_checkpoint_into_model(actor.chunks, ckpt / "model")
-    tp_rank, pp_rank, _ = _ranks()
-    # On the CPU first: the optimizer moves its state to each parameter's device when it loads it.
-    opt_state = torch.load(ckpt / "optim" / f"{shard_name(tp_rank, pp_rank)}.pt", weights_only=False,
-                           map_location="cpu")
-    actor.optimizer.load_state_dict(opt_state)
-    if actor.s.distributed_optimizer:
-        actor.optimizer.load_parameter_state(str(ckpt / "optim" / f"{shard_name(tp_rank, pp_rank)}_dist.pt"))
-    rng_path = ckpt / "rng" / f"rank_{_rank():05d}.pt"
-    if rng_path.is_file():
-        _set_rng_state(torch.load(rng_path, weights_only=False, map_location="cpu"))
+    saved = wckpt.read_meta(ckpt / "model").layout
+    manifest = wckpt.read_manifest(ckpt)
+    world = manifest["world_size"] if manifest else len(list((ckpt / "rng").glob("rank_*.pt")))
+    live = (actor.s.tensor_parallel, actor.s.pipeline_parallel, len(actor.chunks))
+    same_layout = (saved.tp, saved.pp, saved.vpp) == live and world == _world()
+    optim_dir = ckpt / "optim"
+    saved_dist = any(optim_dir.glob("*_dist.pt"))
+    if not weights_only and not optim_state.has_canonical_state(optim_dir) and not same_layout:
+        raise CheckpointError(
+            f"checkpoint {ckpt} was saved at tp={saved.tp} pp={saved.pp} vpp={saved.vpp} on {world} ranks with "
+            f"{'the distributed optimizer' if saved_dist else 'an older dapo-mcore'}, whose "
+            f"optimizer state cannot be resharded to tp={live[0]} pp={live[1]} vpp={live[2]} on {_world()} ranks. "
+            "Resume at the saved layout, or set run.resume_weights_only=true to resume the weights with a fresh "
+            "optimizer.")
+    if not weights_only and saved_dist != actor.s.distributed_optimizer:
+        raise CheckpointError(f"checkpoint {ckpt}: its optimizer state was saved with parallel.distributed_optimizer="
+                              f"{str(saved_dist).lower()}; resume with that setting, or set "
+                              "run.resume_weights_only=true to start the optimizer fresh.")
+    # Read and check the optimizer state first: a failure must leave the model untouched.
+    apply_optimizer = None
+    if not weights_only and optim_state.has_canonical_state(optim_dir):
+        apply_optimizer = optim_state.read_optimizer(actor, optim_dir)
+    load_megatron_checkpoint_into_model(actor.chunks, ckpt / "model", reshard=True,
+                                        make_vocab_size_divisible_by=actor.s.make_vocab_size_divisible_by)
+    if weights_only:
+        log.info("run.resume_weights_only=true: the optimizer starts fresh")
+    elif apply_optimizer is not None:
+        apply_optimizer()
     else:
-        log.warning("no RNG state for rank %d in %s (different world size?); RNG continues unseeded from it", _rank(), ckpt)
+        _load_megatron_optimizer(optim_dir, actor)
+    _restore_rng(ckpt, same_layout)
+    if _rank() == 0 and not same_layout:
+        log.info("resumed %s (saved at tp=%d pp=%d vpp=%d on %d ranks) at tp=%d pp=%d vpp=%d on %d ranks",
+                 ckpt.name, saved.tp, saved.pp, saved.vpp, world, *live, _world())
     _barrier()
     return json.loads((ckpt / "trainer_state.json").read_text())
+
+
+def _load_megatron_optimizer(optim_dir: Path, actor) -> None:
+    """Megatron's own optimizer format (distributed optimizer, or checkpoints of older versions): same layout only."""
+    tp_rank, pp_rank, _ = _ranks()
+    # On the CPU first: the optimizer moves its state to each parameter's device when it loads it.
+    opt_state = torch.load(optim_dir / f"{shard_name(tp_rank, pp_rank)}.pt", weights_only=False, map_location="cpu")
+    actor.optimizer.load_state_dict(opt_state)
+    if actor.s.distributed_optimizer:
+        actor.optimizer.load_parameter_state(str(optim_dir / f"{shard_name(tp_rank, pp_rank)}_dist.pt"))
+
+
+def _restore_rng(ckpt: Path, same_layout: bool) -> None:
+    """Each rank's own RNG states at the saved layout; elsewhere rank 0's torch RNG state (see module docstring)."""
+    if same_layout:
+        _set_rng_state(torch.load(ckpt / "rng" / f"rank_{_rank():05d}.pt", weights_only=False, map_location="cpu"))
+        return
+    state = torch.load(ckpt / "rng" / "rank_00000.pt", weights_only=False, map_location="cpu")
+    torch.set_rng_state(state["torch"])

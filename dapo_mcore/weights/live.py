@@ -114,20 +114,34 @@ def _meta_mismatches(meta: ckpt.CheckpointMeta, layout: ParallelLayout, padded_v
     return out
 
 
-def load_megatron_checkpoint_into_model(model_chunks: list, directory: str | Path) -> ckpt.CheckpointMeta:
-    """Load this rank's file of a canonical checkpoint; raises CheckpointError on any mismatch before writing."""
+def load_megatron_checkpoint_into_model(model_chunks: list, directory: str | Path, *, reshard: bool = False,
+                                        make_vocab_size_divisible_by: int | None = None) -> ckpt.CheckpointMeta:
+    """Load this rank's tensors of a canonical checkpoint; raises CheckpointError on any mismatch before writing.
+
+    With `reshard`, a checkpoint of another TP/PP/VPP layout (or layer spec, or vocabulary padding) is resharded
+    to the live model's (`weights.reshard`); `make_vocab_size_divisible_by` is then the live model's (default:
+    the checkpoint's). Without it, only a checkpoint of the live layout loads.
+    """
     directory = ckpt.resolve_checkpoint_dir(directory)
     meta = ckpt.read_meta(directory)
     mapping = get_mapping(meta.hf_config)
+    divisible = make_vocab_size_divisible_by or meta.layout.make_vocab_size_divisible_by
     layout, tp_rank, pp_rank = live_layout(model_chunks, detect_layer_spec(model_chunks),
-                                           meta.layout.make_vocab_size_divisible_by)
+                                           divisible if reshard else meta.layout.make_vocab_size_divisible_by)
     params = live_tensors(model_chunks, layout)
     dtype = dtype_name(next(iter(params.values())).dtype)
     problems = _meta_mismatches(meta, layout, _live_padded_vocab(model_chunks, layout, mapping), dtype)
+    if reshard:
+        problems = [p for p in problems if p.startswith("dtype")]
     if problems:
         raise ckpt.CheckpointError(f"checkpoint {directory} does not fit the live model: {'; '.join(problems)}. "
                                    "Convert it to this layout with `dapo-mcore convert` (hf round trip) first.")
-    state = ckpt.read_megatron_rank(directory, tp_rank, pp_rank)
+    if reshard:
+        from dapo_mcore.weights.reshard import read_rank_resharded
+
+        state = read_rank_resharded(directory, layout, tp_rank, pp_rank)
+    else:
+        state = ckpt.read_megatron_rank(directory, tp_rank, pp_rank)
     check_tensors_match({k: tuple(t.shape) for k, t in state.items()}, {k: tuple(p.shape) for k, p in params.items()},
                         f"checkpoint rank file {ckpt.rank_dir_name(tp_rank, pp_rank)}", "the live model")
     bad = [k for k, t in state.items() if t.dtype != params[k].dtype]
@@ -135,7 +149,9 @@ def load_megatron_checkpoint_into_model(model_chunks: list, directory: str | Pat
         raise ckpt.CheckpointError(f"dtype mismatch for {bad[:5]}: checkpoint {state[bad[0]].dtype}, "
                                    f"live {params[bad[0]].dtype}.")
     _copy_in(params, state)
-    log.info("loaded %s rank (tp %d, pp %d): %d tensors", directory, tp_rank, pp_rank, len(state))
+    resharded = "" if meta.layout == layout else f" (resharded from tp={meta.layout.tp} pp={meta.layout.pp} " \
+                                                f"vpp={meta.layout.vpp})"
+    log.info("loaded %s rank (tp %d, pp %d): %d tensors%s", directory, tp_rank, pp_rank, len(state), resharded)
     return meta
 
 
@@ -152,7 +168,6 @@ def save_megatron_checkpoint(model_chunks: list, directory: str | Path, hf_confi
                              make_vocab_size_divisible_by: int = 128) -> None:
     """Collective: write the live model as a canonical checkpoint (DP rank 0 of each TP/PP rank writes)."""
     from megatron.core import parallel_state as ps
-    from safetensors.torch import save_file
 
     mapping = get_mapping(hf_config)
     layout, tp_rank, pp_rank = live_layout(model_chunks, detect_layer_spec(model_chunks), make_vocab_size_divisible_by)
@@ -177,7 +192,7 @@ def save_megatron_checkpoint(model_chunks: list, directory: str | Path, hf_confi
     if ps.get_data_parallel_rank() == 0:
         rank_path = ckpt.rank_file(tmp, tp_rank, pp_rank)
         rank_path.parent.mkdir()
-        save_file({k: p.detach().contiguous() for k, p in params.items()}, os.fspath(rank_path), {"format": "pt"})
+        ckpt.save_safetensors({k: p.detach().contiguous() for k, p in params.items()}, rank_path, {"format": "pt"})
     if dist.get_rank() == 0:
         meta = ckpt.CheckpointMeta(hf_config, layout, _live_padded_vocab(model_chunks, layout, mapping),
                                    dtype_name(next(iter(params.values())).dtype))
@@ -186,4 +201,5 @@ def save_megatron_checkpoint(model_chunks: list, directory: str | Path, hf_confi
     if dist.get_rank() == 0:
         os.replace(tmp, target)
     dist.barrier()
-    log.info("saved checkpoint %s (tp=%d pp=%d vpp=%d)", target, layout.tp, layout.pp, layout.vpp)
+    # DEBUG: the trainer writes into a step_*.partial directory and logs the final name itself.
+    log.debug("wrote model files to %s (tp=%d pp=%d vpp=%d)", target, layout.tp, layout.pp, layout.vpp)

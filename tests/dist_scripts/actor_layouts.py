@@ -8,7 +8,8 @@ Per layout (the model parallel groups are rebuilt for each) this records, on eve
   grads         forward + backward through Megatron's schedule: per-stage grad finiteness and norms
   metrics       two DAPO updates (train_mini_batch) from the same starting weights
   weights       the HF-named weights exported after them (export_hf_weights)
-  mismatch      loading the workspace's TP=1 trainer checkpoint into this layout (when it is not TP=1/PP=1)
+  elastic       the HF-named weights after loading the workspace's TP=1 trainer checkpoint into this layout
+                (when it is not TP=1/PP=1): resharded on load
 and writes them to WS/out/NAME_rank<R>.pt. With --straight, it then runs the uninterrupted resume baseline.
 """
 
@@ -66,13 +67,8 @@ def check_layout(ws: Path, spec: dict, tp: int, pp: int) -> dict:
     res["weights"] = c.export(actor)
     tp1_ckpt = ws / "ckpt_tp1"
     if (tp, pp) != (1, 1) and tp1_ckpt.is_dir():
-        before = c.params_snapshot(actor)
-        try:
-            ckpt.load_checkpoint(tp1_ckpt, actor)
-            res["mismatch"] = {"error": None}
-        except ValueError as err:
-            res["mismatch"] = {"error": f"{type(err).__name__}: {err}"}
-        res["mismatch"]["untouched"] = c.same_params(before, c.params_snapshot(actor))
+        state = ckpt.load_checkpoint(tp1_ckpt, actor)
+        res["elastic"] = {"state": state, "weights": c.export(actor)}
     return res
 
 

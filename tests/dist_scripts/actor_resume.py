@@ -4,10 +4,13 @@ usage: python actor_resume.py WS MODE
   straight  N steps from the HF weights; per-step metrics -> WS/out/straight_log.json, weights -> straight.pt
   killed    k steps, save_checkpoint(k), one more step, then SIGKILL itself in the middle of save_checkpoint(k+1)
   resume    find_latest -> load_checkpoint -> steps k+1..N, save N (prunes); then models of another shape are refused
+  elastic   (2 processes) the TP=1 checkpoint of step k resumed at TP=2: step k+1, saved; that one resumed at PP=2:
+            steps k+2..N, and again with the optimizer state dropped (weights_only). Per-step metrics ->
+            WS/out/elastic_log.json, final weights of both -> elastic.pt
 
 Each step draws its samples from the global torch RNG (so the RNG state must be restored exactly), takes
 on-policy old log-probs from the actor, and runs two mini-batch updates (so the second one is off-policy and
-Adam's moments carry over). Everything runs in one process (TP=PP=DP=1).
+Adam's moments carry over). Everything but `elastic` runs in one process (TP=PP=DP=1).
 """
 
 from __future__ import annotations
@@ -110,11 +113,39 @@ def resume(ws: Path, spec: dict) -> None:
     c.save(result, ws / "out" / "resume.pt")
 
 
+def elastic(ws: Path, spec: dict) -> None:
+    from dapo_mcore.actor import checkpoint as ckpt
+
+    k, n, root = spec["resume_k"], spec["resume_steps"], ws / "ckpt_elastic"
+    rank = torch.distributed.get_rank()
+    log_path = ws / "out" / ("elastic_log.json" if rank == 0 else f"elastic_log_rank{rank}.json")
+    actor = c.make_actor(ws, spec, 2, 1, load=False)
+    torch.manual_seed(12345 + rank)  # ranks disagree until load_checkpoint restores the saved state on both
+    state = ckpt.load_checkpoint(ws / "ckpt_tp1", actor)
+    assert state["step"] == k, state
+    run_steps(actor, spec, k + 1, k + 1, log_path)
+    ckpt.save_checkpoint(root, k + 1, actor, {"step": k + 1}, keep_last=2)
+    actor = c.make_actor(ws, spec, 1, 2, load=False)
+    torch.manual_seed(54321 + rank)
+    state = ckpt.load_checkpoint(ckpt.find_latest(root), actor)
+    assert state["step"] == k + 1, state
+    run_steps(actor, spec, k + 2, n, log_path)
+    weights = c.export(actor)
+    # Guard for the test's tolerance: the same steps with the optimizer state dropped (run.resume_weights_only).
+    actor = c.make_actor(ws, spec, 1, 2, load=False)
+    ckpt.load_checkpoint(ckpt.find_latest(root), actor, weights_only=True)
+    fresh_log = ws / "out" / f"elastic_fresh_log_rank{rank}.json"
+    run_steps(actor, spec, k + 2, n, fresh_log)
+    fresh = c.export(actor)
+    if rank == 0:
+        c.save({"weights": weights, "fresh_optimizer_weights": fresh}, ws / "out" / "elastic.pt")
+
+
 def main() -> None:
     ws, mode = Path(sys.argv[1]), sys.argv[2]
     spec = c.read_spec(ws)
     c.start()
-    {"straight": straight, "killed": killed, "resume": resume}[mode](ws, spec)
+    {"straight": straight, "killed": killed, "resume": resume, "elastic": elastic}[mode](ws, spec)
     from dapo_mcore.actor.parallel import shutdown
 
     shutdown()

@@ -5,7 +5,7 @@
      and settings (``spec.json``), and Hugging Face's own reference logits / log-probs / entropies;
   2. launches, two at a time: the TP=PP=DP=1 reference (+ the uninterrupted resume baseline) alongside the run
      that checkpoints and is SIGKILLed mid-save; then the resumed run alongside one 2-process torchrun that
-     checks TP=2, PP=2 and DP=2;
+     checks TP=2, PP=2 and DP=2; then the elastic resume (TP=1 checkpoint -> TP=2 -> PP=2, 2 processes);
   3. returns everything the workers wrote.
 """
 
@@ -133,7 +133,9 @@ def run_all() -> dict:
     _wait(ref, "reference run")
     multi = _launch([layouts, str(ws), "multi", MULTI_LAYOUTS], nproc=2)
     _wait(resumed, "resumed run")
+    elastic = _launch([resume, str(ws), "elastic"], nproc=2)
     _wait(multi, "2-process layouts")
+    _wait(elastic, "elastic resume")
     out = ws / "out"
     results = {
         "ws": ws, "spec": spec, "hf": torch.load(ws / "hf_reference.pt"),
@@ -145,6 +147,8 @@ def run_all() -> dict:
         "resume_log": json.loads((out / "resume_log.json").read_text()),
         "straight_weights": torch.load(out / "straight.pt"),
         "resume": torch.load(out / "resume.pt", weights_only=False),
+        "elastic_log": json.loads((out / "elastic_log.json").read_text()),
+        "elastic": torch.load(out / "elastic.pt"),
         "wall_s": time.perf_counter() - t0,
     }
     _CACHE["results"] = results
