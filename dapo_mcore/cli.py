@@ -1,7 +1,9 @@
 """The ``dapo-mcore`` command: train | eval | convert | plan | profile | report | rollouts | audit-reward.
 
 Each subcommand imports its module only when it runs, so ``dapo-mcore --help`` is instant and a missing GPU
-package never breaks an unrelated command. User errors (bad config, missing files) print one paragraph and exit 2.
+package never breaks an unrelated command. User errors (bad config, data or checkpoint; a missing, read-only or
+full file system) print one line on stderr and exit 2, for every subcommand (``_guard``); ``--debug`` or
+``DAPO_MCORE_DEBUG=1`` prints the traceback as well.
 """
 
 from __future__ import annotations
@@ -9,14 +11,15 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
+import traceback
 import warnings
 from collections.abc import Callable
 
 from dapo_mcore import __version__
 from dapo_mcore.configtree import ConfigError
-
-EXIT_USAGE = 2
+from dapo_mcore.errors import EXIT_USAGE, UserError, describe_os_error
 
 # name -> (module, function, one-line help). Delegated commands parse their own arguments.
 _DELEGATED: dict[str, tuple[str, str, str]] = {
@@ -41,6 +44,8 @@ def _call(module: str, func: str, argv: list[str]) -> int:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dapo-mcore", description="DAPO reinforcement learning on Megatron-Core.")
     p.add_argument("--version", action="version", version=f"dapo-mcore {__version__}")
+    p.add_argument("--debug", action="store_true",
+                   help="print the traceback of user errors too (or set DAPO_MCORE_DEBUG=1)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     train = sub.add_parser("train", help="run DAPO training (one process per rank: torchrun or srun)")
     train.add_argument("config", help="YAML config, e.g. examples/tiny_cpu.yaml")
@@ -61,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = os.environ.get("DAPO_MCORE_DEBUG", "") not in ("", "0")
+    if argv[:1] == ["--debug"]:
+        debug, argv = True, argv[1:]
     if sys.stderr.isatty():  # live, coloured progress in a terminal; plain lines in logs and pipes
         from rich.logging import RichHandler
 
@@ -74,20 +82,27 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     if argv and argv[0] in _DELEGATED:
         module, func, _ = _DELEGATED[argv[0]]
-        return _guard(lambda: _call(module, func, argv[1:]))
+        return _guard(lambda: _call(module, func, argv[1:]), debug)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
     if args.command == "convert":
         module, func, _ = _CONVERT[args.direction]
-        return _guard(lambda: _call(module, func, args.args))
+        return _guard(lambda: _call(module, func, args.args), debug)
     _quiet_cpu_warnings()
     from dapo_mcore import trainer
 
     if args.command == "train":
-        return _guard(lambda: trainer.train_main(args.config, args.overrides))
-    return _guard(lambda: trainer.eval_main(args.config, args.overrides, args.checkpoint))
+        return _guard(lambda: trainer.train_main(args.config, args.overrides), debug)
+    def evaluate() -> int:
+        if args.checkpoint not in (None, "base"):  # before any process group or model exists
+            from dapo_mcore.runtime import check_checkpoint_arg
+
+            check_checkpoint_arg(args.checkpoint)
+        return trainer.eval_main(args.config, args.overrides, args.checkpoint)
+
+    return _guard(evaluate, debug)
 
 
 def _quiet_cpu_warnings() -> None:
@@ -101,22 +116,41 @@ def _quiet_cpu_warnings() -> None:
             warnings.filterwarnings("ignore", message=pattern)
 
 
-def _guard(fn: Callable[[], int]) -> int:
-    """Run a command; a user error becomes one paragraph on stderr and exit code 2."""
+def _user_errors() -> tuple[tuple[type[BaseException], str], ...]:
+    """(exception type, message prefix) of the errors a user can fix, most specific first."""
     from dapo_mcore.data.datasets import DatasetFormatError
     from dapo_mcore.model.fp8 import MissingGPUExtra
+    from dapo_mcore.weights.checkpoint import CheckpointError
+    from dapo_mcore.weights.layout import LayoutError
+    from dapo_mcore.weights.registry import UnsupportedModelError
 
+    return ((ConfigError, "configuration error: "), (DatasetFormatError, "dataset error: "),
+            (CheckpointError, "checkpoint error: "), (LayoutError, "layout error: "),
+            (UnsupportedModelError, ""), (MissingGPUExtra, ""), (UserError, ""))
+
+
+def _guard(fn: Callable[[], int], debug: bool = False) -> int:
+    """Run a command; a user error becomes one line on stderr and exit code 2 (with the traceback if `debug`).
+
+    Generic over commands: a subcommand reports a user error by raising one of `_user_errors` or an ``OSError``
+    (whose errno picks the fix named in the message); anything else is a bug and keeps its traceback.
+    """
     try:
         return fn()
-    except ConfigError as exc:
-        print(f"dapo-mcore: configuration error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except DatasetFormatError as exc:
-        print(f"dapo-mcore: dataset error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except MissingGPUExtra as exc:
-        print(f"dapo-mcore: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+    except (ConnectionError, TimeoutError):
+        raise  # lost peers and timeouts are OSErrors too, but not the user's file system
+    except OSError as exc:
+        error: BaseException = exc
+        message = ("I/O error: " if exc.errno is not None else "") + describe_os_error(exc)
+    except Exception as exc:
+        prefix = next((p for kind, p in _user_errors() if isinstance(exc, kind)), None)
+        if prefix is None:
+            raise
+        error, message = exc, f"{prefix}{exc}"
+    if debug:
+        traceback.print_exception(error)
+    print(f"dapo-mcore: {message}", file=sys.stderr)
+    return EXIT_USAGE
 
 
 if __name__ == "__main__":

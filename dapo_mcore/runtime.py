@@ -28,6 +28,10 @@ log = logging.getLogger(__name__)
 
 # Config sections that define what a run *is*; a run directory holding a different one is another run.
 _IDENTITY_SECTIONS = ("model", "algo", "data", "rollout", "train", "optim", "tiny_base")
+# ...except these keys (and everything under them): how a run is laid out or how long it runs, not what it learns.
+# The parallel section is not identity at all: checkpoints reshard to any layout (actor.checkpoint).
+_NOT_IDENTITY = ("train.steps", "train.micro_batch_tokens", "model.layer_spec", "model.make_vocab_size_divisible_by",
+                 "model.recompute", "rollout.vllm")
 
 
 def read_config(path: str, overrides: list[str]) -> tuple[Config, LaunchEnv]:
@@ -64,28 +68,58 @@ def prepare_run_dir(cfg: Config, launch: LaunchEnv) -> None:
     existing = run_dir / "config.yaml"
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run.dir={str(run_dir)!r} exists and is not a directory; choose another run.dir.")
+    check_writable(run_dir, "run.dir")
     if launch.rank == 0:
         if run_dir.exists() and cfg.run.overwrite:
             log.warning("run.overwrite=true: deleting %s", run_dir)
             shutil.rmtree(run_dir)
         elif existing.is_file():
-            old = _identity(yaml.safe_load(existing.read_text()) or {})
-            new = _identity(to_dict(cfg))
-            changed = [s for s in _IDENTITY_SECTIONS if old.get(s) != new.get(s)]
+            changed = identity_diff(yaml.safe_load(existing.read_text()) or {}, to_dict(cfg))
             if changed:
-                raise ConfigError(f"run directory {run_dir} holds another run (its {', '.join(changed)} settings differ). "
-                                  "Use a new run.dir, or run.overwrite=true to delete it.")
+                shown = "; ".join(changed[:8]) + (f"; and {len(changed) - 8} more" if len(changed) > 8 else "")
+                raise ConfigError(f"run directory {run_dir} holds another run ({shown}). Use a new run.dir, "
+                                  "or run.overwrite=true to delete it.")
             if cfg.run.resume == "never":
                 raise ConfigError(f"run directory {run_dir} already holds this run and run.resume=never; use "
                                   "run.resume=auto to continue it or run.overwrite=true to start over.")
 
 
-def _identity(tree: dict[str, Any]) -> dict[str, Any]:
-    """The config sections that define a run; train.steps may grow (continue a finished run for longer)."""
-    out = {k: tree.get(k) for k in _IDENTITY_SECTIONS}
-    if isinstance(out.get("train"), dict):
-        out["train"] = {k: v for k, v in out["train"].items() if k != "steps"}
-    return out
+def check_writable(path: Path, key: str) -> None:
+    """Raise ConfigError (before anything is written) if directory `path` cannot be created or written to.
+
+    Checks the nearest existing ancestor when `path` does not exist yet (it is created with its parents later).
+    """
+    probe = path.absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"{key}={str(path)!r}: {probe} is a file, not a directory; choose another {key}.")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        why = "is on a read-only file system" if _read_only(probe) else "is not writable by this user"
+        raise ConfigError(f"{key}={str(path)!r}: {probe} {why}; choose a writable {key} (or fix its permissions).")
+
+
+def _read_only(path: Path) -> bool:
+    return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+
+
+def identity_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """The keys that define a run and differ: ``"algo.clip_high: 0.28 -> 0.3"`` (run dir's value first)."""
+    a, b = _flatten({k: old.get(k) for k in _IDENTITY_SECTIONS}), _flatten({k: new.get(k) for k in _IDENTITY_SECTIONS})
+    keys = sorted(k for k in set(a) | set(b) if not any(k == x or k.startswith(x + ".") for x in _NOT_IDENTITY))
+
+    def show(tree: dict[str, Any], key: str) -> str:
+        return repr(tree[key]) if key in tree else "(unset)"
+
+    return [f"{k}: {show(a, k)} -> {show(b, k)}" for k in keys if k not in a or k not in b or a[k] != b[k]]
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in _flatten(sub, f"{prefix}{key}.").items()}
+    if isinstance(tree, tuple):
+        tree = list(tree)
+    return {prefix.rstrip("."): tree}
 
 
 @dataclass
@@ -338,7 +372,8 @@ def build_components(cfg: Config, launch: LaunchEnv, *, resume: bool = True, che
     if cfg.model.mcore_path:
         from dapo_mcore.weights.live import load_megatron_checkpoint_into_model
 
-        load_megatron_checkpoint_into_model(actor.chunks, Path(cfg.model.mcore_path))
+        load_megatron_checkpoint_into_model(actor.chunks, Path(cfg.model.mcore_path), reshard=True,
+                                            make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
     elif hf_dir is not None:
         actor.load_hf(str(hf_dir))
     engine = _build_engine(cfg, hf_dir, hf_config, tokenizer)
@@ -378,22 +413,45 @@ def _drop_long(records: list, tokenizer, cfg: Config, which: str, filter_by_leng
 
 
 def _restore(parts: Components, *, resume: bool, checkpoint: str | None) -> int:
+    """Load the checkpoint to start from (the run's latest intact one, or `checkpoint`); the step to continue after.
+
+    Training (`resume`) first removes what interrupted saves left behind. A run may resume at another layout
+    (the checkpoint reshards); run.resume_weights_only=true starts the optimizer fresh.
+    """
     from dapo_mcore.actor import checkpoint as ckpt
 
     root = Path(parts.cfg.run.dir) / "checkpoints"
     if checkpoint == "base":
         return 0
-    target = Path(checkpoint) if checkpoint else (ckpt.find_latest(root) if (resume or checkpoint is None) else None)
-    if checkpoint and not (target / "COMPLETE").is_file():
-        raise ConfigError(f"--checkpoint {checkpoint} is not a complete dapo-mcore checkpoint directory.")
+    if resume and parts.is_main:
+        ckpt.remove_partials(root)
+    if dist.is_initialized():
+        dist.barrier()
+    if checkpoint:
+        target = check_checkpoint_arg(checkpoint)
+        problems = ckpt.check_intact(target)
+        if problems:
+            raise ckpt.CheckpointError(f"--checkpoint {checkpoint} is corrupt: {'; '.join(problems)}. Choose "
+                                       "another checkpoint of the run.")
+    else:
+        target = ckpt.find_latest(root)
     if target is None:
         return 0
-    state = ckpt.load_checkpoint(target, parts.actor)
+    state = ckpt.load_checkpoint(target, parts.actor, weights_only=parts.cfg.run.resume_weights_only)
     if parts.sampler is not None:
         parts.sampler.load_state_dict(state["sampler"])
     parts._resume_state = state
     log.info("loaded checkpoint %s (step %d)", target, state["step"])
     return int(state["step"])
+
+
+def check_checkpoint_arg(checkpoint: str) -> Path:
+    """``--checkpoint DIR`` must be a complete trainer checkpoint (checked before anything starts)."""
+    target = Path(checkpoint)
+    if not (target / "COMPLETE").is_file():
+        raise ConfigError(f"--checkpoint {checkpoint} is not a complete dapo-mcore checkpoint directory "
+                          "(RUN_DIR/checkpoints/step_NNNNNN, or 'base' for the base model).")
+    return target
 
 
 def _open_telemetry(parts: Components, start: int) -> None:

@@ -86,8 +86,11 @@ def test_compare_figure(tmp_path):
 
 
 def test_report_without_metrics_fails_cleanly(tmp_path, capsys):
-    assert report.main([str(tmp_path / "nowhere")]) == 1
-    assert "metrics.jsonl does not exist" in capsys.readouterr().out
+    from dapo_mcore import cli
+
+    assert cli.main(["report", str(tmp_path / "nowhere")]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and "metrics.jsonl does not exist" in out.err and out.err.count("\n") == 1
 
 
 def test_moving_average_matches_naive():

@@ -205,5 +205,8 @@ def test_rollouts_cli_prints_decoded_samples(tmp_path, capsys):
     assert rollout_store.main([str(tmp_path), "--which", "rejected", "--raw"]) == 0  # default: last step
     out = capsys.readouterr().out
     assert f"{ids['Answer:']} {ids['5']}" in out and "reward +1.000" not in out
-    assert rollout_store.main([str(tmp_path), "--step", "8"]) == 1
-    assert "not stored" in capsys.readouterr().out
+    from dapo_mcore import cli
+
+    assert cli.main(["rollouts", str(tmp_path), "--step", "8"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and "not stored" in out.err and out.err.count("\n") == 1

@@ -140,11 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.last is not None and args.last < 1:
         parser.error(f"--last {args.last}: pass a number of steps >= 1")
-    try:
-        records = load_run(args.run_dir)
-    except FileNotFoundError as err:
-        print(f"error: {err}")
-        return 1
+    records = load_run(args.run_dir)  # a missing run is an OSError: the CLI reports it on stderr and exits 2
     if args.last is not None:
         records = records[-args.last:]
     render(summarize(records), Console(), args.run_dir.resolve().name)

@@ -21,6 +21,7 @@ import numpy as np
 # never switches the process-wide matplotlib backend (report runs on login nodes and in CI).
 from matplotlib.figure import Figure
 
+from dapo_mcore.errors import naming
 from dapo_mcore.telemetry import keys
 from dapo_mcore.telemetry.jsonl import read_jsonl
 from dapo_mcore.telemetry.ledger import LEDGER_FILE
@@ -97,7 +98,8 @@ def _figure(ncols: int, width: float, height: float) -> tuple[Figure, Any]:
 
 def _save(fig: Figure, path: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with naming(path):  # matplotlib's write errors name no file
+        fig.savefig(path, dpi=110)
     return path
 
 
@@ -225,14 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.smooth < 1:
         parser.error(f"--smooth {args.smooth}: use a window of 1 (raw) or more")
-    try:
-        written = write_report(args.run_dir, args.out, args.smooth)
-        if args.compare:
-            out = args.out if args.out is not None else args.run_dir / "figures"
-            written.append(compare_figure([args.run_dir, *args.compare], out / "compare.png", args.smooth))
-    except FileNotFoundError as err:
-        print(f"error: {err}")
-        return 1
+    # Missing runs and unwritable outputs are OSErrors: the CLI reports them on stderr and exits 2.
+    written = write_report(args.run_dir, args.out, args.smooth)
+    if args.compare:
+        out = args.out if args.out is not None else args.run_dir / "figures"
+        written.append(compare_figure([args.run_dir, *args.compare], out / "compare.png", args.smooth))
     for path in written:
         print(path)
     return 0

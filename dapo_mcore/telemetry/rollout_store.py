@@ -356,24 +356,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", type=Path, default=None, help="tokenizer directory (default RUN_DIR/tokenizer)")
     parser.add_argument("--raw", action="store_true", help="print token ids instead of decoding")
     args = parser.parse_args(argv)
+    from dapo_mcore.errors import UserError
+
     try:
         reader = RolloutReader(args.run_dir / ROLLOUTS_DIR)
-    except (FileNotFoundError, ValueError) as err:
-        print(f"error: {err}")
-        return 1
+    except ValueError as err:  # a missing store is an OSError: the CLI reports it on stderr and exits 2
+        raise UserError(str(err)) from err
     steps = reader.steps()
     step = args.step if args.step is not None else (steps[-1] if steps else None)
     if step is None or step not in steps:
-        print(f"error: step {step} is not stored; stored: {_summarize(steps)}")
-        return 1
+        raise UserError(f"step {step} is not stored in {args.run_dir / ROLLOUTS_DIR}; stored: {_summarize(steps)}")
     if args.raw:
         def decode(ids: np.ndarray) -> str:
             return " ".join(str(int(t)) for t in ids)
     else:
         tok_dir = args.tokenizer if args.tokenizer is not None else args.run_dir / "tokenizer"
         if not tok_dir.is_dir():
-            print(f"error: no tokenizer at {tok_dir}; pass --tokenizer DIR or --raw")
-            return 1
+            raise UserError(f"no tokenizer at {tok_dir}; pass --tokenizer DIR or --raw")
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))

@@ -1,0 +1,52 @@
+"""A run directory is one run: layout changes resume it, other config changes are refused naming each key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dapo_mcore.actor.parallel import LaunchEnv
+from dapo_mcore.config import ConfigError, load_config, write_resolved
+from dapo_mcore.runtime import identity_diff, prepare_run_dir
+
+pytestmark = pytest.mark.unit
+
+CONFIG = Path(__file__).resolve().parents[1] / "examples" / "tiny_cpu.yaml"
+RANK0 = LaunchEnv(rank=0, world_size=2, local_rank=0, master_addr="127.0.0.1", master_port=29500, source="test")
+
+
+def _existing_run(tmp_path: Path) -> Path:
+    run_dir = tmp_path / "run"
+    write_resolved(load_config(str(CONFIG), [f"run.dir={run_dir}"]), str(run_dir))
+    return run_dir
+
+
+@pytest.mark.parametrize("overrides", [
+    ["parallel.tensor_parallel=2"], ["parallel.pipeline_parallel=2", "parallel.virtual_pipeline=null"],
+    ["train.steps=500", "train.micro_batch_tokens=512", "model.layer_spec=local", "model.recompute=full",
+     "model.make_vocab_size_divisible_by=64", "rollout.vllm.tensor_parallel=2", "eval.every=5", "checkpoint.every=3"],
+])
+def test_layout_and_length_changes_resume_the_run(tmp_path, overrides):
+    run_dir = _existing_run(tmp_path)
+    cfg = load_config(str(CONFIG), [f"run.dir={run_dir}", *overrides])
+    prepare_run_dir(cfg, RANK0)  # no error: the same run, continued
+
+
+def test_another_run_is_refused_naming_every_changed_key(tmp_path):
+    run_dir = _existing_run(tmp_path)
+    cfg = load_config(str(CONFIG), [f"run.dir={run_dir}", "algo.clip_high=0.3", "optim.lr=0.001",
+                                    "parallel.tensor_parallel=2"])
+    with pytest.raises(ConfigError) as err:
+        prepare_run_dir(cfg, RANK0)
+    msg = str(err.value)
+    assert "holds another run (algo.clip_high: 0.28 -> 0.3; optim.lr: 0.0005 -> 0.001)" in msg
+    assert "tensor_parallel" not in msg and "run.overwrite=true" in msg
+
+
+def test_identity_diff_against_a_naive_walk():
+    old = {"algo": {"clip_high": 0.28, "nested": {"a": [1, 2]}}, "train": {"steps": 5, "seed": 1}, "parallel": {"tp": 1}}
+    new = {"algo": {"clip_high": 0.28, "nested": {"a": [1, 3], "b": True}}, "train": {"steps": 9, "seed": 2},
+           "parallel": {"tp": 2}}
+    assert identity_diff(old, new) == ["algo.nested.a: [1, 2] -> [1, 3]", "algo.nested.b: (unset) -> True",
+                                       "train.seed: 1 -> 2"]
