@@ -100,3 +100,20 @@ def test_elastic_resume_tp1_to_tp2_to_pp2_follows_the_straight_run(runs):
     assert max((fresh[name] - ref[name]).abs().max().item() for name in ref) > 100 * max(worst, 1e-7)
     moved = max((runs["resume"]["weights"][name] - runs["straight_weights"][name]).abs().max().item() for name in ref)
     assert moved == 0.0  # the same-layout resume stays bit-exact
+
+
+def test_bf16_optimizer_state_with_fp32_main_params_round_trips_exactly(tmp_path):
+    from tests.dist_scripts.harness import HERE, _launch, _wait, _write_workspace
+
+    ws = tmp_path / "ws"
+    _write_workspace(ws)
+    _wait(_launch([str(HERE / "actor_resume.py"), str(ws), "bf16"]), "bf16 save/load")
+    out = torch.load(ws / "out" / "bf16.pt", weights_only=False)
+    assert out["kinds"] == ["exp_avg", "exp_avg_sq", "main_params", "optimizer.json"]
+    saved, loaded = out["saved"], out["loaded"]
+    assert sorted(saved) == sorted(loaded)
+    for key in saved:
+        assert saved[key]["dtype"] == "torch.float32" and saved[key]["step"] == loaded[key]["step"] == 2.0  # two updates
+        for field in ("main", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(saved[key][field], loaded[key][field]), (key, field)
+    assert out["next_a"] == out["next_b"]

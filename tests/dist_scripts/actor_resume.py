@@ -141,11 +141,45 @@ def elastic(ws: Path, spec: dict) -> None:
         c.save({"weights": weights, "fresh_optimizer_weights": fresh}, ws / "out" / "elastic.pt")
 
 
+def bf16(ws: Path, spec: dict) -> None:
+    """A bf16 actor (fp32 main parameters in the optimizer) saved after one step and loaded into a fresh one:
+    Adam's moments, the main parameters and the step come back bit-exact, and the next step matches."""
+    from dapo_mcore.actor import checkpoint as ckpt
+    from dapo_mcore.actor.optim_state import _targets
+
+    torch.manual_seed(spec["resume_seed"])
+    a = c.make_actor(ws, spec, 1, 1, params_dtype=torch.bfloat16)
+    run_steps(a, spec, 1, 1, ws / "out" / "bf16_a.json")
+    ckpt.save_checkpoint(ws / "ckpt_bf16", 1, a, {"step": 1}, keep_last=1)
+    b = c.make_actor(ws, spec, 1, 1, params_dtype=torch.bfloat16, load=False)
+    ckpt.load_checkpoint(ckpt.find_latest(ws / "ckpt_bf16"), b)
+
+    def opt_state(actor) -> dict:
+        targets, *_ = _targets(actor)
+        out = {}
+        for key, (target, opt) in targets.items():
+            st = opt.state[target]
+            out[key] = {"main": target.detach().clone(), "dtype": str(target.dtype), "step": float(st["step"]),
+                        "exp_avg": st["exp_avg"].clone(), "exp_avg_sq": st["exp_avg_sq"].clone()}
+        return out
+
+    result = {"saved": opt_state(a), "loaded": opt_state(b), "kinds": sorted(p.name for p in
+                                                                          (ws / "ckpt_bf16" / "step_000001" / "optim").iterdir())}
+    state = torch.get_rng_state()
+    run_steps(a, spec, 2, 2, ws / "out" / "bf16_a.json")
+    torch.set_rng_state(state)
+    run_steps(b, spec, 2, 2, ws / "out" / "bf16_b.json")
+    result["next_a"] = json.loads((ws / "out" / "bf16_a.json").read_text())[-1]
+    result["next_b"] = json.loads((ws / "out" / "bf16_b.json").read_text())[-1]
+    c.save(result, ws / "out" / "bf16.pt")
+
+
 def main() -> None:
     ws, mode = Path(sys.argv[1]), sys.argv[2]
     spec = c.read_spec(ws)
     c.start()
-    {"straight": straight, "killed": killed, "resume": resume, "elastic": elastic}[mode](ws, spec)
+    {"straight": straight, "killed": killed, "resume": resume, "elastic": elastic,
+     "bf16": bf16}[mode](ws, spec)
     from dapo_mcore.actor.parallel import shutdown
 
     shutdown()
