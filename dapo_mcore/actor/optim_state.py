@@ -129,8 +129,8 @@ def _apply(targets, values: dict[str, dict[str, torch.Tensor]], step: int) -> in
                 state["step"] = torch.tensor(float(step), dtype=_scalar_dtype(),
                                              device=target.device if on_device else "cpu")
         for opt in {id(o): o for _, o in targets.values()}.values():
-            for group in opt.param_groups:
-                if "step" in group:
+            if not isinstance(opt, torch.optim.Adam):  # apex / Transformer Engine FusedAdam count per group
+                for group in opt.param_groups:
                     group["step"] = step
     return step
 
