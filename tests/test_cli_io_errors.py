@@ -74,6 +74,11 @@ def test_read_commands_report_a_missing_run_on_stderr_with_exit_2(capsys, argv, 
     assert out.out == "" and needle in _one_line(out.err)
 
 
+def test_convert_goes_through_the_same_guard(tmp_path, capsys):
+    assert cli.main(["convert", "mcore-to-hf", "--mcore", str(tmp_path / "none"), "--out", str(tmp_path / "o")]) == 2
+    assert str(tmp_path / "none") in _one_line(capsys.readouterr().err)
+
+
 def _fake_run(run: Path) -> Path:
     from tests.test_telemetry_report import _fake_run as make
 
