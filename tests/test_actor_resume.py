@@ -65,9 +65,10 @@ def test_checkpoint_of_another_model_shape_is_refused_untouched(runs, name, need
     assert result["untouched"] is True
 
 
-@pytest.mark.parametrize("layout", ["tp2_pp1_dp1", "tp1_pp2_dp1"])
+@pytest.mark.parametrize("layout", ["tp2_pp1_dp1", "tp1_pp2_dp1", "tp1_pp1_dp2"])
 def test_checkpoint_of_another_layout_loads_resharded_exactly(runs, layout, tmp_path):
-    """The TP=1 checkpoint loaded at TP=2 / PP=2 holds exactly its weights (checked against the offline converter)."""
+    """The TP=1 checkpoint loaded at TP=2 / PP=2 / DP=2 holds exactly its weights (checked against the offline
+    converter)."""
     from safetensors.torch import load_file
 
     from conversion.mcore_to_hf import convert_mcore_to_hf

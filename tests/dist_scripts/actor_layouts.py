@@ -9,7 +9,7 @@ Per layout (the model parallel groups are rebuilt for each) this records, on eve
   metrics       two DAPO updates (train_mini_batch) from the same starting weights
   weights       the HF-named weights exported after them (export_hf_weights)
   elastic       the HF-named weights after loading the workspace's TP=1 trainer checkpoint into this layout
-                (when it is not TP=1/PP=1): resharded on load
+                (with 2 processes: at TP=2, PP=2 or DP=2): resharded on load
 and writes them to WS/out/NAME_rank<R>.pt. With --straight, it then runs the uninterrupted resume baseline.
 """
 
@@ -66,7 +66,7 @@ def check_layout(ws: Path, spec: dict, tp: int, pp: int) -> dict:
     res["metrics"] = [actor.train_mini_batch(c.samples(spec, key), lr=spec["lr"]) for key in ("update1", "update2")]
     res["weights"] = c.export(actor)
     tp1_ckpt = ws / "ckpt_tp1"
-    if (tp, pp) != (1, 1) and tp1_ckpt.is_dir():
+    if torch.distributed.get_world_size() > 1 and tp1_ckpt.is_dir():
         state = ckpt.load_checkpoint(tp1_ckpt, actor)
         res["elastic"] = {"state": state, "weights": c.export(actor)}
     return res
