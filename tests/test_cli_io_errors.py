@@ -177,6 +177,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
+@pytest.mark.e2e
 def test_train_in_a_read_only_run_dir_exits_2_before_writing(tmpfs):
     ro = tmpfs(read_only=True)
     done = _cli("train", str(CONFIG), f"run.dir={ro / 'run'}")
@@ -185,6 +186,7 @@ def test_train_in_a_read_only_run_dir_exits_2_before_writing(tmpfs):
     assert f"{ro}" in line and "read-only file system" in line and "writable run.dir" in line
 
 
+@pytest.mark.e2e
 def test_report_on_a_real_full_disk(tmpfs, tmp_path):
     full = tmpfs(size="16k")
     run = _fake_run(tmp_path / "run")
