@@ -14,6 +14,7 @@ from conversion.mcore_to_hf import convert_mcore_to_hf
 from conversion.synthetic import save_tiny_hf_model
 from dapo_mcore.weights import ParallelLayout
 from dapo_mcore.weights.checkpoint import CheckpointError, rank_file
+from dapo_mcore.weights.errors import OutputPathError
 from dapo_mcore.weights.hf_checkpoint import HFCheckpointError
 from dapo_mcore.weights.layout import LayoutError
 from dapo_mcore.weights.registry import UnsupportedModelError
@@ -126,6 +127,6 @@ def test_background_write_failure_raises_and_leaves_no_target(hf, tmp_path, monk
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(staged_io.os, "pwrite", broken)
-    with pytest.raises(OSError, match="background write failed.*No space left"):
+    with pytest.raises(OutputPathError, match="No space left on device.*free space"):
         convert_hf_to_mcore(hf, tmp_path / "out", ParallelLayout(tp=2))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]

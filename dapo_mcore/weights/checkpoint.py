@@ -12,13 +12,9 @@ directory next to the target and rename it into place at the end, so the target 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import shutil
-import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +23,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from dapo_mcore.weights.atomic import atomic_directory, check_target_free, temp_dir_for  # noqa: F401 (re-exported)
+from dapo_mcore.weights.errors import WeightsError
 from dapo_mcore.weights.layout import ParallelLayout
 
 log = logging.getLogger(__name__)
@@ -36,7 +34,7 @@ FORMAT_VERSION = 1
 METADATA_FILE = "dapo_mcore_checkpoint.json"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(WeightsError):
     """A checkpoint that does not match what it is loaded into, or is malformed (message names the mismatch)."""
 
 
@@ -102,30 +100,3 @@ def read_megatron_rank(directory: str | Path, tp_rank: int, pp_rank: int) -> dic
 def read_rank_tensor(directory: str | Path, tp_rank: int, pp_rank: int, key: str) -> torch.Tensor:
     with safe_open(os.fspath(rank_file(directory, tp_rank, pp_rank)), framework="pt") as f:
         return f.get_tensor(key)
-
-
-def check_target_free(target: str | Path) -> Path:
-    target = Path(target)
-    if target.exists():
-        raise FileExistsError(f"{target} already exists; choose a new output path or remove it first.")
-    if not target.parent.exists():
-        raise FileNotFoundError(f"the parent directory of {target} does not exist.")
-    return target
-
-
-def temp_dir_for(target: Path, tag: str | None = None) -> Path:
-    return target.parent / f".{target.name}.partial-{tag or uuid.uuid4().hex[:8]}"
-
-
-@contextlib.contextmanager
-def atomic_directory(target: str | Path) -> Iterator[Path]:
-    """Yield a temp dir next to `target`; rename it to `target` on success, delete it on error."""
-    target = check_target_free(target)
-    tmp = temp_dir_for(target)
-    tmp.mkdir()
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    os.replace(tmp, target)

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dapo_mcore.weights.errors import WeightsError
+
 LAYER_SPECS = ("local", "transformer_engine")
 
 
-class LayoutError(ValueError):
+class LayoutError(WeightsError):
     """A parallel layout that cannot hold the model (with the fix in the message)."""
 
 

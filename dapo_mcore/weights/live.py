@@ -125,15 +125,22 @@ def load_megatron_checkpoint_into_model(model_chunks: list, directory: str | Pat
     dtype = dtype_name(next(iter(params.values())).dtype)
     problems = _meta_mismatches(meta, layout, _live_padded_vocab(model_chunks, layout, mapping), dtype)
     if problems:
+        fixes = []
+        if any(not p.startswith("dtype") for p in problems):
+            fixes.append("convert it to this layout with `dapo-mcore convert` (mcore-to-hf, then hf-to-mcore)")
+        if meta.dtype != dtype:
+            fixes.append(f"build the model in {meta.dtype} (e.g. verify --dtype {meta.dtype}) or convert with "
+                         f"hf-to-mcore --dtype {dtype}")
         raise ckpt.CheckpointError(f"checkpoint {directory} does not fit the live model: {'; '.join(problems)}. "
-                                   "Convert it to this layout with `dapo-mcore convert` (hf round trip) first.")
+                                   f"Fix: {'; '.join(fixes)}.")
     state = ckpt.read_megatron_rank(directory, tp_rank, pp_rank)
     check_tensors_match({k: tuple(t.shape) for k, t in state.items()}, {k: tuple(p.shape) for k, p in params.items()},
                         f"checkpoint rank file {ckpt.rank_dir_name(tp_rank, pp_rank)}", "the live model")
     bad = [k for k, t in state.items() if t.dtype != params[k].dtype]
     if bad:
         raise ckpt.CheckpointError(f"dtype mismatch for {bad[:5]}: checkpoint {state[bad[0]].dtype}, "
-                                   f"live {params[bad[0]].dtype}.")
+                                   f"live {params[bad[0]].dtype}; cast the model chunks to one dtype before "
+                                   "loading (chunk.to(dtype), as the actor does: Megatron's norms stay float32).")
     _copy_in(params, state)
     log.info("loaded %s rank (tp %d, pp %d): %d tensors", directory, tp_rank, pp_rank, len(state))
     return meta
