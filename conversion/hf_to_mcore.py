@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -120,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-divisible-by", type=int, default=128)
     p.add_argument("--dtype", choices=tuple(DTYPE_NAMES), default=None,
                    help="cast to this dtype (default: keep the checkpoint's dtype)")
+    p.add_argument("--format", choices=("dapo", "torch_dist"), default="dapo",
+                   help="dapo: this project's per-rank safetensors (what the trainer loads); torch_dist: "
+                        "megatron-core dist checkpoint in Megatron-LM's layout (needs torchrun with tp*pp "
+                        "processes when tp or pp > 1; layout-free on load)")
     p.add_argument("--io", choices=tuple(IO_MODES), default="auto",
                    help="rank file writes: O_DIRECT (direct), page cache (buffered), or O_DIRECT where the "
                         "filesystem allows it, falling back when it refuses (auto)")
@@ -134,6 +139,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args) -> int:
+    if args.format == "torch_dist":
+        from conversion.torch_dist import run_collective
+
+        dtype = parse_dtype(args.dtype) if args.dtype else None
+        run_collective(args.tp, args.pp, "hf_to_torch_dist", args.hf, args.out, dtype=dtype,
+                       divisible_by=args.vocab_divisible_by)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"wrote {args.out}")
+        return 0
     layout = ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp, layer_spec=args.layer_spec,
                             make_vocab_size_divisible_by=args.vocab_divisible_by)
     dtype = parse_dtype(args.dtype) if args.dtype else None

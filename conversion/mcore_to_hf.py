@@ -110,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="dir whose tokenizer files are copied into the output "
                    "(default: RUN/tokenizer for a trainer checkpoint RUN/checkpoints/step_N, else the checkpoint's "
                    "tokenizer/ copy, if present)")
+    p.add_argument("--format", choices=("dapo", "torch_dist"), default="dapo",
+                   help="the input: dapo (this project's checkpoint) or torch_dist (a megatron-core dist checkpoint: "
+                        "Megatron-LM's --save dir, one of its iter_* dirs, or a bare one; any TP/PP, any vocab "
+                        "padding; needs --hf-config)")
+    p.add_argument("--hf-config", default=None,
+                   help="for --format torch_dist: the HF dir whose config.json (and tokenizer files) describe the model")
     p.add_argument("--io", choices=tuple(IO_MODES), default="auto",
                    help="shard writes: O_DIRECT (direct), page cache (buffered), or O_DIRECT where allowed (auto)")
     p.add_argument("--no-progress", action="store_true")
@@ -132,6 +138,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args) -> int:
+    if args.format == "torch_dist":
+        if not args.hf_config:
+            raise WeightsError("--format torch_dist needs --hf-config DIR (the HF dir with the model's config.json).")
+        from conversion.torch_dist import run_collective
+
+        run_collective(1, 1, "torch_dist_to_hf", args.mcore, args.hf_config, args.out,
+                       max_shard_bytes=parse_size(args.max_shard_size))
+        print(f"wrote {args.out}")
+        return 0
     tokenizer = args.tokenizer or _run_tokenizer(Path(args.mcore))
     convert_mcore_to_hf(args.mcore, args.out, max_shard_bytes=parse_size(args.max_shard_size),
                         tokenizer_dir=tokenizer, progress=not args.no_progress, direct=io_mode(args.io))
