@@ -115,3 +115,26 @@ def test_round_trip_on_mounted_filesystems(tmp_path, kind):
                     (mnt / "m_auto" / rank / "model.safetensors").read_bytes()
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+@pytest.mark.parametrize("kind,opts,match", [("ro", ["-o", "ro,size=1m"], "read-only file system.*writable"),
+                                             ("full", ["-o", "size=64k"], "No space left on device.*free space")])
+def test_read_only_and_full_filesystems_are_one_line_errors(tmp_path, capsys, kind, opts, match):
+    from conversion.hf_to_mcore import main as hf_to_mcore_main
+
+    mnt = tmp_path / kind
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", *opts, "tmpfs", str(mnt)],
+                                           capture_output=True).returncode:
+        pytest.skip("cannot mount tmpfs here (needs root)")
+    try:
+        save_tiny_hf_model(tmp_path / "hf", seed=4)
+        with pytest.raises(OutputPathError, match=f"(?i){match}"):
+            convert_hf_to_mcore(tmp_path / "hf", mnt / "out", ParallelLayout())
+        capsys.readouterr()
+        assert hf_to_mcore_main(["--hf", str(tmp_path / "hf"), "--out", str(mnt / "out"), "--no-progress"]) == 2
+        err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("dapo-mcore convert:")]
+        assert len(err) == 1 and str(mnt / "out") in err[0]
+        assert list(mnt.iterdir()) == []  # no .partial left behind
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
