@@ -107,8 +107,9 @@ class _Terminated(BaseException):
 
 @contextlib.contextmanager
 def _sigterm_raises() -> Iterator[None]:
-    if threading.current_thread() is not threading.main_thread():
-        yield
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield  # not ours to take: a thread cannot set handlers, and a program's own handler stays in charge
         return
 
     def handler(signum, frame):
