@@ -7,7 +7,7 @@ read straight into reused staging buffers that a thread writes out with O_DIRECT
 is the staging buffers plus one memory-mapped tensor; every HF byte is read once (norms once per TP rank).
 
     python -m conversion.hf_to_mcore --hf DIR --out DIR --tp 2 --pp 2 [--vpp 1] [--layer-spec local]
-        [--vocab-divisible-by 128] [--dtype bfloat16] [--io auto|direct|buffered] [--debug]
+        [--vocab-divisible-by 128] [--dtype bfloat16] [--io auto|direct|buffered] [--format dapo|torch_dist] [--debug]
 
 The HF directory's tokenizer, generation config and chat template are copied into ``<out>/tokenizer/`` so that
 `mcore_to_hf` can put them back. User errors print one line and exit 2 (`--debug` for the traceback).
