@@ -7,6 +7,7 @@ TP=2 PP=2 with the default writer (O_DIRECT where the filesystem allows it), (3)
 page cache (`direct=False`: the same converter without O_DIRECT, to show where the time went), (4) writes
 the same number of bytes with plain buffered writes, (5) reads again, (6) converts into --also-out (a tmpfs).
 Prints conversion time over the faster of the two reads and the conversion's peak RSS over the largest tensor,
+the time the conversions spent in fsync (files + directories, before the rename; included in their times),
 and the load average. Deletes everything after.
 
     python benchmarks/convert.py [--layers 2] [--tp 2] [--pp 2] [--workdir DIR] [--also-out /dev/shm]
@@ -60,7 +61,8 @@ direct = {"auto": None, "off": False}[sys.argv[5]]
 t0 = time.perf_counter()
 convert_hf_to_mcore(sys.argv[1], sys.argv[2], ParallelLayout(tp=int(sys.argv[3]), pp=int(sys.argv[4])),
                     direct=direct)
-print(json.dumps({"seconds": time.perf_counter() - t0}))
+from dapo_mcore.weights import atomic
+print(json.dumps({"seconds": time.perf_counter() - t0, "fsync_seconds": atomic.last_fsync_seconds}))
 """
 
 
@@ -146,12 +148,16 @@ def main(argv: list[str] | None = None) -> int:
               f"{conv['seconds'] / read_s:.2f}")
         print(f"convert through the page cache (direct=False): {paged['seconds']:.2f} s, peak RSS "
               f"{paged_rss / 1e9:.2f} GB, over read: {paged['seconds'] / read_s:.2f}")
+        print(f"fsync before the rename (included above): default {conv['fsync_seconds']:.2f} s "
+              f"({100 * conv['fsync_seconds'] / conv['seconds']:.1f}%), page cache {paged['fsync_seconds']:.2f} s "
+              f"({100 * paged['fsync_seconds'] / paged['seconds']:.1f}%)")
         print(f"plain buffered write of {out_bytes / 1e9:.2f} GB to the same disk: {write['seconds']:.2f} s "
               f"({out_bytes / 1e9 / write['seconds']:.2f} GB/s); convert / (read + plain write): "
               f"{conv['seconds'] / (read_s + write['seconds']):.2f}")
         if fast is not None:
             print(f"convert into {args.also_out} (no disk writes): {fast['seconds']:.2f} s, peak RSS "
-                  f"{fast_rss / 1e9:.2f} GB, over read: {fast['seconds'] / read_s:.2f}")
+                  f"{fast_rss / 1e9:.2f} GB, over read: {fast['seconds'] / read_s:.2f}, fsync "
+                  f"{fast['fsync_seconds']:.2f} s")
         print(f"peak_rss_over_largest_tensor: {conv_rss / largest:.2f} (target <= 4x + 1 GB: "
               f"{conv_rss / 1e9:.2f} GB <= {bound / 1e9:.2f} GB {'OK' if conv_rss <= bound else 'OVER'})")
         print("load average (1/5/15 min) at start: {:.1f} {:.1f} {:.1f}, at end: {:.1f} {:.1f} {:.1f} ({} CPUs)".format(

@@ -7,19 +7,30 @@ read straight into reused staging buffers that a thread writes out with O_DIRECT
 is the staging buffers plus one memory-mapped tensor; every HF byte is read once (norms once per TP rank).
 
     python -m conversion.hf_to_mcore --hf DIR --out DIR --tp 2 --pp 2 [--vpp 1] [--layer-spec local]
-        [--vocab-divisible-by 128] [--dtype bfloat16]
+        [--vocab-divisible-by 128] [--dtype bfloat16] [--io auto|direct|buffered] [--format dapo|torch_dist] [--debug]
+
+The HF directory's tokenizer, generation config and chat template are copied into ``<out>/tokenizer/`` so that
+`mcore_to_hf` can put them back. User errors print one line and exit 2 (`--debug` for the traceback).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 from pathlib import Path
 
 import torch
 
+from conversion.entry import add_debug_flag, run
 from dapo_mcore.weights import checkpoint as ckpt
-from dapo_mcore.weights.hf_checkpoint import check_hf_tensors, read_hf_config
+from dapo_mcore.weights.errors import WeightsError
+from dapo_mcore.weights.hf_checkpoint import (
+    TOKENIZER_DIR,
+    check_hf_tensors,
+    copy_tokenizer_files,
+    read_hf_config,
+)
 from dapo_mcore.weights.layout import LAYER_SPECS, ParallelLayout
 from dapo_mcore.weights.registry import get_mapping
 from dapo_mcore.weights.safetensors_io import (
@@ -29,6 +40,7 @@ from dapo_mcore.weights.safetensors_io import (
     dtype_name,
     parse_dtype,
 )
+from dapo_mcore.weights.staged_io import IO_MODES, io_mode
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +50,20 @@ def _progress(enabled: bool):
 
     return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
                     disable=not enabled)
+
+
+class CastOverflowError(WeightsError):
+    """A cast (e.g. to float16) that turns finite values into inf."""
+
+
+def cast_checked(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor.to(dtype)`, refusing a cast that overflows finite values to +-inf (naming the tensor)."""
+    out = tensor.to(dtype)
+    if dtype.is_floating_point and not torch.isinf(tensor).any() and torch.isinf(out).any():
+        big = tensor.abs().max().item()
+        raise CastOverflowError(f"{name}: casting to {dtype_name(dtype)} overflows (|max| {big:.4g} > "
+                                f"{torch.finfo(dtype).max:.4g}); convert to bfloat16 or float32 instead.")
+    return out
 
 
 def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, layout: ParallelLayout, *,
@@ -72,9 +98,13 @@ def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, layout: Paralle
                         writer.write_extents(key, source, pl.hf_names,
                                              mapping.shard_extents(pl, layout, tp_rank, itemsize))
                     else:  # a cast: build the tensor
-                        writer.write(key, mapping.shard(pl, source, layout, tp_rank).to(out_dtype))
+                        writer.write(key, cast_checked(f"{key} ({', '.join(pl.hf_names)})",
+                                                       mapping.shard(pl, source, layout, tp_rank), out_dtype))
                     bar.advance(task, torch.Size(shape).numel() * itemsize)
         ckpt.write_meta(tmp, meta)
+        copied = copy_tokenizer_files(hf_dir, tmp / TOKENIZER_DIR)
+    if not copied:
+        log.warning("%s has no tokenizer files; mcore-to-hf will need --tokenizer to write a usable HF dir", hf_dir)
     log.info("wrote %s: tp=%d pp=%d vpp=%d, %s, %.2f GB", out_dir, layout.tp, layout.pp, layout.vpp,
              meta.dtype, total / 1e9)
     return meta
@@ -91,17 +121,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-divisible-by", type=int, default=128)
     p.add_argument("--dtype", choices=tuple(DTYPE_NAMES), default=None,
                    help="cast to this dtype (default: keep the checkpoint's dtype)")
+    p.add_argument("--format", choices=("dapo", "torch_dist"), default="dapo",
+                   help="dapo: this project's per-rank safetensors (what the trainer loads); torch_dist: "
+                        "megatron-core dist checkpoint in Megatron-LM's layout (needs torchrun with tp*pp "
+                        "processes when tp or pp > 1; layout-free on load)")
+    p.add_argument("--io", choices=tuple(IO_MODES), default="auto",
+                   help="rank file writes: O_DIRECT (direct), page cache (buffered), or O_DIRECT where the "
+                        "filesystem allows it, falling back when it refuses (auto)")
     p.add_argument("--no-progress", action="store_true")
-    return p
+    return add_debug_flag(p)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    return run(_main, args)
+
+
+def _main(args) -> int:
+    if args.format == "torch_dist":
+        from conversion.torch_dist import run_collective
+
+        dtype = parse_dtype(args.dtype) if args.dtype else None
+        run_collective(args.tp, args.pp, "hf_to_torch_dist", args.hf, args.out, dtype=dtype,
+                       divisible_by=args.vocab_divisible_by)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"wrote {args.out}")
+        return 0
     layout = ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp, layer_spec=args.layer_spec,
                             make_vocab_size_divisible_by=args.vocab_divisible_by)
     dtype = parse_dtype(args.dtype) if args.dtype else None
-    convert_hf_to_mcore(args.hf, args.out, layout, dtype=dtype, progress=not args.no_progress)
+    convert_hf_to_mcore(args.hf, args.out, layout, dtype=dtype, progress=not args.no_progress,
+                        direct=io_mode(args.io))
     print(f"wrote {args.out}")
     return 0
 

@@ -6,6 +6,11 @@ split into HF tensors and appended to a shard planned up front. The result loads
 ``transformers.AutoModelForCausalLM.from_pretrained``.
 
     python -m conversion.mcore_to_hf --mcore DIR --out DIR [--max-shard-size 5GB] [--tokenizer DIR]
+        [--io auto|direct|buffered] [--debug]
+
+Tokenizer, generation config and chat template come from `--tokenizer`, else from a training run's
+``RUN/tokenizer``, else from the checkpoint's own copy (``<ckpt>/tokenizer``, written by `hf_to_mcore`); with
+none of these the output has no tokenizer and a warning says so.
 """
 
 from __future__ import annotations
@@ -14,12 +19,15 @@ import argparse
 import logging
 from pathlib import Path
 
+from conversion.entry import add_debug_flag, run
 from conversion.hf_to_mcore import _progress
 from dapo_mcore.weights import checkpoint as ckpt
-from dapo_mcore.weights.hf_checkpoint import HFShardedWriter, copy_tokenizer, write_hf_config
+from dapo_mcore.weights.errors import WeightsError
+from dapo_mcore.weights.hf_checkpoint import TOKENIZER_DIR, HFShardedWriter, copy_tokenizer, write_hf_config
 from dapo_mcore.weights.live import check_tensors_match
 from dapo_mcore.weights.registry import get_mapping
 from dapo_mcore.weights.safetensors_io import parse_dtype, read_header
+from dapo_mcore.weights.staged_io import IO_MODES, io_mode
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +40,7 @@ def parse_size(text: str) -> int:
         if text.endswith(unit):
             return int(float(text[: -len(unit)]) * factor)
     if not text.isdigit():
-        raise ValueError(f"cannot read size {text!r}; write e.g. 5GB, 500MB or a byte count.")
+        raise WeightsError(f"cannot read size {text!r}; write e.g. 5GB, 500MB or a byte count.")
     return int(text)
 
 
@@ -54,9 +62,16 @@ def _check_rank_files(directory: Path, meta: ckpt.CheckpointMeta, mapping) -> No
 
 
 def convert_mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, *, max_shard_bytes: int = 5 * 10**9,
-                        tokenizer_dir: str | Path | None = None, progress: bool = False) -> Path:
-    """Convert a canonical (or trainer) checkpoint to an HF directory; checks run before writing."""
+                        tokenizer_dir: str | Path | None = None, progress: bool = False,
+                        direct: bool | None = None) -> Path:
+    """Convert a canonical (or trainer) checkpoint to an HF directory; checks run before writing.
+
+    `tokenizer_dir` None: use the checkpoint's own tokenizer copy when it has one (else warn).
+    `direct`: O_DIRECT for the shards (True), page cache (False), or where the filesystem allows (None).
+    """
     directory = ckpt.resolve_checkpoint_dir(mcore_dir)
+    if tokenizer_dir is None and (directory / TOKENIZER_DIR).is_dir():
+        tokenizer_dir = directory / TOKENIZER_DIR
     meta = ckpt.read_meta(directory)
     mapping = get_mapping(meta.hf_config)
     layout = meta.layout
@@ -67,7 +82,7 @@ def convert_mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, *, max_shard
     placements = [pl for pl in mapping.placements(layout) if pl.exported]
     plan = [(name, dtype, shape) for pl in placements for name, shape in mapping.hf_output_shapes(pl)]
     with ckpt.atomic_directory(out_dir) as tmp, _progress(progress) as bar:
-        writer = HFShardedWriter(tmp, plan, max_shard_bytes, direct=None)  # O_DIRECT where the filesystem allows
+        writer = HFShardedWriter(tmp, plan, max_shard_bytes, direct=direct)
         task = bar.add_task("mcore -> hf", total=writer.total)
         for pl in placements:
             parts = [ckpt.read_rank_tensor(directory, t, pl.pp_rank, layout.chunk_prefix(pl.vchunk) + pl.key)
@@ -80,6 +95,9 @@ def convert_mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, *, max_shard
         write_hf_config(tmp, meta.hf_config, dtype)
         if tokenizer_dir is not None:
             copy_tokenizer(tokenizer_dir, tmp)
+    if tokenizer_dir is None:
+        log.warning("%s has no tokenizer files (nor does its checkpoint): transformers will not load a tokenizer "
+                    "from %s; pass --tokenizer DIR (e.g. the original HF dir)", directory, out_dir)
     log.info("wrote HF checkpoint %s (%d shard(s), %.2f GB)", out_dir, len(writer.files), writer.total / 1e9)
     return out_dir
 
@@ -90,9 +108,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output HF dir (must not exist)")
     p.add_argument("--max-shard-size", default="5GB")
     p.add_argument("--tokenizer", default=None, help="dir whose tokenizer files are copied into the output "
-                   "(default for a trainer checkpoint RUN/checkpoints/step_N: RUN/tokenizer, if present)")
+                   "(default: RUN/tokenizer for a trainer checkpoint RUN/checkpoints/step_N, else the checkpoint's "
+                   "tokenizer/ copy, if present)")
+    p.add_argument("--format", choices=("dapo", "torch_dist"), default="dapo",
+                   help="the input: dapo (this project's checkpoint) or torch_dist (a megatron-core dist checkpoint: "
+                        "Megatron-LM's --save dir, one of its iter_* dirs, or a bare one; any TP/PP, any vocab "
+                        "padding; needs --hf-config)")
+    p.add_argument("--hf-config", default=None,
+                   help="for --format torch_dist: the HF dir whose config.json (and tokenizer files) describe the model")
+    p.add_argument("--io", choices=tuple(IO_MODES), default="auto",
+                   help="shard writes: O_DIRECT (direct), page cache (buffered), or O_DIRECT where allowed (auto)")
     p.add_argument("--no-progress", action="store_true")
-    return p
+    return add_debug_flag(p)
 
 
 def _run_tokenizer(src: Path) -> Path | None:
@@ -107,9 +134,22 @@ def _run_tokenizer(src: Path) -> Path | None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    return run(_main, args)
+
+
+def _main(args) -> int:
+    if args.format == "torch_dist":
+        if not args.hf_config:
+            raise WeightsError("--format torch_dist needs --hf-config DIR (the HF dir with the model's config.json).")
+        from conversion.torch_dist import run_collective
+
+        run_collective(1, 1, "torch_dist_to_hf", args.mcore, args.hf_config, args.out,
+                       max_shard_bytes=parse_size(args.max_shard_size))
+        print(f"wrote {args.out}")
+        return 0
     tokenizer = args.tokenizer or _run_tokenizer(Path(args.mcore))
     convert_mcore_to_hf(args.mcore, args.out, max_shard_bytes=parse_size(args.max_shard_size),
-                        tokenizer_dir=tokenizer, progress=not args.no_progress)
+                        tokenizer_dir=tokenizer, progress=not args.no_progress, direct=io_mode(args.io))
     print(f"wrote {args.out}")
     return 0
 

@@ -14,6 +14,7 @@ from conversion.mcore_to_hf import convert_mcore_to_hf
 from conversion.synthetic import save_tiny_hf_model
 from dapo_mcore.weights import ParallelLayout
 from dapo_mcore.weights.checkpoint import CheckpointError, rank_file
+from dapo_mcore.weights.errors import OutputPathError
 from dapo_mcore.weights.hf_checkpoint import HFCheckpointError
 from dapo_mcore.weights.layout import LayoutError
 from dapo_mcore.weights.registry import UnsupportedModelError
@@ -71,9 +72,16 @@ def test_unsupported_model_type(hf, tmp_path):
     _expect(hf, tmp_path, UnsupportedModelError, "supported: qwen2")
 
 
-@pytest.mark.parametrize("tp,match", [(8, "num_attention_heads=4"), (4, "num_key_value_heads=2")])
-def test_tp_must_divide_heads(hf, tmp_path, tp, match):
-    _expect(hf, tmp_path, LayoutError, match, layout=ParallelLayout(tp=tp))
+def test_tp_must_divide_heads(hf, tmp_path):
+    _expect(hf, tmp_path, LayoutError, "num_attention_heads=4", layout=ParallelLayout(tp=8))
+
+
+def test_fewer_kv_heads_than_tp_round_trips(hf, tmp_path):
+    """2 KV heads at TP=4: megatron-core 0.16.1 splits query groups across ranks (all-gathered at run time)."""
+    convert_hf_to_mcore(hf, tmp_path / "m", ParallelLayout(tp=4))
+    convert_mcore_to_hf(tmp_path / "m", tmp_path / "back")
+    ref, back = load_file(os.fspath(hf / "model.safetensors")), load_file(os.fspath(tmp_path / "back" / "model.safetensors"))
+    assert sorted(ref) == sorted(back) and all(torch.equal(ref[k], back[k]) for k in ref)
 
 
 def test_existing_target_is_refused(hf, tmp_path):
@@ -126,6 +134,6 @@ def test_background_write_failure_raises_and_leaves_no_target(hf, tmp_path, monk
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(staged_io.os, "pwrite", broken)
-    with pytest.raises(OSError, match="background write failed.*No space left"):
+    with pytest.raises(OutputPathError, match="No space left on device.*free space"):
         convert_hf_to_mcore(hf, tmp_path / "out", ParallelLayout(tp=2))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]

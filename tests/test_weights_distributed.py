@@ -18,7 +18,7 @@ import torch
 pytestmark = pytest.mark.distributed
 
 REPO = Path(__file__).resolve().parents[1]
-LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (2, 2, 2)]  # (tp, pp, vpp)
+LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (2, 2, 2), (4, 1, 1)]  # (tp, pp, vpp); TP4 > 2 KV heads
 NPROC = 4
 
 

@@ -47,7 +47,7 @@ def _naive_qkv(q, k, v, heads, kv_heads, hd):
     return torch.cat(rows)
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])  # 8 > 4 KV heads: megatron-core splits query groups across ranks
 def test_qkv_gate_up_vocab_shards_against_naive_reference(tp):
     hf = preset_config("tiny", num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False,
                        vocab_size=100)
@@ -67,7 +67,7 @@ def test_qkv_gate_up_vocab_shards_against_naive_reference(tp):
     emb = torch.cat([state["model.embed_tokens.weight"], torch.zeros(padded - 100, 64)])
     for r in range(tp):
         qkv = mapping.shard(pls["decoder.layers.1.self_attention.linear_qkv.weight"], src, layout, r)
-        assert torch.equal(qkv, full_qkv.chunk(tp)[r])  # each rank holds whole query groups
+        assert torch.equal(qkv, full_qkv.chunk(tp)[r])  # rank r: the r-th row block of the interleaved groups
         bias = mapping.shard(pls["decoder.layers.1.self_attention.linear_qkv.bias"], src, layout, r)
         assert torch.equal(bias, full_bias.chunk(tp)[r])
         fc1 = mapping.shard(pls["decoder.layers.1.mlp.linear_fc1.weight"], src, layout, r)
@@ -103,8 +103,9 @@ def test_tied_output_layer_only_on_a_separate_last_stage():
 
 def test_layout_errors_name_the_fix():
     mapping = get_mapping(preset_config("qwen2.5-32b"))
-    with pytest.raises(LayoutError, match="num_key_value_heads=8; use one of 1, 2, 4, 8"):
+    with pytest.raises(LayoutError, match="num_key_value_heads=8 or be a multiple of it .*use one of 1, 2, 4, 8, 40"):
         mapping.check_layout(ParallelLayout(tp=5))
+    get_mapping(preset_config("qwen2.5-1.5b")).check_layout(ParallelLayout(tp=4))  # 2 KV heads < TP 4: allowed
     with pytest.raises(LayoutError, match="num_attention_heads=40"):
         mapping.check_layout(ParallelLayout(tp=3))
     with pytest.raises(LayoutError, match="num_hidden_layers=64"):

@@ -22,7 +22,7 @@ def _bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])  # 8 > 4 KV heads: query groups split across ranks
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_extents_give_the_same_bytes_as_shard(tp, dtype):
     # vocab 300 pads to 512 at tp=4 (rank 3 is padding only), 8 heads / 4 KV heads: groups of 2 per rank

@@ -22,6 +22,59 @@ log = logging.getLogger(__name__)
 SUPPORTED_MODEL_TYPES = ("qwen2",)
 
 
+class HFConfigError(ValueError):
+    """A Hugging Face config this project cannot build faithfully (message names the field and the fix)."""
+
+
+def rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
+    """RoPE settings of a config saved either way: transformers >= 5 nests them under ``rope_parameters``
+    (``rope_theta`` included); older versions keep ``rope_theta`` at the top and scaling in ``rope_scaling``.
+    Returns a dict with at least ``rope_type`` and ``rope_theta`` (10000.0, Qwen2Config's default, when absent)."""
+    nested = hf.get("rope_parameters") or {}
+    legacy = hf.get("rope_scaling") or {}
+    if not isinstance(nested, dict) or not isinstance(legacy, dict):
+        raise HFConfigError("rope_parameters / rope_scaling must be JSON objects; found "
+                            f"{type(nested).__name__} / {type(legacy).__name__}.")
+    if any(isinstance(v, dict) for v in nested.values()):
+        raise HFConfigError(f"rope_parameters holds per-layer-type settings ({sorted(nested)}); Qwen2 has one RoPE "
+                            "for all layers and Megatron builds one. Write a single rope_parameters object.")
+    merged = {**legacy, **nested}
+    if merged.get("partial_rotary_factor", 1.0) != 1.0:
+        raise HFConfigError(f"rope partial_rotary_factor={merged['partial_rotary_factor']} is not supported "
+                            "(Qwen2 rotates every dimension); remove it from config.json.")
+    merged["rope_type"] = merged.get("rope_type") or merged.get("type") or "default"
+    theta = nested.get("rope_theta", hf.get("rope_theta", legacy.get("rope_theta", 10000.0)))
+    merged["rope_theta"] = float(theta)
+    return merged
+
+
+def sliding_window_layers(hf: dict[str, Any]) -> list[int]:
+    """Layers that Hugging Face runs with sliding-window attention (Qwen2: the layers from ``max_window_layers``
+    on, when ``use_sliding_window``; transformers >= 5 also writes them out as ``layer_types``)."""
+    if not hf.get("use_sliding_window") or hf.get("sliding_window") is None:
+        return []  # transformers sets sliding_window to None when use_sliding_window is false
+    layers = int(hf["num_hidden_layers"])
+    types = hf.get("layer_types")
+    if types:
+        return [i for i, t in enumerate(types) if t == "sliding_attention"]
+    return list(range(int(hf.get("max_window_layers", 28)), layers))
+
+
+def _refuse_unsupported(hf: dict[str, Any], rope: dict[str, Any]) -> None:
+    """Features Megatron would silently compute differently: refuse them, naming the field."""
+    if rope["rope_type"] != "default":
+        field = "rope_parameters.rope_type" if hf.get("rope_parameters") else "rope_scaling"
+        raise HFConfigError(f"{field}={rope['rope_type']!r} (RoPE scaling) is not supported: the Megatron model "
+                            "would use plain RoPE and give different logits. Use a checkpoint without RoPE scaling "
+                            "(e.g. remove it from config.json for contexts within max_position_embeddings).")
+    sliding = sliding_window_layers(hf)
+    if sliding:
+        raise HFConfigError(f"use_sliding_window=true with sliding_window={hf['sliding_window']} on layers "
+                            f"{sliding[:4]}{'...' if len(sliding) > 4 else ''} is not supported: the Megatron model "
+                            "attends over the full context. Set use_sliding_window to false in config.json only if "
+                            "every sequence stays within sliding_window tokens.")
+
+
 @dataclass(frozen=True)
 class QwenShape:
     """The architecture facts of a Qwen2 model that the conversion and the actor need."""
@@ -40,17 +93,21 @@ class QwenShape:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> QwenShape:
+        """Read a config.json dict saved by transformers 4 or 5; raise HFConfigError for what Megatron would
+        compute differently (RoPE scaling, sliding windows)."""
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type {model_type!r}; dapo-mcore supports {', '.join(SUPPORTED_MODEL_TYPES)} "
                              "(Qwen2 and Qwen2.5 checkpoints).")
+        rope = rope_parameters(hf)
+        _refuse_unsupported(hf, rope)
         heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         return cls(
             hidden_size=hf["hidden_size"], ffn_hidden_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
             num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=head_dim,
             vocab_size=hf["vocab_size"], tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=float(hf.get("rope_theta", 10000.0)),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=rope["rope_theta"],
             max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
         )
 
@@ -143,7 +200,7 @@ def build_gpt_model(hf: dict[str, Any], tconfig, *, spec: str = "local", make_vo
             config=tconfig, transformer_layer_spec=spec_obj, vocab_size=vocab,
             max_sequence_length=shape.max_position_embeddings, pre_process=pre, post_process=post,
             parallel_output=True, share_embeddings_and_output_weights=shape.tie_embeddings,
-            position_embedding_type="rope", rotary_percent=1.0, rotary_base=int(shape.rope_theta),
+            position_embedding_type="rope", rotary_percent=1.0, rotary_base=shape.rope_theta,
             vp_stage=None if vpp == 1 else vp_stage,
         )
         chunks.append(model)

@@ -16,17 +16,13 @@ The trainer writes one per checkpoint and verifies it before resuming (``actor.c
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import json
 import logging
 import os
 import re
-import shutil
-import uuid
 import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +31,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from dapo_mcore.weights.atomic import atomic_directory, check_target_free, temp_dir_for  # noqa: F401 (re-exported)
+from dapo_mcore.weights.errors import WeightsError
 from dapo_mcore.weights.layout import ParallelLayout
 
 log = logging.getLogger(__name__)
@@ -45,7 +43,7 @@ METADATA_FILE = "dapo_mcore_checkpoint.json"
 MANIFEST_FILE = "manifest.json"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(WeightsError):
     """A checkpoint that does not match what it is loaded into, or is malformed (message names the mismatch)."""
 
 
@@ -135,33 +133,6 @@ def torch_save(obj: Any, path: str | Path) -> None:
     torch.save(obj, buffer)
     with open(path, "wb") as f:
         f.write(buffer.getbuffer())
-
-
-def check_target_free(target: str | Path) -> Path:
-    target = Path(target)
-    if target.exists():
-        raise FileExistsError(f"{target} already exists; choose a new output path or remove it first.")
-    if not target.parent.exists():
-        raise FileNotFoundError(f"the parent directory of {target} does not exist.")
-    return target
-
-
-def temp_dir_for(target: Path, tag: str | None = None) -> Path:
-    return target.parent / f".{target.name}.partial-{tag or uuid.uuid4().hex[:8]}"
-
-
-@contextlib.contextmanager
-def atomic_directory(target: str | Path) -> Iterator[Path]:
-    """Yield a temp dir next to `target`; rename it to `target` on success, delete it on error."""
-    target = check_target_free(target)
-    tmp = temp_dir_for(target)
-    tmp.mkdir()
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    os.replace(tmp, target)
 
 
 # ---- integrity: per-file size + checksum ----------------------------------------------------------------------

@@ -15,24 +15,34 @@ from typing import Any
 
 import torch
 
+from dapo_mcore.weights.errors import InputFileError, InputMissingError, WeightsError
 from dapo_mcore.weights.mapping import ModelMapping
 from dapo_mcore.weights.safetensors_io import SafetensorsDirSource, StreamingSafetensorsWriter
 
 log = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
-                   "added_tokens.json", "generation_config.json", "chat_template.jinja")
+                   "added_tokens.json", "generation_config.json", "chat_template.jinja", "chat_template.json",
+                   "tokenizer.model")
+TOKENIZER_DIR = "tokenizer"
+"""Where `hf_to_mcore` keeps the HF dir's tokenizer files inside a Megatron checkpoint (for `mcore_to_hf`)."""
 
 
-class HFCheckpointError(ValueError):
+class HFCheckpointError(WeightsError):
     """An HF checkpoint whose tensors do not match its config (message names the tensors)."""
 
 
 def read_hf_config(hf_dir: str | Path) -> dict[str, Any]:
     path = Path(hf_dir) / "config.json"
     if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist; an HF checkpoint dir needs config.json.")
-    return json.loads(path.read_text())
+        raise InputMissingError(f"{path} does not exist; an HF checkpoint dir needs config.json.")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise InputFileError(f"{path} is not valid JSON ({err}); copy or download it again.") from err
+    if not isinstance(config, dict):
+        raise InputFileError(f"{path} is not a JSON object; is it a Hugging Face config.json?")
+    return config
 
 
 def check_hf_tensors(mapping: ModelMapping, source: SafetensorsDirSource, *, dtype: torch.dtype | None,
@@ -118,14 +128,24 @@ def write_hf_config(directory: Path, hf_config: dict[str, Any], dtype: torch.dty
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+def copy_tokenizer_files(src: str | Path, dest: Path) -> list[str]:
+    """Copy the tokenizer / generation-config / chat-template files that exist in `src` into `dest` (created
+    when there is any); returns their names (empty when `src` has none)."""
+    src = Path(src)
+    copied = [f for f in TOKENIZER_FILES if (src / f).is_file()]
+    if copied:
+        dest.mkdir(parents=True, exist_ok=True)
+    for f in copied:
+        shutil.copy2(src / f, dest / f)
+    return copied
+
+
 def copy_tokenizer(tokenizer_dir: str | Path, directory: Path) -> list[str]:
-    """Copy the tokenizer / generation files that exist in `tokenizer_dir`; returns their names."""
+    """Copy the tokenizer files of a user-named `tokenizer_dir`; raise when it has none."""
     src = Path(tokenizer_dir)
     if not src.is_dir():
-        raise FileNotFoundError(f"tokenizer dir {src} does not exist.")
-    copied = [f for f in TOKENIZER_FILES if (src / f).exists()]
+        raise InputMissingError(f"tokenizer dir {src} does not exist; pass an existing --tokenizer dir.")
+    copied = copy_tokenizer_files(src, directory)
     if not copied:
-        raise FileNotFoundError(f"{src} holds none of the tokenizer files {', '.join(TOKENIZER_FILES)}.")
-    for f in copied:
-        shutil.copy2(src / f, directory / f)
+        raise InputMissingError(f"{src} holds none of the tokenizer files {', '.join(TOKENIZER_FILES)}.")
     return copied

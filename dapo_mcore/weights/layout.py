@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dapo_mcore.weights.errors import WeightsError
+
 LAYER_SPECS = ("local", "transformer_engine")
 
 
-class LayoutError(ValueError):
+class LayoutError(WeightsError):
     """A parallel layout that cannot hold the model (with the fix in the message)."""
 
 
@@ -49,9 +51,11 @@ class ParallelLayout:
         if num_heads % self.tp:
             raise LayoutError(f"tensor_parallel={self.tp} does not divide num_attention_heads={num_heads}; "
                               f"use one of {_divisors(num_heads)}.")
-        if num_kv_heads % self.tp:
-            raise LayoutError(f"tensor_parallel={self.tp} does not divide num_key_value_heads={num_kv_heads}; "
-                              f"use one of {_divisors(num_kv_heads)}.")
+        if num_kv_heads % self.tp and self.tp % num_kv_heads:
+            ok = [d for d in range(1, num_heads + 1) if num_heads % d == 0 and (num_kv_heads % d == 0 or d % num_kv_heads == 0)]
+            raise LayoutError(f"tensor_parallel={self.tp} must divide num_key_value_heads={num_kv_heads} or be a "
+                              f"multiple of it (Megatron-Core splits or all-gathers the query groups); use one of "
+                              f"{', '.join(map(str, ok))}.")
         if ffn_hidden_size % self.tp:
             raise LayoutError(f"tensor_parallel={self.tp} does not divide intermediate_size={ffn_hidden_size}.")
         if num_layers % (self.pp * self.vpp):

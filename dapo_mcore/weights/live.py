@@ -134,8 +134,14 @@ def load_megatron_checkpoint_into_model(model_chunks: list, directory: str | Pat
     if reshard:
         problems = [p for p in problems if p.startswith("dtype")]
     if problems:
+        fixes = []
+        if any(not p.startswith("dtype") for p in problems):
+            fixes.append("convert it to this layout with `dapo-mcore convert` (mcore-to-hf, then hf-to-mcore)")
+        if meta.dtype != dtype:
+            fixes.append(f"build the model in {meta.dtype} (e.g. verify --dtype {meta.dtype}) or convert with "
+                         f"hf-to-mcore --dtype {dtype}")
         raise ckpt.CheckpointError(f"checkpoint {directory} does not fit the live model: {'; '.join(problems)}. "
-                                   "Convert it to this layout with `dapo-mcore convert` (hf round trip) first.")
+                                   f"Fix: {'; '.join(fixes)}.")
     if reshard:
         from dapo_mcore.weights.reshard import read_rank_resharded
 
@@ -147,7 +153,8 @@ def load_megatron_checkpoint_into_model(model_chunks: list, directory: str | Pat
     bad = [k for k, t in state.items() if t.dtype != params[k].dtype]
     if bad:
         raise ckpt.CheckpointError(f"dtype mismatch for {bad[:5]}: checkpoint {state[bad[0]].dtype}, "
-                                   f"live {params[bad[0]].dtype}.")
+                                   f"live {params[bad[0]].dtype}; cast the model chunks to one dtype before "
+                                   "loading (chunk.to(dtype), as the actor does: Megatron's norms stay float32).")
     _copy_in(params, state)
     resharded = "" if meta.layout == layout else f" (resharded from tp={meta.layout.tp} pp={meta.layout.pp} " \
                                                 f"vpp={meta.layout.vpp})"

@@ -9,13 +9,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from dapo_mcore.weights.errors import WeightsError
 from dapo_mcore.weights.mapping import ModelMapping
 
 MappingFactory = Callable[[dict[str, Any]], ModelMapping]
 _REGISTRY: dict[str, MappingFactory] = {}
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(WeightsError):
     """The HF config's model_type has no weight mapping."""
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from dapo_mcore.weights.errors import InputFileError, InputMissingError
 from dapo_mcore.weights.staged_io import StagedFileWriter
 from dapo_mcore.weights.transforms import ZERO, Extent
 
@@ -108,13 +109,55 @@ class StreamingSafetensorsWriter:
             self._file.abort()
 
 
+def _bad(path, what: str) -> InputFileError:
+    return InputFileError(f"{path}: {what}; the file is damaged or was not fully copied: copy or download it again.")
+
+
 def read_header_offsets(path: str | Path) -> dict[str, tuple[torch.dtype, tuple[int, ...], int]]:
-    """name -> (dtype, shape, absolute byte offset of its data) for every tensor of a safetensors file."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
+    """name -> (dtype, shape, absolute byte offset of its data) for every tensor of a safetensors file.
+
+    The header is checked against the file before anything trusts it: the file holds every byte the header
+    promises, each tensor's byte range matches its dtype and shape, and no two ranges overlap. A truncated
+    or corrupt file raises InputFileError naming it.
+    """
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise _bad(path, f"{size} bytes, too short for a safetensors header")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise _bad(path, f"header length {n} exceeds the file size {size}")
+            raw = f.read(n)
+    except FileNotFoundError as err:
+        raise InputMissingError(f"{path} does not exist.") from err
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise _bad(path, f"the header is not valid JSON ({err})") from err
+    if not isinstance(header, dict):
+        raise _bad(path, "the header is not a JSON object")
     header.pop("__metadata__", None)
-    return {k: (_ST_TO_DTYPE[v["dtype"]], tuple(v["shape"]), 8 + n + v["data_offsets"][0]) for k, v in header.items()}
+    out: dict[str, tuple[torch.dtype, tuple[int, ...], int]] = {}
+    spans = []
+    for k, v in header.items():
+        try:
+            dtype, shape, (begin, end) = _ST_TO_DTYPE[v["dtype"]], tuple(int(d) for d in v["shape"]), v["data_offsets"]
+        except (KeyError, TypeError, ValueError) as err:
+            raise _bad(path, f"tensor {k!r} has a malformed header entry {v!r}") from err
+        nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        if end - begin != nbytes or begin < 0:
+            raise _bad(path, f"tensor {k!r}: data_offsets {[begin, end]} do not hold a {v['dtype']} {list(shape)}")
+        if 8 + n + end > size:
+            raise _bad(path, f"tensor {k!r} ends at byte {8 + n + end} but the file has {size} bytes (truncated)")
+        spans.append((begin, end, k))
+        out[k] = (dtype, shape, 8 + n + begin)
+    spans.sort()
+    for (_, e0, k0), (b1, _, k1) in zip(spans, spans[1:], strict=False):
+        if b1 < e0:
+            raise _bad(path, f"tensors {k0!r} and {k1!r} overlap")
+    return out
 
 
 def read_header(path: str | Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -140,23 +183,29 @@ class SafetensorsDirSource:
     def __init__(self, directory: str | Path):
         self.dir = Path(directory)
         index = self.dir / "model.safetensors.index.json"
+        if not self.dir.is_dir():
+            raise InputMissingError(f"{self.dir} is not a directory.")
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise InputFileError(f"{index}: not a safetensors index (no weight_map): {err}; copy it again.") from err
             files = sorted(set(weight_map.values()))
         else:
             files = sorted(p.name for p in self.dir.glob("*.safetensors"))
             if not files:
-                raise FileNotFoundError(f"no *.safetensors files in {self.dir}")
+                raise InputMissingError(f"no *.safetensors files in {self.dir}; is it a Hugging Face checkpoint dir?")
         self.file_of: dict[str, Path] = {}
         self.meta: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
         self.offset: dict[str, int] = {}
         for fname in files:
             path = self.dir / fname
             if not path.exists():
-                raise FileNotFoundError(f"{path} is listed in the index but missing")
+                raise InputMissingError(f"{path} is listed in {index.name} but missing; copy or download it again.")
             for name, (dtype, shape, offset) in read_header_offsets(path).items():
                 if name in self.file_of:
-                    raise ValueError(f"tensor {name} appears in both {self.file_of[name].name} and {fname}")
+                    raise InputFileError(f"{self.dir}: tensor {name} appears in both {self.file_of[name].name} and "
+                                         f"{fname}; remove the stray file.")
                 self.file_of[name] = path
                 self.meta[name] = (dtype, shape)
                 self.offset[name] = offset

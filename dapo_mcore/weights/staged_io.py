@@ -20,13 +20,38 @@ import queue
 import threading
 from pathlib import Path
 
+from dapo_mcore.weights.errors import OutputPathError
+
 log = logging.getLogger(__name__)
 
-_ALIGN = 4096
+_ALIGN = 4096  # the staging buffers are page aligned (mmap); O_DIRECT needs the device's logical block size
+IO_MODES = {"direct": True, "buffered": False, "auto": None}
+
+
+def io_mode(name: str) -> bool | None:
+    """`--io` value -> the `direct` argument: direct (O_DIRECT required), buffered (never), auto (where allowed)."""
+    if name not in IO_MODES:
+        raise ValueError(f"unknown --io {name!r}; choose one of {', '.join(IO_MODES)}.")
+    return IO_MODES[name]
 
 
 def _round_up(n: int, align: int) -> int:
     return -(-n // align) * align
+
+
+def write_alignment(directory: Path) -> int:
+    """The O_DIRECT write alignment used for files in `directory`: its filesystem's preferred block size
+    (``st_blksize``: 4 KiB on ext4/xfs/tmpfs, larger on Lustre/GPFS stripes), a power of two within
+    [512 B, 16 MiB]; else 4 KiB. Every O_DIRECT write is a multiple of it (the file is truncated after)."""
+    size = os.stat(directory).st_blksize
+    if size >= 512 and size & (size - 1) == 0 and size <= 16 << 20:
+        return size
+    return _ALIGN
+
+
+def _refused(path: Path) -> OutputPathError:
+    return OutputPathError(f"{path.parent}: the filesystem refuses O_DIRECT, which --io direct requires; "
+                           "use --io auto (falls back to the page cache) or --io buffered.")
 
 
 def _open(path: Path, direct: bool | None) -> tuple[int, bool]:
@@ -43,7 +68,9 @@ def _open(path: Path, direct: bool | None) -> tuple[int, bool]:
     try:
         return os.open(path, flags | o_direct, 0o644), True
     except OSError as e:
-        if direct or e.errno != errno.EINVAL:
+        if e.errno == errno.EINVAL and direct:
+            raise _refused(path) from e
+        if e.errno != errno.EINVAL:
             raise
         log.info("%s: the filesystem refuses O_DIRECT; writing through the page cache", path.parent)
         return os.open(path, flags, 0o644), False
@@ -63,6 +90,9 @@ class StagedFileWriter:
                              f"(got {buffer_bytes}, {num_buffers}).")
         self.path = Path(path)
         self._fd, self.direct = _open(self.path, direct)
+        self._may_fall_back = direct is None
+        self.align = write_alignment(self.path.parent) if self.direct else _ALIGN
+        buffer_bytes = _round_up(buffer_bytes, self.align)
         self.buffer_bytes = buffer_bytes
         self.size = 0
         self._views = [memoryview(mmap.mmap(-1, buffer_bytes)) for _ in range(num_buffers)]
@@ -91,14 +121,33 @@ class StagedFileWriter:
     def _pwrite_all(self, view: memoryview, offset: int) -> None:
         done = 0
         while done < len(view):
-            n = os.pwrite(self._fd, view[done:], offset + done)
+            try:
+                n = os.pwrite(self._fd, view[done:], offset + done)
+            except OSError as e:
+                if not (self.direct and e.errno == errno.EINVAL):
+                    raise
+                if not self._may_fall_back:
+                    raise _refused(self.path) from e
+                self._fall_back_to_buffered()
+                continue
             if n <= 0:
                 raise OSError(errno.EIO, f"{self.path}: write returned {n} at byte {offset + done}")
             done += n
 
+    def _fall_back_to_buffered(self) -> None:
+        """Some filesystems (FUSE, some NFS/Lustre clients) accept O_DIRECT at open and refuse the writes."""
+        log.info("%s: the filesystem refuses O_DIRECT writes; writing through the page cache", self.path.parent)
+        fd = os.open(self.path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+        os.close(self._fd)
+        self._fd, self.direct = fd, False
+
     def _raise_if_failed(self) -> None:
         if self._error is not None:
-            raise OSError(errno.EIO, f"{self.path}: background write failed: {self._error!r}") from self._error
+            err = self._error
+            if isinstance(err, OutputPathError):
+                raise err
+            code = err.errno if isinstance(err, OSError) and err.errno else errno.EIO
+            raise OSError(code, f"background write failed: {os.strerror(code)}", os.fspath(self.path)) from err
 
     # ---- producer side ------------------------------------------------------------------------------
     def _submit(self, nbytes: int) -> None:
@@ -155,7 +204,7 @@ class StagedFileWriter:
                 if self._fill:
                     nbytes = self._fill
                     if self.direct:  # O_DIRECT writes whole aligned blocks; the padding is truncated below
-                        nbytes = _round_up(self._fill, _ALIGN)
+                        nbytes = min(_round_up(self._fill, self.align), self.buffer_bytes)
                         self._views[self._cur][self._fill:nbytes] = bytes(nbytes - self._fill)
                     self._submit(nbytes)
             finally:

@@ -90,16 +90,32 @@ def _rows(source: TensorSource, name: str, tp: int, rank: int) -> torch.Tensor:
     return source.read(name, 0, rank * n, (rank + 1) * n)
 
 
-def _qkv_shard(source: TensorSource, names: tuple[str, ...], tp: int, rank: int, geo: Geometry) -> torch.Tensor:
-    groups = geo.num_kv_heads // tp
+def qkv_row_runs(geo: Geometry, tp: int, rank: int) -> list[tuple[int, int, int]]:
+    """TP rank `rank`'s rows of the fused QKV tensor as runs (q/k/v index, first row in that HF tensor, rows).
+
+    Megatron's fused QKV interleaves query groups ``[q heads of group g; k_g; v_g]`` and its column-parallel
+    linear gives rank r the r-th of `tp` equal row blocks. With KV heads >= TP a block is whole groups; with
+    fewer KV heads than TP ranks (megatron-core >= 0.13, ``num_query_groups < tp``) a block is part of a group
+    and each rank all-gathers the others' rows at run time, so the same row-block rule holds for both.
+    """
     q_rows, kv_rows = geo.heads_per_group * geo.head_dim, geo.head_dim
-    q = source.read(names[0], 0, rank * groups * q_rows, (rank + 1) * groups * q_rows)
-    k = source.read(names[1], 0, rank * groups * kv_rows, (rank + 1) * groups * kv_rows)
-    v = source.read(names[2], 0, rank * groups * kv_rows, (rank + 1) * groups * kv_rows)
-    rest = tuple(q.shape[1:])
-    fused = torch.cat([q.view(groups, q_rows, *rest), k.view(groups, kv_rows, *rest),
-                       v.view(groups, kv_rows, *rest)], dim=1)
-    return fused.reshape(-1, *rest)
+    per_group = q_rows + 2 * kv_rows
+    block = geo.num_kv_heads * per_group // tp
+    start, stop = rank * block, (rank + 1) * block
+    runs = []
+    for g in range(start // per_group, -(-stop // per_group)):
+        base = g * per_group
+        for idx, (lo, n, first) in enumerate(((0, q_rows, g * q_rows), (q_rows, kv_rows, g * kv_rows),
+                                              (q_rows + kv_rows, kv_rows, g * kv_rows))):
+            a, b = max(start, base + lo), min(stop, base + lo + n)
+            if a < b:
+                runs.append((idx, first + a - base - lo, b - a))
+    return runs
+
+
+def _qkv_shard(source: TensorSource, names: tuple[str, ...], tp: int, rank: int, geo: Geometry) -> torch.Tensor:
+    parts = [source.read(names[idx], 0, first, first + n) for idx, first, n in qkv_row_runs(geo, tp, rank)]
+    return torch.cat(parts, dim=0)
 
 
 def _vocab_shard(source: TensorSource, name: str, tp: int, rank: int, geo: Geometry) -> torch.Tensor:
@@ -168,13 +184,7 @@ def shard_extents(split: Split, hf_shapes: list[tuple[int, ...]], itemsize: int,
         real = max(0, min(start + rows, geo.vocab_size) - start)
         return _coalesce([(0, start * row, real * row), (ZERO, 0, (rows - real) * row)])
     if split is Split.QKV:
-        groups = geo.num_kv_heads // tp
-        q_rows, kv_rows = geo.heads_per_group * geo.head_dim, geo.head_dim
-        out: list[Extent] = []
-        for g in range(rank * groups, (rank + 1) * groups):
-            out += [(0, g * q_rows * row, q_rows * row), (1, g * kv_rows * row, kv_rows * row),
-                    (2, g * kv_rows * row, kv_rows * row)]
-        return _coalesce(out)
+        return _coalesce([(idx, first * row, n * row) for idx, first, n in qkv_row_runs(geo, tp, rank)])
     if split is Split.GATE_UP:
         n = first[0] // tp
         return _coalesce([(0, rank * n * row, n * row), (1, rank * n * row, n * row)])
@@ -193,15 +203,10 @@ def merge(split: Split, parts: list[torch.Tensor], names: tuple[str, ...],
     if split is Split.GATE_UP:
         halves = [p.chunk(2, dim=0) for p in parts]
         return [(names[0], torch.cat([h[0] for h in halves])), (names[1], torch.cat([h[1] for h in halves]))]
-    if split is Split.QKV:
+    if split is Split.QKV:  # the ranks' row blocks, in order, are the whole interleaved tensor
+        full = torch.cat(parts, dim=0)
+        rest = tuple(full.shape[1:])
         q_rows, kv_rows = geo.heads_per_group * geo.head_dim, geo.head_dim
-        qs, ks, vs = [], [], []
-        for p in parts:
-            rest = tuple(p.shape[1:])
-            grouped = p.view(-1, q_rows + 2 * kv_rows, *rest)
-            q, k, v = grouped.split([q_rows, kv_rows, kv_rows], dim=1)
-            qs.append(q.reshape(-1, *rest))
-            ks.append(k.reshape(-1, *rest))
-            vs.append(v.reshape(-1, *rest))
-        return [(names[0], torch.cat(qs)), (names[1], torch.cat(ks)), (names[2], torch.cat(vs))]
+        q, k, v = full.view(-1, q_rows + 2 * kv_rows, *rest).split([q_rows, kv_rows, kv_rows], dim=1)
+        return [(n, t.reshape(-1, *rest)) for n, t in zip(names, (q, k, v), strict=True)]
     raise AssertionError(split)

@@ -1,0 +1,41 @@
+"""What every conversion command line shares: `--debug`, and user errors as one line with exit code 2.
+
+A user-caused failure (a missing or truncated file, an existing output, a full or read-only disk, a layout
+that cannot split the model, a config feature Megatron cannot reproduce) prints ``dapo-mcore convert: <message>``
+and exits 2; `--debug` or ``DAPO_MCORE_DEBUG=1`` shows the traceback instead. Anything else is a bug and
+keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+
+from dapo_mcore.model.qwen import HFConfigError
+from dapo_mcore.weights.errors import WeightsError
+
+EXIT_USAGE = 2
+USER_ERRORS: tuple[type[BaseException], ...] = (WeightsError, HFConfigError)
+"""What `run` turns into one line (and what `dapo-mcore`'s own guard should catch for `convert`)."""
+
+
+def add_debug_flag(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error (also DAPO_MCORE_DEBUG=1)")
+    return parser
+
+
+def debug_enabled(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "debug", False)) or os.environ.get("DAPO_MCORE_DEBUG", "") not in ("", "0")
+
+
+def run(body: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """Call `body(args)`; a user error becomes one line on stderr and exit code 2 (unless debugging)."""
+    try:
+        return body(args)
+    except USER_ERRORS as err:
+        if debug_enabled(args):
+            raise
+        print(f"dapo-mcore convert: {err}", file=sys.stderr)
+        return EXIT_USAGE

@@ -1,0 +1,205 @@
+"""Megatron-Core distributed checkpoints (``torch_dist``): what Megatron-LM, Megatron-Bridge and NeMo load.
+
+`hf_to_torch_dist` builds this rank's GPTModel (local layer spec, the names Megatron-LM's
+``--transformer-impl local`` uses), loads the HF weights into it, and saves ``{"model": sharded_state_dict}``
+with `dist_checkpointing.save` in Megatron-LM's layout::
+
+    <out>/latest_checkpointed_iteration.txt     "release"
+    <out>/release/{metadata.json, common.pt, .metadata, __*_*.distcp}
+
+``common.pt`` holds what Megatron-LM's ``load_checkpoint`` reads besides tensors: ``checkpoint_version`` 3.0,
+``iteration`` 0 and ``args`` (an ``argparse.Namespace`` with the model and parallel sizes). The format is
+layout-free: a checkpoint saved at TP2/PP2 loads at TP1 (dist_checkpointing reshards on load).
+
+`torch_dist_to_hf` reads such a checkpoint (ours, Megatron-LM's ``iter_*``/``release`` dirs, or a bare
+dist-checkpoint dir), builds a TP1 model whose vocabulary has the checkpoint's padded size (any padding rule:
+Megatron-LM's multiple of 128·TP, Megatron-Bridge's, none), loads, strips the padding and writes HF safetensors.
+The HF config comes from `--hf-config` (the original HF dir). Runs as one process or under torchrun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dapo_mcore.weights.errors import InputFileError, InputMissingError, WeightsError
+
+log = logging.getLogger(__name__)
+
+TRACKER = "latest_checkpointed_iteration.txt"
+EMBEDDING_KEY = "embedding.word_embeddings.weight"
+
+
+def megatron_lm_args(hf_config: dict[str, Any], *, tp: int, pp: int, padded_vocab: int, divisible_by: int,
+                     dtype: torch.dtype) -> argparse.Namespace:
+    """The ``args`` Megatron-LM stores in a checkpoint (the fields its loader and check_checkpoint_args read)."""
+    from dapo_mcore.model.qwen import QwenShape
+
+    s = QwenShape.from_hf(hf_config)
+    return argparse.Namespace(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, num_layers=s.num_layers,
+        hidden_size=s.hidden_size, ffn_hidden_size=s.ffn_hidden_size, num_attention_heads=s.num_heads,
+        group_query_attention=s.num_kv_heads != s.num_heads, num_query_groups=s.num_kv_heads, kv_channels=s.head_dim,
+        max_position_embeddings=s.max_position_embeddings, position_embedding_type="rope", rotary_base=s.rope_theta,
+        add_position_embedding=False, normalization="RMSNorm", norm_epsilon=s.rms_norm_eps, swiglu=True,
+        disable_bias_linear=True, add_qkv_bias=True, untie_embeddings_and_output_weights=not s.tie_embeddings,
+        make_vocab_size_divisible_by=divisible_by, padded_vocab_size=padded_vocab, vocab_size=s.vocab_size,
+        tokenizer_type="HuggingFaceTokenizer", bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        params_dtype=dtype, no_save_optim=True, no_save_rng=True, ckpt_format="torch_dist",
+        transformer_impl="local")
+
+
+def checkpoint_dir(path: str | Path) -> Path:
+    """The dist-checkpoint dir of a Megatron-LM save dir (via its tracker file) or of a bare checkpoint dir."""
+    path = Path(path)
+    tracker = path / TRACKER
+    if tracker.is_file():
+        text = tracker.read_text().strip()
+        sub = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else None
+        if sub is None:
+            raise InputFileError(f"{tracker} holds {text!r}; Megatron-LM writes an iteration number or 'release'.")
+        path = path / sub
+    if not (path / "metadata.json").is_file():
+        raise InputMissingError(f"{path} is not a Megatron-Core distributed checkpoint (no metadata.json); pass "
+                                f"the --save dir of Megatron-LM (with {TRACKER}) or one of its iter_* dirs.")
+    return path
+
+
+def run_collective(tp: int, pp: int, name: str, *args, **kwargs):
+    """Start gloo (torchrun's world or one process), set TP/PP, run `name` of this module, shut down."""
+    from dapo_mcore.actor.parallel import shutdown
+
+    _setup(tp, pp)
+    try:
+        return globals()[name](*args, **kwargs)
+    finally:
+        shutdown()
+
+
+def _setup(tp: int, pp: int) -> None:
+    from dapo_mcore.actor.parallel import init_distributed, init_model_parallel, read_launch_env
+
+    launch = read_launch_env()
+    if launch.world_size != tp * pp:
+        raise WeightsError(f"torch_dist with tp={tp} pp={pp} needs {tp * pp} processes, found {launch.world_size}; "
+                           f"run it under `torchrun --nproc_per_node {tp * pp}` (the result loads at any TP/PP).")
+    if not dist.is_initialized():
+        init_distributed(launch, "gloo")
+    init_model_parallel(tp, pp, None, seed=1)
+
+
+def _build(hf_config: dict[str, Any], tp: int, pp: int, dtype: torch.dtype, divisible_by: int):
+    from dapo_mcore.model.qwen import build_gpt_model, transformer_config
+
+    tconfig = transformer_config(hf_config, tensor_parallel=tp, pipeline_parallel=pp, params_dtype=dtype)
+    (chunk,) = build_gpt_model(hf_config, tconfig, spec="local", make_vocab_size_divisible_by=divisible_by)
+    return chunk.to(dtype=dtype)  # Megatron's torch norms ignore params_dtype
+
+
+def hf_to_torch_dist(hf_dir: str | Path, out_dir: str | Path, *, dtype: torch.dtype | None = None,
+                     divisible_by: int = 128) -> Path:
+    """Collective over the job (world size = TP x PP): write `hf_dir` as a Megatron-LM torch_dist checkpoint."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    from dapo_mcore.weights.atomic import atomic_directory, check_target_free
+    from dapo_mcore.weights.hf_checkpoint import read_hf_config
+    from dapo_mcore.weights.live import load_hf_into_model
+    from dapo_mcore.weights.safetensors_io import SafetensorsDirSource
+
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    hf_config = read_hf_config(hf_dir)
+    if dtype is None:
+        source = SafetensorsDirSource(hf_dir)
+        dtype = source.dtype(next(iter(source.meta)))
+    check_target_free(out_dir)
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    model = _build(hf_config, tp, pp, torch.float32, divisible_by)
+    load_hf_into_model([model], hf_dir, "local", divisible_by)
+    model.to(dtype=dtype)
+    padded = model.embedding.word_embeddings.weight.shape[0] * tp if ps.is_pipeline_first_stage() else None
+    box = [padded]
+    dist.broadcast_object_list(box, src=0)
+    common = {"checkpoint_version": 3.0, "iteration": 0,
+              "args": megatron_lm_args(hf_config, tp=tp, pp=pp, padded_vocab=box[0], divisible_by=divisible_by,
+                                       dtype=dtype)}
+    tmp_box: list[Any] = [None]
+    with _on_rank0(atomic_directory(out_dir)) as tmp:
+        tmp_box[0] = os.fspath(tmp) if tmp is not None else None
+        dist.broadcast_object_list(tmp_box, src=0)
+        release = Path(tmp_box[0]) / "release"
+        if dist.get_rank() == 0:
+            release.mkdir()
+        dist.barrier()
+        dist_checkpointing.save({"model": model.sharded_state_dict(), **common}, os.fspath(release))
+        dist.barrier()
+        if dist.get_rank() == 0:
+            (Path(tmp_box[0]) / TRACKER).write_text("release\n")
+    log.info("wrote torch_dist checkpoint %s (saved at tp=%d pp=%d, padded vocab %d)", out_dir, tp, pp, box[0])
+    return out_dir
+
+
+class _on_rank0:  # noqa: N801  (used like a contextlib helper)
+    """Enter `cm` on global rank 0 only (other ranks get None); exceptions propagate on every rank."""
+
+    def __init__(self, cm):
+        self.cm = cm if dist.get_rank() == 0 else None
+
+    def __enter__(self):
+        return self.cm.__enter__() if self.cm is not None else None
+
+    def __exit__(self, *exc):
+        return self.cm.__exit__(*exc) if self.cm is not None else False
+
+
+def torch_dist_to_hf(ckpt: str | Path, hf_config_dir: str | Path, out_dir: str | Path, *,
+                     max_shard_bytes: int = 5 * 10**9) -> Path:
+    """Collective (run it in one process): a torch_dist checkpoint -> an HF dir, padding stripped."""
+    from megatron.core import dist_checkpointing
+
+    from dapo_mcore.weights.atomic import atomic_directory, check_target_free
+    from dapo_mcore.weights.hf_checkpoint import (
+        HFShardedWriter,
+        copy_tokenizer_files,
+        read_hf_config,
+        write_hf_config,
+    )
+    from dapo_mcore.weights.layout import ParallelLayout
+    from dapo_mcore.weights.live import live_tensors
+    from dapo_mcore.weights.registry import get_mapping
+
+    src = checkpoint_dir(ckpt)
+    hf_config = read_hf_config(hf_config_dir)
+    check_target_free(out_dir)
+    meta = dist_checkpointing.load_tensors_metadata(os.fspath(src))
+    embed = next((t for k, t in meta.items() if k.endswith(EMBEDDING_KEY)), None)
+    if embed is None:
+        raise InputFileError(f"{src} holds no {EMBEDDING_KEY}; is it a GPT model checkpoint?")
+    padded, dtype = embed.global_shape[0], embed.dtype
+    if padded < hf_config["vocab_size"]:
+        raise InputFileError(f"{src}: the embedding has {padded} rows, fewer than vocab_size="
+                             f"{hf_config['vocab_size']} in {hf_config_dir}/config.json; is it the same model?")
+    model = _build(hf_config, 1, 1, dtype, padded)  # divisible_by = padded: exactly the checkpoint's padding
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, os.fspath(src))
+    model.load_state_dict(loaded["model"])
+    mapping = get_mapping(hf_config)
+    layout = ParallelLayout(make_vocab_size_divisible_by=padded)
+    params = live_tensors([model], layout)
+    placements = [pl for pl in mapping.placements(layout) if pl.exported]
+    plan = [(n, dtype, s) for pl in placements for n, s in mapping.hf_output_shapes(pl)]
+    with atomic_directory(out_dir) as tmp:
+        writer = HFShardedWriter(tmp, plan, max_shard_bytes)
+        for pl in placements:
+            for name, tensor in mapping.merge(pl, [params[pl.key].detach()], layout):
+                writer.write(name, tensor)
+        writer.close()
+        write_hf_config(tmp, hf_config, dtype)
+        copy_tokenizer_files(hf_config_dir, tmp)
+    log.info("wrote HF checkpoint %s from %s (padded vocab %d -> %d)", out_dir, src, padded, hf_config["vocab_size"])
+    return Path(out_dir)

@@ -1,0 +1,159 @@
+"""Build a directory next to its target and rename it into place, so the target is never half written.
+
+The temp directory is ``.<name>.partial-<host>-<pid>-<random>`` beside the target. It is removed on any
+exception and on SIGTERM (what Slurm and most schedulers send before SIGKILL). After SIGKILL or a power loss
+it stays: the next `atomic_directory` for the same target removes the ones whose owner process on this host
+is gone, and names (without touching) those owned by another host. Before the rename every file and the
+directory are fsynced, and the parent after it, so a completed rename means the data is on stable storage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from dapo_mcore.weights.errors import OutputPathError, is_output_os_error, output_os_error
+
+log = logging.getLogger(__name__)
+
+_HOST = socket.gethostname().replace("-", "_")
+
+
+class OutputExistsError(OutputPathError, FileExistsError):
+    """The output path already exists (also a FileExistsError, for callers that catch that)."""
+
+
+class OutputParentMissingError(OutputPathError, FileNotFoundError):
+    """The output's parent directory does not exist (also a FileNotFoundError)."""
+
+
+def check_target_free(target: str | Path) -> Path:
+    target = Path(target)
+    if target.exists():
+        raise OutputExistsError(f"{target} already exists; choose a new output path or remove it first.")
+    if not target.parent.is_dir():
+        raise OutputParentMissingError(f"the parent directory of {target} does not exist; create it first.")
+    return target
+
+
+def temp_dir_for(target: Path, tag: str | None = None) -> Path:
+    return target.parent / f".{target.name}.partial-{_HOST}-{os.getpid()}-{tag or uuid.uuid4().hex[:8]}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def remove_stale_partials(target: Path) -> list[Path]:
+    """Remove leftover temp dirs of `target` whose owner process (on this host) is gone; return them."""
+    removed = []
+    for tmp in sorted(target.parent.glob(f".{target.name}.partial-*")):
+        parts = tmp.name.rsplit(".partial-", 1)[1].rsplit("-", 2)
+        if len(parts) != 3 or not parts[1].isdigit():
+            log.warning("%s looks like a leftover of an older conversion; remove it by hand if nothing writes it", tmp)
+            continue
+        host, pid = parts[0], int(parts[1])
+        if host != _HOST:
+            log.warning("%s belongs to a conversion on host %s; remove it by hand if that job is gone", tmp, host)
+        elif _pid_alive(pid):
+            log.warning("%s belongs to running process %d; leaving it", tmp, pid)
+        else:
+            log.warning("removing %s, left by process %d which no longer runs", tmp, pid)
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed.append(tmp)
+    return removed
+
+
+def fsync_tree(directory: Path) -> float:
+    """fsync every file under `directory`, then the directories bottom-up; returns the seconds it took."""
+    start = time.perf_counter()
+    for root, _, files in os.walk(directory, topdown=False):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(root))
+    return time.perf_counter() - start
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _Terminated(BaseException):
+    """Raised in the main thread by SIGTERM inside `atomic_directory`, so the cleanup runs."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield  # not ours to take: a thread cannot set handlers, and a program's own handler stays in charge
+        return
+
+    def handler(signum, frame):
+        raise _Terminated(signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+last_fsync_seconds = 0.0  # of the latest atomic_directory (benchmarks report it)
+
+
+@contextlib.contextmanager
+def atomic_directory(target: str | Path, *, fsync: bool = True) -> Iterator[Path]:
+    """Yield a temp dir next to `target`; fsync and rename it to `target` on success, delete it on any error
+    or SIGTERM (then exit with 128 + SIGTERM like the default action would). OSErrors become OutputPathError."""
+    global last_fsync_seconds
+    target = check_target_free(target)
+    remove_stale_partials(target)
+    tmp = temp_dir_for(target)
+    try:
+        tmp.mkdir()
+    except OSError as err:
+        raise output_os_error(err, target) from err
+    try:
+        with _sigterm_raises():
+            yield tmp
+            last_fsync_seconds = fsync_tree(tmp) if fsync else 0.0
+            check_target_free(target)  # created by someone else meanwhile: never rename over it
+            os.rename(tmp, target)
+        if fsync:
+            fsync_dir(target.parent)
+    except _Terminated:
+        shutil.rmtree(tmp, ignore_errors=True)
+        log.error("terminated (SIGTERM): removed %s; %s was not written", tmp, target)
+        raise SystemExit(128 + signal.SIGTERM) from None
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, OutputPathError) or not is_output_os_error(err):
+            raise
+        raise output_os_error(err, target) from err
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
