@@ -120,13 +120,15 @@ def _user_errors() -> tuple[tuple[type[BaseException], str], ...]:
     """(exception type, message prefix) of the errors a user can fix, most specific first."""
     from dapo_mcore.data.datasets import DatasetFormatError
     from dapo_mcore.model.fp8 import MissingGPUExtra
+    from dapo_mcore.model.qwen import HFConfigError
     from dapo_mcore.weights.checkpoint import CheckpointError
+    from dapo_mcore.weights.errors import WeightsError
     from dapo_mcore.weights.layout import LayoutError
     from dapo_mcore.weights.registry import UnsupportedModelError
 
     return ((ConfigError, "configuration error: "), (DatasetFormatError, "dataset error: "),
             (CheckpointError, "checkpoint error: "), (LayoutError, "layout error: "),
-            (UnsupportedModelError, ""), (MissingGPUExtra, ""), (UserError, ""))
+            (HFConfigError, "model config error: "), (WeightsError, ""), (UnsupportedModelError, ""), (MissingGPUExtra, ""), (UserError, ""))
 
 
 def _guard(fn: Callable[[], int], debug: bool = False) -> int:
@@ -137,6 +139,15 @@ def _guard(fn: Callable[[], int], debug: bool = False) -> int:
     """
     try:
         return fn()
+    except BrokenPipeError:
+        # the reader of our stdout went away (`dapo-mcore diagnose RUN | head -1`): not an error; silence the
+        # flush at exit. A broken pipe anywhere else (a peer's socket) stays an error.
+        try:
+            sys.stdout.flush()
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
+        raise
     except (ConnectionError, TimeoutError):
         raise  # lost peers and timeouts are OSErrors too, but not the user's file system
     except OSError as exc:
