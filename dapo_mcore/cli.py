@@ -25,6 +25,7 @@ _DELEGATED: dict[str, tuple[str, str, str]] = {
     "rollouts": ("dapo_mcore.telemetry.rollout_store", "main", "print decoded rollouts of a step from the zarr store"),
     "audit-reward": ("dapo_mcore.reward.audit", "main", "probe the math verifier with shortcut answers"),
     "plan": ("dapo_mcore.plan_cli", "main", "estimate per-GPU memory and FLOPs of a layout before queueing"),
+    "diagnose": ("dapo_mcore.telemetry.diagnose", "main", "explain why a run stalled, from its metrics and ledger"),
 }
 _CONVERT: dict[str, tuple[str, str, str]] = {
     "hf-to-mcore": ("conversion.hf_to_mcore", "main", "Hugging Face dir -> Megatron checkpoint at a TP/PP layout"),

@@ -22,9 +22,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from dapo_mcore.telemetry import keys
-from dapo_mcore.telemetry.jsonl import read_jsonl
-from dapo_mcore.telemetry.ledger import LEDGER_FILE
-from dapo_mcore.telemetry.metrics import METRICS_FILE
+from dapo_mcore.telemetry.diagnose import load_run
 
 logger = logging.getLogger(__name__)
 
@@ -63,18 +61,6 @@ COMPARE_PANELS: tuple[tuple[str, str], ...] = (
     (keys.TRAIN_ENTROPY, "entropy"), (keys.ROLLOUT_RESP_LEN_MEAN, "mean response length"),
     (keys.ROLLOUT_USABLE_GROUP_FRAC, "usable-group fraction"),
 )
-
-
-def load_run(run_dir: Path) -> list[dict[str, Any]]:
-    """Metrics and ledger records of a run merged per step, in step order."""
-    run_dir = Path(run_dir)
-    metrics_path = run_dir / METRICS_FILE
-    if not metrics_path.exists():
-        raise FileNotFoundError(f"{metrics_path} does not exist; is {run_dir} a run directory?")
-    by_step: dict[int, dict[str, Any]] = {}
-    for record in read_jsonl(metrics_path) + read_jsonl(run_dir / LEDGER_FILE):
-        by_step.setdefault(record[keys.STEP], {}).update(record)
-    return [by_step[s] for s in sorted(by_step)]
 
 
 def series(records: Sequence[dict[str, Any]], key: str, smooth: int = 1) -> tuple[np.ndarray, np.ndarray]:
