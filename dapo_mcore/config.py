@@ -224,17 +224,20 @@ class RewardConfig:
     """How responses are scored."""
 
     name: str = "math_dapo"
-    """Registered reward function (dapo_mcore.reward): math_dapo (Answer: line) or math_dapo_strict_box (last \\boxed{})."""
+    """Registered reward function (dapo_mcore.reward): math_dapo (Answer: line), math_dapo_strict (refuses hedged
+    answers), math_dapo_strict_box (last \\boxed{}); or your own as package.module:function (must be importable)."""
     workers: int = 0
     """Scoring processes: 0 scores in the trainer process (fast rule verifier); >0 uses an isolated pool."""
     timeout_s: float = 10.0
     """Per-answer time limit in the pool; an answer over it is scored wrong."""
 
     def validate(self) -> None:
-        from dapo_mcore.reward.registry import reward_names
+        from dapo_mcore.reward.registry import get_reward
 
-        if self.name not in reward_names():
-            raise ConfigError(f"reward.name={self.name!r} is unknown; choose one of {', '.join(reward_names())}.")
+        try:
+            get_reward(self.name)
+        except ValueError as exc:
+            raise ConfigError(f"reward.name={self.name!r}: {exc}.") from exc
         if self.workers < 0 or self.timeout_s <= 0:
             raise ConfigError("reward.workers must be >= 0 and reward.timeout_s > 0.")
 
