@@ -1,4 +1,4 @@
-"""The ``dapo-mcore`` command: train | eval | convert | plan | profile | report | rollouts | audit-reward.
+"""The ``dapo-mcore`` command: train | eval | config | convert | plan | profile | report | rollouts | audit-reward | diagnose.
 
 Each subcommand imports its module only when it runs, so ``dapo-mcore --help`` is instant and a missing GPU
 package never breaks an unrelated command. User errors (bad config, missing files) print one paragraph and exit 2.
@@ -26,6 +26,7 @@ _DELEGATED: dict[str, tuple[str, str, str]] = {
     "audit-reward": ("dapo_mcore.reward.audit", "main", "probe the math verifier with shortcut answers"),
     "plan": ("dapo_mcore.plan_cli", "main", "estimate per-GPU memory and FLOPs of a layout before queueing"),
     "diagnose": ("dapo_mcore.telemetry.diagnose", "main", "explain why a run stalled, from its metrics and ledger"),
+    "config": ("dapo_mcore.config_cli", "main", "print the resolved config and its layout (runs nothing)"),
 }
 _CONVERT: dict[str, tuple[str, str, str]] = {
     "hf-to-mcore": ("conversion.hf_to_mcore", "main", "Hugging Face dir -> Megatron checkpoint at a TP/PP layout"),
@@ -50,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("config")
     ev.add_argument("overrides", nargs="*")
     ev.add_argument("--checkpoint", default=None,
-                    help="checkpoint dir (default: the run's latest; 'base' evaluates the base model)")
+                    help="a run dir (its latest checkpoint), a checkpoint dir, or 'base' (default: run.dir's latest)")
     conv = sub.add_parser("convert", help="checkpoint conversion between Hugging Face and Megatron")
     conv.add_argument("direction", choices=sorted(_CONVERT), help="; ".join(f"{k}: {v[2]}" for k, v in _CONVERT.items()))
     conv.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the conversion (see --help of each)")
@@ -83,12 +84,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "convert":
         module, func, _ = _CONVERT[args.direction]
         return _guard(lambda: _call(module, func, args.args))
+    return _guard(lambda: _run_training_command(args))
+
+
+def _run_training_command(args: argparse.Namespace) -> int:
+    """train / eval: config and paths are checked before Megatron and the trainer are imported."""
+    from dapo_mcore.config_cli import precheck, resolve_eval_checkpoint
+
+    precheck(args.config, args.overrides)
+    checkpoint = resolve_eval_checkpoint(args.checkpoint) if args.command == "eval" else None
     _quiet_cpu_warnings()
     from dapo_mcore import trainer
 
     if args.command == "train":
-        return _guard(lambda: trainer.train_main(args.config, args.overrides))
-    return _guard(lambda: trainer.eval_main(args.config, args.overrides, args.checkpoint))
+        return trainer.train_main(args.config, args.overrides)
+    return trainer.eval_main(args.config, args.overrides, checkpoint)
 
 
 def _quiet_cpu_warnings() -> None:

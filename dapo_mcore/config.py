@@ -16,8 +16,8 @@ import yaml
 
 from dapo_mcore.algo.config import AlgoConfig
 from dapo_mcore.configtree import ConfigError, apply_overrides, from_dict, read_yaml, to_dict
-from dapo_mcore.data.base_model import TinyBaseSettings
 from dapo_mcore.data.config import DataConfig
+from dapo_mcore.data.tiny_base_settings import TinyBaseSettings
 from dapo_mcore.model.presets import PRESET_NAMES, preset_config
 
 __all__ = ["Config", "ConfigError", "load_config", "write_resolved"]
