@@ -87,18 +87,29 @@ def main(argv: list[str] | None = None) -> int:
     return _guard(lambda: _run_training_command(args))
 
 
+ENV_OVERRIDES = "DAPO_MCORE_EXTRA_OVERRIDES"
+"""Overrides appended to every train/eval command line, e.g. ``train.steps=4`` to shorten documented commands in CI."""
+
+
 def _run_training_command(args: argparse.Namespace) -> int:
     """train / eval: config and paths are checked before Megatron and the trainer are imported."""
+    import os
+    import shlex
+
     from dapo_mcore.config_cli import precheck, resolve_eval_checkpoint
 
-    precheck(args.config, args.overrides)
+    extra = shlex.split(os.environ.get(ENV_OVERRIDES, ""))
+    if extra:
+        logging.getLogger(__name__).warning("%s adds overrides: %s", ENV_OVERRIDES, " ".join(extra))
+    overrides = [*args.overrides, *extra]
+    precheck(args.config, overrides)
     checkpoint = resolve_eval_checkpoint(args.checkpoint) if args.command == "eval" else None
     _quiet_cpu_warnings()
     from dapo_mcore import trainer
 
     if args.command == "train":
-        return trainer.train_main(args.config, args.overrides)
-    return trainer.eval_main(args.config, args.overrides, checkpoint)
+        return trainer.train_main(args.config, overrides)
+    return trainer.eval_main(args.config, overrides, checkpoint)
 
 
 def _quiet_cpu_warnings() -> None:

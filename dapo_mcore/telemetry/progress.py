@@ -110,7 +110,15 @@ def run_summary(run_dir: Path, process_seconds: float | None = None) -> str:
             parts.append(f"other {other / wall:.0%}")
         lines.append("time: " + ", ".join(parts))
     lines.append(f"run dir: {run_dir}")
-    lines.append(f"next: dapo-mcore report {run_dir}  |  dapo-mcore diagnose {run_dir}  |  "
-                 f"dapo-mcore rollouts {run_dir}  |  dapo-mcore eval {Path(run_dir) / 'config.yaml'} "
-                 f"--checkpoint {run_dir}")
+    exe = _command_name()
+    lines.append(f"next: {exe} report {run_dir}  |  {exe} diagnose {run_dir}  |  {exe} rollouts {run_dir}  |  "
+                 f"{exe} eval {Path(run_dir) / 'config.yaml'} --checkpoint {run_dir}")
     return "\n".join(lines)
+
+
+def _command_name() -> str:
+    """How the user started us (``.venv/bin/dapo-mcore`` pastes without activating the venv), else ``dapo-mcore``."""
+    import sys
+
+    argv0 = sys.argv[0] if sys.argv else ""
+    return argv0 if Path(argv0).name == "dapo-mcore" else "dapo-mcore"
