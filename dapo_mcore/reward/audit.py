@@ -68,6 +68,7 @@ PROBES: tuple[Probe, ...] = (
     Probe("Answer: <gt> + zero-width space", "format", lambda g, w: _reason(f"\nAnswer: {g}\u200b")),
     Probe("Answer: <gt> + carriage return", "format", lambda g, w: _reason(f"\nAnswer: {g}\r")),
     Probe("The answer is <gt>. (no label)", "format", lambda g, w: _reason(f"\nThe answer is {g}.")),
+    Probe("stuttered label: Answer: Answer: <gt>", "format", lambda g, w: _reason(f"\nAnswer: Answer: {g}")),
     Probe("\\boxed{<gt>} only", "format", lambda g, w: _reason(f"\n\\boxed{{{g}}}")),
     Probe("Answer: <x,y,z> digits of gt", "hedge",  # a one-character gt would make this the honest answer
           lambda g, w: _reason("\nAnswer: " + (", ".join(g) if len(g) > 1 else f"{g}, {w}"))),
