@@ -1,4 +1,4 @@
-"""The ``dapo-mcore`` command: train | eval | convert | plan | profile | report | rollouts | audit-reward.
+"""The ``dapo-mcore`` command: train | eval | config | convert | plan | profile | report | rollouts | audit-reward | diagnose.
 
 Each subcommand imports its module only when it runs, so ``dapo-mcore --help`` is instant and a missing GPU
 package never breaks an unrelated command. User errors (bad config, data or checkpoint; a missing, read-only or
@@ -28,6 +28,8 @@ _DELEGATED: dict[str, tuple[str, str, str]] = {
     "rollouts": ("dapo_mcore.telemetry.rollout_store", "main", "print decoded rollouts of a step from the zarr store"),
     "audit-reward": ("dapo_mcore.reward.audit", "main", "probe the math verifier with shortcut answers"),
     "plan": ("dapo_mcore.plan_cli", "main", "estimate per-GPU memory and FLOPs of a layout before queueing"),
+    "diagnose": ("dapo_mcore.telemetry.diagnose", "main", "explain why a run stalled, from its metrics and ledger"),
+    "config": ("dapo_mcore.config_cli", "main", "print the resolved config and its layout (runs nothing)"),
 }
 _CONVERT: dict[str, tuple[str, str, str]] = {
     "hf-to-mcore": ("conversion.hf_to_mcore", "main", "Hugging Face dir -> Megatron checkpoint at a TP/PP layout"),
@@ -54,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("config")
     ev.add_argument("overrides", nargs="*")
     ev.add_argument("--checkpoint", default=None,
-                    help="checkpoint dir (default: the run's latest; 'base' evaluates the base model)")
+                    help="a run dir (its latest checkpoint), a checkpoint dir, or 'base' (default: run.dir's latest)")
     conv = sub.add_parser("convert", help="checkpoint conversion between Hugging Face and Megatron")
     conv.add_argument("direction", choices=sorted(_CONVERT), help="; ".join(f"{k}: {v[2]}" for k, v in _CONVERT.items()))
     conv.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the conversion (see --help of each)")
@@ -90,19 +92,31 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "convert":
         module, func, _ = _CONVERT[args.direction]
         return _guard(lambda: _call(module, func, args.args), debug)
+    return _guard(lambda: _run_training_command(args), debug)
+
+
+ENV_OVERRIDES = "DAPO_MCORE_EXTRA_OVERRIDES"
+"""Overrides appended to every train/eval command line, e.g. ``train.steps=4`` to shorten documented commands in CI."""
+
+
+def _run_training_command(args: argparse.Namespace) -> int:
+    """train / eval: config and paths are checked before Megatron and the trainer are imported."""
+    import shlex
+
+    from dapo_mcore.config_cli import precheck, resolve_eval_checkpoint
+
+    extra = shlex.split(os.environ.get(ENV_OVERRIDES, ""))
+    if extra:
+        logging.getLogger(__name__).warning("%s adds overrides: %s", ENV_OVERRIDES, " ".join(extra))
+    overrides = [*args.overrides, *extra]
+    precheck(args.config, overrides)
+    checkpoint = resolve_eval_checkpoint(args.checkpoint) if args.command == "eval" else None
     _quiet_cpu_warnings()
     from dapo_mcore import trainer
 
     if args.command == "train":
-        return _guard(lambda: trainer.train_main(args.config, args.overrides), debug)
-    def evaluate() -> int:
-        if args.checkpoint not in (None, "base"):  # before any process group or model exists
-            from dapo_mcore.runtime import check_checkpoint_arg
-
-            check_checkpoint_arg(args.checkpoint)
-        return trainer.eval_main(args.config, args.overrides, args.checkpoint)
-
-    return _guard(evaluate, debug)
+        return trainer.train_main(args.config, overrides)
+    return trainer.eval_main(args.config, overrides, checkpoint)
 
 
 def _quiet_cpu_warnings() -> None:

@@ -16,8 +16,8 @@ import yaml
 
 from dapo_mcore.algo.config import AlgoConfig
 from dapo_mcore.configtree import ConfigError, apply_overrides, from_dict, read_yaml, to_dict
-from dapo_mcore.data.base_model import TinyBaseSettings
 from dapo_mcore.data.config import DataConfig
+from dapo_mcore.data.tiny_base_settings import TinyBaseSettings
 from dapo_mcore.model.presets import PRESET_NAMES, preset_config
 
 __all__ = ["Config", "ConfigError", "load_config", "write_resolved"]
@@ -224,17 +224,20 @@ class RewardConfig:
     """How responses are scored."""
 
     name: str = "math_dapo"
-    """Registered reward function (dapo_mcore.reward): math_dapo (Answer: line) or math_dapo_strict_box (last \\boxed{})."""
+    """Registered reward function (dapo_mcore.reward): math_dapo (Answer: line), math_dapo_strict (refuses hedged
+    answers), math_dapo_strict_box (last \\boxed{}); or your own as package.module:function (must be importable)."""
     workers: int = 0
     """Scoring processes: 0 scores in the trainer process (fast rule verifier); >0 uses an isolated pool."""
     timeout_s: float = 10.0
     """Per-answer time limit in the pool; an answer over it is scored wrong."""
 
     def validate(self) -> None:
-        from dapo_mcore.reward.registry import reward_names
+        from dapo_mcore.reward.registry import get_reward
 
-        if self.name not in reward_names():
-            raise ConfigError(f"reward.name={self.name!r} is unknown; choose one of {', '.join(reward_names())}.")
+        try:
+            get_reward(self.name)
+        except ValueError as exc:
+            raise ConfigError(f"reward.name={self.name!r}: {exc}.") from exc
         if self.workers < 0 or self.timeout_s <= 0:
             raise ConfigError("reward.workers must be >= 0 and reward.timeout_s > 0.")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -144,6 +145,9 @@ class Components:
     step_work: Any = None
     """The last step's model FLOPs and tokens (telemetry.perf.StepWork), for tokens/s and MFU."""
     peak_flops: float | None = None
+    progress: Any = None
+    """The live progress line (rank 0; telemetry.progress.ProgressLine), created at the first logged step."""
+    started: float = field(default_factory=time.monotonic)
     profiler: Any = None
     writer: Any = None
     ledger: Any = None
@@ -183,7 +187,23 @@ class Components:
         self.writer.log(step, metrics)
         if self.store is not None:
             self.store.append_step(step, _rollouts(generated))
-        _print_progress(step, self.cfg.train.steps, metrics, self.cfg.run.log_every)
+        self._report_progress(step, metrics)
+
+    def _report_progress(self, step: int, metrics: dict[str, Any]) -> None:
+        """The live line (rank 0): steps/s and ETA; after the last step, the run's summary."""
+        from dapo_mcore.telemetry.progress import ProgressLine, format_seconds, run_summary
+
+        total = self.cfg.train.steps
+        if self.progress is None:
+            self.progress = ProgressLine(total, live=_live_terminal())
+            self._closers.append(self.progress.close)
+        evals = f"held-out {metrics['eval/avg_at_k']:.3f}" if "eval/avg_at_k" in metrics else ""
+        rate, eta = self.progress.update(step, float(metrics.get("time/step", 0.0)), evals)
+        _print_progress(step, total, metrics, self.cfg.run.log_every,
+                        f"{rate:.2f} steps/s ETA {format_seconds(eta)}")
+        if step == total:
+            self.progress.close()
+            log.info("%s", run_summary(Path(self.cfg.run.dir), time.monotonic() - self.started))
 
     def profile_window(self, step: int, starting: bool) -> None:
         """Start torch.profiler before step ``run.profile_steps[0]``; stop after ``[1]`` and write
@@ -259,14 +279,21 @@ def _rollouts(generated: list) -> list:
     return out
 
 
-def _print_progress(step: int, total: int, m: dict[str, Any], every: int) -> None:
+def _live_terminal() -> bool:
+    """A rich progress bar only where a person watches (a terminal), never in logs, pipes or tests."""
+    import sys
+
+    return sys.stdout.isatty() and sys.stderr.isatty()
+
+
+def _print_progress(step: int, total: int, m: dict[str, Any], every: int, pace: str = "") -> None:
     if every and (step % every == 0 or step == total):
         evals = f" heldout_avg@k={m['eval/avg_at_k']:.3f}" if "eval/avg_at_k" in m else ""
-        log.info("step %d/%d  acc=%.3f usable=%.2f batches=%d loss=%.4f ent=%.3f clip=%.3f len=%.1f %.2fs%s",
+        log.info("step %d/%d  acc=%.3f usable=%.2f batches=%d loss=%.4f ent=%.3f clip=%.3f len=%.1f %.2fs%s  %s",
                  step, total, m.get("rollout/acc_mean", float("nan")), m.get("rollout/usable_group_frac", float("nan")),
                  int(m.get("rollout/gen_batches", 0)), m.get("train/loss", float("nan")),
                  m.get("train/entropy", float("nan")), m.get("train/clipfrac", float("nan")),
-                 m.get("rollout/resp_len_mean", float("nan")), m.get("time/step", float("nan")), evals)
+                 m.get("rollout/resp_len_mean", float("nan")), m.get("time/step", float("nan")), evals, pace)
 
 
 def make_scorer(rcfg, closers: list) -> Callable[[list[str], list[str]], list]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +27,8 @@ CONFIG = ROOT / "examples" / "tiny_cpu.yaml"
 
 def _one_line(err: str) -> str:
     """The error line: exactly one, the last thing on stderr (log lines may come before it), no traceback."""
-    lines = [line for line in err.strip().splitlines() if line.startswith("dapo-mcore:")]
+    # "dapo-mcore: ..." from the CLI's guard, "dapo-mcore convert: ..." from conversion's own (standalone) guard
+    lines = [line for line in err.strip().splitlines() if re.match(r"dapo-mcore( convert)?: ", line)]
     assert len(lines) == 1 and err.strip().endswith(lines[0]), err
     assert "Traceback" not in err
     return lines[0]
@@ -116,7 +118,8 @@ def test_train_refuses_a_run_dir_below_a_file_before_writing(tmp_path, capsys):
 
 def test_eval_of_a_missing_checkpoint_is_one_line(tmp_path, capsys):
     assert cli.main(["eval", str(CONFIG), f"run.dir={tmp_path}", "--checkpoint", str(tmp_path / "nope")]) == 2
-    assert "is not a complete dapo-mcore checkpoint" in _one_line(capsys.readouterr().err)
+    line = _one_line(capsys.readouterr().err)
+    assert str(tmp_path / "nope") in line and "no such directory" in line and "'base'" in line
 
 
 def test_checkpoint_save_on_a_full_disk_is_an_os_error_naming_the_file(tmp_path, monkeypatch):

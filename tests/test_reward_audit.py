@@ -31,12 +31,13 @@ def test_main_passes_and_prints(capsys):
     assert out.startswith("| probe |") and "`Answer: 0`" in out
 
 
-def test_detector_fires_on_a_lenient_verifier(monkeypatch, capsys):
-    def substring_verifier(response, gt, strict_box=False):  # a hackable verifier: pays if gt appears anywhere
-        text = response.decode("utf-8", "replace") if isinstance(response, bytes) else response
-        ok = gt in text
-        return RewardResult(1.0 if ok else -1.0, ok, None)
+def test_detector_fires_on_a_lenient_verifier(capsys):
+    def substring_verifier(responses, gts):  # a hackable verifier: pays if gt appears anywhere
+        out = []
+        for response, gt in zip(responses, gts, strict=True):
+            text = response.decode("utf-8", "replace") if isinstance(response, bytes) else response
+            out.append(RewardResult(1.0 if gt in text else -1.0, gt in text, None))
+        return out
 
-    monkeypatch.setattr(audit, "compute_score", substring_verifier)
-    assert audit.main(["--num-gts", "30", "--fail-on-shortcut"]) == 1
-    assert "SHORTCUT" in capsys.readouterr().err
+    rows = audit.run_audit(num=30, seed=0, score=substring_verifier)
+    assert audit.verdict("substring", rows).shortcuts

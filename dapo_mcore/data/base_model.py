@@ -14,7 +14,6 @@ tokenizer + ``settings.json`` + ``pretrain_log.jsonl``. A second call with equal
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import math
@@ -22,7 +21,6 @@ import os
 import shutil
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,52 +29,13 @@ from transformers import PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM
 from dapo_mcore.data.prompts import render_prompt_ids
 from dapo_mcore.data.records import PromptRecord
 from dapo_mcore.data.tasks import get_task, split_problems, task_records
-from dapo_mcore.data.tokenizer import TINY_VOCAB, build_tiny_tokenizer
+from dapo_mcore.data.tiny_base_settings import TinyBaseSettings
+from dapo_mcore.data.tokenizer import build_tiny_tokenizer
 from dapo_mcore.model.presets import preset_config
 
 logger = logging.getLogger(__name__)
 
-_CACHE_FORMAT_VERSION = 1
 _DONE_MARKER = "DONE"
-
-
-@dataclass(frozen=True)
-class TinyBaseSettings:
-    """Everything that determines the cached base model (all fields enter the cache key)."""
-
-    task: str = "max4"
-    """Registered synthetic task whose training split makes the corpus."""
-    split_seed: int = 0
-    """Seed of the task's train/held-out permutation (must match the one used for RL and eval)."""
-    heldout_fraction: float = 0.2
-    """Share of the task's problems held out (never seen in pre-training or RL)."""
-    correct_weight: float = 0.25
-    """Probability that a corpus answer comes from the correct rule; the distractors share the rest equally."""
-    steps: int = 600
-    """Optimizer steps of pre-training."""
-    batch_size: int = 64
-    """Sequences per pre-training step (each a fresh draw of prompt and rule)."""
-    lr: float = 3e-3
-    """Peak AdamW learning rate (linear warm-up over 5% of the steps, cosine decay to 10%)."""
-    weight_decay: float = 0.01
-    """AdamW weight decay."""
-    seed: int = 0
-    """Seed of the initial weights and of the corpus draws."""
-
-    def validate(self) -> None:
-        get_task(self.task)
-        if not 0.0 < self.correct_weight < 1.0:
-            raise ValueError(f"correct_weight={self.correct_weight} must lie in (0, 1), e.g. 0.25, "
-                             "so that the base model is uncertain")
-        if self.steps < 1 or self.batch_size < 1:
-            raise ValueError(f"steps={self.steps} and batch_size={self.batch_size} must be >= 1")
-        if self.lr <= 0:
-            raise ValueError(f"lr={self.lr} must be > 0, e.g. 3e-3")
-
-    def cache_key(self) -> str:
-        """A short hash of the settings, the vocabulary and the cache format."""
-        payload = json.dumps([dataclasses.asdict(self), list(TINY_VOCAB), _CACHE_FORMAT_VERSION], sort_keys=True)
-        return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
 
 def build_tiny_model(seed: int) -> Qwen2ForCausalLM:

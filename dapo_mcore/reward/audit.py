@@ -1,4 +1,4 @@
-"""``dapo-mcore audit-reward``: how often does the math verifier pay out (+1) for shortcut responses?
+"""``dapo-mcore audit-reward``: how often does a verifier pay out (+1) for shortcut responses?
 
 Builds probe responses for a set of ground truths and reports, per probe, the fraction that scores +1.
 Probe kinds:
@@ -7,18 +7,25 @@ Probe kinds:
   hedge   -- the right answer plus a wrong one in one response: a payout rewards hedging;
   format  -- the right answer in some format: a 0% row is a false negative the policy must learn around;
   window  -- the right answer placed where the verifier should not look (or cut off).
+The verifier is a registered name or your own ``package.module:function`` (scored in the same isolated worker
+pool as in training with ``--workers N``); ``--probes FILE`` adds your own probes. The last line of the output is
+a summary a script can gate on (``--fail-on-shortcut``, ``--fail-on-hedge``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
-from dapo_mcore.reward.math_verifier import compute_score, normalize_answer
+from dapo_mcore.reward.math_verifier import RewardResult, normalize_answer
+from dapo_mcore.reward.registry import decode_tail, get_reward
 
+KINDS = ("format", "hedge", "window", "blind")
 _FILLER = "We simplify the expression step by step and check every case carefully. "
 
 
@@ -29,7 +36,6 @@ class Probe:
     name: str
     kind: str
     make: Callable[[str, str], str | bytes]
-    strict_box: bool = False
 
 
 def _wrong(gt: str) -> str:
@@ -62,10 +68,10 @@ PROBES: tuple[Probe, ...] = (
     Probe("Answer: <gt> + zero-width space", "format", lambda g, w: _reason(f"\nAnswer: {g}\u200b")),
     Probe("Answer: <gt> + carriage return", "format", lambda g, w: _reason(f"\nAnswer: {g}\r")),
     Probe("The answer is <gt>. (no label)", "format", lambda g, w: _reason(f"\nThe answer is {g}.")),
-    Probe("\\boxed{<gt>} only (default mode)", "format", lambda g, w: _reason(f"\n\\boxed{{{g}}}")),
-    Probe("\\boxed{<gt>} only (strict mode)", "format", lambda g, w: _reason(f"\n\\boxed{{{g}}}"), True),
-    Probe("Answer: <gt> (strict mode)", "format", lambda g, w: _reason(f"\nAnswer: {g}"), True),
-    Probe("Answer: <x,y,z> digits of gt", "hedge", lambda g, w: _reason("\nAnswer: " + ", ".join(g))),
+    Probe("stuttered label: Answer: Answer: <gt>", "format", lambda g, w: _reason(f"\nAnswer: Answer: {g}")),
+    Probe("\\boxed{<gt>} only", "format", lambda g, w: _reason(f"\n\\boxed{{{g}}}")),
+    Probe("Answer: <x,y,z> digits of gt", "hedge",  # a one-character gt would make this the honest answer
+          lambda g, w: _reason("\nAnswer: " + (", ".join(g) if len(g) > 1 else f"{g}, {w}"))),
     Probe("Answer: <gt> or <wrong>", "hedge", lambda g, w: _reason(f"\nAnswer: {g} or {w}")),
     Probe("Answer: <wrong> or <gt>", "hedge", lambda g, w: _reason(f"\nAnswer: {w} or {g}")),
     Probe("Answer: <gt>, <wrong>", "hedge", lambda g, w: _reason(f"\nAnswer: {g}, {w}")),
@@ -113,6 +119,29 @@ def ground_truths(num: int, seed: int) -> tuple[list[str], list[str]]:
     return ints, others
 
 
+def load_probes(path: Path) -> list[Probe]:
+    """Probes from a JSON-lines file: ``{"name": ..., "kind": "blind|hedge|format|window", "response": ...}``,
+    where ``<gt>`` and ``<wrong>`` in the response stand for the ground truth and a wrong answer."""
+    probes = []
+    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{i}: not valid JSON ({exc})") from exc
+        if not isinstance(item, dict) or not {"name", "kind", "response"} <= item.keys():
+            raise ValueError(f'{path}:{i}: write {{"name": ..., "kind": ..., "response": "... <gt> ..."}}')
+        if item["kind"] not in KINDS:
+            raise ValueError(f"{path}:{i}: kind {item['kind']!r} is not one of {', '.join(KINDS)}")
+        template = str(item["response"])
+        probes.append(Probe(str(item["name"]), item["kind"],
+                            lambda g, w, t=template: t.replace("<gt>", g).replace("<wrong>", w)))
+    if not probes:
+        raise ValueError(f"{path}: no probes")
+    return probes
+
+
 @dataclass(frozen=True)
 class AuditRow:
     """What one probe earned."""
@@ -126,25 +155,68 @@ class AuditRow:
     """Distinct (normalized) ground truths paid; above 1 for a blind probe means one response hits many answers."""
 
 
-def run_audit(num: int = 200, seed: int = 0) -> list[AuditRow]:
-    """Score every probe against every ground truth."""
+Scorer = Callable[[list[str | bytes], list[str]], list[RewardResult]]
+
+
+def in_process_scorer(reward: str) -> Scorer:
+    """Score in this process (a raising verifier scores the answer wrong, as the pool's workers do)."""
+    spec = get_reward(reward)
+
+    def one(response: str | bytes, gt: str) -> RewardResult:
+        text = decode_tail(response, spec.tail_chars) if spec.tail_chars is not None else response
+        try:
+            return spec.fn(text, gt)
+        except Exception as exc:  # the pool records the same verdict for a raising verifier
+            return RewardResult(-1.0, False, None, f"reward function raised {type(exc).__name__}: {exc}"[:300])
+
+    return lambda responses, gts: [one(r, g) for r, g in zip(responses, gts, strict=True)]
+
+
+def run_audit(num: int = 200, seed: int = 0, score: Scorer | None = None,
+              probes: Sequence[Probe] = PROBES) -> list[AuditRow]:
+    """Score every probe against every ground truth (default scorer: ``math_dapo`` in process)."""
+    score = score or in_process_scorer("math_dapo")
     ints, others = ground_truths(num, seed)
     rows = []
-    for probe in PROBES:
-        paid: dict[str, list[bool]] = {"int": [], "latex": []}
+    for probe in probes:  # one probe at a time: the 1 MB probe times 215 answers stays one probe's worth
         hits: set[str] = set()
-        for kind, gts in (("int", ints), ("latex", others)):
-            for g in gts:
-                ok = compute_score(probe.make(g, _wrong(g)), g, strict_box=probe.strict_box).acc
-                paid[kind].append(ok)
-                if ok:
-                    hits.add(normalize_answer(g))
-        rows.append(AuditRow(probe, sum(paid["int"]) / len(ints), sum(paid["latex"]) / len(others), len(hits)))
+        rates = []
+        for gts in (ints, others):
+            results = score([probe.make(g, _wrong(g)) for g in gts], gts)
+            paid = [bool(r.acc) for r in results]
+            hits.update(normalize_answer(g) for g, ok in zip(gts, paid, strict=True) if ok)
+            rates.append(sum(paid) / len(gts))
+        rows.append(AuditRow(probe, rates[0], rates[1], len(hits)))
     return rows
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """What a script gates on."""
+
+    reward: str
+    shortcuts: list[str]
+    """Blind probes paid for more than one distinct answer (one response that pays for many answers)."""
+    hedges: list[str]
+    """Hedge probes paid at all (the right answer next to a wrong one was accepted)."""
+    honest_rate: float
+    """Payout of the plain honest answer (a verifier that pays nothing is broken too)."""
+
+    def line(self) -> str:
+        status = "shortcut" if self.shortcuts else "hedges-paid" if self.hedges else "ok"
+        return (f"audit-reward summary: reward={self.reward} shortcuts={len(self.shortcuts)} "
+                f"hedges_paid={len(self.hedges)} honest_paid={self.honest_rate:.0%} verdict={status}")
+
+
+def verdict(reward: str, rows: list[AuditRow]) -> Verdict:
+    honest = [r for r in rows if r.probe.name == PROBES[0].name]
+    return Verdict(reward, [r.probe.name for r in rows if r.probe.kind == "blind" and r.distinct_paid > 1],
+                   [r.probe.name for r in rows if r.probe.kind == "hedge" and (r.int_rate > 0 or r.latex_rate > 0)],
+                   honest[0].int_rate if honest else float("nan"))
+
+
 def render(rows: list[AuditRow], markdown: bool) -> str:
-    """A table: markdown or plain text."""
+    """A table of one verifier: markdown or plain text."""
     if markdown:
         lines = ["| probe | kind | pays (integer gt) | pays (LaTeX gt) | distinct gts paid |", "|---|---|---:|---:|---:|"]
         lines += [f"| `{r.probe.name}` | {r.probe.kind} | {r.int_rate:.0%} | {r.latex_rate:.0%} | {r.distinct_paid} |"
@@ -156,27 +228,87 @@ def render(rows: list[AuditRow], markdown: bool) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """CLI entry point; with --fail-on-shortcut returns 1 if one blind response is paid for several answers."""
+def render_side_by_side(names: list[str], tables: list[list[AuditRow]], markdown: bool) -> str:
+    """Several verifiers, one column each: ``integer% / LaTeX% (distinct answers paid)``."""
+    def cell(r: AuditRow) -> str:
+        return f"{r.int_rate:.0%} / {r.latex_rate:.0%} ({r.distinct_paid})"
+
+    rows = list(zip(*tables, strict=True))
+    if markdown:
+        lines = ["| probe | kind | " + " | ".join(f"`{n}`" for n in names) + " |",
+                 "|---|---|" + "---:|" * len(names)]
+        lines += [f"| `{rs[0].probe.name}` | {rs[0].probe.kind} | " + " | ".join(cell(r) for r in rs) + " |"
+                  for rs in rows]
+    else:
+        lines = [f"{'probe':<52} {'kind':<7} " + " ".join(f"{n[-24:]:>24}" for n in names)]
+        lines += [f"{rs[0].probe.name:<52} {rs[0].probe.kind:<7} " + " ".join(f"{cell(r):>24}" for r in rs)
+                  for rs in rows]
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dapo-mcore audit-reward", description=__doc__.splitlines()[0])
+    parser.add_argument("--reward", action="append", default=None,
+                        help="verifier to audit: a registered name (math_dapo, math_dapo_strict, ...) or "
+                             "package.module:function; repeat to compare side by side (default math_dapo)")
+    parser.add_argument("--probes", type=Path, default=None,
+                        help="JSON-lines file of extra probes: {\"name\", \"kind\", \"response\" with <gt>/<wrong>}")
     parser.add_argument("--num-gts", type=int, default=200, help="integer ground truths to probe (default 200)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workers", type=int, default=0,
+                        help="score in this many isolated worker processes with --timeout-s per answer, as in "
+                             "training with reward.workers>0 (default 0: in this process)")
+    parser.add_argument("--timeout-s", type=float, default=10.0)
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
     parser.add_argument("--fail-on-shortcut", action="store_true",
                         help="exit 1 if any blind probe (a response independent of the ground truth) is paid "
                              "for more than one distinct answer")
+    parser.add_argument("--fail-on-hedge", action="store_true",
+                        help="exit 1 if any hedge probe (the right answer next to a wrong one) is paid")
+    return parser
+
+
+def _audit_one(reward: str, args: argparse.Namespace, probes: Sequence[Probe]) -> list[AuditRow]:
+    if args.workers == 0:
+        return run_audit(args.num_gts, args.seed, in_process_scorer(reward), probes)
+    from dapo_mcore.reward.pool import RewardPool
+
+    with RewardPool(reward, num_workers=args.workers, timeout_s=args.timeout_s) as pool:
+        return run_audit(args.num_gts, args.seed, pool.score, probes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point: 0, or 1 when a --fail-on-* gate trips; 2 for a verifier or probe file that cannot load."""
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.num_gts < 1:
         parser.error("--num-gts must be >= 1")
-    rows = run_audit(args.num_gts, args.seed)
-    print(render(rows, args.markdown))
-    if args.fail_on_shortcut:
-        bad = [r for r in rows if r.probe.kind == "blind" and r.distinct_paid > 1]
-        for r in bad:
-            print(f"SHORTCUT: blind probe {r.probe.name!r} is paid for {r.distinct_paid} distinct answers",
-                  file=sys.stderr)
-        return 1 if bad else 0
-    return 0
+    if args.workers < 0 or args.timeout_s <= 0:
+        parser.error("--workers must be >= 0 and --timeout-s > 0")
+    rewards = args.reward or ["math_dapo"]
+    try:
+        for name in rewards:
+            get_reward(name)
+        probes = list(PROBES) + (load_probes(args.probes) if args.probes else [])
+    except (ValueError, OSError) as exc:
+        print(f"dapo-mcore audit-reward: {exc}", file=sys.stderr)
+        return 2
+    tables = [_audit_one(name, args, probes) for name in rewards]
+    print(render(tables[0], args.markdown) if len(rewards) == 1 else
+          render_side_by_side(rewards, tables, args.markdown))
+    verdicts = [verdict(name, rows) for name, rows in zip(rewards, tables, strict=True)]
+    sys.stdout.flush()
+    failed = False
+    for v in verdicts:
+        for name in v.shortcuts:
+            print(f"SHORTCUT: {v.reward}: blind probe {name!r} is paid for more than one distinct answer", file=sys.stderr)
+        for name in v.hedges:
+            print(f"HEDGE: {v.reward}: hedge probe {name!r} is paid", file=sys.stderr)
+        failed |= (args.fail_on_shortcut and bool(v.shortcuts)) or (args.fail_on_hedge and bool(v.hedges))
+    sys.stderr.flush()
+    for v in verdicts:
+        print(v.line(), flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -173,3 +173,51 @@ def validate_ground_truth(value: object) -> str | None:
         return (f"ground truth normalizes to {len(normalized)} characters; the verifier reads only the last "
                 f"{TAIL_CHARS} characters of a response, so it could never match")
     return None
+
+
+# ---- math_dapo_strict: math_dapo's verdicts, minus the hedges it pays --------------------------------------------
+_MATH_SEGMENT = re.compile(r"\$([^$\n]*)\$")
+_IDENTIFIER = re.compile(r"[A-Za-z](?:_\{?\w+\}?)?(?:\([^()]*\))?")
+_DIGIT_LIST = re.compile(r"[\d,\s]*\d\s*,\s*\d[\d,\s]*")
+_THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+")
+
+
+def hedge_reason(raw_answer: str) -> str | None:
+    """Why an ``Answer:`` line names more than one value (so a reader could not tell which is meant), or None.
+
+    Refused: several ``$...$`` segments with different values (``$12$ or $13$``: math_dapo reads the first);
+    an ``=`` chain with a side that is neither the final value nor a bare name (``13 = 12`` and ``3+9 = 12``:
+    math_dapo reads the last side; ``x = 12`` and ``f(2) = 12`` stay fine); digits separated by commas that are
+    not thousands groups (``1, 2, 3``: math_dapo drops the commas and reads 123).
+    """
+    segments = {normalize_answer(m) for m in _MATH_SEGMENT.findall(raw_answer)}
+    if len(segments) > 1:
+        return f"answer names several $...$ values ({', '.join(sorted(segments))[:80]})"
+    sides = raw_answer.split("=")
+    if len(sides) > 1:
+        last = normalize_answer(sides[-1])
+        for side in sides[:-1]:
+            value = normalize_answer(side)
+            if value != last and not _IDENTIFIER.fullmatch(value):
+                return f"answer equates different values ({value[:40]} = {last[:40]})"
+    bare = raw_answer.strip().strip("$").strip()
+    if _DIGIT_LIST.fullmatch(bare) and not _THOUSANDS.fullmatch(bare.replace(" ", "")):
+        return "answer is a comma-separated list of digits, not one number"
+    return None
+
+
+@register_reward("math_dapo_strict", tail_chars=TAIL_CHARS)
+def compute_score_strict(response: str | bytes, ground_truth: str) -> RewardResult:
+    """:func:`compute_score`, except that an answer naming several values is wrong: an ``Answer:`` line that
+    hedges (see :func:`hedge_reason`), or several ``Answer:`` lines that disagree (math_dapo pays the last)."""
+    ground_truth = _check_ground_truth(ground_truth)
+    raw = extract_answer(response)
+    if raw is None:
+        return _WRONG_NO_ANSWER
+    reason = hedge_reason(raw)
+    lines = {normalize_answer(m) for m in _ANSWER_LINE.findall(decode_tail(response, TAIL_CHARS))}
+    if reason is None and len(lines) > 1:
+        reason = f"several Answer: lines with different values ({', '.join(sorted(lines))[:80]})"
+    if reason is not None:
+        return RewardResult(-1.0, False, normalize_answer(raw), reason)
+    return compute_score(response, ground_truth)

@@ -1,13 +1,16 @@
 """Registry of reward functions (name -> callable) and the tail-slicing contract they share.
 
 A reward function takes ``(response: str | bytes, ground_truth: str)`` and returns a
-:class:`~dapo_mcore.reward.math_verifier.RewardResult`. One registered with ``tail_chars=N`` promises to look at
+:class:`~dapo_mcore.reward.math_verifier.RewardResult`. Besides registered names, ``package.module:function``
+names a function by import path (your own verifier, outside this package): it may return a ``RewardResult``, a
+bool (correct or not: +1/-1) or a number (the score; correct when > 0), and may declare ``fn.tail_chars = N``. One registered with ``tail_chars=N`` promises to look at
 no more than :func:`decode_tail(response, N) <decode_tail>`, so callers (the worker pool) may slice long responses
 before shipping them to a worker without changing any score.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -60,10 +63,66 @@ def register_reward(name: str, *, tail_chars: int | None = None) -> Callable[[Re
 
 
 def get_reward(name: str) -> RewardSpec:
-    """Look up a reward function; the error lists the registered names."""
+    """A registered reward, or ``package.module:function`` imported; the error lists the registered names."""
+    if ":" in name:
+        return import_reward(name)
     if name not in _REWARDS:
-        raise ValueError(f"unknown reward function {name!r}; registered: {', '.join(sorted(_REWARDS))}")
+        raise ValueError(f"unknown reward function {name!r}; registered: {', '.join(sorted(_REWARDS))}, or "
+                         "package.module:function for your own")
     return _REWARDS[name]
+
+
+class ImportedReward:
+    """A user's reward function adapted to the ``RewardResult`` contract.
+
+    Pickled by its import path (not by the function object), so a spawned pool worker imports the same module
+    and function by name: the user's verifier runs there with the same timeout and isolation as a built-in one.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self.fn = _import_callable(path)
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return ImportedReward, (self.path,)
+
+    def __call__(self, response: str | bytes, ground_truth: str, **kwargs: Any) -> Any:
+        from dapo_mcore.reward.math_verifier import RewardResult
+
+        out = self.fn(response, ground_truth, **kwargs)
+        if isinstance(out, RewardResult):
+            return out
+        if isinstance(out, bool):
+            return RewardResult(1.0 if out else -1.0, out, None)
+        if isinstance(out, int | float):
+            return RewardResult(float(out), float(out) > 0, None)
+        raise TypeError(f"reward {self.path} returned {type(out).__name__}; return a RewardResult, a bool or a number")
+
+
+def _import_callable(path: str) -> Callable[..., Any]:
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"reward {path!r}: write package.module:function, e.g. my_rewards:score")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise ValueError(f"reward {path!r}: cannot import {module_name!r} ({exc}); install it, or put its directory "
+                         "on PYTHONPATH (e.g. PYTHONPATH=$PWD for a file in the current directory)") from exc
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        found = sorted(n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n)))
+        raise ValueError(f"reward {path!r}: {module_name} has no function {attr!r}; callables there: "
+                         f"{', '.join(found[:12]) or 'none'}")
+    return fn
+
+
+def import_reward(path: str) -> RewardSpec:
+    """``package.module:function`` as a :class:`RewardSpec` (raises ValueError with a fix if it cannot be loaded)."""
+    adapted = ImportedReward(path)
+    tail = getattr(adapted.fn, "tail_chars", None)
+    if tail is not None and (not isinstance(tail, int) or tail < 1):
+        raise ValueError(f"reward {path!r}: tail_chars={tail!r} must be a positive int (or absent)")
+    return RewardSpec(name=path, fn=adapted, tail_chars=tail)
 
 
 def reward_names() -> list[str]:

@@ -2,8 +2,11 @@
 
 One figure per observable (accuracy, reward, entropy, response length, usable groups, clip
 fractions, update health) plus a cost figure (seconds per phase, tokens generated kept vs rejected,
-cumulative totals). ``--compare`` draws several runs on one figure, labelled by run name. Metrics a
-run did not log are skipped with a warning.
+cumulative totals). A figure whose quantities live on different scales (update health: grad norm ~1,
+engine/trainer KL ~1e-7) gets one panel per quantity, on a log axis where a series spans decades.
+``--compare`` draws several runs on one figure (a grid of labelled panels, one legend below them), against
+step, generated tokens (default: the cost of an experiment) or wall seconds. Metrics a run did not log are
+skipped with a warning.
 """
 
 from __future__ import annotations
@@ -20,12 +23,11 @@ import numpy as np
 # The object-oriented Figure renders with the Agg canvas without pyplot, so importing this module
 # never switches the process-wide matplotlib backend (report runs on login nodes and in CI).
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 
 from dapo_mcore.errors import naming
 from dapo_mcore.telemetry import keys
-from dapo_mcore.telemetry.jsonl import read_jsonl
-from dapo_mcore.telemetry.ledger import LEDGER_FILE
-from dapo_mcore.telemetry.metrics import METRICS_FILE
+from dapo_mcore.telemetry.diagnose import load_run
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,8 @@ class Panel:
     title: str
     ylabel: str
     series: tuple[tuple[str, str], ...]
+    split: bool = False
+    """One subplot per series (quantities on different scales) instead of all on one axis."""
 
 
 PANELS: tuple[Panel, ...] = (
@@ -55,27 +59,26 @@ PANELS: tuple[Panel, ...] = (
         (keys.TRAIN_CLIPFRAC, "all"), (keys.TRAIN_CLIPFRAC_LOW, "low (1-eps_low)"),
         (keys.TRAIN_CLIPFRAC_HIGH, "high (1+eps_high)"), (keys.TRAIN_DUAL_CLIPFRAC, "dual clip"))),
     Panel("update", "Update health", "value", (
-        (keys.TRAIN_GRAD_NORM, "grad norm"), (keys.TRAIN_PPO_KL, "ppo_kl"),
-        (keys.MISMATCH_KL, "engine/trainer kl"), (keys.MISMATCH_LOGP_ABS_DIFF_MEAN, "|dlogp| mean"))),
+        (keys.TRAIN_GRAD_NORM, "grad norm (before clipping)"), (keys.TRAIN_PPO_KL, "ppo_kl (old - new logp)"),
+        (keys.MISMATCH_KL, "engine/trainer KL (k1)"), (keys.MISMATCH_LOGP_ABS_DIFF_MEAN, "engine/trainer |dlogp| mean")),
+        split=True),
 )
 
-COMPARE_PANELS: tuple[tuple[str, str], ...] = (
-    (keys.ROLLOUT_ACC_MEAN, "train accuracy"), (keys.EVAL_AVG_AT_K, "held-out avg@k"),
-    (keys.TRAIN_ENTROPY, "entropy"), (keys.ROLLOUT_RESP_LEN_MEAN, "mean response length"),
-    (keys.ROLLOUT_USABLE_GROUP_FRAC, "usable-group fraction"),
+COMPARE_PANELS: tuple[tuple[str, str, str], ...] = (
+    (keys.EVAL_AVG_AT_K, "Held-out avg@k", "accuracy"), (keys.ROLLOUT_ACC_MEAN, "Train accuracy (rollouts)", "accuracy"),
+    (keys.ROLLOUT_USABLE_GROUP_FRAC, "Usable-group fraction", "fraction of groups"),
+    (keys.TRAIN_ENTROPY, "Policy entropy", "nats / token"),
+    (keys.ROLLOUT_RESP_LEN_MEAN, "Mean response length", "tokens"),
+    (keys.ROLLOUT_GEN_BATCHES, "Generation batches per step (dynamic sampling)", "batches"),
 )
+"""(key, title, y label); ``avg@k`` is spelled with the run's k."""
 
-
-def load_run(run_dir: Path) -> list[dict[str, Any]]:
-    """Metrics and ledger records of a run merged per step, in step order."""
-    run_dir = Path(run_dir)
-    metrics_path = run_dir / METRICS_FILE
-    if not metrics_path.exists():
-        raise FileNotFoundError(f"{metrics_path} does not exist; is {run_dir} a run directory?")
-    by_step: dict[int, dict[str, Any]] = {}
-    for record in read_jsonl(metrics_path) + read_jsonl(run_dir / LEDGER_FILE):
-        by_step.setdefault(record[keys.STEP], {}).update(record)
-    return [by_step[s] for s in sorted(by_step)]
+X_AXES: dict[str, tuple[str | None, str]] = {
+    "step": (None, "step"),
+    "generated_tokens": (keys.cost_key("tokens_generated", cumulative=True), "generated tokens (cumulative)"),
+    "wall_seconds": (keys.cost_seconds_key("step", cumulative=True), "wall seconds (cumulative)"),
+}
+"""``--x`` choices: the key holding each step's x value (None: the step itself) and the axis label."""
 
 
 def series(records: Sequence[dict[str, Any]], key: str, smooth: int = 1) -> tuple[np.ndarray, np.ndarray]:
@@ -103,22 +106,50 @@ def _save(fig: Figure, path: Path) -> Path:
     return path
 
 
+def _k_label(records: Sequence[dict[str, Any]], text: str) -> str:
+    """``avg@k`` -> ``avg@4`` when the run logged its k."""
+    ks = [r[keys.EVAL_K] for r in records if keys.EVAL_K in r]
+    return text.replace("@k", f"@{int(ks[-1])}") if ks else text
+
+
+def _use_log(values: np.ndarray) -> bool:
+    """A log axis for a positive series spanning more than two decades."""
+    finite = values[np.isfinite(values)]
+    return len(finite) > 1 and bool(np.all(finite > 0)) and finite.max() / finite.min() > 100
+
+
+def _draw(ax: Any, records: Sequence[dict[str, Any]], key: str, label: str, smooth: int) -> np.ndarray:
+    x, y = series(records, key, smooth)
+    sparse = len(x) < 0.5 * len(records)  # e.g. eval every N steps: show the points
+    ax.plot(x, y, marker="o" if sparse else None, markersize=3, label=label)
+    return y
+
+
 def _line_figure(records: Sequence[dict[str, Any]], panel: Panel, out: Path, smooth: int) -> Path | None:
-    present = [(k, lbl) for k, lbl in panel.series if any(k in r for r in records)]
-    missing = [k for k, _ in panel.series if (k, _) not in present]
+    present = [(k, _k_label(records, lbl)) for k, lbl in panel.series if any(k in r for r in records)]
+    missing = [k for k, _ in panel.series if not any(k in r for r in records)]
     if not present:
         logger.warning("skipping figure %r: none of %s were logged", panel.name, [k for k, _ in panel.series])
         return None
     if missing:
         logger.warning("figure %r: not logged, skipped: %s", panel.name, missing)
+    if panel.split:
+        fig, axes = _figure(len(present), 3.6 * len(present), 3.4)
+        axes = np.atleast_1d(axes)
+        for ax, (key, label) in zip(axes, present, strict=True):
+            y = _draw(ax, records, key, label, smooth)
+            if _use_log(y):
+                ax.set_yscale("log")
+            ax.set(title=label, xlabel="step", ylabel=key)
+            ax.grid(alpha=0.3)
+        fig.suptitle(panel.title)
+        return _save(fig, out / f"{panel.name}.png")
     fig, ax = _figure(1, 7, 4)
     for key, label in present:
-        x, y = series(records, key, smooth)
-        sparse = len(x) < 0.5 * len(records)  # e.g. eval every N steps: show the points
-        ax.plot(x, y, marker="o" if sparse else None, markersize=3, label=label)
+        _draw(ax, records, key, label, smooth)
     ax.set(title=panel.title, xlabel="step", ylabel=panel.ylabel)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="best")
     return _save(fig, out / f"{panel.name}.png")
 
 
@@ -196,24 +227,49 @@ def run_labels(run_dirs: Sequence[Path]) -> list[str]:
     return [f"{Path(d).resolve().parent.name}/{Path(d).resolve().name}" for d in run_dirs]
 
 
-def compare_figure(run_dirs: Sequence[Path], out_path: Path, smooth: int = 1) -> Path:
-    """One figure with a panel per key of ``COMPARE_PANELS`` and one line per run."""
+def x_values(records: Sequence[dict[str, Any]], x: str) -> dict[int, float]:
+    """Each step's x coordinate for ``--x``: the step, or a cumulative cost counter (0 before the first step)."""
+    key, _ = X_AXES[x]
+    if key is None:
+        return {r[keys.STEP]: float(r[keys.STEP]) for r in records}
+    out = {r[keys.STEP]: float(r[key]) for r in records if key in r}
+    for r in records:  # the base model's eval (step 0) and steps before any ledger line cost nothing yet
+        if r[keys.STEP] not in out and all(r[keys.STEP] < s for s in out):
+            out[r[keys.STEP]] = 0.0
+    return out
+
+
+def compare_figure(run_dirs: Sequence[Path], out_path: Path, smooth: int = 1, x: str = "generated_tokens") -> Path:
+    """A grid with a panel per key of ``COMPARE_PANELS``, one line per run, one legend below the grid."""
     runs = [load_run(d) for d in run_dirs]
     labels = run_labels(run_dirs)
-    fig, axes = _figure(len(COMPARE_PANELS), 4.2 * len(COMPARE_PANELS), 4)
-    for ax, (key, title) in zip(axes, COMPARE_PANELS, strict=True):
-        for records, label in zip(runs, labels, strict=True):
-            x, y = series(records, key, smooth)
-            if not len(x):
+    xlabel = X_AXES[x][1]
+    ncols = 3
+    nrows = -(-len(COMPARE_PANELS) // ncols)
+    fig = Figure(figsize=(5.0 * ncols, 3.6 * nrows + 0.8))
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    colors = [f"C{i}" for i in range(len(runs))]
+    for ax, (key, title, ylabel) in zip(axes, COMPARE_PANELS, strict=False):
+        for records, label, color in zip(runs, labels, colors, strict=True):
+            steps, y = series(records, key, smooth)
+            xs = x_values(records, x)
+            keep = [i for i, s in enumerate(steps) if int(s) in xs]
+            if not keep:
                 logger.warning("compare: run %s did not log %s; skipped in that panel", label, key)
                 continue
-            ax.plot(x, y, marker="o" if len(x) < 0.5 * len(records) else None, markersize=3, label=label)
-        ax.set(title=title, xlabel="step")
+            px = np.array([xs[int(steps[i])] for i in keep])
+            sparse = len(keep) < 0.5 * len(records)
+            ax.plot(px, y[keep], color=color, marker="o" if sparse else None, markersize=3, label=label)
+        ax.set(title=_k_label(runs[0], title), xlabel=xlabel, ylabel=ylabel)
         ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
+    for ax in axes[len(COMPARE_PANELS):]:
+        ax.set_visible(False)
+    handles = [Line2D([], [], color=c, label=label) for c, label in zip(colors, labels, strict=True)]
+    fig.legend(handles=handles, loc="lower center", ncol=min(len(labels), 4), frameon=False)
+    fig.tight_layout(rect=(0, 0.05 + 0.03 * ((len(labels) - 1) // 4), 1, 1))
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    return _save(fig, out_path)
+    fig.savefig(out_path, dpi=110)
+    return out_path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare", type=Path, nargs="+", default=[], help="other runs to draw with this one")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default RUN_DIR/figures)")
     parser.add_argument("--smooth", type=int, default=1, help="trailing moving-average window (default 1: raw)")
+    parser.add_argument("--x", choices=sorted(X_AXES), default="generated_tokens",
+                        help="x axis of --compare: step, generated_tokens (default: what an experiment costs) or "
+                             "wall_seconds")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.smooth < 1:
@@ -231,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     written = write_report(args.run_dir, args.out, args.smooth)
     if args.compare:
         out = args.out if args.out is not None else args.run_dir / "figures"
-        written.append(compare_figure([args.run_dir, *args.compare], out / "compare.png", args.smooth))
+        written.append(compare_figure([args.run_dir, *args.compare], out / "compare.png", args.smooth, args.x))
     for path in written:
         print(path)
     return 0

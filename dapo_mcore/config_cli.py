@@ -1,0 +1,122 @@
+"""``dapo-mcore config CONFIG [key=value ...]``, and the checks every command runs before anything heavy.
+
+``precheck`` loads and validates a config and ``resolve_eval_checkpoint`` turns ``eval --checkpoint`` into a
+checkpoint directory: both run before Megatron (and the trainer) is imported, so a typo in a key or a path costs
+a fraction of a second, not the seconds of imports and model building it used to. ``main`` prints the resolved
+config and the layout it implies, and starts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from pathlib import Path
+
+import yaml
+
+from dapo_mcore.config import Config, load_config
+from dapo_mcore.configtree import ConfigError, to_dict
+
+_STEP_DIR = re.compile(r"step_(\d+)")
+
+
+def world_size_from_env(environ: dict[str, str] | None = None) -> int:
+    """The launch's world size from torchrun or Slurm variables (the same ones ``actor.parallel.read_launch_env``
+    reads, without importing torch), 1 for a lone process."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return int(env["WORLD_SIZE"])
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return int(env["SLURM_NTASKS"])
+    return 1
+
+
+def precheck(config_path: str, overrides: list[str], world_size: int | None = None) -> Config:
+    """Load and validate (raises ConfigError with the key and the fix); imports no torch model code."""
+    cfg = load_config(config_path, overrides)
+    cfg.validate(world_size or world_size_from_env())
+    return cfg
+
+
+def resolve_eval_checkpoint(checkpoint: str | None) -> str | None:
+    """``eval --checkpoint``: ``base``, a checkpoint directory, or a run directory (its latest complete checkpoint).
+
+    The run directory's ``checkpoints/latest`` marker is followed when it names a complete checkpoint, else the
+    newest complete ``step_*`` is used (the trainer's resume rule, minus reading the tensors).
+    """
+    if checkpoint is None or checkpoint == "base":
+        return checkpoint
+    path = Path(checkpoint)
+    if not path.is_dir():
+        raise ConfigError(f"--checkpoint {checkpoint}: no such directory; give a run directory (its latest "
+                          "checkpoint is used), a checkpoint directory (RUN/checkpoints/step_N) or 'base'.")
+    if (path / "COMPLETE").is_file():
+        return str(path)
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    complete = sorted((int(m.group(1)), p) for p in root.iterdir()
+                      if p.is_dir() and (m := _STEP_DIR.fullmatch(p.name)) and (p / "COMPLETE").is_file())
+    marker = root / "latest"
+    if marker.is_file():
+        named = root / marker.read_bytes().decode("utf-8", errors="replace").strip()
+        if (named / "COMPLETE").is_file():
+            return str(named)
+    if not complete:
+        raise ConfigError(f"--checkpoint {checkpoint}: holds no complete checkpoint (looked for "
+                          f"{root}/step_N/COMPLETE); train first, or pass --checkpoint base.")
+    return str(complete[-1][1])
+
+
+def describe_layout(cfg: Config, world_size: int) -> list[str]:
+    """What the config implies for one step and for the process layout."""
+    p, t, r = cfg.parallel, cfg.train, cfg.rollout
+    model_parallel = p.tensor_parallel * p.pipeline_parallel
+    dp = world_size // model_parallel
+    engine_tp = r.vllm.tensor_parallel if r.engine == "vllm" else 1
+    updates = t.prompts_per_step // t.mini_batch_prompts * t.epochs
+    hf = cfg.model.hf_config() if not cfg.model.hf_path or Path(cfg.model.hf_path, "config.json").is_file() else None
+    model = ("from model.hf_path (config.json not found here)" if hf is None else
+             f"{hf.get('num_hidden_layers')} layers, hidden {hf.get('hidden_size')}, "
+             f"{hf.get('num_attention_heads')} heads / {hf.get('num_key_value_heads')} KV heads, "
+             f"vocab {hf.get('vocab_size')}")
+    run_dir = Path(cfg.run.dir)
+    state = ("new" if not (run_dir / "config.yaml").is_file() else
+             "exists: the run resumes from its latest checkpoint" if cfg.run.resume == "auto" else
+             "exists and run.resume=never: train would refuse it")
+    return [
+        f"processes: {world_size} = data parallel {dp} x tensor parallel {p.tensor_parallel} x pipeline parallel "
+        f"{p.pipeline_parallel}" + (f" (virtual {p.virtual_pipeline})" if p.virtual_pipeline else ""),
+        f"rollout engine: {r.engine}, {world_size // engine_tp} engine group(s) of {engine_tp} process(es)",
+        f"model: {model}",
+        f"per step: {t.prompts_per_step} prompts x {r.n} samples = {t.prompts_per_step * r.n} rollouts trained; "
+        f"generation batches of {r.gen_batch_prompts} prompts"
+        + (f", refilled up to {cfg.algo.max_gen_batches} times (dynamic sampling)" if cfg.algo.dynamic_sampling else ""),
+        f"updates: {updates} optimizer step(s) per rollout step ({t.prompts_per_step} / {t.mini_batch_prompts} "
+        f"prompts per mini-batch x {t.epochs} epoch(s)); {t.steps} steps = {t.steps * updates} updates",
+        f"learning rate: {cfg.optim.lr:g}, warm-up {cfg.optim.warmup_steps} step(s)",
+        f"eval: every {cfg.eval.every} steps, avg@{cfg.eval.k}; checkpoint every {cfg.checkpoint.every} steps",
+        f"reward: {cfg.reward.name}" + (f" in {cfg.reward.workers} isolated worker(s), {cfg.reward.timeout_s:g}s per "
+                                        "answer" if cfg.reward.workers else " in the trainer process"),
+        f"run dir: {run_dir} ({state})",
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``dapo-mcore config CONFIG [key=value ...] [--world-size N]``: print, validate, run nothing."""
+    parser = argparse.ArgumentParser(prog="dapo-mcore config",
+                                     description="Print the resolved config and the layout it implies; runs nothing.")
+    parser.add_argument("config", help="YAML config, e.g. examples/tiny_cpu.yaml")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=10")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="processes to validate the layout for (default: from torchrun/Slurm variables, else 1)")
+    args = parser.parse_args(argv)
+    world = args.world_size or world_size_from_env()
+    cfg = precheck(args.config, args.overrides, world)
+    sys.stdout.write(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    sys.stdout.write("# derived\n" + "".join(f"# {line}\n" for line in describe_layout(cfg, world)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,449 @@
+"""``dapo-mcore diagnose RUN``: why did a run stall? Rules over ``metrics.jsonl`` + ``ledger.jsonl``.
+
+Each rule reads a few series and returns findings in plain words, with the steps and the numbers that support
+them and what to try next. ``warn`` marks something that is likely holding the run back; ``info`` marks
+something worth knowing that is not a fault (e.g. the policy solved its training data and groups stopped being
+mixed). A rule whose metrics were not logged is listed as skipped; a rule that found nothing as ok.
+
+Windows: "start" and "end" are the first and last ``max(3, n // 5)`` steps of the ``n`` logged training steps.
+No Megatron, torch or matplotlib import: diagnosing a run is instant on a login node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dapo_mcore.telemetry import keys
+from dapo_mcore.telemetry.jsonl import read_jsonl
+
+METRICS_FILE = "metrics.jsonl"
+LEDGER_FILE = "ledger.jsonl"
+MIN_STEPS = 4
+"""Fewer logged training steps than this: trend rules are skipped (one step says nothing about a trend)."""
+
+USABLE_LOW = 0.2
+ENTROPY_COLLAPSE = 0.2
+SOLVED_ACC = 0.9
+CLIP_HIGH_ALWAYS = 0.05
+TRUNCATED_HIGH = 0.1
+MISMATCH_FLOOR = 1e-3
+MISMATCH_GROWTH = 4.0
+REWARD_RISE = 0.2
+HELDOUT_FLAT = 0.02
+SPIKE_Z = 10.0
+"""Robust z-score (|x - median| / (1.4826 MAD)) above which a grad-norm value is a spike (if also > 4x the median)."""
+GRAD_SPIKE_RATIO = 4.0
+LOSS_SPIKE_Z = 20.0
+"""The DAPO loss is noise around zero (the tiny default has |z| up to 11 in a healthy run): a spike must stand out more."""
+
+
+def load_run(run_dir: Path) -> list[dict[str, Any]]:
+    """Metrics and ledger records of a run merged per step, in step order."""
+    run_dir = Path(run_dir)
+    metrics_path = run_dir / METRICS_FILE
+    if not metrics_path.exists():
+        raise FileNotFoundError(f"{metrics_path} does not exist; is {run_dir} a run directory?")
+    by_step: dict[int, dict[str, Any]] = {}
+    for record in read_jsonl(metrics_path) + read_jsonl(run_dir / LEDGER_FILE):
+        by_step.setdefault(record[keys.STEP], {}).update(record)
+    return [by_step[s] for s in sorted(by_step)]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing a rule noticed."""
+
+    rule: str
+    level: str
+    """``warn`` (likely holding the run back) or ``info``."""
+    steps: str
+    """The steps the evidence comes from, e.g. ``"61-80"``."""
+    message: str
+    evidence: str
+    advice: str
+
+
+class Run:
+    """A run's records and resolved config, with the series helpers the rules share."""
+
+    def __init__(self, records: Sequence[dict[str, Any]], config: dict[str, Any] | None = None):
+        self.records = list(records)
+        self.config = config or {}
+        self.train_steps = [r[keys.STEP] for r in self.records if keys.TRAIN_LOSS in r or keys.TRAIN_LR in r]
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        """(steps, values) of the records holding a finite ``key``."""
+        pairs = [(r[keys.STEP], float(r[key])) for r in self.records
+                 if isinstance(r.get(key), int | float) and math.isfinite(float(r[key]))]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+
+    def has(self, key: str) -> bool:
+        return any(key in r for r in self.records)
+
+    def cfg(self, section: str, key: str) -> Any:
+        value = self.config.get(section)
+        return value.get(key) if isinstance(value, dict) else None
+
+    def window(self, n: int) -> int:
+        return max(3, n // 5)
+
+    def start_end(self, key: str) -> tuple[float, float, str, str] | None:
+        """Mean over the first and last windows, and their step ranges; None if too few points."""
+        steps, values = self.series(key)
+        if len(values) < MIN_STEPS:
+            return None
+        w = min(self.window(len(values)), len(values) // 2)
+        return (_mean(values[:w]), _mean(values[-w:]), f"{steps[0]}-{steps[w - 1]}", f"{steps[-w]}-{steps[-1]}")
+
+    def end_mean(self, key: str) -> float | None:
+        steps, values = self.series(key)
+        return _mean(values[-self.window(len(values)):]) if values else None
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _median(values: Sequence[float]) -> float:
+    s = sorted(values)
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+
+
+def _first_below(steps: list[int], values: list[float], threshold: float, w: int) -> int | None:
+    """First step at which the trailing mean over ``w`` steps is below ``threshold``."""
+    for i in range(len(values)):
+        lo = max(0, i - w + 1)
+        if _mean(values[lo:i + 1]) < threshold:
+            return steps[i]
+    return None
+
+
+def _heldout(run: Run) -> tuple[list[int], list[float]]:
+    return run.series(keys.EVAL_AVG_AT_K)
+
+
+def _k(run: Run) -> str:
+    _, ks = run.series(keys.EVAL_K)
+    return f"avg@{int(ks[-1])}" if ks else "avg@k"
+
+
+def _dynamic_sampling_cost(run: Run) -> str:
+    steps, batches = run.series(keys.ROLLOUT_GEN_BATCHES)
+    w = run.window(len(steps)) if steps else 0
+    parts = []
+    if batches:
+        parts.append(f"{_mean(batches[-w:]):.1f} generation batches per step (start {_mean(batches[:w]):.1f})")
+    _, gen = run.series(keys.cost_key("tokens_generated", cumulative=False))
+    _, rej = run.series(keys.cost_key("tokens_generated_rejected", cumulative=False))
+    if gen and rej and sum(gen[-w:]) > 0:
+        parts.append(f"{sum(rej[-w:]) / sum(gen[-w:]):.0%} of generated tokens rejected")
+    return "; last steps: " + ", ".join(parts) if parts else ""
+
+
+# ---- the rules ------------------------------------------------------------------------------------------
+def rule_usable_groups(run: Run) -> list[Finding]:
+    """Usable-group fraction low or collapsing: saturated (all-correct groups) or hopeless (all-wrong)."""
+    se = run.start_end(keys.ROLLOUT_USABLE_GROUP_FRAC)
+    if se is None:
+        return []
+    start, end, s_rng, e_rng = se
+    if end >= USABLE_LOW:
+        return []
+    acc = run.end_mean(keys.ROLLOUT_ACC_MEAN)
+    saturated = acc is not None and acc >= 0.5
+    cause = (f"saturated: rollout accuracy {acc:.2f}, nearly every group is all-correct" if saturated else
+             f"hopeless: rollout accuracy {acc if acc is not None else float('nan'):.2f}, nearly every group is all-wrong")
+    cost = _dynamic_sampling_cost(run)
+    ev_steps, ev = _heldout(run)
+    learned = len(ev) >= 2 and ev[-1] - ev[0] >= 0.1
+    if start < USABLE_LOW:
+        msg = f"usable-group fraction low from the start ({cause})"
+        evidence = f"usable-group fraction {start:.2f} (steps {s_rng}) -> {end:.2f} (steps {e_rng}){cost}"
+        steps = f"{s_rng.split('-')[0]}-{e_rng.split('-')[1]}"
+    else:
+        steps_all, values = run.series(keys.ROLLOUT_USABLE_GROUP_FRAC)
+        below = _first_below(steps_all, values, USABLE_LOW, run.window(len(values)))
+        msg = f"usable-group fraction collapsed ({cause})"
+        evidence = (f"usable-group fraction {start:.2f} (steps {s_rng}) -> {end:.2f} (steps {e_rng}), "
+                    f"below {USABLE_LOW} from step {below}{cost}")
+        steps = f"{below}-{e_rng.split('-')[1]}"
+    if saturated:
+        advice = ("the policy solves its training prompts: further steps buy little; stop, or train on harder "
+                  "prompts (filter out prompts the base model always solves)")
+    else:
+        advice = "the prompts are too hard for this model: easier data, a stronger base model, or a larger rollout.n"
+    level = "info" if saturated and learned else "warn"
+    if learned:
+        evidence += f"; held-out {_k(run)} {ev[0]:.3f} (step {ev_steps[0]}) -> {ev[-1]:.3f} (step {ev_steps[-1]})"
+    return [Finding("usable-groups", level, steps, msg, evidence, advice)]
+
+
+def rule_entropy(run: Run) -> list[Finding]:
+    """Policy entropy collapsing; a fault only if the task is not solved by then."""
+    se = run.start_end(keys.TRAIN_ENTROPY)
+    if se is None or se[0] <= 0:
+        return []
+    start, end, s_rng, e_rng = se
+    if end >= ENTROPY_COLLAPSE * start:
+        return []
+    steps, values = run.series(keys.TRAIN_ENTROPY)
+    at = _first_below(steps, values, ENTROPY_COLLAPSE * start, run.window(len(values)))
+    acc = run.end_mean(keys.ROLLOUT_ACC_MEAN)
+    evidence = (f"entropy {start:.3g} (steps {s_rng}) -> {end:.3g} (steps {e_rng}), below {ENTROPY_COLLAPSE:.0%} "
+                f"of the start from step {at}; rollout accuracy at the end {acc if acc is not None else float('nan'):.2f}")
+    if acc is not None and acc >= SOLVED_ACC:
+        return [Finding("entropy", "info", f"{at}-{e_rng.split('-')[1]}", "entropy fell as the policy converged",
+                        evidence, "expected once the task is solved; nothing to do")]
+    return [Finding("entropy", "warn", f"{at}-{e_rng.split('-')[1]}",
+                    "entropy collapsed before the task was solved (the policy stopped exploring)", evidence,
+                    "raise algo.clip_high (Clip-Higher keeps low-probability tokens rising), lower optim.lr, "
+                    "or check rollout.temperature=1.0")]
+
+
+def rule_clip_high(run: Run) -> list[Finding]:
+    """Clip-Higher never binding (it changes nothing) or binding on many tokens every step (steps too large)."""
+    steps, values = run.series(keys.TRAIN_CLIPFRAC_HIGH)
+    if len(values) < MIN_STEPS:
+        return []
+    eps = run.cfg("algo", "clip_high")
+    bound = f"1+clip_high={1 + eps:g}" if isinstance(eps, int | float) else "1+clip_high"
+    rng = f"{steps[0]}-{steps[-1]}"
+    if max(values) == 0.0:
+        return [Finding("clip-high", "info", rng, "clip-high was never active",
+                        f"train/clipfrac_high = 0 in all {len(values)} steps: no positive-advantage token's ratio "
+                        f"passed {bound}",
+                        "Clip-Higher changes nothing at this step size (one on-policy mini-batch per step, or a small "
+                        "lr); fine if learning progresses, otherwise more mini-batches per step or a larger lr")]
+    active = sum(v > 0 for v in values) / len(values)
+    med = _median(values)
+    if active >= 0.9 and med >= CLIP_HIGH_ALWAYS:
+        return [Finding("clip-high", "warn", rng, "clip-high is active on many tokens in nearly every step",
+                        f"train/clipfrac_high > 0 in {active:.0%} of steps, median {med:.1%} of tokens clipped at {bound}",
+                        "each update moves the policy past the trust region: lower optim.lr or use fewer mini-batches "
+                        "per step (train.mini_batch_prompts closer to train.prompts_per_step)")]
+    return []
+
+
+def rule_length_limit(run: Run) -> list[Finding]:
+    """Responses hitting the generation length limit."""
+    steps, values = run.series(keys.ROLLOUT_TRUNCATED_FRAC)
+    if len(values) < MIN_STEPS:
+        return []
+    end = run.end_mean(keys.ROLLOUT_TRUNCATED_FRAC)
+    assert end is not None
+    if end < TRUNCATED_HIGH:
+        return []
+    over = [s for s, v in zip(steps, values, strict=True) if v >= TRUNCATED_HIGH]
+    limit = run.cfg("rollout", "max_new_tokens")
+    lim = f" of rollout.max_new_tokens={limit}" if limit is not None else ""
+    _, lens = run.series(keys.ROLLOUT_RESP_LEN_MEAN)
+    mean_len = f"; mean response length {lens[-1]:.0f} tokens{lim}" if lens else ""
+    return [Finding("length-limit", "warn", f"{over[0]}-{steps[-1]}", "responses are hitting the length limit",
+                    f"truncated fraction {end:.0%} over the last steps, >= {TRUNCATED_HIGH:.0%} in {len(over)} of "
+                    f"{len(values)} steps (first: step {over[0]}){mean_len}",
+                    "truncated answers are scored wrong: raise rollout.max_new_tokens (and algo.overlong_max_len), "
+                    "or keep algo.overlong_shaping on so length is penalized before the cut")]
+
+
+def rule_mismatch(run: Run) -> list[Finding]:
+    """Engine/trainer log-prob mismatch that grows (or is large): the policy gradient is computed off-policy."""
+    key = keys.MISMATCH_LOGP_ABS_DIFF_MEAN
+    se = run.start_end(key)
+    if se is None:
+        return []
+    start, end, s_rng, e_rng = se
+    growing = end > MISMATCH_FLOOR and end > MISMATCH_GROWTH * start
+    large = end > 50 * MISMATCH_FLOOR
+    if not (growing or large):
+        return []
+    _, kl = run.series(keys.MISMATCH_KL)
+    kl_txt = f"; mismatch/kl at the end {kl[-1]:.3g}" if kl else ""
+    return [Finding("mismatch", "warn", f"{s_rng.split('-')[0]}-{e_rng.split('-')[1]}",
+                    "the rollout engine and the trainer disagree on log-probs" + (", and it is growing" if growing else ""),
+                    f"|logp_engine - logp_trainer| mean {start:.3g} (steps {s_rng}) -> {end:.3g} (steps {e_rng}){kl_txt}",
+                    "check the engine dtype vs model.params_dtype and that weight sync covers every tensor; "
+                    "algo.tis_cap corrects the gradient for a known mismatch")]
+
+
+def rule_reward_vs_heldout(run: Run) -> list[Finding]:
+    """Training reward rising while held-out accuracy does not: a verifier shortcut or memorized prompts."""
+    se = run.start_end(keys.ROLLOUT_REWARD_MEAN)
+    ev_steps, ev = _heldout(run)
+    if se is None or len(ev) < 2:
+        return []
+    start, end, s_rng, e_rng = se
+    rise, moved = end - start, ev[-1] - ev[0]
+    if rise < REWARD_RISE or moved >= HELDOUT_FLAT:
+        return []
+    reward = run.cfg("reward", "name") or "REWARD"
+    return [Finding("reward-vs-heldout", "warn", f"{s_rng.split('-')[0]}-{e_rng.split('-')[1]}",
+                    "training reward rose while held-out accuracy did not",
+                    f"reward {start:+.3f} (steps {s_rng}) -> {end:+.3f} (steps {e_rng}); held-out {_k(run)} "
+                    f"{ev[0]:.3f} (step {ev_steps[0]}) -> {ev[-1]:.3f} (step {ev_steps[-1]})",
+                    f"a verifier shortcut or memorized prompts: run `dapo-mcore audit-reward --reward {reward}` and read "
+                    f"`dapo-mcore rollouts RUN --step {e_rng.split('-')[1]}` for answers paid without being right")]
+
+
+def _spikes(steps: list[int], values: list[float], z_max: float, ratio: float | None) -> list[tuple[int, float, float]]:
+    med = _median(values)
+    mad = _median([abs(v - med) for v in values]) * 1.4826
+    out = []
+    for s, v in zip(steps, values, strict=True):
+        z = abs(v - med) / mad if mad > 0 else (math.inf if v != med else 0.0)
+        if z > z_max and (ratio is None or abs(v) > ratio * abs(med)):
+            out.append((s, v, med))
+    return out
+
+
+def rule_spikes(run: Run) -> list[Finding]:
+    """Loss or grad-norm spikes (robust z-score over the run), and non-finite values."""
+    found = []
+    for key, z_max, ratio in ((keys.TRAIN_LOSS, LOSS_SPIKE_Z, None), (keys.TRAIN_GRAD_NORM, SPIKE_Z, GRAD_SPIKE_RATIO)):
+        bad = [r[keys.STEP] for r in run.records if isinstance(r.get(key), float) and not math.isfinite(r[key])]
+        if bad:
+            found.append(Finding("spikes", "warn", f"{bad[0]}-{bad[-1]}", f"{key} is not finite",
+                                 f"{key} is nan/inf at steps {_fmt_steps(bad)}",
+                                 "lower optim.lr, keep optim.grad_clip on, check the data of those steps"))
+        steps, values = run.series(key)
+        if len(values) < MIN_STEPS:
+            continue
+        spikes = _spikes(steps, values, z_max, ratio)
+        if spikes:
+            med = spikes[0][2]
+            pts = ", ".join(f"step {s}: {v:.3g}" for s, v, _ in spikes[:5])
+            found.append(Finding("spikes", "warn", f"{spikes[0][0]}-{spikes[-1][0]}", f"{key} spiked",
+                                 f"{len(spikes)} step(s) more than {z_max:g} robust deviations from the median "
+                                 f"{med:.3g}: {pts}",
+                                 "read those steps' rollouts (`dapo-mcore rollouts RUN --step N`); lower optim.lr or "
+                                 "optim.grad_clip if it repeats"))
+    return found
+
+
+def _fmt_steps(steps: list[int]) -> str:
+    return ", ".join(map(str, steps[:8])) + (f" (+{len(steps) - 8} more)" if len(steps) > 8 else "")
+
+
+def rule_warmup(run: Run) -> list[Finding]:
+    """The learning rate still rising at the last step: the run ended inside its warm-up."""
+    steps, lrs = run.series(keys.TRAIN_LR)
+    if not lrs:
+        return []
+    peak, warmup = run.cfg("optim", "lr"), run.cfg("optim", "warmup_steps")
+    if isinstance(peak, int | float) and peak > 0:
+        still = lrs[-1] < 0.999 * peak
+    else:
+        still = len(lrs) >= 3 and lrs[-3] < lrs[-2] < lrs[-1]
+    if not still:
+        return []
+    peak_txt = f" of peak optim.lr={peak:g}" if isinstance(peak, int | float) else ""
+    warm_txt = f" (optim.warmup_steps={warmup}, run at step {steps[-1]})" if warmup is not None else ""
+    return [Finding("warmup", "warn", f"{steps[0]}-{steps[-1]}", "the learning rate is still in warm-up",
+                    f"train/lr {lrs[0]:.3g} (step {steps[0]}) -> {lrs[-1]:.3g} (step {steps[-1]}){peak_txt}{warm_txt}",
+                    "the run never trained at full lr: lower optim.warmup_steps below train.steps, or train longer")]
+
+
+RULES: tuple[tuple[str, tuple[str, ...], Callable[[Run], list[Finding]]], ...] = (
+    ("usable-groups", (keys.ROLLOUT_USABLE_GROUP_FRAC,), rule_usable_groups),
+    ("entropy", (keys.TRAIN_ENTROPY,), rule_entropy),
+    ("clip-high", (keys.TRAIN_CLIPFRAC_HIGH,), rule_clip_high),
+    ("length-limit", (keys.ROLLOUT_TRUNCATED_FRAC,), rule_length_limit),
+    ("mismatch", (keys.MISMATCH_LOGP_ABS_DIFF_MEAN,), rule_mismatch),
+    ("reward-vs-heldout", (keys.ROLLOUT_REWARD_MEAN, keys.EVAL_AVG_AT_K), rule_reward_vs_heldout),
+    ("spikes", (keys.TRAIN_LOSS, keys.TRAIN_GRAD_NORM), rule_spikes),
+    ("warmup", (keys.TRAIN_LR,), rule_warmup),
+)
+"""(name, metrics it needs, rule). A rule runs when at least one of its metrics was logged."""
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    findings: list[Finding]
+    ok: list[str]
+    skipped: list[str]
+    summary: str
+
+
+def diagnose(run: Run) -> Diagnosis:
+    """Apply every rule; rules with none of their metrics logged are skipped."""
+    findings, ok, skipped = [], [], []
+    for name, needs, rule in RULES:
+        if not any(run.has(k) for k in needs) or len(run.train_steps) < MIN_STEPS:
+            skipped.append(name)
+            continue
+        out = rule(run)
+        findings.extend(out)
+        if not out:
+            ok.append(name)
+    return Diagnosis(findings, ok, skipped, _summary(run))
+
+
+def _summary(run: Run) -> str:
+    ts = run.train_steps
+    parts = [f"{len(ts)} training steps" + (f" ({ts[0]}-{ts[-1]})" if ts else "")]
+    ev_steps, ev = _heldout(run)
+    if ev:
+        parts.append(f"held-out {_k(run)} {ev[0]:.3f} (step {ev_steps[0]}) -> {ev[-1]:.3f} (step {ev_steps[-1]})")
+    _, acc = run.series(keys.ROLLOUT_ACC_MEAN)
+    if acc:
+        parts.append(f"rollout accuracy {acc[0]:.2f} -> {acc[-1]:.2f}")
+    return ", ".join(parts)
+
+
+def render(run_dir: Path, d: Diagnosis) -> str:
+    lines = [f"diagnose {run_dir}: {d.summary}"]
+    if len(d.ok) + len(d.findings) == 0:
+        lines.append(f"too few logged training steps (< {MIN_STEPS}) to judge trends")
+    for f in sorted(d.findings, key=lambda f: f.level != "warn"):
+        lines.append(f"[{f.level}] {f.rule} (steps {f.steps}): {f.message}")
+        lines.append(f"    evidence: {f.evidence}")
+        lines.append(f"    next: {f.advice}")
+    if d.ok:
+        lines.append("ok: " + ", ".join(d.ok))
+    if d.skipped:
+        lines.append("skipped (metrics not logged): " + ", ".join(d.skipped))
+    warns = sum(f.level == "warn" for f in d.findings)
+    lines.append(f"{warns} warning(s), {len(d.findings) - warns} note(s)")
+    return "\n".join(lines)
+
+
+def read_run(run_dir: Path) -> Run:
+    """Records and the resolved ``config.yaml`` of a run directory (config optional)."""
+    records = load_run(run_dir)
+    cfg_path = Path(run_dir) / "config.yaml"
+    config = yaml.safe_load(cfg_path.read_text()) if cfg_path.is_file() else {}
+    return Run(records, config if isinstance(config, dict) else {})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit 0 (findings or not); 1 with ``--fail-on-warn`` when any warning; 2 for a missing run."""
+    parser = argparse.ArgumentParser(prog="dapo-mcore diagnose", description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--json", action="store_true", help="print the findings as JSON")
+    parser.add_argument("--fail-on-warn", action="store_true", help="exit 1 if any rule warns")
+    args = parser.parse_args(argv)
+    try:
+        run = read_run(args.run_dir)
+    except FileNotFoundError as err:
+        print(f"dapo-mcore diagnose: {err}", file=sys.stderr)
+        return 2
+    d = diagnose(run)
+    if args.json:
+        print(json.dumps({"summary": d.summary, "findings": [asdict(f) for f in d.findings], "ok": d.ok,
+                          "skipped": d.skipped}, indent=1))
+    else:
+        print(render(args.run_dir, d))
+    return 1 if args.fail_on_warn and any(f.level == "warn" for f in d.findings) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,124 @@
+"""What a person watching a run sees: a live progress line (steps/s, ETA) and an end-of-run summary.
+
+In a terminal the line is a rich progress bar under the log; in logs and pipes every progress log line carries
+the rate and the ETA instead. The summary is computed from the run directory (``metrics.jsonl`` + the ledger), so
+a resumed run is summarized from its first step, and the same text can be printed for any finished run.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from dapo_mcore.telemetry import keys
+
+log = logging.getLogger(__name__)
+
+
+def format_seconds(seconds: float) -> str:
+    """``75.0 -> '1m15s'``, ``3725 -> '1h02m'``, ``4.2 -> '4.2s'``."""
+    if seconds != seconds or seconds < 0:  # nan
+        return "?"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, sec = divmod(int(round(seconds)), 60)
+    if minutes < 60:
+        return f"{minutes}m{sec:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
+
+
+class ProgressLine:
+    """Steps/s and ETA over the steps this process ran; a rich bar when ``live``.
+
+    The clock starts one step before the first update (that step's own duration is known from ``time/step``),
+    so setup time before the first step does not dilute the rate.
+    """
+
+    def __init__(self, total: int, live: bool):
+        self.total = total
+        self.first_step: int | None = None
+        self.t0 = 0.0
+        self._bar: Any = None
+        self._task: Any = None
+        if live:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._bar = Progress(TextColumn("[bold]DAPO"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[rate]}"), TextColumn("ETA"), TimeRemainingColumn(),
+                                 TextColumn("{task.fields[info]}"))
+            self._task = self._bar.add_task("steps", total=total, rate="", info="")
+            self._bar.start()
+
+    def update(self, step: int, step_seconds: float, info: str = "") -> tuple[float, float]:
+        """Record that ``step`` finished; returns (steps per second, seconds left)."""
+        now = time.monotonic()
+        if self.first_step is None:
+            self.first_step, self.t0 = step - 1, now - max(step_seconds, 1e-9)
+        done = step - self.first_step
+        rate = done / max(now - self.t0, 1e-9)
+        eta = (self.total - step) / rate if rate > 0 else float("nan")
+        if self._bar is not None:
+            self._bar.update(self._task, completed=step, rate=f"{rate:.2f} steps/s", info=info)
+        return rate, eta
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+def run_summary(run_dir: Path, process_seconds: float | None = None) -> str:
+    """The end-of-run summary of a run directory: held-out start -> end, steps, wall time, generated tokens
+    kept/rejected, where the time went, and the commands to run next."""
+    from dapo_mcore.telemetry.diagnose import load_run
+
+    records = load_run(run_dir)
+    last = records[-1] if records else {}
+    steps = [r[keys.STEP] for r in records if keys.TRAIN_LR in r or keys.TRAIN_LOSS in r]
+    lines = [f"run finished: {len(steps)} steps" + (f" ({steps[0]}-{steps[-1]})" if steps else "")]
+    wall = last.get(keys.cost_seconds_key("step", cumulative=True))
+    if wall is not None:
+        lines[0] += f" in {format_seconds(wall)} of steps"
+    if process_seconds is not None:
+        lines[0] += f" ({format_seconds(process_seconds)} in this process, setup included)"
+    evals = [(r[keys.STEP], r[keys.EVAL_AVG_AT_K], r.get(keys.EVAL_K)) for r in records if keys.EVAL_AVG_AT_K in r]
+    if evals:
+        k = f"avg@{int(evals[-1][2])}" if evals[-1][2] else "avg@k"
+        lines.append(f"held-out {k}: {evals[0][1]:.3f} (step {evals[0][0]}) -> {evals[-1][1]:.3f} "
+                     f"(step {evals[-1][0]})")
+    gen = last.get(keys.cost_key("tokens_generated", cumulative=True))
+    kept = last.get(keys.cost_key("tokens_generated_kept", cumulative=True))
+    rej = last.get(keys.cost_key("tokens_generated_rejected", cumulative=True))
+    if gen:
+        lines.append(f"generated tokens: {int(gen):,} (trained on {int(kept or 0):,} = {(kept or 0) / gen:.0%}, "
+                     f"rejected {int(rej or 0):,} = {(rej or 0) / gen:.0%})")
+    if wall:
+        shares = []
+        for phase in keys.PHASES:
+            if phase == keys.STEP_PHASE:
+                continue
+            s = last.get(keys.cost_seconds_key(phase, cumulative=True))
+            if s and s >= 0.005 * wall:  # sub-0.5% phases are noise in the line
+                shares.append((s, phase))
+        other = wall - sum(last.get(keys.cost_seconds_key(p, cumulative=True), 0.0)
+                           for p in keys.PHASES if p != keys.STEP_PHASE)
+        parts = [f"{p} {s / wall:.0%}" for s, p in sorted(shares, reverse=True)]
+        if other > 0.005 * wall:
+            parts.append(f"other {other / wall:.0%}")
+        lines.append("time: " + ", ".join(parts))
+    lines.append(f"run dir: {run_dir}")
+    exe = _command_name()
+    lines.append(f"next: {exe} report {run_dir}  |  {exe} diagnose {run_dir}  |  {exe} rollouts {run_dir}  |  "
+                 f"{exe} eval {Path(run_dir) / 'config.yaml'} --checkpoint {run_dir}")
+    return "\n".join(lines)
+
+
+def _command_name() -> str:
+    """How the user started us (``.venv/bin/dapo-mcore`` pastes without activating the venv), else ``dapo-mcore``."""
+    import sys
+
+    argv0 = sys.argv[0] if sys.argv else ""
+    return argv0 if Path(argv0).name == "dapo-mcore" else "dapo-mcore"

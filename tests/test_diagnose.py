@@ -1,0 +1,185 @@
+"""``dapo-mcore diagnose``: each rule on a synthetic run that shows it and on one that does not; recorded real runs.
+
+``tests/data/tiny_run`` is the tiny default (80 steps, held-out 0.27 -> 0.99): it must raise no warning.
+``tests/data/stalled_run`` is a base model that is already right 98% of the time, with a 100-step warm-up cut at
+step 30: it must warn about both.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from dapo_mcore.telemetry import keys
+from dapo_mcore.telemetry.diagnose import Run, diagnose, main, read_run
+
+DATA = Path(__file__).parent / "data"
+N = 40
+CFG = {"optim": {"lr": 5e-4, "warmup_steps": 0}, "algo": {"clip_high": 0.28}, "rollout": {"max_new_tokens": 6},
+       "reward": {"name": "math_dapo"}}
+
+
+def healthy(n: int = N) -> list[dict]:
+    """A run that learns steadily with nothing wrong."""
+    out = [{keys.STEP: 0, keys.EVAL_AVG_AT_K: 0.3, keys.EVAL_K: 4}]
+    for s in range(1, n + 1):
+        f = s / n
+        r = {keys.STEP: s, keys.ROLLOUT_USABLE_GROUP_FRAC: 0.8 - 0.1 * f, keys.TRAIN_ENTROPY: 0.3 - 0.1 * f,
+             keys.TRAIN_CLIPFRAC_HIGH: 0.004 if s % 3 == 0 else 0.0, keys.ROLLOUT_TRUNCATED_FRAC: 0.01,
+             keys.MISMATCH_LOGP_ABS_DIFF_MEAN: 1e-6 * (1 + 0.1 * math.sin(s)), keys.ROLLOUT_REWARD_MEAN: -0.4 + f,
+             keys.ROLLOUT_ACC_MEAN: 0.3 + 0.5 * f, keys.TRAIN_LOSS: 0.01 * math.sin(s),
+             keys.TRAIN_GRAD_NORM: 1.0 + 0.2 * math.sin(s), keys.TRAIN_LR: 5e-4, keys.ROLLOUT_GEN_BATCHES: 1,
+             keys.ROLLOUT_RESP_LEN_MEAN: 4.0}
+        if s % 10 == 0:
+            r.update({keys.EVAL_AVG_AT_K: 0.3 + 0.5 * f, keys.EVAL_K: 4})
+        out.append(r)
+    return out
+
+
+def with_series(records: list[dict], key: str, fn) -> list[dict]:
+    """Replace ``key`` in every training step by ``fn(step, fraction of the run)``."""
+    out = []
+    for r in records:
+        r = dict(r)
+        if keys.TRAIN_LR in r:
+            r[key] = fn(r[keys.STEP], r[keys.STEP] / N)
+        out.append(r)
+    return out
+
+
+def with_eval(records: list[dict], fn) -> list[dict]:
+    return [dict(r, **{keys.EVAL_AVG_AT_K: fn(r[keys.STEP])}) if keys.EVAL_AVG_AT_K in r else r for r in records]
+
+
+def findings(records: list[dict], cfg: dict | None = None) -> dict[str, list]:
+    d = diagnose(Run(records, CFG if cfg is None else cfg))
+    out: dict[str, list] = {}
+    for f in d.findings:
+        out.setdefault(f.rule, []).append(f)
+    return out
+
+
+def test_healthy_run_has_no_findings():
+    d = diagnose(Run(healthy(), CFG))
+    assert d.findings == []
+    assert d.skipped == []
+    assert set(d.ok) == {"usable-groups", "entropy", "clip-high", "length-limit", "mismatch", "reward-vs-heldout",
+                         "spikes", "warmup"}
+
+
+def test_usable_groups_collapse_hopeless_and_saturated():
+    hopeless = with_series(with_series(healthy(), keys.ROLLOUT_USABLE_GROUP_FRAC, lambda s, f: 0.9 * (1 - f) + 0.02),
+                           keys.ROLLOUT_ACC_MEAN, lambda s, f: 0.05)
+    (f,) = findings(hopeless)["usable-groups"]
+    assert f.level == "warn" and "collapsed" in f.message and "hopeless" in f.message
+    assert "from step" in f.evidence and "generation batches per step" in f.evidence
+    saturated = with_series(hopeless, keys.ROLLOUT_ACC_MEAN, lambda s, f: 0.99)
+    (g,) = findings(saturated)["usable-groups"]
+    assert "saturated" in g.message and g.level == "info"  # held-out rose 0.3 -> 0.8: learned, then saturated
+    stalled = with_eval(saturated, lambda s: 0.3)
+    assert findings(stalled)["usable-groups"][0].level == "warn"
+    low = with_series(saturated, keys.ROLLOUT_USABLE_GROUP_FRAC, lambda s, f: 0.05)
+    assert "from the start" in findings(low)["usable-groups"][0].message
+
+
+def test_entropy_collapse_is_a_warning_only_before_the_task_is_solved():
+    collapsed = with_series(healthy(), keys.TRAIN_ENTROPY, lambda s, f: 0.5 * (1 - f) + 0.005)
+    (f,) = findings(collapsed)["entropy"]
+    assert f.level == "warn" and "clip_high" in f.advice
+    solved = with_series(collapsed, keys.ROLLOUT_ACC_MEAN, lambda s, f: 0.97)
+    assert findings(solved)["entropy"][0].level == "info"
+    assert "entropy" not in findings(with_series(healthy(), keys.TRAIN_ENTROPY, lambda s, f: 0.5 * (1 - 0.5 * f)))
+
+
+def test_clip_high_never_and_always_active():
+    never = findings(with_series(healthy(), keys.TRAIN_CLIPFRAC_HIGH, lambda s, f: 0.0))["clip-high"]
+    assert never[0].level == "info" and "never" in never[0].message and "1.28" in never[0].evidence
+    always = findings(with_series(healthy(), keys.TRAIN_CLIPFRAC_HIGH, lambda s, f: 0.12))["clip-high"]
+    assert always[0].level == "warn" and "nearly every step" in always[0].message
+    sometimes = with_series(healthy(), keys.TRAIN_CLIPFRAC_HIGH, lambda s, f: 0.12 if s % 4 == 0 else 0.0)
+    assert "clip-high" not in findings(sometimes)
+
+
+def test_length_limit():
+    hit = with_series(healthy(), keys.ROLLOUT_TRUNCATED_FRAC, lambda s, f: 0.4 * f)
+    (f,) = findings(hit)["length-limit"]
+    assert f.level == "warn" and "max_new_tokens=6" in f.evidence
+    assert "length-limit" not in findings(with_series(healthy(), keys.ROLLOUT_TRUNCATED_FRAC, lambda s, f: 0.05))
+
+
+def test_mismatch_growing():
+    growing = with_series(healthy(), keys.MISMATCH_LOGP_ABS_DIFF_MEAN, lambda s, f: 1e-4 * 10 ** (3 * f))
+    (f,) = findings(growing)["mismatch"]
+    assert f.level == "warn" and "growing" in f.message
+    # Large relative growth of a negligible mismatch (fp32 noise) is not a finding.
+    noise = with_series(healthy(), keys.MISMATCH_LOGP_ABS_DIFF_MEAN, lambda s, f: 1e-7 * 10 ** (2 * f))
+    assert "mismatch" not in findings(noise)
+
+
+def test_reward_rising_while_heldout_flat():
+    flat = with_eval(healthy(), lambda s: 0.31)
+    (f,) = findings(flat)["reward-vs-heldout"]
+    assert f.level == "warn" and "audit-reward --reward math_dapo" in f.advice and "avg@4" in f.evidence
+    assert "reward-vs-heldout" not in findings(healthy())
+    # Held-out flat but reward flat too: not this rule.
+    assert "reward-vs-heldout" not in findings(with_series(flat, keys.ROLLOUT_REWARD_MEAN, lambda s, f: 0.1))
+
+
+def test_spikes_and_non_finite_values():
+    spiked = with_series(healthy(), keys.TRAIN_GRAD_NORM, lambda s, f: 40.0 if s == 23 else 1.0 + 0.2 * math.sin(s))
+    (f,) = findings(spiked)["spikes"]
+    assert f.level == "warn" and "step 23: 40" in f.evidence
+    nan = with_series(healthy(), keys.TRAIN_LOSS, lambda s, f: float("nan") if s in (7, 8) else 0.01 * math.sin(s))
+    (g,) = findings(nan)["spikes"]
+    assert "not finite" in g.message and "7, 8" in g.evidence
+    # A 3x wiggle of the grad norm is not a spike.
+    mild = with_series(healthy(), keys.TRAIN_GRAD_NORM, lambda s, f: 3.0 if s == 23 else 1.0 + 0.2 * math.sin(s))
+    assert "spikes" not in findings(mild)
+
+
+def test_lr_still_in_warmup():
+    warm = with_series(healthy(), keys.TRAIN_LR, lambda s, f: 5e-4 * s / 100)
+    cfg = dict(CFG, optim={"lr": 5e-4, "warmup_steps": 100})
+    (f,) = findings(warm, cfg)["warmup"]
+    assert f.level == "warn" and "warmup_steps=100" in f.evidence
+    assert findings(warm, {})["warmup"]  # without a config: a still-rising lr
+    assert "warmup" not in findings(with_series(healthy(), keys.TRAIN_LR, lambda s, f: 5e-4 * min(1, s / 10)), cfg)
+
+
+def test_too_few_steps_skips_every_rule():
+    d = diagnose(Run(healthy(2), CFG))
+    assert d.findings == [] and d.ok == [] and len(d.skipped) == 8
+
+
+def test_tiny_default_run_raises_no_warning():
+    d = diagnose(read_run(DATA / "tiny_run"))
+    assert [f for f in d.findings if f.level == "warn"] == []
+    assert "0.269 (step 0) -> 0.990 (step 80)" in d.summary
+
+
+def test_stalled_run_is_explained(capsys):
+    assert main([str(DATA / "stalled_run")]) == 0
+    out = capsys.readouterr().out
+    assert "[warn] usable-groups" in out and "low from the start (saturated" in out
+    assert "[warn] warmup" in out
+    assert main([str(DATA / "stalled_run"), "--fail-on-warn"]) == 1
+    assert main([str(DATA / "tiny_run"), "--fail-on-warn"]) == 0
+    capsys.readouterr()
+    assert main([str(DATA / "tiny_run"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["findings"]
+
+
+def test_missing_run_dir_is_one_line(tmp_path, capsys):
+    assert main([str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "metrics.jsonl does not exist" in err
+
+
+@pytest.mark.parametrize(("key", "rule"), [(keys.TRAIN_ENTROPY, "entropy"), (keys.MISMATCH_LOGP_ABS_DIFF_MEAN, "mismatch")])
+def test_rule_without_its_metric_is_skipped(key, rule):
+    records = [{k: v for k, v in r.items() if k != key} for r in healthy()]
+    d = diagnose(Run(records, CFG))
+    assert rule in d.skipped and rule not in d.ok

@@ -1,0 +1,54 @@
+"""The live progress line (steps/s, ETA) and the end-of-run summary."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dapo_mcore.telemetry import keys, progress
+from dapo_mcore.telemetry.progress import ProgressLine, format_seconds, run_summary
+
+pytestmark = pytest.mark.unit
+
+
+def test_format_seconds():
+    assert [format_seconds(s) for s in (4.24, 75, 3725, float("nan"))] == ["4.2s", "1m15s", "1h02m", "?"]
+
+
+def test_rate_and_eta_ignore_setup_time(monkeypatch):
+    clock = iter([1000.0, 1002.0, 1004.0])
+    monkeypatch.setattr(progress.time, "monotonic", lambda: next(clock))
+    line = ProgressLine(total=10, live=False)
+    rate, eta = line.update(1, step_seconds=2.0)    # step 1 took 2 s; the clock starts at its beginning
+    assert rate == pytest.approx(0.5) and eta == pytest.approx(18.0)
+    line.update(2, step_seconds=2.0)
+    rate, eta = line.update(3, step_seconds=2.0)
+    assert rate == pytest.approx(0.5) and eta == pytest.approx(14.0)
+
+
+def test_resumed_run_counts_only_its_own_steps(monkeypatch):
+    clock = iter([50.0, 51.0])
+    monkeypatch.setattr(progress.time, "monotonic", lambda: next(clock))
+    line = ProgressLine(total=100, live=False)
+    line.update(41, step_seconds=1.0)
+    rate, eta = line.update(42, step_seconds=1.0)
+    assert rate == pytest.approx(1.0) and eta == pytest.approx(58.0)
+
+
+def test_run_summary(tmp_path):
+    total = {keys.cost_key("tokens_generated", True): 1000, keys.cost_key("tokens_generated_kept", True): 250,
+             keys.cost_key("tokens_generated_rejected", True): 750, keys.cost_seconds_key("step", True): 100.0,
+             keys.cost_seconds_key("generate", True): 50.0, keys.cost_seconds_key("train", True): 30.0,
+             keys.cost_seconds_key("checkpoint", True): 0.1}
+    lines = [{keys.STEP: 0, keys.EVAL_AVG_AT_K: 0.25, keys.EVAL_K: 4}]
+    lines += [{keys.STEP: s, keys.TRAIN_LR: 1e-3, keys.TRAIN_LOSS: 0.0} for s in (1, 2)]
+    lines.append({keys.STEP: 3, keys.TRAIN_LR: 1e-3, keys.EVAL_AVG_AT_K: 0.75, keys.EVAL_K: 4, **total})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    text = run_summary(tmp_path, process_seconds=130.0).splitlines()
+    assert text[0] == "run finished: 3 steps (1-3) in 1m40s of steps (2m10s in this process, setup included)"
+    assert text[1] == "held-out avg@4: 0.250 (step 0) -> 0.750 (step 3)"
+    assert text[2] == "generated tokens: 1,000 (trained on 250 = 25%, rejected 750 = 75%)"
+    assert text[3] == "time: generate 50%, train 30%, other 20%"   # checkpoint (0.1%) is below the noise line
+    assert text[4] == f"run dir: {tmp_path}"
+    assert text[5].startswith(f"next: dapo-mcore report {tmp_path}  |  dapo-mcore diagnose {tmp_path}")
