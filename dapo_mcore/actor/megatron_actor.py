@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dapo_mcore.actor.batch import MicroBatch, build_micro_batch, to_device
+from dapo_mcore.actor.batch import MicroBatch, build_micro_batch, sequence_pad_multiple, to_device
 from dapo_mcore.actor.logprobs import token_entropy, token_logprobs
 from dapo_mcore.algo.loss import masked_entropy_contrib, policy_loss
 from dapo_mcore.data.packing import pack_micro_batches
@@ -54,6 +54,12 @@ class ActorSettings:
     pad_id: int = 0
     algo: Any = None  # AlgoConfig
     max_response_len: int | None = None
+
+    @property
+    def seq_pad_multiple(self) -> int:
+        """Micro-batch sequence lengths are padded to this (sequence parallel and FP8 alignment; see batch.py)."""
+        recipe = self.fp8.recipe if self.fp8 is not None and self.fp8.enabled else None
+        return sequence_pad_multiple(self.tensor_parallel, self.sequence_parallel, recipe)
 
 
 @dataclass
@@ -125,7 +131,7 @@ class MegatronActor:
             self.layout = "thd" if settings.layer_spec == "transformer_engine" else "rows"
         else:
             self.layout = settings.layout
-        self.pad_multiple = settings.tensor_parallel if settings.sequence_parallel else 1
+        self.pad_multiple = settings.seq_pad_multiple
 
     # ---- weights -------------------------------------------------------------------------------------------
     @property
