@@ -141,6 +141,8 @@ class Components:
     gen_groups: int = 1
     """Engine groups that split each generation batch (ranks for the transformers engine, vLLM TP groups for vLLM)."""
     gen_group_index: int = 0
+    gen_group_leader: bool = True
+    """This rank sends its engine group's responses to the others (the first rank of each group)."""
     step_work: Any = None
     """The last step's model FLOPs and tokens (telemetry.perf.StepWork), for tokens/s and MFU."""
     peak_flops: float | None = None
@@ -388,6 +390,7 @@ def build_components(cfg: Config, launch: LaunchEnv, *, resume: bool = True, che
     parts.peak_flops = device_peak_flops(cfg.run.peak_tflops_per_device, cfg.model.fp8.enabled)
     engine_tp = cfg.rollout.vllm.tensor_parallel if cfg.rollout.engine == "vllm" else 1
     parts.gen_groups, parts.gen_group_index = launch.world_size // engine_tp, launch.rank // engine_tp
+    parts.gen_group_leader = launch.rank % engine_tp == 0
     parts._closers.extend(parts_closers)
     parts._closers.append(engine.close)
     start = _restore(parts, resume=resume and not for_eval, checkpoint=checkpoint)
