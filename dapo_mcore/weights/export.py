@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dapo_mcore.weights.live import live_layout, live_tensors
+from dapo_mcore.weights.live import live_layout, live_tensors, plain_tensor
 from dapo_mcore.weights.mapping import Placement
 from dapo_mcore.weights.registry import get_mapping
 from dapo_mcore.weights.transforms import Geometry, Split
@@ -30,7 +30,8 @@ def iter_hf_weights(model_chunks: list, hf_config: dict[str, Any], *, layer_spec
                     bucket_bytes: int = 256 << 20) -> Iterator[Bucket]:
     """Yield lists of (HF name, full tensor) in HF order; a bucket exceeds `bucket_bytes` only when one tensor does.
 
-    Tensors have the model's dtype and device and are fresh copies (safe to keep). The tied output layer is not
+    Tensors have the model's (nominal) dtype and device and are fresh copies (safe to keep); FP8 parameters are
+    dequantized first. The tied output layer is not
     yielded (HF ties ``lm_head`` to ``model.embed_tokens.weight``).
     """
     from megatron.core import parallel_state as ps
@@ -73,7 +74,7 @@ def iter_hf_weights(model_chunks: list, hf_config: dict[str, Any], *, layer_spec
 
 
 def _gather_and_merge(mapping, pl: Placement, param: torch.Tensor, layout, tp_group) -> Bucket:
-    local = param.detach().contiguous()
+    local = plain_tensor(param).detach().contiguous()  # FP8 params (model.fp8.fp8_params) leave as bf16
     if layout.tp == 1:
         merged = mapping.merge(pl, [local], layout)
         if pl.rule.split is Split.REPLICATED:
