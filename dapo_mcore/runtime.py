@@ -372,10 +372,7 @@ def build_components(cfg: Config, launch: LaunchEnv, *, resume: bool = True, che
     eval_records = _drop_long(eval_records, tokenizer, cfg, "eval", filter_by_length)
     actor = MegatronActor(_actor_settings(cfg, hf_config, tokenizer.pad_token_id))
     if cfg.model.mcore_path:
-        from dapo_mcore.weights.live import load_megatron_checkpoint_into_model
-
-        load_megatron_checkpoint_into_model(actor.chunks, Path(cfg.model.mcore_path), reshard=True,
-                                            make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
+        actor.load_megatron(cfg.model.mcore_path)
     elif hf_dir is not None:
         actor.load_hf(str(hf_dir))
     engine = _build_engine(cfg, hf_dir, hf_config, tokenizer)
