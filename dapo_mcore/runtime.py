@@ -48,7 +48,10 @@ def check_hardware(cfg: Config) -> None:
 
     Kept out of ``Config.validate`` so that cluster configs can be validated and planned on a laptop.
     """
+    from dapo_mcore.gpu_stack import check_gpu_stack
     from dapo_mcore.model.fp8 import MissingGPUExtra, check_fp8, require_transformer_engine
+
+    check_gpu_stack(transformer_engine=cfg.model.layer_spec == "transformer_engine", vllm=cfg.rollout.engine == "vllm")
 
     if cfg.rollout.engine == "vllm" and not torch.cuda.is_available():
         raise MissingGPUExtra("rollout.engine=vllm needs CUDA GPUs and the gpu extra (pip install 'dapo-mcore[gpu]'); "
