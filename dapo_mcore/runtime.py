@@ -334,7 +334,8 @@ def _build_engine(cfg: Config, hf_dir: Path | None, hf_config: dict[str, Any], t
             model_path=str(hf_dir), tensor_parallel=v.tensor_parallel, gpu_memory_utilization=v.gpu_memory_utilization,
             enforce_eager=v.enforce_eager, max_num_batched_tokens=v.max_num_batched_tokens,
             max_model_len=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens, sleep_level=v.sleep_level,
-            dtype=cfg.model.params_dtype, seed=cfg.train.seed, max_prompt_len=cfg.data.max_prompt_len)
+            dtype=cfg.model.params_dtype, seed=cfg.train.seed, max_prompt_len=cfg.data.max_prompt_len,
+            load_format="dummy")  # build_components syncs every weight from the actor before the first generation
         return VLLMEngine(options, hf_config)
     from transformers import AutoModelForCausalLM, Qwen2Config
 
