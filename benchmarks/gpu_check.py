@@ -93,14 +93,17 @@ class Plan:
 
 
 def gpu_plan() -> Plan:
+    # 240 s in all, so that one device call (with the wheel install and the copy-back, under 300 s) leaves the
+    # session's device time for a rerun: one benchmark model, two micro-batch budgets, 8 tiny steps.
     return Plan(
         smoke=False, parity_preset="qwen2.5-0.5b", parity_overrides={}, parity_prompts=8, parity_n=4,
-        parity_prompt_len=64, parity_new_tokens=192,
-        bench_models=(("qwen2.5-0.5b", "qwen2.5-0.5b", {}), ("qwen2.5-1.5b", "qwen2.5-1.5b", {})),
-        bench_budgets=(4096, 8192, 16384), bench_seq_len=1024, bench_minibatch_tokens=32768, bench_iters=3,
-        matmul_n=8192, tiny_steps=20, tiny_overrides=(), pytest_paths=("tests",), budget_s=450.0,
-        caps={"env": 60, "parity": 120, "throughput": 180, "pytest": 150, "tiny": 240},
-        floors={"env": 10, "parity": 40, "throughput": 60, "pytest": 45, "tiny": 60})
+        parity_prompt_len=64, parity_new_tokens=128,
+        bench_models=(("qwen2.5-0.5b", "qwen2.5-0.5b", {}),),
+        bench_budgets=(8192, 16384), bench_seq_len=1024, bench_minibatch_tokens=32768, bench_iters=2,
+        matmul_n=8192, tiny_steps=8, tiny_overrides=(),
+        pytest_paths=("tests/test_gpu_actor.py", "tests/test_gpu_tiny_run.py"), budget_s=240.0,
+        caps={"env": 30, "parity": 60, "throughput": 75, "pytest": 60, "tiny": 70},
+        floors={"env": 5, "parity": 30, "throughput": 40, "pytest": 30, "tiny": 40})
 
 
 def smoke_plan() -> Plan:
@@ -168,7 +171,8 @@ def section_env(plan: Plan) -> dict[str, Any]:
 
     info: dict[str, Any] = {"python": sys.version.split()[0], "torch": torch.__version__,
                             "cuda_available": torch.cuda.is_available(), "cpu_count": os.cpu_count()}
-    for pkg in ("megatron-core", "transformers", "safetensors", "zarr", "numpy", "pytest"):
+    for pkg in ("megatron-core", "transformers", "safetensors", "zarr", "numpy", "pytest", "transformer-engine",
+                "vllm"):
         try:
             info[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
@@ -328,7 +332,10 @@ def headline(name: str, r: dict[str, Any]) -> str:
         return str(r.get("error", r.get("status")))[:160]
     if name == "env":
         where = r.get("device_name", "cpu")
-        return f"{where}, torch {r['torch']}, megatron-core {r['megatron-core']}, transformers {r['transformers']}"
+        untested = [name for key, name in (("transformer-engine", "Transformer Engine"), ("vllm", "vLLM"))
+                    if r.get(key) is None]
+        return (f"{where}, torch {r['torch']}, megatron-core {r['megatron-core']}, transformers {r['transformers']}"
+                + (f"; NOT TESTED (absent here): {', '.join(untested)}" if untested else ""))
     if name == "parity":
         s = r["stats"]
         return (f"megatron vs HF bf16: max {s['megatron_vs_hf_bf16']['max']:.3g} mean {s['megatron_vs_hf_bf16']['mean']:.3g}; "
@@ -433,8 +440,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="logs + gpu_check.json (default: $OUT, else ./gpu_check_out)")
     p.add_argument("--workdir", default=None, help="scratch space: run dirs, checkpoints (default: a temp dir)")
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list out of {','.join(SECTIONS)}")
-    p.add_argument("--budget-s", type=float, default=None, help="overall wall-clock budget (default 450; smoke 300)")
-    p.add_argument("--tiny-steps", type=int, default=None, help="train.steps of the tiny DAPO job (default 20)")
+    p.add_argument("--budget-s", type=float, default=None, help="overall wall-clock budget (default 240; smoke 300)")
+    p.add_argument("--tiny-steps", type=int, default=None, help="train.steps of the tiny DAPO job (default 8)")
     p.add_argument("--worker", choices=WORKER_SECTIONS, default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)

@@ -19,7 +19,7 @@ cd "$(dirname "$0")/.."
 WHEELS=(megatron-core==0.16.1 zarr==3.1.6 numcodecs==0.16.6 donfig==0.8.1.post1 google-crc32c==1.9.0)
 WHEEL_GLOBS=(megatron_core-0.16.1-* zarr-3.1.6-* numcodecs-0.16.6-* donfig-0.8.1.post1-* google_crc32c-1.9.0-*)
 CACHE=.cache/dapo-mcore
-LIMIT_S=${GPU_CHECK_LIMIT_S:-540}   # under the device tool's 600 s per command, leaving time for install + copy-back
+LIMIT_S=${GPU_CHECK_LIMIT_S:-270}   # the check budgets 240 s; with install + copy-back one call stays < 300 s
 
 prepare() {
     local py=${PYTHON:-/work/venv/bin/python}

@@ -78,6 +78,21 @@ class PlanInput:
     """vLLM activation workspace for its profiling pass and sampling."""
     vllm_sleep_residue_gib: float = 1.0
     """What vLLM keeps on the GPU while asleep (context, CUDA-graph pool)."""
+    vllm_sleep_level: int = 2
+    """vLLM sleep level between phases: 1 copies its weights to pinned host memory and back every step; 2 drops
+    them (the weight sync after every update overwrites them anyway), costing no copy."""
+    vllm_load_format: str = "dummy"
+    """How vLLM gets its first weights: dummy (random; the start-up sync overwrites every weight) or auto (every
+    rank reads the whole checkpoint from the filesystem)."""
+    host_to_device_gbs: float = 20.0
+    """Pinned host <-> GPU copy rate per GPU in GB/s while all GPUs of a node copy at once (PCIe Gen5 x16 is
+    ~50 GB/s alone; shared host links roughly halve it): prices sleep level 1."""
+    filesystem_read_gbs: float = 10.0
+    """Aggregate read rate of the shared filesystem in GB/s: prices vLLM's start-up read with load_format=auto."""
+    gpus_per_host: int = 8
+    """GPUs per node (host memory is per node)."""
+    host_memory_gib: float = 1800.0
+    """Host memory per node usable by the job (H100 HGX nodes: 2 TiB)."""
     gpu_memory_gib: float = 80.0
     """Memory of one GPU (H100 SXM: 80)."""
     overhead_gib: float = 3.0
@@ -140,6 +155,10 @@ class PlanInput:
             raise ValueError(f"a mini-batch of {self.mini_batch_prompts} prompts x {self.responses_per_prompt} = "
                              f"{responses} responses cannot be shared equally by data_parallel={self.data_parallel}; "
                              f"choose a layout whose data parallelism divides {responses}")
+        if self.vllm_sleep_level not in (1, 2):
+            raise ValueError(f"vllm_sleep_level={self.vllm_sleep_level}; use 1 or 2")
+        if self.vllm_load_format not in ("dummy", "auto"):
+            raise ValueError(f"vllm_load_format={self.vllm_load_format!r}; use dummy or auto")
         if min(self.peak_tflops, self.train_mfu, self.decode_mfu) <= 0:
             raise ValueError("peak_tflops, train_mfu and decode_mfu must be > 0 (e.g. 989.4, 0.35, 0.10)")
 
@@ -312,6 +331,41 @@ def estimate_step_seconds(p: PlanInput, flops: FlopsEstimate) -> tuple[float, fl
     return (flops.old_logprobs + flops.train) / (peak * p.train_mfu), flops.generation / (peak * p.decode_mfu)
 
 
+@dataclass
+class HostEstimate:
+    """Per-step engine overheads and per-node host memory that the GPU estimates leave out."""
+
+    sleep_copy_s: float
+    """Seconds per step vLLM's sleep/wake spends copying its weights to host memory and back (level 1 only)."""
+    engine_load_s: float
+    """Seconds at start-up for every rank to read the checkpoint into vLLM (load_format=auto only)."""
+    checkpoint_host_bytes: float
+    """Host memory of one node while a checkpoint gathers the distributed optimizer's fp32 state to DP rank 0."""
+    sleep_host_bytes: float
+    """Pinned host memory of one node holding vLLM weights asleep (level 1 only)."""
+
+    @property
+    def host_peak(self) -> float:
+        return self.checkpoint_host_bytes + self.sleep_host_bytes
+
+
+def estimate_host(p: PlanInput) -> HostEstimate:
+    """Engine sleep/start-up seconds and the host memory a node needs (see the PlanInput fields used)."""
+    shape = ModelShape.from_hf(p.model)
+    params = shape.num_params()
+    vllm_weights = 2.0 * params / p.vllm_tensor_parallel if p.colocate_vllm else 0.0
+    level1 = p.colocate_vllm and p.vllm_sleep_level == 1
+    sleep_s = 2 * vllm_weights / (p.host_to_device_gbs * 1e9) if level1 else 0.0
+    gpus = p.tensor_parallel * p.pipeline_parallel * p.data_parallel
+    read = gpus * 2.0 * params if p.colocate_vllm and p.vllm_load_format == "auto" else 0.0
+    # megatron-core's save_parameter_state gathers each model shard's fp32 main weights + Adam moments
+    # (12 B/param) to its DP rank 0; those ranks sit on the first nodes, up to gpus_per_host shards per node.
+    shards_per_node = min(p.gpus_per_host, p.tensor_parallel * p.pipeline_parallel)
+    ckpt = 12.0 * params / (p.tensor_parallel * p.pipeline_parallel) * shards_per_node if p.distributed_optimizer else 0.0
+    return HostEstimate(sleep_s, read / (p.filesystem_read_gbs * 1e9), ckpt,
+                        vllm_weights * p.gpus_per_host if level1 else 0.0)
+
+
 class LayoutDoesNotFit(ValueError):
     """A layout whose estimated peak exceeds the GPU; the message lists changes that would fit."""
 
@@ -442,6 +496,12 @@ def check(p: PlanInput, names: Names | None = None, max_tensor_parallel: int = 8
         problems.append(f"vLLM KV cache holds {est.vllm_kv_tokens} tokens < one sequence of {seq}; raise "
                         f"{n.get('vllm_gpu_memory_utilization', 'vllm_gpu_memory_utilization')} or "
                         f"{n.get('vllm_tensor_parallel', 'vllm_tensor_parallel')}")
+    host = estimate_host(p)
+    if host.host_peak > p.host_memory_gib * GIB:
+        problems.append(f"a checkpoint gathers {host.checkpoint_host_bytes / GIB:.0f} GiB of fp32 optimizer state "
+                        f"per node to DP rank 0 (+{host.sleep_host_bytes / GIB:.0f} GiB of vLLM weights asleep at "
+                        f"level 1) > host_memory_gib={p.host_memory_gib:g}; use more TP x PP (smaller shards)"
+                        + ("" if p.vllm_sleep_level == 2 else f", {_say(names, 'vllm_sleep_level', 2)}"))
     if problems:
         layouts = fitting_layouts(p, max_tensor_parallel)
         if layouts:
@@ -476,9 +536,14 @@ def format_report(p: PlanInput, est: MemoryEstimate, flops: FlopsEstimate) -> st
                 f"{flops.old_logprobs / 1e15:.0f}, train {flops.train / 1e15:.0f} (model {flops.train_model / 1e15:.0f}), "
                 f"{flops.train_tokens / 1e6:.1f} M tokens trained")
     train_s, gen_s = estimate_step_seconds(p, flops)
+    host = estimate_host(p)
     rows.append(f"step time at assumed MFU (train {p.train_mfu:.0%}, decode {p.decode_mfu:.0%} of {p.peak_tflops:g} "
                 f"TFLOP/s): log-probs + updates {train_s / 60:.1f} min, generation {gen_s / 60:.1f} min, "
-                f"total {(train_s + gen_s) / 60:.1f} min")
+                f"total {(train_s + gen_s + host.sleep_copy_s) / 60:.1f} min (with the engine's sleep copies)")
+    rows.append(f"engine: sleep level {p.vllm_sleep_level} copies {host.sleep_copy_s:.1f} s/step of weights to host "
+                f"and back; start-up read (load_format={p.vllm_load_format}) {host.engine_load_s / 60:.1f} min")
+    rows.append(f"host memory per node: checkpoint gather {host.checkpoint_host_bytes / GIB:.0f} GiB + vLLM asleep "
+                f"{host.sleep_host_bytes / GIB:.0f} GiB of {p.host_memory_gib:g}")
     return "\n".join(rows)
 
 
@@ -494,6 +559,7 @@ CONFIG_KEYS: dict[str, str] = {
     "max_response_len": "rollout.max_new_tokens", "rollout_prompts": "train.prompts_per_step",
     "responses_per_prompt": "rollout.n", "mini_batch_prompts": "train.mini_batch_prompts",
     "gen_batch_prompts": "rollout.gen_batch_prompts", "offload_train_state_in_rollout": "parallel.offload_for_rollout",
+    "vllm_sleep_level": "rollout.vllm.sleep_level",
 }
 """PlanInput fields a project config determines, and the config key (or note) that sets each one."""
 

@@ -49,7 +49,10 @@ def check_hardware(cfg: Config) -> None:
 
     Kept out of ``Config.validate`` so that cluster configs can be validated and planned on a laptop.
     """
+    from dapo_mcore.gpu_stack import check_gpu_stack
     from dapo_mcore.model.fp8 import MissingGPUExtra, check_fp8, require_transformer_engine
+
+    check_gpu_stack(transformer_engine=cfg.model.layer_spec == "transformer_engine", vllm=cfg.rollout.engine == "vllm")
 
     if cfg.rollout.engine == "vllm" and not torch.cuda.is_available():
         raise MissingGPUExtra("rollout.engine=vllm needs CUDA GPUs and the gpu extra (pip install 'dapo-mcore[gpu]'); "
@@ -142,6 +145,8 @@ class Components:
     gen_groups: int = 1
     """Engine groups that split each generation batch (ranks for the transformers engine, vLLM TP groups for vLLM)."""
     gen_group_index: int = 0
+    gen_group_leader: bool = True
+    """This rank sends its engine group's responses to the others (the first rank of each group)."""
     step_work: Any = None
     """The last step's model FLOPs and tokens (telemetry.perf.StepWork), for tokens/s and MFU."""
     peak_flops: float | None = None
@@ -356,7 +361,8 @@ def _build_engine(cfg: Config, hf_dir: Path | None, hf_config: dict[str, Any], t
             model_path=str(hf_dir), tensor_parallel=v.tensor_parallel, gpu_memory_utilization=v.gpu_memory_utilization,
             enforce_eager=v.enforce_eager, max_num_batched_tokens=v.max_num_batched_tokens,
             max_model_len=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens, sleep_level=v.sleep_level,
-            dtype=cfg.model.params_dtype, seed=cfg.train.seed, max_prompt_len=cfg.data.max_prompt_len)
+            dtype=cfg.model.params_dtype, seed=cfg.train.seed, max_prompt_len=cfg.data.max_prompt_len,
+            load_format="dummy")  # build_components syncs every weight from the actor before the first generation
         return VLLMEngine(options, hf_config)
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -397,10 +403,7 @@ def build_components(cfg: Config, launch: LaunchEnv, *, resume: bool = True, che
     eval_records = _drop_long(eval_records, tokenizer, cfg, "eval", filter_by_length)
     actor = MegatronActor(_actor_settings(cfg, hf_config, tokenizer.pad_token_id))
     if cfg.model.mcore_path:
-        from dapo_mcore.weights.live import load_megatron_checkpoint_into_model
-
-        load_megatron_checkpoint_into_model(actor.chunks, Path(cfg.model.mcore_path), reshard=True,
-                                            make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
+        actor.load_megatron(cfg.model.mcore_path)
     elif hf_dir is not None:
         actor.load_hf(str(hf_dir))
     engine = _build_engine(cfg, hf_dir, hf_config, tokenizer)
@@ -415,6 +418,7 @@ def build_components(cfg: Config, launch: LaunchEnv, *, resume: bool = True, che
     parts.peak_flops = device_peak_flops(cfg.run.peak_tflops_per_device, cfg.model.fp8.enabled)
     engine_tp = cfg.rollout.vllm.tensor_parallel if cfg.rollout.engine == "vllm" else 1
     parts.gen_groups, parts.gen_group_index = launch.world_size // engine_tp, launch.rank // engine_tp
+    parts.gen_group_leader = launch.rank % engine_tp == 0
     parts._closers.extend(parts_closers)
     parts._closers.append(engine.close)
     start = _restore(parts, resume=resume and not for_eval, checkpoint=checkpoint)

@@ -3,9 +3,9 @@
     generate -> score -> overlong shaping -> dynamic sampling (refill) -> advantages -> old log-probs
       -> mini-batch updates -> weight sync -> log / eval / checkpoint
 
-Every rank runs this loop. Generation is deterministic in (seed, step, generation batch), and the engine on each
-rank holds the same weights after a sync, so every rank sees the same rollout batch without shipping it around;
-the actor splits the work over data-parallel ranks itself. Rank 0 writes metrics, the ledger and the rollout store.
+Every rank runs this loop. Engine groups split each generation batch and one rank per group shares its responses;
+each response is scored on one rank and the verdicts are shared, so every rank holds the same rollout batch; the
+actor splits the work over data-parallel ranks itself. Rank 0 writes metrics, the ledger and the rollout store.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from dapo_mcore.algo.dynamic_sampling import DynamicSamplingExhausted, Group, Sa
 from dapo_mcore.algo.overlong import overlong_penalty
 from dapo_mcore.config import Config
 from dapo_mcore.data.records import PromptRecord
-from dapo_mcore.rollout.gather import all_gather_responses
+from dapo_mcore.rollout.gather import apply_once, broadcast_shares, merge_shares, plan_shares
 from dapo_mcore.rollout.protocol import EngineError, Response, SamplingParams
 from dapo_mcore.runtime import Components, build_components, prepare_run_dir, read_config
 from dapo_mcore.telemetry import keys
@@ -101,34 +101,51 @@ class Trainer:
         with phase("generate"):
             outputs = self._generate(prompt_ids, params)
         with phase("reward"):
-            flat = [r for group in outputs for r in group]
-            texts = [p.tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in flat]
-            truths = [rec.ground_truth for rec in records for _ in range(params.n)]
-            results = p.score(texts, truths)
-        groups = []
+            results = self._score(records, outputs)
+        groups, start = [], 0
         for i, rec in enumerate(records):
-            res = results[i * params.n:(i + 1) * params.n]
+            res = results[start:start + len(outputs[i])]
+            start += len(outputs[i])
             scores = [float(x.score) for x in res]
             groups.append(GroupData(rec, prompt_ids[i], outputs[i], scores, [bool(x.acc) for x in res],
                                     self._shape_rewards(scores, outputs[i]), gen_batch, [x.pred for x in res]))
         return groups
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Response]]:
-        """Each engine group generates its strided share of the prompts; every rank gets all the results.
+        """Each engine group generates its share (``rollout.gather.plan_shares``); every rank gets all the results.
 
         An engine group is one rank for the transformers engine and the ranks of one vLLM tensor-parallel group for
-        vLLM (they see the same share). Each share has its own seed, derived from the batch seed.
+        vLLM (they see the same share, and only the group's leader sends it). Every group calls the engine on every
+        generation batch, even with fewer samples than groups, because vLLM's data-parallel engines step together.
+        Each share has its own seed, derived from the batch seed.
         """
         groups, me = self.p.gen_groups, self.p.gen_group_index
         if groups == 1:
             return self.p.engine.generate(prompts, params)
-        mine = list(range(me, len(prompts), groups))
-        shard_params = dataclasses.replace(params, seed=(params.seed or 0) + 1_000_003 * me)
-        local = self.p.engine.generate([prompts[i] for i in mine], shard_params) if mine else []
-        merged = all_gather_responses(mine, local)  # two tensor all-gathers, not pickles
-        if len(merged) != len(prompts):
-            raise EngineError(f"gathered responses for {len(merged)} of {len(prompts)} prompts from the engine groups")
-        return [merged[i] for i in range(len(prompts))]
+        if not prompts:
+            return []
+        share = plan_shares(len(prompts), params.n, groups)[me]
+        seed = (params.seed or 0) + 1_000_003 * me
+        if share.idle:  # a one-token placeholder keeps this group's engine in step with the others
+            self.p.engine.generate([prompts[0]], dataclasses.replace(params, n=1, max_new_tokens=1, seed=seed))
+            local: list[list[Response]] = []
+        else:
+            local = self.p.engine.generate([prompts[i] for i in share.indices],
+                                           dataclasses.replace(params, n=share.n, seed=seed))
+        shares = broadcast_shares(share.indices, local, sender=self.p.gen_group_leader)
+        return merge_shares(shares, len(prompts), params.n)
+
+    def _score(self, records: list[PromptRecord], outputs: list[list[Response]]) -> list[Any]:
+        """Decode and verify every response once over all ranks (each rank its strided share) and share the
+        verdicts: ranks cannot disagree on one (a worker timeout, a custom reward) and then hold different batches."""
+        p = self.p
+        items = [(r.token_ids, rec.ground_truth) for rec, group in zip(records, outputs, strict=True) for r in group]
+
+        def verify(share: list[tuple[list[int], str]]) -> list[Any]:
+            texts = [p.tokenizer.decode(ids, skip_special_tokens=True) for ids, _ in share]
+            return p.score(texts, [truth for _, truth in share])
+
+        return apply_once(verify, items)
 
     def _shape_rewards(self, scores: list[float], responses: list[Response]) -> list[float]:
         a = self.cfg.algo

@@ -38,11 +38,18 @@ export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-0}
 # Weight sync and checkpoints can keep ranks apart for minutes: heartbeat timeout above that.
 export TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=${TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC:-1800}
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
-# InfiniBand: retry budget for flaky links (timeout is 4.096 us * 2^NCCL_IB_TIMEOUT).
+# InfiniBand: retry budget for flaky links (timeout is 4.096 us * 2^NCCL_IB_TIMEOUT). The retry
+# count is a 3-bit field of the queue pair (ibv_qp_attr.retry_cnt, 0..7): 7 is the most it holds.
 export NCCL_IB_TIMEOUT=${NCCL_IB_TIMEOUT:-22}
-export NCCL_IB_RETRY_CNT=${NCCL_IB_RETRY_CNT:-10}
-# Site specific, set when needed: NCCL_SOCKET_IFNAME (bootstrap interface), NCCL_IB_HCA (which HCAs).
-# export NCCL_SOCKET_IFNAME=ib0
+export NCCL_IB_RETRY_CNT=${NCCL_IB_RETRY_CNT:-7}
+# Network interface for the socket traffic of NCCL (bootstrap) and gloo (CPU collectives, vLLM's
+# data-parallel coordination), set in one place: DAPO_SOCKET_IFNAME=ib0 (or eth0, ...) sets both
+# unless NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME are set themselves. Unset: both pick an interface.
+if [[ -n "${DAPO_SOCKET_IFNAME:-}" ]]; then
+    export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$DAPO_SOCKET_IFNAME}
+    export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$DAPO_SOCKET_IFNAME}
+fi
+# Site specific, set when needed: which InfiniBand HCAs NCCL may use.
 # export NCCL_IB_HCA=mlx5
 
 # --- Rendezvous ------------------------------------------------------------------------------------

@@ -42,6 +42,12 @@ if (( $# == 0 )); then
     exit 2
 fi
 
+# Since Slurm 22.05 srun no longer inherits --cpus-per-task from sbatch/salloc: without this each task
+# gets one core, shared by its rank, its reward workers and vLLM's scheduler thread.
+if [[ -n "${SLURM_CPUS_PER_TASK:-}" ]]; then
+    export SRUN_CPUS_PER_TASK=${SRUN_CPUS_PER_TASK:-$SLURM_CPUS_PER_TASK}
+fi
+
 mapfile -t hosts < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 export MASTER_ADDR=${MASTER_ADDR:-${hosts[0]}}
 export MASTER_PORT=${MASTER_PORT:-$(( DAPO_MASTER_PORT_BASE + SLURM_JOB_ID % 10000 ))}

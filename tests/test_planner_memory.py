@@ -98,3 +98,23 @@ def test_estimate_within_25_percent_of_measured_cpu_peak(name):
           f"(ratio {ratio:.3f}); activations+logits after forward: measured {after_forward / 2**20:.1f} MiB, "
           f"estimated {(est.activations + est.logits) / 2**20:.1f} MiB")
     assert 0.75 <= ratio <= 1.25
+
+
+@pytest.mark.unit
+def test_engine_sleep_start_up_and_checkpoint_host_memory_are_priced():
+    from dapo_mcore.model.presets import preset_config
+    from dapo_mcore.planner import GIB, LayoutDoesNotFit, PlanInput, check, estimate_host
+
+    base = dict(model=preset_config("qwen2.5-32b"), tensor_parallel=8, pipeline_parallel=2, data_parallel=8,
+                precision="fp8", recompute="selective")
+    lvl2 = estimate_host(PlanInput(**base))
+    lvl1 = estimate_host(PlanInput(**base, vllm_sleep_level=1, vllm_load_format="auto"))
+    assert lvl2.sleep_copy_s == 0 and lvl2.engine_load_s == 0 and lvl2.sleep_host_bytes == 0
+    weights = 2 * 32.76e9 / 4  # bf16 weights per GPU at vLLM TP=4
+    assert lvl1.sleep_copy_s == pytest.approx(2 * weights / 20e9, rel=0.01)
+    assert lvl1.engine_load_s == pytest.approx(128 * 2 * 32.76e9 / 10e9, rel=0.01)
+    # 12 B/param of fp32 main weights + Adam moments per model shard (TP x PP = 16), 8 shards on a node.
+    assert lvl2.checkpoint_host_bytes == pytest.approx(12 * 32.76e9 / 16 * 8, rel=0.01)
+    assert 170 < lvl2.checkpoint_host_bytes / GIB < 200
+    with pytest.raises(LayoutDoesNotFit, match="host_memory_gib=128"):
+        check(PlanInput(**base, host_memory_gib=128))

@@ -74,6 +74,26 @@ def build_micro_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequ
     return _packed(seqs, p_lens, r_lens, pad_id, pad_to_multiple, thd=layout == "thd")
 
 
+# Transformer Engine's FP8 GEMMs need the token dimension of every GEMM input to be a multiple of this
+# (transformer_engine/pytorch/utils.py ``assert_dim_for_fp8_exec``: leading dims % 8 forward, and the token dim is
+# the reduction dim of the weight-gradient GEMM, where cuBLAS FP8 wants % 16; MXFP8 quantizes 32-element blocks
+# along both dims, quantizer.cpp ``MXFP8_BLOCK_SIZE``).
+FP8_TOKEN_ALIGN = {"delayed": 16, "tensorwise": 16, "blockwise": 16, "mxfp8": 32}
+
+
+def sequence_pad_multiple(tensor_parallel: int, sequence_parallel: bool, fp8_recipe: str | None) -> int:
+    """What a micro-batch's sequence length (the packed total with THD) must be a multiple of.
+
+    Sequence parallel splits the sequence over the TP ranks, so it must divide by TP; with FP8 each rank's slice
+    (all of it without SP) feeds TE's FP8 GEMMs, so the slice must also be a multiple of the recipe's alignment.
+    ``fp8_recipe`` is None when FP8 is off.
+    """
+    if tensor_parallel < 1:
+        raise ValueError(f"tensor_parallel={tensor_parallel} must be >= 1")
+    align = 1 if fp8_recipe is None else FP8_TOKEN_ALIGN[fp8_recipe]
+    return align * (tensor_parallel if sequence_parallel else 1)
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dapo_mcore.actor.batch import MicroBatch, build_micro_batch, to_device
+from dapo_mcore.actor.batch import MicroBatch, build_micro_batch, sequence_pad_multiple, to_device
 from dapo_mcore.actor.logprobs import token_entropy, token_logprobs
 from dapo_mcore.algo.loss import masked_entropy_contrib, policy_loss
 from dapo_mcore.data.packing import pack_micro_batches
@@ -54,6 +54,12 @@ class ActorSettings:
     pad_id: int = 0
     algo: Any = None  # AlgoConfig
     max_response_len: int | None = None
+
+    @property
+    def seq_pad_multiple(self) -> int:
+        """Micro-batch sequence lengths are padded to this (sequence parallel and FP8 alignment; see batch.py)."""
+        recipe = self.fp8.recipe if self.fp8 is not None and self.fp8.enabled else None
+        return sequence_pad_multiple(self.tensor_parallel, self.sequence_parallel, recipe)
 
 
 @dataclass
@@ -125,7 +131,7 @@ class MegatronActor:
             self.layout = "thd" if settings.layer_spec == "transformer_engine" else "rows"
         else:
             self.layout = settings.layout
-        self.pad_multiple = settings.tensor_parallel if settings.sequence_parallel else 1
+        self.pad_multiple = settings.seq_pad_multiple
 
     # ---- weights -------------------------------------------------------------------------------------------
     @property
@@ -139,6 +145,23 @@ class MegatronActor:
 
         load_hf_into_model(self.chunks, hf_dir, layer_spec=self.s.layer_spec,
                            make_vocab_size_divisible_by=self.s.make_vocab_size_divisible_by)
+        self._weights_replaced()
+
+    def load_megatron(self, directory: str) -> None:
+        """Load a canonical Megatron checkpoint (``dapo-mcore convert`` output, any layout: resharded to this one)."""
+        from pathlib import Path
+
+        from dapo_mcore.weights.live import load_megatron_checkpoint_into_model
+
+        load_megatron_checkpoint_into_model(self.chunks, Path(directory), reshard=True,
+                                            make_vocab_size_divisible_by=self.s.make_vocab_size_divisible_by)
+        self._weights_replaced()
+
+    def _weights_replaced(self) -> None:
+        """Megatron's mixed-precision optimizers keep fp32 main copies of bf16 (and FP8) weights, taken when the
+        optimizer was built: weights loaded afterwards must reach them too, or the first update writes the random
+        initial weights back into the model (plus the update). fp32 models train their weights directly."""
+        self.optimizer.reload_model_params()
 
     def offload(self) -> None:
         """Grad buffers and optimizer state to CPU while the rollout engine needs the memory (if configured)."""

@@ -1,22 +1,65 @@
-"""Share generated responses between ranks as two flat tensors instead of pickled Python objects.
+"""Split a generation batch over engine groups, share the responses, and score each response exactly once.
 
-Each engine group generates its share of a generation batch; every rank then needs all of it. At paper scale a
-step holds ~25k responses of up to 20k tokens, so the exchange packs each rank's share into one int64 tensor
-(prompt index, response count, and per response: finish reason, token count, log-prob count, token ids) and one
-float32 tensor (the log-probs), pads to the largest rank's size and all-gathers both: two collectives of plain
-tensors (NCCL on GPU, gloo on CPU) however many responses there are.
+* :func:`plan_shares`: which prompts (and how many samples of each) every engine group generates. Every group
+  always has work, or a placeholder, because vLLM's data-parallel engines step together: a group that never
+  calls ``generate()`` leaves the others waiting in a collective forever.
+* :func:`broadcast_shares`: the responses of each engine group, from ONE rank of that group (its TP peers hold the
+  same), to every rank's host memory. Each share travels as one int64 tensor (prompt index, response count, and
+  per response: finish reason, token count, log-prob count, token ids) and one float32 tensor (the log-probs),
+  broadcast from its sender in chunks of bounded size: at paper scale a step holds ~25k responses of up to 20k
+  tokens, and the device only ever holds one chunk of it while vLLM keeps its memory.
+* :func:`apply_once`: a function (the verifier) applied to each item on exactly one rank, the verdicts shared, so
+  every rank provably holds the same batch even if the function is not deterministic (timeouts, custom rewards).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from dapo_mcore.rollout.protocol import Response
+from dapo_mcore.rollout.protocol import EngineError, Response
 
 _FINISH = ("stop", "length")
+T = TypeVar("T")
+R = TypeVar("R")
+
+CHUNK_ELEMS = 8 << 20  # elements per broadcast chunk: 64 MiB of int64 on the device at a time
+
+
+@dataclass(frozen=True)
+class Share:
+    """What one engine group generates: ``n`` samples of each prompt in ``indices``."""
+
+    indices: list[int]
+    n: int
+
+    @property
+    def idle(self) -> bool:
+        """Nothing to generate (fewer samples than groups): the group runs a placeholder to stay in step."""
+        return not self.indices
+
+
+def plan_shares(num_prompts: int, n: int, groups: int) -> list[Share]:
+    """Every engine group's share of ``num_prompts`` prompts with ``n`` samples each.
+
+    With at least as many prompts as groups, group g takes prompts g, g + groups, ... with all n samples. With fewer,
+    the groups split the samples instead: the groups g = p, p + num_prompts, ... share prompt p's n samples as
+    evenly as possible (a group left with none is idle). Each prompt's samples come back in group order.
+    """
+    if num_prompts >= groups:
+        return [Share(list(range(g, num_prompts, groups)), n) for g in range(groups)]
+    shares = []
+    for g in range(groups):
+        p = g % num_prompts
+        helpers = len(range(p, groups, num_prompts))
+        k = g // num_prompts
+        count = n // helpers + (1 if k < n % helpers else 0)
+        shares.append(Share([p] if count else [], count))
+    return shares
 
 
 def pack_responses(indices: Sequence[int], results: Sequence[Sequence[Response]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,3 +128,84 @@ def all_gather_responses(indices: Sequence[int], results: Sequence[Sequence[Resp
     for ints, floats in all_gather_packed(*pack_responses(indices, results), device=device):
         merged.update(unpack_responses(ints, floats))
     return merged
+
+
+def _collective_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _broadcast_chunked(flat: torch.Tensor | None, numel: int, dtype: torch.dtype, src: int,
+                       device: torch.device, chunk: int) -> torch.Tensor:
+    """``flat`` (on rank ``src``) on every rank's CPU, moved through the device ``chunk`` elements at a time."""
+    out = flat if flat is not None else torch.empty(numel, dtype=dtype)
+    buf = torch.empty(min(chunk, max(numel, 1)), dtype=dtype, device=device)
+    for start in range(0, numel, chunk):
+        part = buf[: min(chunk, numel - start)]
+        if flat is not None:
+            part.copy_(flat[start:start + part.numel()])
+        dist.broadcast(part, src=src)
+        if flat is None:
+            out[start:start + part.numel()] = part.cpu()
+    return out
+
+
+def broadcast_shares(indices: Sequence[int], results: Sequence[Sequence[Response]], sender: bool,
+                     chunk_elems: int = CHUNK_ELEMS) -> list[dict[int, list[Response]]]:
+    """Every sender's (prompt index -> responses), in rank order, on every rank (collective, default group).
+
+    Only ranks with ``sender=True`` contribute (one per engine group): a non-sender's share is not sent at all, so
+    the TP peers of an engine group add no copies. Data reaches the host in chunks of ``chunk_elems`` elements.
+    """
+    device = _collective_device()
+    if sender:
+        ints, floats = pack_responses(indices, results)
+    else:
+        ints, floats = torch.zeros(0, dtype=torch.int64), torch.zeros(0)
+    sizes = torch.tensor([int(sender), ints.numel(), floats.numel()], dtype=torch.int64, device=device)
+    all_sizes = [torch.empty_like(sizes) for _ in range(dist.get_world_size())]
+    dist.all_gather(all_sizes, sizes)
+    me = dist.get_rank()
+    out = []
+    for src, (is_sender, n_int, n_float) in enumerate(s.tolist() for s in all_sizes):
+        if not is_sender:
+            continue
+        got_i = _broadcast_chunked(ints if src == me else None, n_int, torch.int64, src, device, chunk_elems)
+        got_f = _broadcast_chunked(floats if src == me else None, n_float, torch.float32, src, device, chunk_elems)
+        out.append(unpack_responses(got_i, got_f))
+    return out
+
+
+def merge_shares(shares: Sequence[dict[int, list[Response]]], num_prompts: int, n: int) -> list[list[Response]]:
+    """Each prompt's responses, concatenated over the shares in order; every prompt must end up with ``n``."""
+    merged: list[list[Response]] = [[] for _ in range(num_prompts)]
+    for share in shares:
+        for index, responses in share.items():
+            merged[index].extend(responses)
+    short = [i for i, m in enumerate(merged) if len(m) != n]
+    if short:
+        raise EngineError(f"after gathering the engine groups' shares, prompt {short[0]} has "
+                          f"{len(merged[short[0]])} responses, not {n} ({len(short)} prompts affected)")
+    return merged
+
+
+def apply_once(fn: Callable[[list[T]], list[R]], items: Sequence[T]) -> list[R]:
+    """``fn(items)`` on every rank, each item computed on exactly one rank (its strided share) and shared.
+
+    Every rank gets the same list whatever ``fn`` does on each rank: one verdict per item, not one per rank.
+    A collective over the default group when one is initialized (the verdicts travel pickled; they are small).
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return list(fn(list(items)))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = list(range(rank, len(items), world))
+    local = list(fn([items[i] for i in mine])) if mine else []
+    if len(local) != len(mine):
+        raise ValueError(f"the function returned {len(local)} results for {len(mine)} items")
+    everything: list[Any] = [None] * world
+    dist.all_gather_object(everything, local)
+    out: list[Any] = [None] * len(items)
+    for r, part in enumerate(everything):
+        out[r::world] = part
+    return out

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dapo_mcore.weights.live import live_layout, live_tensors
+from dapo_mcore.weights.live import live_layout, live_tensors, plain_tensor
 from dapo_mcore.weights.mapping import Placement
 from dapo_mcore.weights.registry import get_mapping
 from dapo_mcore.weights.transforms import Geometry, Split
@@ -30,7 +30,8 @@ def iter_hf_weights(model_chunks: list, hf_config: dict[str, Any], *, layer_spec
                     bucket_bytes: int = 256 << 20) -> Iterator[Bucket]:
     """Yield lists of (HF name, full tensor) in HF order; a bucket exceeds `bucket_bytes` only when one tensor does.
 
-    Tensors have the model's dtype and device and are fresh copies (safe to keep). The tied output layer is not
+    Tensors have the model's (nominal) dtype and device and are fresh copies (safe to keep); FP8 parameters are
+    dequantized first. The tied output layer is not
     yielded (HF ties ``lm_head`` to ``model.embed_tokens.weight``).
     """
     from megatron.core import parallel_state as ps
@@ -52,40 +53,66 @@ def iter_hf_weights(model_chunks: list, hf_config: dict[str, Any], *, layer_spec
     tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
     pp_ranks = dist.get_process_group_ranks(pp_group) if layout.pp > 1 else [dist.get_rank()]
 
+    owned = iter([pl for pl in placements if pl.pp_rank == pp_rank])
+    # One placement ahead: its TP gather is in flight while this one is merged and while the consumer sends or
+    # loads the bucket just yielded (the generator is suspended at ``yield``, the collective is not).
+    inflight = _start_gather(next(owned, None), params, layout, tp_group)
     bucket: Bucket = []
     size = 0
-    for pl in placements:
-        if pl.pp_rank == pp_rank:
-            tensors = _gather_and_merge(mapping, pl, params[layout.chunk_prefix(pl.vchunk) + pl.key], layout, tp_group)
-        else:
-            tensors = [(n, torch.empty(s, dtype=dtype, device=device)) for n, s in mapping.hf_output_shapes(pl)]
-        for name, tensor in tensors:
-            if layout.pp > 1:
-                dist.broadcast(tensor, src=pp_ranks[pl.pp_rank], group=pp_group)
-            nbytes = tensor.numel() * tensor.element_size()
-            if bucket and size + nbytes > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((name, tensor))
-            size += nbytes
-    if bucket:
-        yield bucket
+    try:
+        for pl in placements:
+            if pl.pp_rank == pp_rank:
+                current, inflight = inflight, _start_gather(next(owned, None), params, layout, tp_group)
+                tensors = _finish_and_merge(mapping, current, layout)
+            else:
+                tensors = [(n, torch.empty(s, dtype=dtype, device=device)) for n, s in mapping.hf_output_shapes(pl)]
+            for name, tensor in tensors:
+                if layout.pp > 1:
+                    dist.broadcast(tensor, src=pp_ranks[pl.pp_rank], group=pp_group)
+                nbytes = tensor.numel() * tensor.element_size()
+                if bucket and size + nbytes > bucket_bytes:
+                    yield bucket
+                    bucket, size = [], 0
+                bucket.append((name, tensor))
+                size += nbytes
+        if bucket:
+            yield bucket
+    finally:
+        if inflight is not None:  # a consumer that stopped early: complete the collective this rank started
+            for work in inflight[2]:
+                work.wait()
 
 
-def _gather_and_merge(mapping, pl: Placement, param: torch.Tensor, layout, tp_group) -> Bucket:
-    local = param.detach().contiguous()
+_InFlight = tuple  # (placement, local or gathered buffer, pending collective works)
+
+
+def _start_gather(pl: Placement | None, params: dict[str, torch.Tensor], layout, tp_group) -> _InFlight | None:
+    """Issue the TP all-gather of ``pl``'s parameter without waiting for it (None when there is no placement)."""
+    if pl is None:
+        return None
+    local = plain_tensor(params[layout.chunk_prefix(pl.vchunk) + pl.key]).detach().contiguous()
+    if layout.tp == 1:  # FP8 params (model.fp8.fp8_params) leave as bf16, dequantized above
+        return pl, local, []
+    flat, works = _gather_rows(local, layout.tp, tp_group)
+    return pl, flat, works
+
+
+def _finish_and_merge(mapping, inflight: _InFlight, layout) -> Bucket:
+    pl, data, works = inflight
+    for work in works:
+        work.wait()
     if layout.tp == 1:
-        merged = mapping.merge(pl, [local], layout)
+        merged = mapping.merge(pl, [data], layout)
         if pl.rule.split is Split.REPLICATED:
             merged = [(n, t.clone()) for n, t in merged]  # do not hand out the live parameter itself
         return [(n, t.contiguous()) for n, t in merged]
-    flat = _gather_rows(local, layout.tp, tp_group)
-    merged = merge_gathered(pl.rule.split, flat, layout.tp, pl.hf_names, mapping.geometry(layout))
+    merged = merge_gathered(pl.rule.split, data, layout.tp, pl.hf_names, mapping.geometry(layout))
     return [(n, t.contiguous()) for n, t in merged]
 
 
-def _gather_rows(local: torch.Tensor, tp: int, group) -> torch.Tensor:
-    """All TP ranks' ``local`` tensors stacked on dim 0 (in rank order) in one fresh buffer.
+def _gather_rows(local: torch.Tensor, tp: int, group) -> tuple[torch.Tensor, list]:
+    """All TP ranks' ``local`` tensors stacked on dim 0 (in rank order) in one fresh buffer, issued asynchronously:
+    returns the buffer and the works to wait on before reading it.
 
     NCCL: ``all_gather_into_tensor``. gloo: one broadcast per rank into its slice of the buffer, because gloo's
     all-gather stages the data through its own buffers and copies in and out; at TP=2 on CPU the broadcasts move
@@ -95,15 +122,15 @@ def _gather_rows(local: torch.Tensor, tp: int, group) -> torch.Tensor:
     rows = local.shape[0]
     flat = torch.empty((tp * rows, *local.shape[1:]), dtype=local.dtype, device=local.device)
     if dist.get_backend(group) != "gloo":
-        dist.all_gather_into_tensor(flat, local, group=group)
-        return flat
+        return flat, [dist.all_gather_into_tensor(flat, local, group=group, async_op=True)]
     me = dist.get_rank()
+    works = []
     for r, src in enumerate(dist.get_process_group_ranks(group)):
         part = flat[r * rows:(r + 1) * rows]
         if src == me:
             part.copy_(local)
-        dist.broadcast(part, src=src, group=group)
-    return flat
+        works.append(dist.broadcast(part, src=src, group=group, async_op=True))
+    return flat, works
 
 
 def merge_gathered(split: Split, flat: torch.Tensor, tp: int, names: tuple[str, ...],

@@ -33,6 +33,18 @@ def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     return chunk
 
 
+def plain_tensor(param: torch.Tensor) -> torch.Tensor:
+    """``param`` as a plain tensor of its nominal dtype, dequantizing a quantized parameter (FP8 params).
+
+    With ``model.fp8.fp8_params`` Transformer Engine keeps weights as ``QuantizedTensor`` subclasses (Float8Tensor,
+    ...) whose ``dequantize(dtype=...)`` gives the values; they have no plain storage to gather, save or send. Plain
+    tensors (and ``nn.Parameter``) come back as they are (``torch.Tensor.dequantize`` is for torch's own int8 types).
+    """
+    if type(param).dequantize is not torch.Tensor.dequantize:
+        return param.dequantize(dtype=param.dtype)
+    return param
+
+
 def detect_layer_spec(model_chunks: list[torch.nn.Module]) -> str:
     names = (n for c in model_chunks for n, _ in unwrap(c).named_parameters())
     return "transformer_engine" if any(n.endswith("linear_qkv.layer_norm_weight") for n in names) else "local"
@@ -199,7 +211,8 @@ def save_megatron_checkpoint(model_chunks: list, directory: str | Path, hf_confi
     if ps.get_data_parallel_rank() == 0:
         rank_path = ckpt.rank_file(tmp, tp_rank, pp_rank)
         rank_path.parent.mkdir()
-        ckpt.save_safetensors({k: p.detach().contiguous() for k, p in params.items()}, rank_path, {"format": "pt"})
+        ckpt.save_safetensors({k: plain_tensor(p).detach().contiguous() for k, p in params.items()}, rank_path,
+                              {"format": "pt"})
     if dist.get_rank() == 0:
         meta = ckpt.CheckpointMeta(hf_config, layout, _live_padded_vocab(model_chunks, layout, mapping),
                                    dtype_name(next(iter(params.values())).dtype))
