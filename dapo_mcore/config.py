@@ -37,7 +37,8 @@ class FP8Config:
     amax_history_len: int = 1024
     """Amax history length (delayed recipe only)."""
     fp8_params: bool = False
-    """Keep the weights themselves in FP8 (saves memory; the optimizer keeps fp32 master weights)."""
+    """Keep the weights themselves in FP8 (saves memory; the optimizer keeps fp32 master weights). Exports, weight
+    sync and checkpoints dequantize them to bf16."""
 
 
 @dataclass
@@ -165,8 +166,9 @@ class VLLMConfig:
     """Disable CUDA graphs (slower decoding, faster start)."""
     max_num_batched_tokens: int = 8192
     """Scheduler token budget per iteration."""
-    sleep_level: Literal[1, 2] = 1
-    """Sleep mode level while the actor trains: 1 offloads weights to CPU, 2 discards them (reloaded by the sync)."""
+    sleep_level: Literal[1, 2] = 2
+    """Sleep mode level while the actor trains: 1 offloads weights to pinned host memory and back every step; 2
+    discards them, which is right here since the weight sync overwrites every weight before each generation."""
 
 
 @dataclass

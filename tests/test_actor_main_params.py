@@ -32,7 +32,20 @@ def _worker(port: int, hf_dir: str, queue) -> None:
     metrics = actor.train_mini_batch([sample, sample], lr=0.0)
     after = {n: t for b in actor.export_hf_weights() for n, t in b}
     changed = sorted(n for n in loaded if not torch.equal(loaded[n], after[n]))
-    queue.put(dict(changed=changed, update_ok=metrics.get("update_ok"), n=len(loaded)))
+    # run.resume_weights_only: a fresh actor (other random weights) resumes the weights of a checkpoint and starts
+    # its optimizer fresh; its fp32 main copies must hold the resumed weights too.
+    from pathlib import Path
+
+    from dapo_mcore.actor.checkpoint import load_checkpoint, save_checkpoint
+
+    ckpt = save_checkpoint(Path(hf_dir).parent / "ckpts", 1, actor, {"step": 1}, keep_last=1)
+    torch.manual_seed(123)
+    fresh = MegatronActor(ActorSettings(hf_config=hf, params_dtype=torch.bfloat16, algo=AlgoConfig(), layout="rows"))
+    load_checkpoint(ckpt, fresh, weights_only=True)
+    fresh.train_mini_batch([sample, sample], lr=0.0)
+    resumed = {n: t for b in fresh.export_hf_weights() for n, t in b}
+    changed_resume = sorted(n for n in after if not torch.equal(after[n], resumed[n]))
+    queue.put(dict(changed=changed, changed_resume=changed_resume, update_ok=metrics.get("update_ok"), n=len(loaded)))
     dist.destroy_process_group()
 
 
@@ -55,3 +68,4 @@ def test_an_lr0_update_keeps_the_loaded_bf16_weights(tmp_path):
     proc.join(timeout=60)
     assert res["n"] > 0 and res["update_ok"] == 1.0
     assert res["changed"] == []
+    assert res["changed_resume"] == []

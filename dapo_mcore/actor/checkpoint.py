@@ -310,6 +310,7 @@ def load_checkpoint(ckpt: Path, actor, *, weights_only: bool = False) -> dict[st
                                         make_vocab_size_divisible_by=actor.s.make_vocab_size_divisible_by)
     if weights_only:
         log.info("run.resume_weights_only=true: the optimizer starts fresh")
+        actor.refresh_main_params()  # the fresh optimizer's fp32 main copies must take the loaded weights
     elif apply_optimizer is not None:
         apply_optimizer()
     else:

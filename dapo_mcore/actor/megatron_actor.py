@@ -145,7 +145,7 @@ class MegatronActor:
 
         load_hf_into_model(self.chunks, hf_dir, layer_spec=self.s.layer_spec,
                            make_vocab_size_divisible_by=self.s.make_vocab_size_divisible_by)
-        self._weights_replaced()
+        self.refresh_main_params()
 
     def load_megatron(self, directory: str) -> None:
         """Load a canonical Megatron checkpoint (``dapo-mcore convert`` output, any layout: resharded to this one)."""
@@ -155,9 +155,9 @@ class MegatronActor:
 
         load_megatron_checkpoint_into_model(self.chunks, Path(directory), reshard=True,
                                             make_vocab_size_divisible_by=self.s.make_vocab_size_divisible_by)
-        self._weights_replaced()
+        self.refresh_main_params()
 
-    def _weights_replaced(self) -> None:
+    def refresh_main_params(self) -> None:
         """Megatron's mixed-precision optimizers keep fp32 main copies of bf16 (and FP8) weights, taken when the
         optimizer was built: weights loaded afterwards must reach them too, or the first update writes the random
         initial weights back into the model (plus the update). fp32 models train their weights directly."""
