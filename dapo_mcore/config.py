@@ -55,6 +55,9 @@ class ModelConfig:
     """Build (or take from the cache) the embedded tiny base model and tokenizer of the CPU default."""
     layer_spec: Literal["local", "transformer_engine"] = "local"
     """Megatron layer implementation: `local` (pure PyTorch: CPU and any GPU) or `transformer_engine` (GPU; needed for FP8)."""
+    attention: Literal["auto", "sdpa", "megatron_local"] = "auto"
+    """Core attention of the local spec: auto = sdpa (PyTorch's fused scaled_dot_product_attention), megatron_local =
+    Megatron's unfused DotProductAttention. The transformer_engine spec always uses TE's attention (leave auto)."""
     params_dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype. float32 on CPU; bfloat16 on GPU (the optimizer keeps fp32 main weights)."""
     make_vocab_size_divisible_by: int = 128
@@ -90,6 +93,9 @@ class ModelConfig:
             raise ConfigError(f"model.preset={self.preset!r} is unknown; choose one of {', '.join(PRESET_NAMES)}.")
         if self.make_vocab_size_divisible_by < 1:
             raise ConfigError("model.make_vocab_size_divisible_by must be >= 1.")
+        if self.attention != "auto" and self.layer_spec == "transformer_engine":
+            raise ConfigError(f"model.attention={self.attention} applies to the local layer spec; with "
+                              "model.layer_spec=transformer_engine set model.attention=auto (TE's attention).")
         if self.fp8.enabled and self.layer_spec != "transformer_engine":
             raise ConfigError("model.fp8.enabled=true needs model.layer_spec=transformer_engine "
                               "(the local spec has no FP8 kernels).")

@@ -37,6 +37,7 @@ class ActorSettings:
     virtual_pipeline: int | None = None
     sequence_parallel: bool = False
     layer_spec: str = "local"
+    attention: str = "auto"  # core attention of the local spec: auto (= sdpa) | sdpa | megatron_local
     params_dtype: torch.dtype = torch.float32
     make_vocab_size_divisible_by: int = 128
     recompute: str = "none"
@@ -106,7 +107,8 @@ class MegatronActor:
         tconfig.variable_seq_lengths = settings.pipeline_parallel > 1
         self.tconfig = tconfig
         chunks = build_gpt_model(settings.hf_config, tconfig, spec=settings.layer_spec,
-                                 make_vocab_size_divisible_by=settings.make_vocab_size_divisible_by)
+                                 make_vocab_size_divisible_by=settings.make_vocab_size_divisible_by,
+                                 attention=settings.attention)
         for chunk in chunks:
             # Megatron's torch norms ignore params_dtype (fp32 weights in a bf16 model): cast like its Float16Module
             # does, so every parameter has one dtype (PP weight broadcasts allocate by dtype; fused rms_norm needs it).

@@ -168,28 +168,42 @@ def transformer_config(hf: dict[str, Any], *, tensor_parallel: int = 1, pipeline
     )
 
 
-def layer_spec(kind: str):
-    """The Megatron layer spec: `local` (pure PyTorch) or `transformer_engine` (GPU)."""
+def layer_spec(kind: str, attention: str = "auto"):
+    """The Megatron layer spec: `local` (pure PyTorch) or `transformer_engine` (GPU).
+
+    ``attention`` picks the local spec's ``core_attention`` submodule: ``auto``/``sdpa`` = PyTorch's fused
+    ``scaled_dot_product_attention`` (dapo_mcore.model.attention), ``megatron_local`` = Megatron's own
+    ``DotProductAttention``. The transformer_engine spec keeps Transformer Engine's attention (``auto`` only).
+    """
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if kind == "local":
-        return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    from dapo_mcore.model.attention import resolve_attention
+
+    if kind not in ("local", "transformer_engine"):
+        raise ValueError(f"unknown layer spec {kind!r}; choose 'local' or 'transformer_engine'.")
+    core = resolve_attention(attention, kind)
     if kind == "transformer_engine":
         from dapo_mcore.model.fp8 import require_transformer_engine
 
         require_transformer_engine("the transformer_engine layer spec")
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    raise ValueError(f"unknown layer spec {kind!r}; choose 'local' or 'transformer_engine'.")
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    if core == "sdpa":
+        from dapo_mcore.model.attention import SDPAttention, with_core_attention
+
+        spec = with_core_attention(spec, SDPAttention)
+    return spec
 
 
-def build_gpt_model(hf: dict[str, Any], tconfig, *, spec: str = "local", make_vocab_size_divisible_by: int = 128) -> list:
+def build_gpt_model(hf: dict[str, Any], tconfig, *, spec: str = "local", make_vocab_size_divisible_by: int = 128,
+                    attention: str = "auto") -> list:
     """Build this rank's GPTModel chunks (one per virtual pipeline stage). Parallel state must be initialized."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
     shape = QwenShape.from_hf(hf)
     vocab = padded_vocab_size(shape.vocab_size, make_vocab_size_divisible_by, tconfig.tensor_model_parallel_size)
-    spec_obj = layer_spec(spec)
+    spec_obj = layer_spec(spec, attention)
     vpp = tconfig.virtual_pipeline_model_parallel_size or 1
     chunks = []
     for vp_stage in range(vpp):
