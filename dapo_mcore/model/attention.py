@@ -164,9 +164,9 @@ class SDPAttention(MegatronModule):
                 q, k, v = (x[start:start + n].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
                 pieces.append(self._sdpa(q, k, v, None, causal and n > 1)[0].transpose(0, 1))
             if slot > n:  # padding between sequences (cu_seqlens_*_padded) gets zeros, as in TE
-                pieces.append(query.new_zeros(slot - n, heads, dim))
+                pieces.append(query.new_zeros((slot - n, heads, dim)))
         if padded[-1] < t:
-            pieces.append(query.new_zeros(t - padded[-1], heads, dim))
+            pieces.append(query.new_zeros((t - padded[-1], heads, dim)))
         return torch.cat(pieces).reshape(t, heads * dim)
 
 

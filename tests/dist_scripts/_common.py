@@ -33,7 +33,7 @@ def start(port_env: str = "MASTER_PORT"):
 
 
 def make_actor(ws: Path, spec: dict, tp: int, pp: int, hf_config: dict | None = None, load: bool = True,
-               params_dtype: torch.dtype = torch.float32):
+               params_dtype: torch.dtype = torch.float32, attention: str = "auto"):
     """Model parallel groups for (tp, pp) and a fresh actor with the workspace's HF weights."""
     from dapo_mcore.actor.megatron_actor import ActorSettings, MegatronActor
     from dapo_mcore.actor.parallel import init_model_parallel
@@ -45,7 +45,7 @@ def make_actor(ws: Path, spec: dict, tp: int, pp: int, hf_config: dict | None = 
         hf_config=hf, tensor_parallel=tp, pipeline_parallel=pp, make_vocab_size_divisible_by=spec["vocab_div"],
         micro_batch_tokens=spec["micro_batch_tokens"], temperature=spec["temperature"], lr=spec["lr"],
         eps=spec["adam_eps"], weight_decay=spec["weight_decay"], grad_clip=spec["grad_clip"],
-        algo=AlgoConfig(**spec["algo"]), layout="rows", params_dtype=params_dtype)
+        algo=AlgoConfig(**spec["algo"]), layout="rows", params_dtype=params_dtype, attention=attention)
     actor = MegatronActor(settings)
     if load:
         actor.load_hf(str(ws / "hf"))
