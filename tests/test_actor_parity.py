@@ -1,8 +1,8 @@
 """The Megatron actor against Hugging Face and against itself across layouts (2 gloo processes).
 
 Log-probs and entropies at temperature 0.7 equal a naive full-vocab computation on Hugging Face's own logits of
-the same weights, at TP in {1, 2}, PP in {1, 2}, DP in {1, 2}, in the rows and the packed (block-diagonal) layout;
-and two DAPO updates from the same HF weights give the same loss, grad norm and exported weights at every layout.
+the same weights, at TP in {1, 2}, PP in {1, 2}, DP in {1, 2}, in the rows, the packed (block-diagonal) and the
+THD (cu_seqlens) layout; and two DAPO updates from the same HF weights give the same loss, grad norm and exported weights at every layout.
 The processes run once per pytest session (tests/dist_scripts/harness.py).
 """
 
@@ -51,7 +51,7 @@ def test_samples_cover_different_lengths_and_several_micro_batches(runs):
         assert res["num_micro_batches"] >= 2, (name, rank)
 
 
-@pytest.mark.parametrize("layout", ["rows", "packed"])
+@pytest.mark.parametrize("layout", ["rows", "packed", "thd"])
 def test_logprobs_equal_hf_log_softmax(runs, layout):
     hf_logp = [lp for lp, _ in runs["hf"]["samples"]]
     for name, rank, res in _all_layouts(runs):
@@ -59,7 +59,7 @@ def test_logprobs_equal_hf_log_softmax(runs, layout):
         assert diff <= TOL, (name, rank, layout, diff)
 
 
-@pytest.mark.parametrize("layout", ["rows", "packed"])
+@pytest.mark.parametrize("layout", ["rows", "packed", "thd"])
 def test_entropy_equals_naive_full_vocab_entropy(runs, layout):
     hf_ent = [ent for _, ent in runs["hf"]["samples"]]
     for name, rank, res in _all_layouts(runs):

@@ -4,7 +4,8 @@ usage: [torchrun --nproc_per_node P] python actor_layouts.py WS NAME TPxPP[,TPxP
 
 Per layout (the model parallel groups are rebuilt for each) this records, on every rank:
   logits        full-vocab logits of a plain forward (conversion.verify.megatron_logits) on fixed ids
-  logp_rows / entropy_rows / logp_packed / entropy_packed   actor.compute_logprobs in both layouts
+  logp_rows / entropy_rows / logp_packed / entropy_packed / logp_thd / entropy_thd   actor.compute_logprobs in
+                the rows, packed (block-diagonal mask) and THD (cu_seqlens) layouts
   grads         forward + backward through Megatron's schedule: per-stage grad finiteness and norms
   metrics       two DAPO updates (train_mini_batch) from the same starting weights
   weights       the HF-named weights exported after them (export_hf_weights)
@@ -61,6 +62,8 @@ def check_layout(ws: Path, spec: dict, tp: int, pp: int) -> dict:
     res["num_micro_batches"] = len(actor._my_micro_batches(batch))
     actor.layout = "packed"
     res["logp_packed"], res["entropy_packed"] = actor.compute_logprobs(batch, with_entropy=True)
+    actor.layout = "thd"  # packed with cu_seqlens: the SDPA core attention's varlen path
+    res["logp_thd"], res["entropy_thd"] = actor.compute_logprobs(batch, with_entropy=True)
     actor.layout = "rows"
     res["grads"] = grad_check(actor, batch, spec)
     res["metrics"] = [actor.train_mini_batch(c.samples(spec, key), lr=spec["lr"]) for key in ("update1", "update2")]
