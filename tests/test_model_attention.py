@@ -3,9 +3,9 @@
 One worker process (tests/dist_scripts/attention_check.py, a world of one on gloo) compares it with Megatron's own
 DotProductAttention (outputs and q/k/v gradients; causal, unmasked, block-diagonal and general masks; GQA and MHA;
 THD packing with and without padded cu_seqlens), the whole GPTModel with Hugging Face's eager Qwen2 (logits and
-every parameter gradient), and the actor built with each attention (log-probs, entropy and one DAPO update in the
-rows, packed and THD layouts). TP=2 / PP=2 / DP=2 with the SDPA default are covered by tests/test_actor_parity.py.
-The spec and config plumbing is checked in-process.
+every parameter gradient, also under selective recompute), and the actor built with each attention (log-probs,
+entropy and one DAPO update in the rows, packed and THD layouts). TP=2 / PP=2 / DP=2 with the SDPA default are
+covered by tests/test_actor_parity.py. The spec and config plumbing is checked in-process.
 """
 
 from __future__ import annotations
@@ -57,11 +57,12 @@ def test_thd_packing_equals_block_diagonal_local_attention(res):
 
 
 @pytest.mark.distributed
-def test_gpt_model_with_sdpa_equals_hf_eager_logits_and_every_gradient(res):
-    assert res["model_grad_names_equal"]
-    assert res["model_logits"] <= TOL
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_gpt_model_with_sdpa_equals_hf_eager_logits_and_every_gradient(res, recompute):
+    assert res[f"model_grad_names_equal_{recompute}"]
+    assert res[f"model_logits_{recompute}"] <= TOL
     assert res["model_grad_scale"] > 1e-3  # gradients are not trivially zero
-    assert res["model_grads"] <= TOL * max(1.0, res["model_grad_scale"])
+    assert res[f"model_grads_{recompute}"] <= TOL * max(1.0, res["model_grad_scale"])
 
 
 @pytest.mark.distributed

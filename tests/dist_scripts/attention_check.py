@@ -111,7 +111,10 @@ def module_checks(res: dict) -> None:
 
 
 def model_checks(res: dict, ws: Path) -> None:
-    """GPTModel (SDPA) vs HF eager: logits and all parameter gradients of a weighted log-prob loss."""
+    """GPTModel (SDPA) vs HF eager: logits and all parameter gradients of a weighted log-prob loss, without and
+    with selective recompute (the core attention re-run in backward)."""
+    import json
+
     import transformers
 
     from conversion.synthetic import save_tiny_hf_model
@@ -125,32 +128,32 @@ def model_checks(res: dict, ws: Path) -> None:
     save_tiny_hf_model(ws / "hf", seed=3, vocab_size=37)
     hf = transformers.AutoModelForCausalLM.from_pretrained(ws / "hf", dtype=torch.float32,
                                                            attn_implementation="eager")
-    import json
-
     hf_config = json.loads((ws / "hf" / "config.json").read_text())
-    init_model_parallel(1, 1, seed=1)
-    (chunk,) = build_gpt_model(hf_config, transformer_config(hf_config), attention="sdpa",
-                               make_vocab_size_divisible_by=16)
-    load_hf_into_model([chunk], ws / "hf", "local", 16)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 37, (2, 11), generator=gen)
     targets = torch.randint(0, 37, (2, 11), generator=gen)
     w = torch.randn(2, 11, generator=gen)
     pos = torch.arange(11).unsqueeze(0).expand(2, -1)
-    logits = chunk(ids, pos, causal_mask(11))
-    (token_logprobs(logits, targets, 0.7, 37) * w).sum().backward()
     hf_logits = hf(ids).logits
     hf_logp = torch.log_softmax(hf_logits.double() / 0.7, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     (hf_logp * w).sum().backward()
-    res["model_logits"] = (logits[..., :37].detach() - hf_logits.detach()).abs().max().item()
-    with torch.no_grad():  # export the gradients as if they were weights: HF names, QKV split, padding stripped
-        for p in chunk.parameters():
-            p.copy_(p.grad)
-    grads = {n: t for bucket in iter_hf_weights([chunk], hf_config) for n, t in bucket}
     want = dict(hf.named_parameters())
-    res["model_grad_names_equal"] = sorted(grads) == sorted(n for n in want if n != "lm_head.weight")
-    res["model_grads"] = max((grads[n] - want[n].grad).abs().max().item() for n in grads)
-    res["model_grad_scale"] = max(want[n].grad.abs().max().item() for n in grads)
+    for recompute in ("none", "selective"):
+        init_model_parallel(1, 1, seed=1)
+        tconfig = transformer_config(hf_config, recompute=recompute)
+        (chunk,) = build_gpt_model(hf_config, tconfig, attention="sdpa", make_vocab_size_divisible_by=16)
+        load_hf_into_model([chunk], ws / "hf", "local", 16)
+        chunk.train()
+        logits = chunk(ids, pos, causal_mask(11))
+        (token_logprobs(logits, targets, 0.7, 37) * w).sum().backward()
+        res[f"model_logits_{recompute}"] = (logits[..., :37].detach() - hf_logits.detach()).abs().max().item()
+        with torch.no_grad():  # export the gradients as if they were weights: HF names, QKV split, padding stripped
+            for p in chunk.parameters():
+                p.copy_(p.grad)
+        grads = {n: t for bucket in iter_hf_weights([chunk], hf_config) for n, t in bucket}
+        res[f"model_grad_names_equal_{recompute}"] = sorted(grads) == sorted(n for n in want if n != "lm_head.weight")
+        res[f"model_grads_{recompute}"] = max((grads[n] - want[n].grad).abs().max().item() for n in grads)
+    res["model_grad_scale"] = max(want[n].grad.abs().max().item() for n in want if n != "lm_head.weight")
 
 
 def actor_checks(res: dict, ws: Path) -> None:
