@@ -26,6 +26,7 @@ import torch
 from dapo_mcore.actor.megatron_actor import TrainSample
 from dapo_mcore.algo.advantages import group_advantages
 from dapo_mcore.algo.dynamic_sampling import DynamicSamplingExhausted, Group, SamplingStats, collect_groups
+from dapo_mcore.algo.metrics import average_updates
 from dapo_mcore.algo.overlong import overlong_penalty
 from dapo_mcore.config import Config
 from dapo_mcore.data.records import PromptRecord
@@ -226,10 +227,8 @@ class Trainer:
             for start in range(0, len(groups), t.mini_batch_prompts):
                 mini = samples[start * n:(start + t.mini_batch_prompts) * n]
                 per_update.append(self.p.actor.train_mini_batch(mini, lr))
-        names = sorted({k for u in per_update for k in u})  # a skipped update reports fewer keys
-        out = {k: sum(u.get(k, 0.0) for u in per_update) / len(per_update) for k in names}
+        out = average_updates(per_update)  # a skipped (all-masked) mini-batch does not pull averages toward 0
         out["lr"] = lr
-        out["updates"] = float(len(per_update))
         return out
 
     def lr_at(self, step: int) -> float:
@@ -291,6 +290,7 @@ class Trainer:
             keys.TRAIN_CLIPFRAC_LOW: tm.get("clipfrac_low", 0.0), keys.TRAIN_CLIPFRAC_HIGH: tm.get("clipfrac_high", 0.0),
             keys.TRAIN_DUAL_CLIPFRAC: tm.get("dual_clipfrac", 0.0), keys.TRAIN_PPO_KL: tm.get("ppo_kl", 0.0),
             keys.TRAIN_ENTROPY: tm.get("entropy", 0.0), "train/updates": tm["updates"],
+            "train/skipped_updates": tm["skipped_updates"],
             keys.ROLLOUT_REWARD_MEAN: sum(r for g in generated for r in g.rewards) / max(len(all_acc), 1),
             keys.ROLLOUT_ACC_MEAN: sum(all_acc) / max(len(all_acc), 1),
             # Mixed-outcome groups among everything generated, whether or not dynamic sampling filters on it.
