@@ -57,16 +57,35 @@ class GroupData:
 
 
 class _Signals:
-    """SIGUSR1/SIGTERM ask for a checkpoint and a requeue exit at the end of the current step."""
+    """Stop requests, honoured at the end of the current step (checkpoint, then exit).
+
+    SIGUSR1/SIGTERM (Slurm's pre-emption warning, scancel) ask for a requeue: exit 75. The first SIGINT (Ctrl-C)
+    does the same but exits 130; a second SIGINT abandons the step at once (KeyboardInterrupt), keeping the last
+    checkpoint. ``restore()`` puts the previous handlers back.
+    """
 
     def __init__(self) -> None:
         self.requested: str | None = None
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            signal.signal(sig, self._handle)
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)}
 
     def _handle(self, signum: int, frame: Any) -> None:
-        self.requested = signal.Signals(signum).name
-        log.warning("%s received: will checkpoint after this step and exit %d", self.requested, EXIT_REQUEUE)
+        name = signal.Signals(signum).name
+        if signum == signal.SIGINT and self.requested == "SIGINT":
+            raise KeyboardInterrupt
+        self.requested = self.requested or name
+        if signum == signal.SIGINT:
+            log.warning("SIGINT received: will checkpoint after this step and exit %d (Ctrl-C again to abandon the "
+                        "step at once)", EXIT_INTERRUPTED)
+        else:
+            log.warning("%s received: will checkpoint after this step and exit %d", name, self.exit_code)
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_INTERRUPTED if self.requested == "SIGINT" else EXIT_REQUEUE
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 class _Preempted(Exception):
@@ -335,8 +354,8 @@ class Trainer:
                     p.sampler.load_state_dict(sampler_at_start)  # the abandoned step's prompts come again
                     p.save(self.step)
                     log.warning("stop signal during generation of step %d: step abandoned, checkpointed at step %d; "
-                                "exiting %d for requeue", self.step + 1, self.step, EXIT_REQUEUE)
-                    return EXIT_REQUEUE
+                                "exiting %d", self.step + 1, self.step, signals.exit_code)
+                    return signals.exit_code
                 # The step is recorded (metrics, ledger, rollouts) before its checkpoint, so the checkpoint's
                 # ledger includes it; checkpoint seconds (and their wall time) are accounted to the next step.
                 p.log_step(self.step, metrics, generated)
@@ -346,9 +365,9 @@ class Trainer:
                     with p.timer.phase("step"), p.timer.phase("checkpoint"):
                         p.save(self.step)
                 if stop:
-                    log.warning("checkpointed at step %d after %s; exiting %d for requeue", self.step,
-                                signals.requested or "a signal on another rank", EXIT_REQUEUE)
-                    return EXIT_REQUEUE
+                    log.warning("checkpointed at step %d after %s; exiting %d (resume with the same command)", self.step,
+                                signals.requested or "a signal on another rank", signals.exit_code)
+                    return signals.exit_code
         except KeyboardInterrupt:
             log.error("interrupted during step %d: the step was abandoned; the last good checkpoint is kept "
                       "(resume with the same command)", self.step + 1)
@@ -361,6 +380,7 @@ class Trainer:
                       "in %s/checkpoints is intact and the run resumes from it.", self.step + 1, exc, cfg.run.dir)
             return 1
         finally:
+            signals.restore()
             p.close()
         return 0
 
