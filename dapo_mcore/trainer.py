@@ -66,16 +66,19 @@ class _Signals:
 
     def __init__(self) -> None:
         self.requested: str | None = None
+        self._interrupts = 0
         self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)}
 
     def _handle(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
-        if signum == signal.SIGINT and self.requested == "SIGINT":
-            raise KeyboardInterrupt
+        if signum == signal.SIGINT:
+            self._interrupts += 1
+            if self._interrupts > 1:
+                raise KeyboardInterrupt
         self.requested = self.requested or name
         if signum == signal.SIGINT:
             log.warning("SIGINT received: will checkpoint after this step and exit %d (Ctrl-C again to abandon the "
-                        "step at once)", EXIT_INTERRUPTED)
+                        "step at once)", self.exit_code)
         else:
             log.warning("%s received: will checkpoint after this step and exit %d", name, self.exit_code)
 

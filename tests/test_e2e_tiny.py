@@ -261,8 +261,11 @@ def test_ctrl_c_finishes_the_step_checkpoints_and_exits_130(env, tmp_path):
 
     latest = find_latest(run_dir / "checkpoints")
     last = _logged_steps(run_dir)[-1]
-    assert latest is not None and latest.name == f"step_{last:06d}", "the step in flight was finished and saved"
-    assert 1 <= last < 200 and f"checkpointed at step {last} after SIGINT; exiting 130" in err, err[-3000:]
+    assert latest is not None and latest.name == f"step_{last:06d}", "the checkpoint holds the last logged step"
+    assert 1 <= last < 200, last
+    # Usually the step in flight is finished; a Ctrl-C during a dynamic-sampling refill abandons it instead.
+    assert (f"checkpointed at step {last} after SIGINT; exiting 130" in err
+            or f"step abandoned, checkpointed at step {last}; exiting 130" in err), err[-3000:]
     assert not list((run_dir / "checkpoints").glob("*.partial"))
 
 
