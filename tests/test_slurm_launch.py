@@ -81,7 +81,7 @@ def sbatch(env, out: Path, *cmd: str, wait: bool = True) -> subprocess.Completed
     Polls the job state itself rather than ``sbatch --wait``, which checks only every ~10 s.
     """
     args = ["sbatch", "--parsable", f"--output={out}", str(TINY), *cmd]
-    proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     if not wait or proc.returncode != 0:
         return proc
     job_id = proc.stdout.strip().split(";")[0]
