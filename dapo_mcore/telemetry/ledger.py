@@ -144,7 +144,7 @@ class CostLedger:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the totals; ledger lines after ``state['last_step']`` are dropped on the next write."""
+        """Restore the totals; ledger lines after ``state["last_step"]`` are dropped from the file at once."""
         if state["version"] != _STATE_VERSION:
             raise ValueError(f"ledger state version {state['version']} is not {_STATE_VERSION}; cannot resume it")
         if self.step_counts:
