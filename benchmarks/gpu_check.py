@@ -114,7 +114,7 @@ def smoke_plan() -> Plan:
         bench_budgets=(64, 128), bench_seq_len=32, bench_minibatch_tokens=256, bench_iters=1, matmul_n=256,
         tiny_steps=1, pytest_paths=("tests/test_gpu_actor.py", "tests/test_gpu_tiny_run.py"), budget_s=300.0,
         tiny_overrides=("tiny_base.steps=4", "eval.at_start=false", "eval.k=1", "train.prompts_per_step=4",
-                        "rollout.gen_batch_prompts=8", "rollout.n=4", "algo.dynamic_sampling=false"),
+                        "rollout.gen_batch_prompts=4", "rollout.n=4", "algo.dynamic_sampling=false"),
         caps={s: 120 for s in SECTIONS}, floors={s: 5 for s in SECTIONS})
 
 

@@ -318,6 +318,13 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
+def _at_least(*checks: tuple[str, float, float]) -> None:
+    """Refuse the first ``(key, value, minimum)`` whose value is below its minimum, naming that key alone."""
+    for key, value, minimum in checks:
+        if not value >= minimum:
+            raise ConfigError(f"{key}={value!r} must be >= {minimum}.")
+
+
 def _validate_layout(cfg: Config, world_size: int) -> None:
     hf = cfg.model.hf_config()
     heads, kv = hf["num_attention_heads"], hf.get("num_key_value_heads", hf["num_attention_heads"])
@@ -350,8 +357,8 @@ def _validate_layout(cfg: Config, world_size: int) -> None:
 def _validate_batches(cfg: Config, world_size: int) -> None:
     t = cfg.train
     dp = world_size // (cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel)
-    if t.prompts_per_step < 1 or t.mini_batch_prompts < 1 or t.steps < 0 or t.epochs < 1:
-        raise ConfigError("train.prompts_per_step, train.mini_batch_prompts and train.epochs must be >= 1; train.steps >= 0.")
+    _at_least(("train.prompts_per_step", t.prompts_per_step, 1), ("train.mini_batch_prompts", t.mini_batch_prompts, 1),
+              ("train.epochs", t.epochs, 1), ("train.steps", t.steps, 0))
     if t.prompts_per_step % t.mini_batch_prompts:
         raise ConfigError(f"train.mini_batch_prompts={t.mini_batch_prompts} does not divide train.prompts_per_step="
                           f"{t.prompts_per_step}; use one of {_divisors(t.prompts_per_step)}.")
@@ -359,12 +366,11 @@ def _validate_batches(cfg: Config, world_size: int) -> None:
     if rollouts_per_mini % dp:
         raise ConfigError(f"a mini-batch holds {rollouts_per_mini} responses, which {dp} data-parallel ranks cannot share "
                           f"equally; make train.mini_batch_prompts x rollout.n a multiple of {dp}.")
-    if t.micro_batch_tokens < 1:
-        raise ConfigError("train.micro_batch_tokens must be >= 1.")
-    if cfg.optim.lr <= 0 or cfg.optim.warmup_steps < 0 or cfg.optim.grad_clip < 0:
-        raise ConfigError("optim.lr must be > 0, optim.warmup_steps >= 0 and optim.grad_clip >= 0.")
-    if cfg.checkpoint.every < 0 or cfg.checkpoint.keep_last < 1:
-        raise ConfigError("checkpoint.every must be >= 0 and checkpoint.keep_last >= 1.")
+    o, c = cfg.optim, cfg.checkpoint
+    _at_least(("train.micro_batch_tokens", t.micro_batch_tokens, 1), ("optim.warmup_steps", o.warmup_steps, 0),
+              ("optim.grad_clip", o.grad_clip, 0), ("checkpoint.every", c.every, 0), ("checkpoint.keep_last", c.keep_last, 1))
+    if not o.lr > 0:  # also refuses NaN
+        raise ConfigError(f"optim.lr={o.lr!r} must be > 0 (e.g. optim.lr=1e-6, the DAPO paper's value).")
 
 
 def _validate_rollout(cfg: Config) -> None:
@@ -374,17 +380,23 @@ def _validate_rollout(cfg: Config) -> None:
     if r.n < 2 and cfg.algo.dynamic_sampling:
         raise ConfigError("rollout.n=1 makes every group all-right or all-wrong, so dynamic sampling keeps nothing; "
                           "use rollout.n >= 2 or algo.dynamic_sampling=false.")
-    if r.gen_batch_prompts < 1 or r.max_new_tokens < 1:
-        raise ConfigError("rollout.gen_batch_prompts and rollout.max_new_tokens must be >= 1.")
-    if not 0.0 < r.top_p <= 1.0 or r.temperature <= 0:
-        raise ConfigError("rollout.top_p must lie in (0, 1] and rollout.temperature must be > 0.")
+    _at_least(("rollout.gen_batch_prompts", r.gen_batch_prompts, 1), ("rollout.max_new_tokens", r.max_new_tokens, 1))
+    if not cfg.algo.dynamic_sampling and r.gen_batch_prompts != cfg.train.prompts_per_step:
+        what = "train on fewer groups" if r.gen_batch_prompts < cfg.train.prompts_per_step else "drop the surplus groups"
+        raise ConfigError(
+            f"algo.dynamic_sampling=false trains on exactly one generation batch, but rollout.gen_batch_prompts="
+            f"{r.gen_batch_prompts} differs from train.prompts_per_step={cfg.train.prompts_per_step} (it would {what}); "
+            f"set rollout.gen_batch_prompts={cfg.train.prompts_per_step}, or algo.dynamic_sampling=true.")
+    if not 0.0 < r.top_p <= 1.0:
+        raise ConfigError(f"rollout.top_p={r.top_p!r} must lie in (0, 1] (1.0 disables nucleus sampling).")
+    if not r.temperature > 0:
+        raise ConfigError(f"rollout.temperature={r.temperature!r} must be > 0 (1.0 samples the model's distribution).")
     if r.engine == "vllm" and not 0.0 < r.vllm.gpu_memory_utilization < 1.0:
         raise ConfigError("rollout.vllm.gpu_memory_utilization must lie in (0, 1).")
     if cfg.algo.overlong_shaping and cfg.algo.overlong_max_len > r.max_new_tokens:
         raise ConfigError(f"algo.overlong_max_len={cfg.algo.overlong_max_len} exceeds rollout.max_new_tokens="
                           f"{r.max_new_tokens}: responses can never be that long; set them equal (L_max).")
-    if cfg.eval.k < 1 or cfg.eval.every < 0:
-        raise ConfigError("eval.k must be >= 1 and eval.every >= 0.")
+    _at_least(("eval.k", cfg.eval.k, 1), ("eval.every", cfg.eval.every, 0))
     ps = cfg.run.profile_steps
     if ps and (len(ps) != 2 or ps[0] < 1 or ps[1] < ps[0]):
         raise ConfigError(f"run.profile_steps={ps} must be [first, last] with 1 <= first <= last (e.g. [3, 4]), or [].")

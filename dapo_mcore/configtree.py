@@ -152,6 +152,27 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else problem
 
 
+def _refuse_duplicate_keys(node: yaml.Node | None, path: Path, prefix: str = "") -> None:
+    """PyYAML keeps the last of two equal keys in a mapping: a second ``algo:`` block would silently replace the
+    first. Walk the composed document and refuse any key given twice, naming it and both lines."""
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _refuse_duplicate_keys(item, path, f"{prefix}[{i}]")
+    if not isinstance(node, yaml.MappingNode):
+        return
+    seen: dict[str, int] = {}
+    for key_node, value_node in node.value:
+        if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key, line = key_node.value, key_node.start_mark.line + 1
+        full = f"{prefix}.{key}" if prefix else key
+        if key in seen:
+            raise ConfigError(f"config file {str(path)!r}: key {full!r} appears twice (lines {seen[key]} and {line}); "
+                              "YAML would keep only the second, so merge the two into one.")
+        seen[key] = line
+        _refuse_duplicate_keys(value_node, path, full)
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML mapping, with errors that say what is wrong with the file."""
     p = Path(path)
@@ -159,7 +180,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {str(p)!r} does not exist; pass the path of a YAML config "
                           f"(e.g. examples/tiny_cpu.yaml).")
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+        text = p.read_text(encoding="utf-8")
+        _refuse_duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader), p)
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {str(p)!r} is not valid YAML: {_yaml_problem(exc)}.") from exc
     except UnicodeDecodeError as exc:

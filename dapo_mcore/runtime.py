@@ -498,8 +498,10 @@ def _open_telemetry(parts: Components, start: int) -> None:
     # A fresh start restores an empty ledger: lines left by a run that died before its first checkpoint go.
     parts.ledger.load_state_dict(state["ledger"] if state is not None and "ledger" in state
                                  else CostLedger(None, enabled=False).state_dict())
-    if parts.is_main and parts.cfg.run.rollout_store:
-        parts.store = RolloutStore(run_dir / ROLLOUTS_DIR, resume_step=resume_step)
+    # A store left by the interrupted run is cut back too, even when this run stores no rollouts.
+    if parts.is_main and (parts.cfg.run.rollout_store or (run_dir / ROLLOUTS_DIR).exists()):
+        store = RolloutStore(run_dir / ROLLOUTS_DIR, resume_step=resume_step)
+        parts.store = store if parts.cfg.run.rollout_store else None
     if parts.is_main:
         parts.tokenizer.save_pretrained(str(run_dir / "tokenizer"))
     parts._closers.append(parts.writer.close)

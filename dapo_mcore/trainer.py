@@ -26,6 +26,7 @@ import torch
 from dapo_mcore.actor.megatron_actor import TrainSample
 from dapo_mcore.algo.advantages import group_advantages
 from dapo_mcore.algo.dynamic_sampling import DynamicSamplingExhausted, Group, SamplingStats, collect_groups
+from dapo_mcore.algo.metrics import average_updates
 from dapo_mcore.algo.overlong import overlong_penalty
 from dapo_mcore.config import Config
 from dapo_mcore.data.records import PromptRecord
@@ -56,16 +57,38 @@ class GroupData:
 
 
 class _Signals:
-    """SIGUSR1/SIGTERM ask for a checkpoint and a requeue exit at the end of the current step."""
+    """Stop requests, honoured at the end of the current step (checkpoint, then exit).
+
+    SIGUSR1/SIGTERM (Slurm's pre-emption warning, scancel) ask for a requeue: exit 75. The first SIGINT (Ctrl-C)
+    does the same but exits 130; a second SIGINT abandons the step at once (KeyboardInterrupt), keeping the last
+    checkpoint. ``restore()`` puts the previous handlers back.
+    """
 
     def __init__(self) -> None:
         self.requested: str | None = None
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            signal.signal(sig, self._handle)
+        self._interrupts = 0
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)}
 
     def _handle(self, signum: int, frame: Any) -> None:
-        self.requested = signal.Signals(signum).name
-        log.warning("%s received: will checkpoint after this step and exit %d", self.requested, EXIT_REQUEUE)
+        name = signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            self._interrupts += 1
+            if self._interrupts > 1:
+                raise KeyboardInterrupt
+        self.requested = self.requested or name
+        if signum == signal.SIGINT:
+            log.warning("SIGINT received: will checkpoint after this step and exit %d (Ctrl-C again to abandon the "
+                        "step at once)", self.exit_code)
+        else:
+            log.warning("%s received: will checkpoint after this step and exit %d", name, self.exit_code)
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_INTERRUPTED if self.requested == "SIGINT" else EXIT_REQUEUE
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 class _Preempted(Exception):
@@ -226,10 +249,8 @@ class Trainer:
             for start in range(0, len(groups), t.mini_batch_prompts):
                 mini = samples[start * n:(start + t.mini_batch_prompts) * n]
                 per_update.append(self.p.actor.train_mini_batch(mini, lr))
-        names = sorted({k for u in per_update for k in u})  # a skipped update reports fewer keys
-        out = {k: sum(u.get(k, 0.0) for u in per_update) / len(per_update) for k in names}
+        out = average_updates(per_update)  # a skipped (all-masked) mini-batch does not pull averages toward 0
         out["lr"] = lr
-        out["updates"] = float(len(per_update))
         return out
 
     def lr_at(self, step: int) -> float:
@@ -291,6 +312,7 @@ class Trainer:
             keys.TRAIN_CLIPFRAC_LOW: tm.get("clipfrac_low", 0.0), keys.TRAIN_CLIPFRAC_HIGH: tm.get("clipfrac_high", 0.0),
             keys.TRAIN_DUAL_CLIPFRAC: tm.get("dual_clipfrac", 0.0), keys.TRAIN_PPO_KL: tm.get("ppo_kl", 0.0),
             keys.TRAIN_ENTROPY: tm.get("entropy", 0.0), "train/updates": tm["updates"],
+            "train/skipped_updates": tm["skipped_updates"],
             keys.ROLLOUT_REWARD_MEAN: sum(r for g in generated for r in g.rewards) / max(len(all_acc), 1),
             keys.ROLLOUT_ACC_MEAN: sum(all_acc) / max(len(all_acc), 1),
             # Mixed-outcome groups among everything generated, whether or not dynamic sampling filters on it.
@@ -335,8 +357,8 @@ class Trainer:
                     p.sampler.load_state_dict(sampler_at_start)  # the abandoned step's prompts come again
                     p.save(self.step)
                     log.warning("stop signal during generation of step %d: step abandoned, checkpointed at step %d; "
-                                "exiting %d for requeue", self.step + 1, self.step, EXIT_REQUEUE)
-                    return EXIT_REQUEUE
+                                "exiting %d", self.step + 1, self.step, signals.exit_code)
+                    return signals.exit_code
                 # The step is recorded (metrics, ledger, rollouts) before its checkpoint, so the checkpoint's
                 # ledger includes it; checkpoint seconds (and their wall time) are accounted to the next step.
                 p.log_step(self.step, metrics, generated)
@@ -346,9 +368,9 @@ class Trainer:
                     with p.timer.phase("step"), p.timer.phase("checkpoint"):
                         p.save(self.step)
                 if stop:
-                    log.warning("checkpointed at step %d after %s; exiting %d for requeue", self.step,
-                                signals.requested or "a signal on another rank", EXIT_REQUEUE)
-                    return EXIT_REQUEUE
+                    log.warning("checkpointed at step %d after %s; exiting %d (resume with the same command)", self.step,
+                                signals.requested or "a signal on another rank", signals.exit_code)
+                    return signals.exit_code
         except KeyboardInterrupt:
             log.error("interrupted during step %d: the step was abandoned; the last good checkpoint is kept "
                       "(resume with the same command)", self.step + 1)
@@ -361,6 +383,7 @@ class Trainer:
                       "in %s/checkpoints is intact and the run resumes from it.", self.step + 1, exc, cfg.run.dir)
             return 1
         finally:
+            signals.restore()
             p.close()
         return 0
 

@@ -7,11 +7,13 @@ subprocess of ``python -m dapo_mcore.cli``; assertions read the artifacts a user
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,9 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = Path(__file__).parent / "data" / "tiny_trace.json"
 CONFIG = ROOT / "examples" / "tiny_cpu.yaml"
+# Wall-clock limits only bound a failure, never judge speed: the 30-step run takes ~3 min on 2 idle cores and
+# went past 10 min at a load average of ~50 (other jobs sharing the machine).
+TIMEOUT = 3600
 
 
 @pytest.fixture(scope="session")
@@ -39,7 +44,7 @@ def _cmd(run_dir: Path, *overrides: str, config: Path = CONFIG) -> list[str]:
     return [sys.executable, "-m", "dapo_mcore.cli", "train", str(config), f"run.dir={run_dir}", *overrides]
 
 
-def _run(args: list[str], env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess:
+def _run(args: list[str], env: dict[str, str], timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
     return subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
@@ -127,14 +132,14 @@ def test_signal_checkpoints_and_resume_continues_the_same_trajectory(env, straig
     run_dir = tmp_path / "interrupted"
     proc = subprocess.Popen(_cmd(run_dir, *SHORT), env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 600
+    deadline = time.time() + TIMEOUT
     metrics = run_dir / "metrics.jsonl"
     while time.time() < deadline and proc.poll() is None:
         if metrics.is_file() and sum(1 for _ in metrics.open()) >= 4:  # base eval + 3 steps
             proc.send_signal(signal.SIGTERM)
             break
         time.sleep(0.05)
-    _, err = proc.communicate(timeout=600)
+    _, err = proc.communicate(timeout=TIMEOUT)
     assert proc.returncode == 75, err[-3000:]
     stopped_at = int((run_dir / "checkpoints" / "latest").read_text().strip().split("_")[1])
     assert 3 <= stopped_at < 8
@@ -151,51 +156,158 @@ TRACE_KEYS = ("train/loss", "train/grad_norm", "train/entropy", "rollout/reward_
               "rollout/usable_group_frac", "eval/avg_at_k")
 
 
+def machine_fingerprint() -> dict[str, str]:
+    """What decides the float results of the fixed-seed run besides our code: the CPU and its kernel paths (ATen's
+    dispatch level, MKL's and oneDNN's instruction sets) and the library versions. One float difference in the
+    pre-trained base changes which tokens get sampled, so traces are equal only between equal fingerprints."""
+    import platform
+    from importlib.metadata import version
+
+    import torch
+
+    cpu, flags = platform.processor() or platform.machine(), ""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        lines = cpuinfo.read_text().splitlines()
+        cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), cpu)
+        have = set(next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), []))
+        flags = " ".join(sorted(f for f in have if f.startswith(("avx", "amx", "fma"))))
+    return {"cpu": cpu, "cpu_flags": flags, "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "mkl_enable_instructions": os.environ.get("MKL_ENABLE_INSTRUCTIONS", ""),
+            "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
+            "torch": torch.__version__, "megatron-core": version("megatron-core"),
+            "transformers": version("transformers"), "numpy": version("numpy")}
+
+
+def _trace_summary(m: dict[str, dict[int, float]]) -> dict[str, float]:
+    """Statistics of the 8-step trace that show learning and do not hinge on which tokens were sampled."""
+    def mean(key: str, steps) -> float:
+        return sum(m[key][s] for s in steps) / len(steps)
+
+    return {"acc_gain": mean("rollout/acc_mean", (6, 7, 8)) - mean("rollout/acc_mean", (1, 2)),
+            "acc_mean": mean("rollout/acc_mean", range(1, 9)),
+            "eval_start": m["eval/avg_at_k"][0], "eval_gain": m["eval/avg_at_k"][8] - m["eval/avg_at_k"][0],
+            "entropy_mean": mean("train/entropy", range(1, 9)),
+            "entropy_drop": mean("train/entropy", (1, 2)) - mean("train/entropy", (7, 8))}
+
+
+# Measured on an AVX2 machine over train.seed=1..5 and with ATEN_CPU_CAPABILITY=default (docs/results.md, issue 12):
+# acc_gain 0.22-0.29, acc_mean 0.43-0.47, eval_start 0.26-0.28, eval_gain 0.33-0.37, entropy_mean 0.31-0.33,
+# entropy_drop 0.10-0.15. The bounds are several times that spread: another CPU is another draw of the same run,
+# and only a run that stops learning (or learns something else) leaves them.
+LEARNING_BOUNDS = {"acc_gain": (0.10, 1.0), "eval_start": (0.15, 0.40), "eval_gain": (0.15, 1.0),
+                   "entropy_drop": (0.03, 1.0)}
+NEAR_REFERENCE = {"acc_mean": 0.08, "entropy_mean": 0.06}
+
+
 def test_stored_trace_is_reproduced(straight_run):
-    """The fixed-seed short run must reproduce the stored per-step trace. After an intended change of the
-    numerics, regenerate it with DAPO_MCORE_WRITE_TRACE=1 and say why in the commit."""
+    """Same machine fingerprint as a stored trace: the fixed-seed short run must reproduce it bit for bit. Another
+    machine (CPU model, kernel path, library version): it must learn like the reference trace, within bounds a
+    different CPU cannot break. After an intended change of the numerics, regenerate this machine's trace with
+    DAPO_MCORE_WRITE_TRACE=1 (other machines' traces are then stale: drop them) and say why in the commit."""
     rows = _metrics(straight_run)
+    got = {k: _by_step(rows, k) for k in TRACE_KEYS}
+    fingerprint = machine_fingerprint()
+    data = json.loads(TRACE.read_text())
     if os.environ.get("DAPO_MCORE_WRITE_TRACE") == "1":
-        TRACE.parent.mkdir(exist_ok=True)
-        data = {"config": str(CONFIG.relative_to(ROOT)), "overrides": list(SHORT),
-                "metrics": {k: {str(s): v for s, v in _by_step(rows, k).items()} for k in TRACE_KEYS}}
+        entry = {"fingerprint": fingerprint, "metrics": {k: {str(s): v for s, v in got[k].items()} for k in TRACE_KEYS}}
+        data["traces"] = [t for t in data["traces"] if t["fingerprint"] != fingerprint] + [entry]
         TRACE.write_text(json.dumps(data, indent=1) + "\n")
-    trace = json.loads(TRACE.read_text())
-    assert set(trace["metrics"]) == set(TRACE_KEYS)
-    for key, expected in trace["metrics"].items():
-        got = _by_step(rows, key)
-        for step, value in expected.items():
-            assert got[int(step)] == pytest.approx(value, rel=1e-6, abs=1e-9), (key, step)
+    assert data["overrides"] == list(SHORT)
+    traces = data["traces"]
+    assert traces and all(set(t["metrics"]) == set(TRACE_KEYS) for t in traces)
+    assert all(math.isfinite(v) for series in got.values() for v in series.values()), got
+    same = [t for t in traces if t["fingerprint"] == fingerprint]
+    if same:
+        for key, expected in same[0]["metrics"].items():
+            assert {str(s): v for s, v in got[key].items()} == expected, key
+        return
+    warnings.warn(f"no stored trace for this machine ({fingerprint}): checked learning within bounds only; "
+                  "store one with DAPO_MCORE_WRITE_TRACE=1", stacklevel=1)
+    summary = _trace_summary(got)
+    reference = _trace_summary({k: {int(s): v for s, v in traces[0]["metrics"][k].items()} for k in TRACE_KEYS})
+    for name, (lo, hi) in LEARNING_BOUNDS.items():
+        assert lo <= summary[name] <= hi, (name, summary, reference)
+    for name, tol in NEAR_REFERENCE.items():
+        assert abs(summary[name] - reference[name]) <= tol, (name, summary, reference)
+    assert max(abs(v) for v in got["train/loss"].values()) < 0.1, got["train/loss"]
+    assert max(got["train/grad_norm"].values()) < 5.0, got["train/grad_norm"]
 
 
-def test_ctrl_c_abandons_the_step_and_keeps_the_last_checkpoint(env, tmp_path):
-    run_dir = tmp_path / "ctrlc"
-    proc = subprocess.Popen(_cmd(run_dir, "train.steps=200", "checkpoint.every=2", "eval.every=0"), env=env, cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    latest = run_dir / "checkpoints" / "latest"
-    deadline = time.time() + 600
-    while time.time() < deadline and not latest.is_file():
+def _wait_for(predicate, proc: subprocess.Popen, what: str, timeout: float = TIMEOUT) -> None:
+    """Poll ``predicate`` until it holds (generous deadline: the machine may be loaded); fail if the run ended."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before {what}: {proc.stderr.read()[-3000:]}"
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
         time.sleep(0.05)
+
+
+def _logged_steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def test_ctrl_c_finishes_the_step_checkpoints_and_exits_130(env, tmp_path):
+    run_dir = tmp_path / "ctrlc"
+    # checkpoint.every=0: the only checkpoint before the end is the one Ctrl-C asks for.
+    proc = subprocess.Popen(_cmd(run_dir, "train.steps=200", "checkpoint.every=0", "eval.every=0"), env=env, cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _wait_for(lambda: 1 in _logged_steps(run_dir), proc, "step 1")
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=300)
+    _, err = proc.communicate(timeout=TIMEOUT)
     assert proc.returncode == 130, err[-3000:]
-    assert "last good checkpoint is kept" in err
+    assert "SIGINT received: will checkpoint after this step" in err
     from dapo_mcore.actor.checkpoint import find_latest
 
-    assert find_latest(run_dir / "checkpoints") is not None
+    latest = find_latest(run_dir / "checkpoints")
+    last = _logged_steps(run_dir)[-1]
+    assert latest is not None and latest.name == f"step_{last:06d}", "the checkpoint holds the last logged step"
+    assert 1 <= last < 200, last
+    # Usually the step in flight is finished; a Ctrl-C during a dynamic-sampling refill abandons it instead.
+    assert (f"checkpointed at step {last} after SIGINT; exiting 130" in err
+            or f"step abandoned, checkpointed at step {last}; exiting 130" in err), err[-3000:]
+    assert not list((run_dir / "checkpoints").glob("*.partial"))
+
+
+def test_second_ctrl_c_abandons_the_step_at_once(env, tmp_path):
+    run_dir = tmp_path / "ctrlc2"
+    # One generation batch of 512 prompts makes every step long (>= seconds): the second Ctrl-C lands inside one.
+    proc = subprocess.Popen(_cmd(run_dir, "train.steps=200", "checkpoint.every=1", "eval.every=0",
+                                 "eval.at_start=false", "rollout.gen_batch_prompts=512"),
+                            env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _wait_for(lambda: (run_dir / "checkpoints" / "latest").is_file(), proc, "the first checkpoint")
+    proc.send_signal(signal.SIGINT)
+    # The second Ctrl-C only after the first was seen (two signals before the handler runs count once).
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if "SIGINT received" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=TIMEOUT)
+    err = "".join(seen) + err
+    assert proc.returncode == 130, err[-3000:]
+    assert "the step was abandoned; the last good checkpoint is kept" in err, err[-3000:]
+    from dapo_mcore.actor.checkpoint import find_latest
+
+    latest = find_latest(run_dir / "checkpoints")
+    assert latest is not None and latest.name == f"step_{_logged_steps(run_dir)[-1]:06d}", "no half step was saved"
     assert not list((run_dir / "checkpoints").glob("*.partial"))
 
 
 def test_bad_dataset_path_fails_before_anything_is_written(env, tmp_path):
     run_dir = tmp_path / "bad"
-    proc = _run(_cmd(run_dir, "data.train=/nonexistent/train.parquet"), env, timeout=300)
+    proc = _run(_cmd(run_dir, "data.train=/nonexistent/train.parquet"), env)
     assert proc.returncode == 2
     assert "/nonexistent/train.parquet" in proc.stderr
     assert not run_dir.exists()
 
 
 def test_run_dir_of_another_run_is_refused(env, straight_run):
-    proc = _run(_cmd(straight_run, *SHORT, "algo.clip_high=0.2"), env, timeout=300)
+    proc = _run(_cmd(straight_run, *SHORT, "algo.clip_high=0.2"), env)
     assert proc.returncode == 2
     assert "holds another run" in proc.stderr and "algo" in proc.stderr
 
@@ -237,14 +349,14 @@ def test_signal_during_dynamic_sampling_refill_resumes_the_same_trajectory(env, 
     proc = subprocess.Popen(_cmd(run_dir, *many), env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     metrics = run_dir / "metrics.jsonl"
-    deadline = time.time() + 600
+    deadline = time.time() + TIMEOUT
     while time.time() < deadline and proc.poll() is None:
         if metrics.is_file() and sum(1 for _ in metrics.open()) >= 2:  # base eval + step 1
             time.sleep(0.05)
             proc.send_signal(signal.SIGTERM)
             break
         time.sleep(0.02)
-    _, err = proc.communicate(timeout=600)
+    _, err = proc.communicate(timeout=TIMEOUT)
     assert proc.returncode == 75, err[-3000:]
     resumed = _run(_cmd(run_dir, *many), env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -135,13 +135,15 @@ import json, sys, time
 from dapo_mcore.telemetry.rollout_store import RolloutReader
 path, last = sys.argv[1], int(sys.argv[2])
 print("ready", flush=True)
-checked, snapshots, deadline = set(), set(), time.time() + 60
+checked, snapshots, deadline = set(), set(), time.time() + 600  # generous: a loaded machine
 while time.time() < deadline:
     try:
         reader = RolloutReader(path)
     except FileNotFoundError:
         continue
     steps = reader.steps()
+    if len(steps) not in snapshots:
+        print(f"seen {len(steps)}", flush=True)
     snapshots.add(len(steps))
     for step in steps:
         if step not in checked:
@@ -152,6 +154,15 @@ while time.time() < deadline:
     time.sleep(0.005)
 print(json.dumps({"checked": sorted(checked), "snapshots": len(snapshots)}), flush=True)
 '''
+
+
+def _wait_seen(proc: subprocess.Popen, n: int) -> None:
+    """Block until the reader reports a snapshot of at least ``n`` committed steps."""
+    while True:
+        line = proc.stdout.readline()
+        assert line, f"the reader ended early: {proc.stderr.read()[-2000:]}"
+        if line.startswith("seen ") and int(line.split()[1]) >= n:
+            return
 
 
 def test_reader_in_another_process_sees_only_complete_steps(tmp_path):
@@ -167,7 +178,9 @@ def test_reader_in_another_process_sees_only_complete_steps(tmp_path):
         for step in range(n_steps):
             store.append_step(step, expected(step))
             time.sleep(0.01)
-        out, err = proc.communicate(timeout=90)
+            if step in (9, 19):  # let the reader catch up mid-run, however loaded the machine is
+                _wait_seen(proc, step + 1)
+        out, err = proc.communicate(timeout=900)
     finally:
         proc.kill()
     assert proc.returncode == 0, err

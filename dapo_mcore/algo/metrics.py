@@ -6,6 +6,8 @@ ready for the metrics logger.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import torch
 from torch import Tensor
 
@@ -58,3 +60,25 @@ def usable_group_fraction(acc: Tensor) -> float:
     if acc.shape[0] == 0:
         return 0.0
     return usable_groups(acc).to(torch.float64).mean().item()
+
+
+SKIPPED = "skipped"
+"""Key an update reports (alone) when it was skipped: its mini-batch had no trainable token."""
+
+
+def average_updates(per_update: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """A step's metrics from its mini-batch updates: each key averaged over the updates that report it.
+
+    A skipped update (``{"skipped": 1.0}``: every token of its mini-batch masked, e.g. all responses truncated
+    under the overlong filter) trained nothing, so it must not count as a zero loss, clip fraction or entropy:
+    it is left out of every average and counted in ``skipped_updates``; ``updates`` counts the others. A step
+    whose updates were all skipped reports only the two counts.
+    """
+    done = [u for u in per_update if not u.get(SKIPPED)]
+    out: dict[str, float] = {}
+    for key in sorted({k for u in done for k in u}):
+        values = [u[key] for u in done if key in u]
+        out[key] = sum(values) / len(values)
+    out["updates"] = float(len(done))
+    out["skipped_updates"] = float(len(per_update) - len(done))
+    return out

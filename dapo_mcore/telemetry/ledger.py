@@ -6,7 +6,7 @@ rejected), tokens generated (split kept / rejected), tokens trained, seconds per
 device-seconds (devices x step wall seconds). ``as_metrics()`` gives ``cost/step/*`` and
 ``cost/total/*`` keys; each step is also one line of ``run_dir/ledger.jsonl``. ``state_dict()`` goes
 into the checkpoint; ``load_state_dict()`` restores the totals exactly and drops the ledger lines
-of steps after the checkpoint.
+of steps after the checkpoint at once.
 """
 
 from __future__ import annotations
@@ -124,8 +124,15 @@ class CostLedger:
         if not self.enabled or self.run_dir is None:
             return
         if self._log is None:
-            self._log = StepLogFile(self.run_dir / LEDGER_FILE, resume_step=self._resume_step)
+            self._open_log()
+        assert self._log is not None
         self._log.write(record)
+
+    def _open_log(self) -> None:
+        """Open ``ledger.jsonl``, dropping the lines at or after the resume step (once: a reopen appends)."""
+        assert self.run_dir is not None
+        self._log = StepLogFile(self.run_dir / LEDGER_FILE, resume_step=self._resume_step)
+        self._resume_step = None
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue the totals exactly (JSON-serializable)."""
@@ -137,10 +144,10 @@ class CostLedger:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the totals; ledger lines after ``state['last_step']`` are dropped on the next write."""
+        """Restore the totals; ledger lines after ``state["last_step"]`` are dropped from the file at once."""
         if state["version"] != _STATE_VERSION:
             raise ValueError(f"ledger state version {state['version']} is not {_STATE_VERSION}; cannot resume it")
-        if self._log is not None:
+        if self.step_counts:
             raise ValueError("load_state_dict() after record_step(); restore the ledger before the first step")
         missing = set(keys.COST_COUNTERS) - set(state["total_counts"])
         if missing:
@@ -151,7 +158,13 @@ class CostLedger:
         self.step_counts, self.step_seconds = {}, {}
         # Nothing survives from a checkpoint taken before the first step.
         self._resume_step = -(2**62) if self.last_step is None else self.last_step + 1
+        if self.enabled and self.run_dir is not None:
+            # Cut the file now, like metrics.jsonl and the rollout store, not at the next step's write: a run that
+            # stops again before that write must not leave ledger lines of steps the checkpoint never saw.
+            self.close()
+            self._open_log()
 
     def close(self) -> None:
         if self._log is not None:
             self._log.close()
+            self._log = None

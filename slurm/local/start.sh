@@ -76,14 +76,15 @@ export SLURM_CONF="$state_dir/slurm.conf"
 slurmctld -f "$SLURM_CONF"
 slurmd -f "$SLURM_CONF"
 
-# Wait until the node is idle (the controller and slurmd have registered with each other).
-for _ in $(seq 1 60); do
+# Wait until the node is idle (the controller and slurmd have registered with each other); seconds when the
+# machine is idle, much longer at a load average of ~10 on 2 cores.
+for _ in $(seq 1 240); do
     if sinfo -h -o '%t' 2>/dev/null | grep -qx 'idle'; then
         echo "local slurm up: SLURM_CONF=$SLURM_CONF"
         exit 0
     fi
     sleep 0.5
 done
-echo "start.sh: node did not become idle in 30 s; see $state_dir/log/" >&2
+echo "start.sh: node did not become idle in 120 s; see $state_dir/log/" >&2
 sinfo >&2 || true
 exit 1

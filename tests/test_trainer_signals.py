@@ -1,0 +1,38 @@
+"""The trainer's stop-signal handling, without a run: which signal asks for what, and the exit code it leads to."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from dapo_mcore.trainer import EXIT_INTERRUPTED, EXIT_REQUEUE, _Signals
+
+pytestmark = pytest.mark.unit
+
+
+def test_first_ctrl_c_asks_for_a_checkpoint_and_130_the_second_abandons_at_once():
+    before = signal.getsignal(signal.SIGINT)
+    signals = _Signals()
+    try:
+        signals._handle(signal.SIGINT, None)
+        assert signals.requested == "SIGINT" and signals.exit_code == EXIT_INTERRUPTED == 130
+        with pytest.raises(KeyboardInterrupt):
+            signals._handle(signal.SIGINT, None)
+    finally:
+        signals.restore()
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_preemption_signals_ask_for_a_requeue_and_a_later_ctrl_c_keeps_that_exit():
+    signals = _Signals()
+    try:
+        signals._handle(signal.SIGUSR1, None)
+        assert signals.requested == "SIGUSR1" and signals.exit_code == EXIT_REQUEUE == 75
+        signals._handle(signal.SIGINT, None)  # a first Ctrl-C: the stop is already asked for
+        signals._handle(signal.SIGTERM, None)
+        assert signals.exit_code == EXIT_REQUEUE
+        with pytest.raises(KeyboardInterrupt):  # the second Ctrl-C still abandons the step
+            signals._handle(signal.SIGINT, None)
+    finally:
+        signals.restore()
