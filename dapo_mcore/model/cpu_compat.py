@@ -11,7 +11,16 @@ module redirects at the torch level instead:
 * the public ``torch.cuda`` RNG functions act on one private CPU generator that stands in for "the GPU's"
   generator, so Megatron's RNG tracker forks and restores real states without touching the global CPU RNG;
 * ``torch.cuda.current_device`` answers device index 0 (which the mode maps to the CPU), ``synchronize``
-  and ``empty_cache`` become no-ops, and ``current_stream``/``Stream``/``Event`` get inert CPU stand-ins.
+  and ``empty_cache`` become no-ops, and ``current_stream``/``Stream``/``Event`` get inert CPU stand-ins;
+* ``torch.cuda.is_initialized()`` answers True, because Megatron's RNG tracker sets states through
+  ``torch.cuda._lazy_call``, which only runs its callback at once when CUDA counts as initialised.
+
+The redirect is narrow on purpose: it serves CUDA *tensor* requests on the CPU but does not pretend to answer
+CUDA *device queries*. ``torch.cuda._lazy_init`` (behind ``get_device_properties``, ``get_device_capability``,
+``init`` and the other queries) still raises "Torch not compiled with CUDA enabled", as an error that is both an
+AssertionError (what torch raises without CUDA) and a RuntimeError (what torch raises without a driver), so the
+probes of torch's compilers (inductor's cache key, vLLM's compiled sampler ops) take their no-GPU branch instead of
+failing with ``NameError: _get_device_properties`` (which is what ``is_initialized() == True`` alone led to).
 
 It is applied explicitly by entry points and tests (never on import), and does nothing when CUDA is present.
 ``apply()`` is idempotent; ``is_active()`` says whether the redirect is on.
@@ -89,6 +98,15 @@ def _fake_manual_seed(seed: int) -> None:
     _fake_generator.manual_seed(int(seed))
 
 
+class CudaUnavailableError(AssertionError, RuntimeError):
+    """Raised by CUDA device queries under the redirect: the types torch itself raises without CUDA."""
+
+
+def _refuse_cuda_init() -> None:
+    raise CudaUnavailableError("Torch not compiled with CUDA enabled (dapo_mcore's CPU compatibility layer serves "
+                               "CUDA tensor requests on the CPU, not CUDA device queries)")
+
+
 class _InertStream:
     """A CUDA stream stand-in: every CPU op is already ordered."""
 
@@ -136,6 +154,7 @@ def _patches() -> dict[str, Any]:
         "synchronize": lambda device=None: None,
         "empty_cache": lambda: None,
         "is_initialized": lambda: True,
+        "_lazy_init": _refuse_cuda_init,
         "default_generators": (_fake_generator,),
         "get_rng_state": _fake_get_rng_state,
         "set_rng_state": _fake_set_rng_state,

@@ -1,0 +1,65 @@
+"""The CPU compatibility layer serves CUDA tensor requests on the CPU without lying to CUDA device queries.
+
+It is process-global and permanent once applied, so each check runs in a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_compiled_function_and_cuda_probes_under_the_redirect(tmp_path):
+    """torch.compile's inductor probes ``torch.cuda.get_device_properties`` for its cache key and expects the
+    AssertionError/RuntimeError of a machine without CUDA (is_initialized() == True alone made it a NameError)."""
+    proc = _python(f"""
+        import os
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = {str(tmp_path / "inductor")!r}
+        import torch
+        from dapo_mcore.model import cpu_compat
+        if torch.cuda.is_available():
+            print("SKIP cuda present"); raise SystemExit(0)
+        assert cpu_compat.apply()
+
+        @torch.compile(backend="inductor", dynamic=False)
+        def f(x):
+            return torch.softmax(x * 2, -1).sum(-1) + (x > 0.5).sum(-1)
+
+        x = torch.rand(4, 8)
+        assert torch.allclose(f(x), torch.softmax(x * 2, -1).sum(-1) + (x > 0.5).sum(-1))
+        for probe in (torch.cuda.get_device_properties, torch.cuda.get_device_capability, torch.cuda.init):
+            for kind in (RuntimeError, AssertionError):
+                try:
+                    probe() if probe is torch.cuda.init else probe(0)
+                except kind as exc:
+                    assert "not compiled with CUDA" in str(exc)
+                else:
+                    raise SystemExit(f"{{probe.__name__}} did not raise {{kind.__name__}}")
+        # What the redirect is for still works: CUDA tensors on the CPU, Megatron's CUDA RNG tracker states.
+        from megatron.core.tensor_parallel.random import _set_cuda_rng_state
+        assert torch.ones(2, device="cuda").device.type == "cpu"
+        torch.cuda.manual_seed(3)
+        state = torch.cuda.get_rng_state()
+        a = torch.rand(3, device="cuda", generator=torch.cuda.default_generators[0])
+        _set_cuda_rng_state(state)  # runs at once through torch.cuda._lazy_call (is_initialized() is True)
+        b = torch.rand(3, device="cuda", generator=torch.cuda.default_generators[0])
+        assert torch.equal(a, b)
+        print("OK")
+    """)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.strip().splitlines()[-1] in ("OK", "SKIP cuda present"), proc.stdout
