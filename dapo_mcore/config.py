@@ -69,8 +69,9 @@ class ModelConfig:
     tokenizer_path: str | None = None
     """Tokenizer directory if it is not `hf_path`."""
 
-    def hf_config(self) -> dict[str, Any]:
-        """The Hugging Face config.json dict of the model (from `hf_path`, or the preset)."""
+    def hf_config(self, tiny_preset: str = "tiny") -> dict[str, Any]:
+        """The Hugging Face config.json dict of the model (from `hf_path`, the preset, or the tiny base's preset
+        ``tiny_preset``, which is ``tiny_base.preset`` of the run)."""
         if self.hf_path:
             path = Path(self.hf_path) / "config.json"
             if not path.is_file():
@@ -81,7 +82,7 @@ class ModelConfig:
         if self.preset:
             return preset_config(self.preset)
         if self.tiny_base:
-            return preset_config("tiny")
+            return preset_config(tiny_preset)
         raise ConfigError("no model given: set model.hf_path, model.preset or model.tiny_base=true.")
 
     def validate(self) -> None:
@@ -326,7 +327,7 @@ def _at_least(*checks: tuple[str, float, float]) -> None:
 
 
 def _validate_layout(cfg: Config, world_size: int) -> None:
-    hf = cfg.model.hf_config()
+    hf = cfg.model.hf_config(cfg.tiny_base.preset)
     heads, kv = hf["num_attention_heads"], hf.get("num_key_value_heads", hf["num_attention_heads"])
     layers = hf["num_hidden_layers"]
     p = cfg.parallel

@@ -34,7 +34,7 @@ def plan_input_from_config(cfg: Any, world_size: int, **planner_settings: Any) -
     p = cfg.parallel
     precision = "fp8" if cfg.model.fp8.enabled else ("bf16" if cfg.model.params_dtype == "bfloat16" else "fp32")
     derived = dict(
-        model=cfg.model.hf_config(), tensor_parallel=p.tensor_parallel, pipeline_parallel=p.pipeline_parallel,
+        model=cfg.model.hf_config(cfg.tiny_base.preset), tensor_parallel=p.tensor_parallel, pipeline_parallel=p.pipeline_parallel,
         data_parallel=world_size // (p.tensor_parallel * p.pipeline_parallel), virtual_pipeline=p.virtual_pipeline or 1,
         micro_batch_tokens=cfg.train.micro_batch_tokens, recompute=cfg.model.recompute, precision=precision,
         distributed_optimizer=p.distributed_optimizer, colocate_vllm=cfg.rollout.engine == "vllm",

@@ -18,8 +18,21 @@ FAST = bm.TinyBaseSettings(steps=6, batch_size=8)
 def test_cache_key_depends_on_every_setting():
     keys = {FAST.cache_key(), bm.TinyBaseSettings(steps=7, batch_size=8).cache_key(),
             bm.TinyBaseSettings(steps=6, batch_size=8, correct_weight=0.3).cache_key(),
-            bm.TinyBaseSettings(steps=6, batch_size=8, task="min4").cache_key()}
-    assert len(keys) == 4
+            bm.TinyBaseSettings(steps=6, batch_size=8, task="min4").cache_key(),
+            bm.TinyBaseSettings(steps=6, batch_size=8, preset="tiny-hd32").cache_key()}
+    assert len(keys) == 5
+    # The preset field came later: the default shape keeps its key (existing caches and traces stay valid).
+    assert bm.TinyBaseSettings().cache_key() == "1941c59719fe"
+
+
+def test_tiny_hd32_preset_has_head_dim_32():
+    model = bm.build_tiny_model(seed=0, preset="tiny-hd32")
+    c, default = model.config, bm.build_tiny_model(seed=0).config
+    assert c.hidden_size // c.num_attention_heads == 32 and c.num_key_value_heads == 2
+    assert c.vocab_size == default.vocab_size
+    n_default = sum(p.numel() for p in bm.build_tiny_model(seed=0).parameters())
+    # K and V grow from 2x16 to 2x32 output features (weights and biases) in each of the 2 layers
+    assert sum(p.numel() for p in model.parameters()) == n_default + 2 * 2 * (32 * 64 + 32)
 
 
 def test_ensure_base_model_builds_then_hits_the_cache(tmp_path, monkeypatch):
@@ -44,6 +57,8 @@ def test_settings_validate():
         bm.TinyBaseSettings(correct_weight=1.0).validate()
     with pytest.raises(ValueError, match="unknown task"):
         bm.TinyBaseSettings(task="nope").validate()
+    with pytest.raises(ValueError, match="tiny-hd32"):
+        bm.TinyBaseSettings(preset="qwen2.5-7b").validate()
 
 
 def test_encode_examples_masks_all_but_the_response():

@@ -1,6 +1,6 @@
 """Build, pre-train and cache the tiny base model of the embedded CPU default.
 
-The model is a Hugging Face ``Qwen2ForCausalLM`` of the ``tiny`` preset. Its "pre-training" corpus is
+The model is a Hugging Face ``Qwen2ForCausalLM`` of the ``tiny`` preset (or ``tiny-hd32``, see ``preset``). Its "pre-training" corpus is
 drawn from a synthetic task (``data/tasks.py``) as a mixture of rules: for each sampled training
 prompt the target answer comes from the correct rule with probability ``correct_weight`` and from one
 of the task's distractor rules otherwise. A corpus with one fixed answer per prompt gets memorised
@@ -38,10 +38,10 @@ logger = logging.getLogger(__name__)
 _DONE_MARKER = "DONE"
 
 
-def build_tiny_model(seed: int) -> Qwen2ForCausalLM:
-    """A randomly initialised float32 ``Qwen2ForCausalLM`` of the ``tiny`` preset (pad id 0)."""
+def build_tiny_model(seed: int, preset: str = "tiny") -> Qwen2ForCausalLM:
+    """A randomly initialised float32 ``Qwen2ForCausalLM`` of a tiny preset (pad id 0)."""
     torch.manual_seed(seed)
-    config = Qwen2Config(**preset_config("tiny", pad_token_id=0, dtype="float32"))
+    config = Qwen2Config(**preset_config(preset, pad_token_id=0, dtype="float32"))
     return Qwen2ForCausalLM(config)
 
 
@@ -155,7 +155,7 @@ def ensure_base_model(cache_dir: Path, settings: TinyBaseSettings) -> Path:
     tmp = cache_dir / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     tokenizer = build_tiny_tokenizer()
-    model = build_tiny_model(settings.seed)
+    model = build_tiny_model(settings.seed, settings.preset)
     (tmp / "settings.json").write_text(json.dumps(dataclasses.asdict(settings), indent=2) + "\n")
     # One thread: the cached weights (and so every fixed-seed trace built on them) must not depend on the
     # caller's thread count, which changes the reduction order of the matmuls.

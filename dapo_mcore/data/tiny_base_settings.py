@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from dapo_mcore.data.tasks import get_task
 
 _CACHE_FORMAT_VERSION = 1
+TINY_PRESETS = ("tiny", "tiny-hd32")
+"""Presets a tiny base can take (dapo_mcore.model.presets): the tiny vocabulary, shapes that pre-train in seconds."""
 
 
 @dataclass(frozen=True)
@@ -38,9 +40,14 @@ class TinyBaseSettings:
     """AdamW weight decay."""
     seed: int = 0
     """Seed of the initial weights and of the corpus draws."""
+    preset: str = "tiny"
+    """Model shape (dapo_mcore.model.presets): "tiny", or "tiny-hd32" (head_dim 32, which vLLM's CPU kernels need)."""
 
     def validate(self) -> None:
         get_task(self.task)
+        if self.preset not in TINY_PRESETS:
+            raise ValueError(f"preset={self.preset!r}: the tiny base uses the tiny vocabulary; choose one of "
+                             f"{', '.join(TINY_PRESETS)}")
         if not 0.0 < self.correct_weight < 1.0:
             raise ValueError(f"correct_weight={self.correct_weight} must lie in (0, 1), e.g. 0.25, "
                              "so that the base model is uncertain")
@@ -53,5 +60,8 @@ class TinyBaseSettings:
         """A short hash of the settings, the vocabulary and the cache format."""
         from dapo_mcore.data.tokenizer import TINY_VOCAB  # imports transformers: only when a base is built
 
-        payload = json.dumps([dataclasses.asdict(self), list(TINY_VOCAB), _CACHE_FORMAT_VERSION], sort_keys=True)
+        fields = dataclasses.asdict(self)
+        if fields["preset"] == "tiny":
+            del fields["preset"]  # the default shape keeps the key it had before the field existed
+        payload = json.dumps([fields, list(TINY_VOCAB), _CACHE_FORMAT_VERSION], sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:12]

@@ -30,6 +30,12 @@ _SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=32, rms_norm_eps=1e-6, tie_word_embeddings=True,
                  max_position_embeddings=128, rope_theta=10000.0, bos_token_id=1, eos_token_id=2),
+    # The tiny shape with head_dim 32 (2 heads of 32 instead of 4 of 16), the smallest head size vLLM's CPU
+    # attention kernels accept (head_dim 16 is refused at the first generate). Two KV heads, so actor TP=2 splits
+    # them; the price is no GQA (heads == KV heads), and K/V are twice as wide (~8k parameters more than "tiny").
+    "tiny-hd32": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=2, vocab_size=32, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                      max_position_embeddings=128, rope_theta=10000.0, bos_token_id=1, eos_token_id=2),
     "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                          num_key_value_heads=2, vocab_size=151936, rms_norm_eps=1e-6, tie_word_embeddings=True),
     "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
