@@ -1,0 +1,171 @@
+"""Real vLLM (CPU build) checks of VLLMEngine, one engine per process; run by tests/test_rollout_vllm_cpu.py.
+
+    python engine_checks.py OUT_DIR --tied 1 --logprobs processed            # one process, no torchrun
+    torchrun --nproc_per_node 2 engine_checks.py OUT_DIR --tp 2              # TP=2
+    torchrun --nproc_per_node 2 engine_checks.py OUT_DIR --tp 1              # DP=2 (each rank its own prompts)
+
+The engine is built the way a run builds it (``runtime.check_hardware`` + ``runtime._build_engine`` from
+examples/tiny_cpu_vllm.yaml) except in raw log-prob mode, which the trainer never asks for. Two Hugging Face models
+A and B (same shape, different weights) are the references: after each sync the engine must match the model it was
+given (greedy tokens exactly, log-probs within TOL of a plain forward), and a sync back to A must reproduce the
+first outputs bit for bit. Every check is an assert here; the numbers go to OUT_DIR/rank{r}.json for the test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from dapo_mcore.config import load_config  # noqa: E402
+from dapo_mcore.data.tokenizer import build_tiny_tokenizer  # noqa: E402
+from dapo_mcore.model.presets import preset_config  # noqa: E402
+from dapo_mcore.rollout import SamplingParams, VLLMEngine, VLLMEngineOptions  # noqa: E402
+from dapo_mcore.runtime import _build_engine, check_hardware  # noqa: E402
+
+TOL = 1e-4
+EOS = 2
+MAX_NEW = 6
+PROMPTS = [[1, 7, 9, 12], [1, 3], [1, 4, 4, 8, 9, 10, 11], [1, 5, 6], [1, 20, 21, 22, 23], [1, 8]]
+
+
+def make_models(tied: bool) -> tuple[dict, list[Qwen2ForCausalLM]]:
+    cfg = preset_config("tiny-hd32", tie_word_embeddings=tied, pad_token_id=0)
+    models = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        m = Qwen2ForCausalLM(Qwen2Config(**cfg)).float().eval()
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+            m.get_output_embeddings().weight[EOS] += 0.4  # EOS now and then, so both finish reasons occur
+        models.append(m)
+    return cfg, models
+
+
+def ref_logprobs(model, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0].float()
+    lp = torch.log_softmax(logits / temperature, -1)[len(prompt) - 1:-1]
+    return lp.gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+
+
+def max_err(model, prompts, groups, temperature: float) -> float:
+    err = 0.0
+    for prompt, group in zip(prompts, groups, strict=True):
+        for r in group:
+            diff = torch.tensor(r.logprobs) - ref_logprobs(model, prompt, r.token_ids, temperature)
+            err = max(err, diff.abs().max().item())
+    return err
+
+
+def hf_greedy(model, prompt: list[int]) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=EOS,
+                         pad_token_id=0)[0, len(prompt):].tolist()
+    return out
+
+
+def as_lists(groups) -> list:
+    return [[(r.token_ids, r.logprobs, r.finish_reason) for r in g] for g in groups]
+
+
+def finish_counts(groups) -> dict[str, int]:
+    counts = {"stop": 0, "length": 0}
+    for g in groups:
+        for r in g:
+            counts[r.finish_reason] += 1
+            if r.finish_reason == "stop":
+                assert r.token_ids[-1] == EOS and EOS not in r.token_ids[:-1], r.token_ids
+            else:
+                assert len(r.token_ids) == MAX_NEW and EOS not in r.token_ids, r.token_ids
+    return counts
+
+
+def build(args, model_dir: Path, cfg: dict, world: int) -> VLLMEngine:
+    if args.logprobs == "raw":
+        options = VLLMEngineOptions(model_path=str(model_dir), tensor_parallel=args.tp, dtype="float32",
+                                    enforce_eager=True, logprobs="raw", max_model_len=64, max_prompt_len=32, seed=1)
+        return VLLMEngine(options, cfg)
+    run = load_config(str(ROOT / "examples" / "tiny_cpu_vllm.yaml"), [f"rollout.vllm.tensor_parallel={args.tp}"])
+    run.validate(world)
+    check_hardware(run)  # refused rollout.engine=vllm on CPU before vLLM's CPU build was supported
+    return _build_engine(run, model_dir, cfg, build_tiny_tokenizer())
+
+
+def sync(engine: VLLMEngine, model, bucket: int) -> None:
+    sd = model.state_dict()
+    items = [(k, v) for k, v in sd.items() if not (model.config.tie_word_embeddings and k == "lm_head.weight")]
+    engine.sleep()
+    engine.update_weights([items[i:i + bucket] for i in range(0, len(items), bucket)])
+    engine.wake()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--tied", type=int, default=1)
+    ap.add_argument("--logprobs", choices=("processed", "raw"), default="processed")
+    ap.add_argument("--tp", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        dist.init_process_group("gloo")  # the trainer's order: its gloo world exists before vLLM joins it
+    rank = int(os.environ.get("RANK", "0"))
+    cfg, (model_a, model_b) = make_models(bool(args.tied))
+    model_dir = args.out / "model_a"
+    if rank == 0:
+        model_a.save_pretrained(model_dir)
+        build_tiny_tokenizer().save_pretrained(model_dir)
+    if world > 1:
+        dist.barrier()
+    engine = build(args, model_dir, cfg, world)
+    dp = world // args.tp
+    prompts = PROMPTS[rank // args.tp::dp]  # DP: each engine group its own prompts; TP: the group shares them
+    temp = 0.7
+    lp_temp = temp if args.logprobs == "processed" else 1.0
+    sampled = SamplingParams(n=8, temperature=temp, max_new_tokens=MAX_NEW, seed=11, logprobs=args.logprobs)
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=MAX_NEW, logprobs=args.logprobs)
+
+    first = engine.generate(prompts, sampled)
+    again = engine.generate(prompts, sampled)
+    other_seed = engine.generate(prompts, dataclasses.replace(sampled, seed=12))
+    assert as_lists(first) == as_lists(again), "same seed, different samples"
+    assert as_lists(first) != as_lists(other_seed), "another seed gave the same samples"
+    res = {"rank": rank, "world": world, "tp": args.tp, "prompts": prompts, "lp_err_a": max_err(model_a, prompts, first, lp_temp)}
+    res["finish"] = finish_counts(first + other_seed)
+    greedy_a = engine.generate(prompts, greedy)
+    assert [g[0].token_ids for g in greedy_a] == [hf_greedy(model_a, p) for p in prompts], "greedy != HF generate (A)"
+    res["greedy_err_a"] = max_err(model_a, prompts, greedy_a, 1.0)
+
+    sync(engine, model_b, bucket=5)
+    greedy_b = engine.generate(prompts, greedy)
+    assert [g[0].token_ids for g in greedy_b] == [hf_greedy(model_b, p) for p in prompts], "greedy != HF generate (B)"
+    res["greedy_changed"] = [g[0].token_ids for g in greedy_b] != [g[0].token_ids for g in greedy_a]
+    res["lp_err_b"] = max_err(model_b, prompts, engine.generate(prompts, sampled), lp_temp)
+
+    sync(engine, model_a, bucket=7)
+    back = engine.generate(prompts, sampled)
+    res["restored_bitwise"] = as_lists(back) == as_lists(first)
+    res["outputs"] = as_lists(first)
+    for key in ("lp_err_a", "greedy_err_a", "lp_err_b"):
+        assert res[key] < TOL, (key, res[key])
+    assert res["greedy_changed"] and res["restored_bitwise"], res
+    assert res["finish"]["stop"] > 0 and res["finish"]["length"] > 0, res["finish"]
+    (args.out / f"rank{rank}.json").write_text(json.dumps(res))
+    engine.close()
+    print(f"rank {rank}: ok {json.dumps({k: v for k, v in res.items() if k != 'outputs'})}")
+
+
+if __name__ == "__main__":
+    main()
