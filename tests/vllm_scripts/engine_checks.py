@@ -2,7 +2,8 @@
 
     python engine_checks.py OUT_DIR --tied 1 --logprobs processed            # one process, no torchrun
     torchrun --nproc_per_node 2 engine_checks.py OUT_DIR --tp 2              # TP=2
-    torchrun --nproc_per_node 2 engine_checks.py OUT_DIR --tp 1              # DP=2 (each rank its own prompts)
+    torchrun --nproc_per_node 2 engine_checks.py OUT_DIR --tp 1              # DP=2 (each rank its own prompts,
+                                                                              # then one group with no prompt)
 
 The engine is built the way a run builds it (``runtime.check_hardware`` + ``runtime._build_engine`` from
 examples/tiny_cpu_vllm.yaml) except in raw log-prob mode, which the trainer never asks for. Two Hugging Face models
@@ -158,6 +159,13 @@ def main() -> None:
     back = engine.generate(prompts, sampled)
     res["restored_bitwise"] = as_lists(back) == as_lists(first)
     res["outputs"] = as_lists(first)
+    if dp > 1:
+        # Fewer prompts than engine groups: vLLM's DP groups step in lockstep (an all-reduce per engine step), so a
+        # group without prompts must still call generate (with none) while the others work, or they hang.
+        mine = PROMPTS[:1] if rank // args.tp == 0 else []
+        solo = engine.generate(mine, sampled)
+        res["empty_group_ok"] = len(solo) == len(mine) and all(len(g) == sampled.n for g in solo)
+        assert res["empty_group_ok"], solo
     for key in ("lp_err_a", "greedy_err_a", "lp_err_b"):
         assert res[key] < TOL, (key, res[key])
     assert res["greedy_changed"] and res["restored_bitwise"], res
