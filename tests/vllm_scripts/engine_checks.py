@@ -131,6 +131,7 @@ def main() -> None:
     if world > 1:
         dist.barrier()
     engine = build(args, model_dir, cfg, world)
+    sync(engine, model_a, bucket=9)  # as a run does before its first generation (whatever load_format was)
     dp = world // args.tp
     prompts = PROMPTS[rank // args.tp::dp]  # DP: each engine group its own prompts; TP: the group shares them
     temp = 0.7
