@@ -136,7 +136,9 @@ def test_dapo_run_with_vllm_keeps_the_mismatch_tiny(env, tmp_path):
 
 def test_dapo_run_with_fewer_prompts_than_engine_groups(env, tmp_path):
     """2 ranks, vLLM TP=1 (two engine groups), one prompt per generation batch: engine group 1 gets no prompt.
-    Needs the trainer to keep both groups in step (engine-group deadlock fix in trainer.py); hangs without it."""
+    vLLM's DP groups step together, so the trainer must call the engine on every group (with no prompts if need
+    be). Hangs with a trainer that skips the empty group (main before the engine-group fix in trainer.py: this test
+    then fails on its timeout); passed with that fix merged in (2 min 44 s on the loaded 2-core machine)."""
     rows = _train(env, tmp_path / "run", 2, "train.prompts_per_step=1", "train.mini_batch_prompts=1",
                   "rollout.gen_batch_prompts=1")
     _check_mismatch(rows)
