@@ -17,9 +17,10 @@ its TP), let the trainer free what it can, then wake the KV cache and reset the 
 On a platform without sleep mode (CPU) ``sleep``/``wake_up`` are skipped (logged once); the engine's states
 and checks stay the same, so the trainer has one code path.
 
-Everything except the vLLM calls themselves is plain Python and is tested on CPU with a fake backend:
-option checks, request mapping, output conversion, the weight-name stream and the call order. See
-docs/rollout.md for the API choices and the vLLM version they were read from.
+Everything except the vLLM calls themselves is plain Python and is tested with a fake backend (option checks,
+request mapping, output conversion, the weight-name stream, the call order on both platforms); the real calls run
+in the ``vllm`` test tier on vLLM's CPU build. See docs/rollout.md for the API choices, the vLLM versions they were
+read from and what the CPU tier cannot show.
 """
 
 from __future__ import annotations
