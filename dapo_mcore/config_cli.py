@@ -75,7 +75,7 @@ def describe_layout(cfg: Config, world_size: int) -> list[str]:
     dp = world_size // model_parallel
     engine_tp = r.vllm.tensor_parallel if r.engine == "vllm" else 1
     updates = t.prompts_per_step // t.mini_batch_prompts * t.epochs
-    hf = cfg.model.hf_config() if not cfg.model.hf_path or Path(cfg.model.hf_path, "config.json").is_file() else None
+    hf = cfg.model.hf_config(cfg.tiny_base.preset) if not cfg.model.hf_path or Path(cfg.model.hf_path, "config.json").is_file() else None
     model = ("from model.hf_path (config.json not found here)" if hf is None else
              f"{hf.get('num_hidden_layers')} layers, hidden {hf.get('hidden_size')}, "
              f"{hf.get('num_attention_heads')} heads / {hf.get('num_key_value_heads')} KV heads, "
