@@ -78,16 +78,18 @@ def fake_outputs(inputs: list[dict], sampling: list[dict]) -> list[FakeRequestOu
 class FakeBackend:
     """Records every call the engine makes to vLLM."""
 
-    def __init__(self):
-        self.calls: list[tuple] = []
-        self.loaded: list[str] = []
-
     def generate(self, inputs, sampling):
         self.calls.append(("generate", len(inputs)))
         return fake_outputs(inputs, sampling)
 
+    def __init__(self, sleeps: bool = True):
+        self.calls: list[tuple] = []
+        self.loaded: list[str] = []
+        self.sleeps = sleeps
+
     def sleep(self, level):
         self.calls.append(("sleep", level))
+        return self.sleeps
 
     def wake_up(self, tags):
         self.calls.append(("wake_up", tuple(tags)))
@@ -237,6 +239,20 @@ def test_state_checks_and_failed_syncs():
     assert engine.generate([[1, 2]], SamplingParams(n=1))[0][0].finish_reason == "stop"
     with pytest.raises(EngineError, match="empty=1"):
         engine.generate([[1, 2], []], SamplingParams())
+
+
+def test_sleep_level_2_keeps_the_weights_where_nothing_was_released():
+    """On a platform without sleep mode (vLLM on CPU) sleep releases nothing, so level 2 must not mark the weights
+    discarded: a wake without a sync in between (e.g. the step after an evaluation) is fine there."""
+    backend = FakeBackend(sleeps=False)
+    engine = VLLMEngine(VLLMEngineOptions(model_path="/m", sleep_level=2), TINY, backend=backend, world_size=1)
+    engine.sleep()
+    engine.wake()
+    engine.generate([[1, 2]], SamplingParams())
+    discarding, _ = make_engine(sleep_level=2)
+    discarding.sleep()
+    with pytest.raises(EngineError, match="discarded the weights"):
+        discarding.wake()
 
 
 def test_dummy_load_needs_a_sync_first():

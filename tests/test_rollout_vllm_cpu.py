@@ -131,8 +131,12 @@ def _check_mismatch(rows: list[dict]) -> None:
 
 
 def test_dapo_run_with_vllm_keeps_the_mismatch_tiny(env, tmp_path):
-    """A short DAPO run, rollout.engine=vllm: engine log-probs vs the Megatron actor's on the same tokens."""
-    _check_mismatch(_train(env, tmp_path / "run", 1))
+    """A short DAPO run, rollout.engine=vllm: engine log-probs vs the Megatron actor's on the same tokens. An
+    evaluation after step 1 puts a sleep/wake without a sync between two steps (sleep level 2 on CPU: nothing was
+    discarded, so the next step generates)."""
+    rows = _train(env, tmp_path / "run", 1, "eval.every=1", "rollout.vllm.sleep_level=2")
+    _check_mismatch(rows)
+    assert sum("eval/avg_at_k" in r for r in rows) == 2
 
 
 def test_dapo_run_with_fewer_prompts_than_engine_groups(env, tmp_path):

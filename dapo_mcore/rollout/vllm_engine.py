@@ -275,7 +275,9 @@ class VLLMBackend(Protocol):
     A sync is ``begin_weight_update()``, ``load_weights(bucket)`` per bucket, ``finish_weight_update()``."""
 
     def generate(self, inputs: list[dict], sampling: list[dict]) -> list[Any]: ...
-    def sleep(self, level: int) -> None: ...
+    def sleep(self, level: int) -> bool:
+        """Release memory at ``level``; False where the platform has no sleep mode (nothing was released)."""
+        ...
     def wake_up(self, tags: list[str]) -> None: ...
     def begin_weight_update(self) -> None: ...
     def load_weights(self, weights: list[tuple[str, Tensor]]) -> None: ...
@@ -316,9 +318,11 @@ class _LLMBackend:
             self._told_no_sleep = True
         return True
 
-    def sleep(self, level: int) -> None:
-        if not self._no_sleep_mode():
-            self.llm.sleep(level=level)
+    def sleep(self, level: int) -> bool:
+        if self._no_sleep_mode():
+            return False
+        self.llm.sleep(level=level)
+        return True
 
     def wake_up(self, tags: list[str]) -> None:
         if not self._no_sleep_mode():
@@ -480,10 +484,10 @@ class VLLMEngine:
         """Release GPU memory at options.sleep_level (idempotent)."""
         if self.state in ("asleep", "closed"):
             return
-        self.backend.sleep(self.options.sleep_level)
+        released = self.backend.sleep(self.options.sleep_level)
         self.state = "asleep"
-        if self.options.sleep_level == 2:
-            self.weights_valid = False
+        if self.options.sleep_level == 2 and released:
+            self.weights_valid = False  # discarded (where the platform has no sleep mode they stay valid)
 
     def close(self) -> None:
         """Shut the engine down."""
