@@ -202,6 +202,10 @@ class Trainer:
     def _engine_awake(self) -> Iterator[None]:
         """Colocated phases: the actor's grads and optimizer state leave the GPU (if configured) while the
         engine holds its KV cache; everything returns before training."""
+        if not self.p.engine.weights_valid:
+            # vLLM sleep level 2 discards the weights (e.g. an evaluation's sleep after the step's sync): resync
+            # first. Every rank's engine follows the same states, so all ranks take this collective together.
+            self.sync_weights()
         self.p.actor.offload()
         self.p.engine.wake()
         try:

@@ -51,6 +51,7 @@ class HFEngine:
                  pad_token_id: int | None = None, max_prompt_len: int | None = None,
                  max_batch_rows: int = 512):
         self.model = model.eval()
+        self.weights_valid = True  # the model's weights stay in place across sleep/wake
         self.eos_token_ids = _as_ids(eos_token_ids)
         if not self.eos_token_ids:
             raise EngineError("HFEngine needs at least one EOS token id (eos_token_ids=...).")

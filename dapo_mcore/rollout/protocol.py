@@ -169,6 +169,10 @@ def check_prompts(prompts: Sequence[Sequence[int]], max_prompt_len: int, vocab_s
 class Engine(Protocol):
     """A rollout engine. Implementations: HFEngine (CPU/small models), VLLMEngine (GPU)."""
 
+    weights_valid: bool
+    """False while the engine holds no usable weights (vLLM sleep level 2 discarded them, or it started from dummy
+    weights): a full ``update_weights`` must come before the next ``wake``."""
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Response]]:
         """Sample ``params.n`` responses for each prompt; result[i][j] is sample j of prompt i."""
         ...
