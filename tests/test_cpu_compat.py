@@ -63,3 +63,19 @@ def test_compiled_function_and_cuda_probes_under_the_redirect(tmp_path):
     """)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.strip().splitlines()[-1] in ("OK", "SKIP cuda present"), proc.stdout
+
+
+def test_tensor_factories_keep_their_sizes_and_to_still_redirects():
+    """new_zeros(2, 3) takes sizes positionally (they once were read as CUDA device indices); `to` takes a device."""
+    proc = _python("""
+        import torch
+        from dapo_mcore.model import cpu_compat
+        cpu_compat.apply()
+        t = torch.ones(4)
+        assert t.new_zeros(2, 3).shape == (2, 3) and t.new_ones(1, 5).shape == (1, 5)
+        assert t.new_empty(3, 2).shape == (3, 2) and t.new_full((2,), 7.0).tolist() == [7.0, 7.0]
+        assert t.to("cuda").device.type == "cpu" and t.to(0).device.type == "cpu"
+        assert torch.zeros(2, device="cuda").device.type == "cpu"
+        print("ok")
+    """)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]

@@ -80,8 +80,8 @@ class _CpuRedirectMode(TorchFunctionMode):
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             tensor = args[0]
             return _CUDA_TYPE_NAMES.get(tensor.dtype, tensor.type()) if tensor.device.type == "cpu" else func(*args)
-        if func in (torch.Tensor.to, torch.Tensor.new_empty, torch.Tensor.new_zeros, torch.Tensor.new_ones,
-                    torch.Tensor.new_full, torch.Tensor.new_tensor) and len(args) > 1:
+        if func is torch.Tensor.to and len(args) > 1:
+            # Only `to` takes a device positionally; the positional ints of new_zeros(2, 3) etc. are sizes.
             args = (args[0], *(_redirect(a) if not isinstance(a, torch.Tensor) else a for a in args[1:]))
         return func(*args, **kwargs)
 
