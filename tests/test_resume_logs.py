@@ -3,6 +3,7 @@ TensorBoard, ledger.jsonl, the rollout store) is cut back to the checkpoint's st
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -64,10 +65,18 @@ def _resume(run_dir: Path, state: dict, rollout_store: bool) -> SimpleNamespace:
 
 
 @pytest.mark.parametrize("rollout_store", [True, False])
-def test_every_step_log_is_cut_back_to_the_checkpoint_when_the_run_resumes(tmp_path, rollout_store):
+def test_every_step_log_is_cut_back_to_the_checkpoint_when_the_run_resumes(tmp_path, rollout_store, monkeypatch):
     state = _crashed_run(tmp_path)
     assert [r["step"] for r in read_jsonl(tmp_path / LEDGER_FILE)] == list(range(1, LOGGED_STEPS + 1))
+    # TensorBoard reads event files in name order: events.out.tfevents.<seconds>.<host>.<pid>.<uid>. A real resume
+    # is a later process (a later name); here both writers share one process and maybe one second, where uid 10
+    # sorts before uid 9 once a suite has opened ten writers. Date the resumed writer's file as a later start would.
+    import tensorboard.summary.writer.event_file_writer as event_file_writer
+
+    later = SimpleNamespace(time=lambda: time.time() + 10)
+    monkeypatch.setattr(event_file_writer, "time", later)
     parts = _resume(tmp_path, state, rollout_store)
+    monkeypatch.undo()
     # Right after the resume, before the resumed run writes anything (it may die again before its first step).
     kept = list(range(1, CHECKPOINT_STEP + 1))
     assert [r["step"] for r in read_jsonl(tmp_path / METRICS_FILE)] == [0, *kept]
