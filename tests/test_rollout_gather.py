@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import random
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dapo_mcore.rollout.gather import all_gather_responses, pack_responses, unpack_responses
 from dapo_mcore.rollout.protocol import Response
+from tests.gloo_workers import run_gloo_workers
 
 
 def _random_share(seed: int, indices: list[int]) -> list[list[Response]]:
@@ -54,17 +53,7 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
 
 @pytest.mark.distributed
 def test_two_gloo_ranks_each_receive_every_share():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=600) for _ in procs)  # spawn + torch import: slow on a loaded machine
-    for p in procs:
-        p.join(timeout=60)
+    results = run_gloo_workers(_worker, 2)
     expected = {}
     for rank in range(2):
         idx = list(range(rank, 9, 2))

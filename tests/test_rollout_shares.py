@@ -4,16 +4,15 @@ rank per group in bounded chunks, and every response is scored once so ranks can
 from __future__ import annotations
 
 import itertools
-import socket
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dapo_mcore.rollout.gather import merge_shares, plan_shares
 from dapo_mcore.rollout.protocol import EngineError, Response
+from tests.gloo_workers import run_gloo_workers
 
 
 @pytest.mark.unit
@@ -106,17 +105,7 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
 
 @pytest.mark.distributed
 def test_two_ranks_one_prompt_every_group_generates_and_ranks_agree():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = dict(queue.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
+    got = run_gloo_workers(_worker, 2)
     a, b = got[0], got[1]
     # Item 2: with one prompt both engine groups generate (the samples are split), or run a placeholder.
     assert a["one_prompt_n4"]["calls"] == [(1, 2, 6)] and b["one_prompt_n4"]["calls"] == [(1, 2, 6)]
