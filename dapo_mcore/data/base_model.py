@@ -52,11 +52,17 @@ def response_text(answer: str) -> str:
 
 def encode_examples(tokenizer: PreTrainedTokenizerBase, prompts: list[str],
                     answers: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids ``[B, T]`` of prompt + response + eos (right-padded) and labels masking all but the response."""
+    """Token ids ``[B, T]`` of prompt + ``Answer: <answer>`` + eos (right-padded), labels masking all but the response."""
+    return encode_responses(tokenizer, prompts, [response_text(a) for a in answers])
+
+
+def encode_responses(tokenizer: PreTrainedTokenizerBase, prompts: list[str],
+                     responses: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids ``[B, T]`` of prompt + response text + eos (right-padded) and labels masking all but the response."""
     rows, labels = [], []
-    for prompt, answer in zip(prompts, answers, strict=True):
+    for prompt, response in zip(prompts, responses, strict=True):
         p_ids = render_prompt_ids(tokenizer, prompt)
-        r_ids = tokenizer(response_text(answer), add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        r_ids = tokenizer(response, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
         rows.append(p_ids + r_ids)
         labels.append([-100] * len(p_ids) + r_ids)
     width = max(len(r) for r in rows)
@@ -70,14 +76,17 @@ def encode_examples(tokenizer: PreTrainedTokenizerBase, prompts: list[str],
 
 @torch.no_grad()
 def correct_response_prob(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerBase,
-                          records: list[PromptRecord]) -> torch.Tensor:
-    """Per record, the exact probability that temperature-1 sampling emits ``Answer: <truth><eos>``.
+                          records: list[PromptRecord], responses: list[str] | None = None) -> torch.Tensor:
+    """Per record, the exact probability that temperature-1 sampling emits the canonical correct response + eos.
 
+    The canonical response is ``Answer: <truth>`` unless ``responses`` gives it (tasks with a worked chain).
     Its mean is the expected accuracy at temperature 1 (avg@k as k grows), counting only the canonical
     response; ``1 - p**G - (1-p)**G`` is the chance that a group of G samples is usable.
     """
     model.eval()
-    ids, labels = encode_examples(tokenizer, [r.prompt for r in records], [r.ground_truth for r in records])
+    if responses is None:
+        responses = [response_text(r.ground_truth) for r in records]
+    ids, labels = encode_responses(tokenizer, [r.prompt for r in records], responses)
     logits = model(input_ids=ids).logits[:, :-1].float()
     targets = labels[:, 1:]
     mask = targets != -100
@@ -98,10 +107,12 @@ def pretrain(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerBase, settin
     """Next-token training on mixture-of-rules answers; returns (and appends to ``log_path``) progress rows."""
     task = get_task(settings.task)
     problems = split_problems(task, "train", settings.split_seed, settings.heldout_fraction)
-    rules = [task.answer, *task.distractors().values()]
+    rules = task.corpus_rules()
     n_wrong = len(rules) - 1
     weights = torch.tensor([settings.correct_weight] + [(1 - settings.correct_weight) / n_wrong] * n_wrong)
     heldout = task_records(settings.task, "heldout", settings.split_seed, settings.heldout_fraction)[:256]
+    heldout_problems = split_problems(task, "heldout", settings.split_seed, settings.heldout_fraction)[:256]
+    canonical = [rules[0](p) for p in heldout_problems]
     gen = torch.Generator().manual_seed(settings.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay,
                             betas=(0.9, 0.98))
@@ -113,8 +124,8 @@ def pretrain(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerBase, settin
         picks = torch.randint(len(problems), (settings.batch_size,), generator=gen).tolist()
         which = torch.multinomial(weights, settings.batch_size, replacement=True, generator=gen).tolist()
         batch = [problems[i] for i in picks]
-        ids, labels = encode_examples(tokenizer, [task.render(p) for p in batch],
-                                      [rules[r](p) for p, r in zip(batch, which, strict=True)])
+        ids, labels = encode_responses(tokenizer, [task.render(p) for p in batch],
+                                       [rules[r](p) for p, r in zip(batch, which, strict=True)])
         for group in opt.param_groups:
             group["lr"] = _lr_at(step, settings)
         loss = model(input_ids=ids, labels=labels).loss
@@ -123,7 +134,7 @@ def pretrain(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerBase, settin
         opt.step()
         opt.zero_grad(set_to_none=True)
         if (step + 1) % every == 0 or step + 1 == settings.steps:
-            p = correct_response_prob(model, tokenizer, heldout)
+            p = correct_response_prob(model, tokenizer, heldout, canonical)
             row = {"step": step + 1, "loss": round(loss.item(), 4),
                    "heldout_p_correct": round(p.mean().item(), 4),
                    "heldout_usable_g8": round((1 - p**8 - (1 - p) ** 8).mean().item(), 4),

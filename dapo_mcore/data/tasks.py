@@ -8,7 +8,8 @@ prompt, so DAPO groups have mixed outcomes, and RL can shift the mixture weight 
 
 Splits are honest: one seeded permutation of the universe, the first ``heldout_fraction`` of it is
 the held-out set and the rest the training set, so the two are disjoint prompt sets drawn from the
-same distribution. Every prompt of a task has the same token length (no padding needed).
+same distribution. Every prompt of the fixed-format tasks has the same token length; ``sumchain`` varies in prompt and
+response length (its responses carry a worked chain before the answer).
 """
 
 from __future__ import annotations
@@ -47,6 +48,13 @@ class SyntheticTask(ABC):
     @abstractmethod
     def distractors(self) -> dict[str, Rule]:
         """Named wrong procedures, used only to build the base model's pre-training corpus."""
+
+    def corpus_rules(self) -> list[Rule]:
+        """Rules writing the pre-training corpus's assistant text: the correct one first, then the distractors.
+
+        Default: ``Answer: <the rule's answer>``. Tasks that reason before answering return full responses.
+        """
+        return [lambda p, rule=rule: f"Answer: {rule(p)}" for rule in (self.answer, *self.distractors().values())]
 
 
 class OrderStatTask(SyntheticTask):
@@ -110,6 +118,78 @@ class AddTask(SyntheticTask):
         }
 
 
+class SumChainTask(SyntheticTask):
+    """``3+5+2+7`` with 2..6 digits 1..9, answered by a worked chain: ``3+5=8+2=10+7=17`` then ``Answer: 17``.
+
+    The universe holds every 2- and 3-digit sequence (81 + 729) and a fixed seeded sample of 1000 sequences for
+    each of 4, 5 and 6 terms (3810 problems, prompts of 3..11 tokens), so no length dominates. The correct
+    response grows with the number of terms, from 9 tokens (2 terms) to about 31 (6 terms), so token-level
+    and sample-level loss weighting differ. Distractors (each names the rule its text follows):
+
+    * ``stop_early``: the chain misses the last term and answers its partial sum (shorter, wrong);
+    * ``last_slip``: the last partial sum is off by one (same length, wrong);
+    * ``ramble``: the chain, then the final sum repeated ``=S`` without ever answering, to at least 44 tokens:
+      past any ``rollout.max_new_tokens`` up to 44, so an untrained policy gets truncated (overlong shaping acts).
+
+    Rule outputs here are full responses: :meth:`answer` is only the ground truth the verifier compares with.
+    """
+
+    name = "sumchain"
+    description = "sum of 2-6 digits with a worked chain of partial sums, e.g. 3+5+2+7"
+    MIN_TERMS, MAX_TERMS = 2, 6
+    PER_LENGTH = 1000
+    RAMBLE_TOKENS = 44
+
+    def problems(self) -> list[Problem]:
+        out: list[Problem] = []
+        for n in range(self.MIN_TERMS, self.MAX_TERMS + 1):
+            every = list(itertools.product(range(1, 10), repeat=n))
+            out += every if len(every) <= self.PER_LENGTH else random.Random(f"sumchain:{n}").sample(every, self.PER_LENGTH)
+        return out
+
+    def render(self, problem: Problem) -> str:
+        return "+".join(str(d) for d in problem)
+
+    def answer(self, problem: Problem) -> str:
+        return str(sum(problem))
+
+    @staticmethod
+    def chain(problem: Problem, slip: int = 0) -> tuple[str, int]:
+        """``a+b=s+c=s'...`` over all terms (``slip`` added to the last sum) and its final sum."""
+        total, text = problem[0], str(problem[0])
+        for i, d in enumerate(problem[1:]):
+            total += d + (slip if i == len(problem) - 2 else 0)
+            text += f"+{d}={total}"
+        return text, total
+
+    def worked(self, problem: Problem) -> str:
+        """The correct response."""
+        text, total = self.chain(problem)
+        return f"{text}\nAnswer: {total}"
+
+    def distractors(self) -> dict[str, Rule]:
+        def stop_early(p: Problem) -> str:
+            if len(p) == 2:  # nothing to chain: answer the first term
+                return f"{p[0]}\nAnswer: {p[0]}"
+            text, total = self.chain(p[:-1])
+            return f"{text}\nAnswer: {total}"
+
+        def last_slip(p: Problem) -> str:
+            text, total = self.chain(p, slip=1)
+            return f"{text}\nAnswer: {total}"
+
+        def ramble(p: Problem) -> str:
+            text, total = self.chain(p)
+            while len(text) < self.RAMBLE_TOKENS:  # one token per character (digits, "+", "=")
+                text += f"={total}"
+            return text
+
+        return {"stop_early": stop_early, "last_slip": last_slip, "ramble": ramble}
+
+    def corpus_rules(self) -> list[Rule]:
+        return [self.worked, *self.distractors().values()]
+
+
 _REGISTRY: dict[str, SyntheticTask] = {}
 
 
@@ -158,3 +238,4 @@ def task_records(name: str, split: Split, seed: int = 0, heldout_fraction: float
 register_task(OrderStatTask("max"))
 register_task(OrderStatTask("min"))
 register_task(AddTask())
+register_task(SumChainTask())
