@@ -1,0 +1,156 @@
+"""The rollout simulator's pure parts (benchmarks/rollout_sim_core.py) against hand-computed timelines and counts."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from benchmarks.rollout_sim import tiny_steps
+from benchmarks.rollout_sim_core import (
+    Carried,
+    EngineModel,
+    EngineSim,
+    LengthModel,
+    PromptPool,
+    Recipe,
+    Stage,
+    batch_and_filter_step,
+    streaming_step,
+)
+
+
+class ListPool:
+    """A pool that hands out fixed groups in order (lengths per group, usable flags)."""
+
+    def __init__(self, lengths: list[list[int]], usable: list[bool]) -> None:
+        self.lengths, self.usable, self.next = lengths, usable, 0
+
+    def take(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        sl = slice(self.next, self.next + k)
+        assert self.next + k <= len(self.usable), "the test pool ran dry"
+        self.next += k
+        return np.array(self.lengths[sl]), np.array(self.usable[sl])
+
+
+def test_engine_model_from_throughput():
+    m = EngineModel.from_throughput(engines=4, max_seqs=100, full_tokens_per_s=5000.0, single_tokens_per_s=50.0)
+    assert m.t0 == pytest.approx(0.02)
+    assert m.t1 == pytest.approx((100 / 5000 - 0.02) / 100)
+    assert 100 / (m.t0 + 100 * m.t1) == pytest.approx(5000.0)
+    with pytest.raises(ValueError, match="lone sequences"):
+        EngineModel.from_throughput(engines=1, max_seqs=10, full_tokens_per_s=1000.0, single_tokens_per_s=50.0)
+
+
+def test_engine_iteration_time_depends_on_running_sequences():
+    # t0=1, t1=0.5: two running -> 2 s per token, one running -> 1.5 s per token.
+    sim = EngineSim(EngineModel(engines=1, max_seqs=2, t0=1.0, t1=0.5))
+    g0 = sim.add_group(0, np.array([2, 4]))
+    assert sim.advance() == [] and sim.now == pytest.approx(4.0)  # 2 tokens each at 2 s
+    assert sim.progress(g0).tolist() == pytest.approx([2.0, 2.0])
+    assert sim.advance() == [g0] and sim.now == pytest.approx(4.0 + 2 * 1.5)
+    assert sim.advance() is None
+
+
+def test_engine_slots_refill_fifo_and_engines_run_in_parallel():
+    sim = EngineSim(EngineModel(engines=2, max_seqs=2, t0=1.0, t1=0.0))
+    a = sim.add_group(0, np.array([3, 5]))
+    b = sim.add_group(0, np.array([1]))  # waits for engine 0's first free slot (t=3), done at t=4
+    c = sim.add_group(1, np.array([2]))
+    events = []
+    while (done := sim.advance()) is not None:
+        events.append((sim.now, done))
+    assert events == [(2.0, [c]), (3.0, []), (4.0, [b]), (5.0, [a])]
+
+
+def test_prompt_pool_is_seeded_and_matches_the_stage():
+    stage = Stage("s", mean_len=2000.0, all_correct=0.3, all_wrong=0.2)
+    lengths = LengthModel(cap=10**9)
+    one = PromptPool(stage, 4, lengths, seed=3, chunk=100)
+    many = PromptPool(stage, 4, lengths, seed=3, chunk=100)
+    a = np.concatenate([one.take(7)[0], one.take(250)[0], one.take(43)[0]])
+    assert np.array_equal(a, many.take(300)[0])
+    big = PromptPool(stage, 4, lengths, seed=0, chunk=4096)
+    lens, usable = big.take(40000)
+    assert usable.mean() == pytest.approx(0.5, abs=0.01)
+    assert lens.mean() == pytest.approx(2000.0, rel=0.03)  # mu makes the uncapped mean the stage's
+    capped = PromptPool(stage, 4, LengthModel(cap=3000, min_len=5), seed=0).take(2000)[0]
+    assert capped.max() == 3000 and capped.min() >= 5
+
+
+def test_length_mu_without_spread_or_shift_is_log_mean():
+    m = LengthModel(sigma_group=0.0, sigma_resp=0.0, shift_all_correct=0.0, shift_all_wrong=0.0)
+    assert m.mu(Stage("s", 123.0, 0.2, 0.3)) == pytest.approx(math.log(123.0))
+
+
+def test_stage_rejects_impossible_shares():
+    with pytest.raises(ValueError, match="all_correct"):
+        Stage("bad", 100.0, all_correct=0.6, all_wrong=0.4)
+
+
+def test_batch_and_filter_waits_for_each_batch_and_counts_surplus():
+    # Need 2 groups; batches of 3. Batch 1 keeps one (3 tokens), rejects 8; batch 2 keeps its first (5), the
+    # other two usable groups are surplus (2 + 5). One engine with room for all: a batch lasts its longest response.
+    pool = ListPool([[1, 2], [3, 1], [2, 2], [4, 1], [1, 1], [2, 3]], [True, False, False, True, True, True])
+    res = batch_and_filter_step(pool, Recipe(2, 2, 3, 5), EngineModel(1, 6, 1.0, 0.0))
+    assert (res.groups_kept, res.gen_batches, res.prompts_drawn) == (2, 2, 6)
+    assert (res.kept, res.rejected, res.surplus, res.aborted) == (8.0, 8.0, 7.0, 0.0)
+    assert res.generated == 23.0 and res.wall_s == pytest.approx(3.0 + 4.0)
+    assert res.kept_lengths == [1.5, 2.5]
+
+
+def test_batch_and_filter_stops_at_the_batch_limit():
+    pool = ListPool([[1]] * 4, [False] * 4)
+    res = batch_and_filter_step(pool, Recipe(1, 1, 2, 2), EngineModel(1, 2, 1.0, 0.0))
+    assert (res.groups_kept, res.gen_batches, res.rejected) == (0, 2, 4.0)
+
+
+def _stream_pool() -> ListPool:
+    # One engine, two slots, G=1: g0 (5) and g1 (1) start; g1 ends t=1 (rejected), g2 (1) ends t=2 (kept),
+    # g3 (4) starts t=2; g0 ends t=5 (kept, the step is full), g3 has 3 of 4 tokens then.
+    return ListPool([[5], [1], [1], [4], [2], [2]], [True, False, True, True, True, True])
+
+
+def test_streaming_stops_when_full_and_aborts_in_flight():
+    res, carry = streaming_step(_stream_pool(), Recipe(2, 1, 3, 10), EngineModel(1, 2, 1.0, 0.0), [], partial=False)
+    assert res.wall_s == pytest.approx(5.0) and res.groups_kept == 2 and res.prompts_drawn == 4
+    assert (res.kept, res.rejected, res.surplus, res.aborted) == (6.0, 1.0, 0.0, pytest.approx(3.0))
+    assert carry == [] and res.generated == pytest.approx(10.0)
+
+
+def test_partial_rollouts_carry_the_aborted_tokens_into_the_next_step():
+    pool, recipe, model = _stream_pool(), Recipe(2, 1, 3, 10), EngineModel(1, 2, 1.0, 0.0)
+    first, carry = streaming_step(pool, recipe, model, [], partial=True)
+    assert first.aborted == 0.0 and first.carried_out == pytest.approx(3.0)
+    assert len(carry) == 1 and carry[0].progress.tolist() == pytest.approx([3.0]) and carry[0].staleness == 1
+    # Next step: the carried group needs 1 more token (done t=1, kept, 4 tokens); the fresh g4 (2) ends t=2.
+    second, carry = streaming_step(pool, recipe, model, carry, partial=True)
+    assert second.wall_s == pytest.approx(2.0) and second.kept == pytest.approx(6.0)
+    assert second.carried_in == pytest.approx(3.0) and second.generated == pytest.approx(4.0)  # 1 + 2 + 1 decoded
+    # The step ended with g5 one token in; it carries with staleness 1.
+    assert [c.progress.tolist() for c in carry] == [pytest.approx([1.0])]
+
+
+def test_partial_rollouts_drop_groups_past_the_staleness_bound():
+    stale = Carried(np.array([10]), True, np.array([4.0]), staleness=1)
+    pool = ListPool([[1], [1]], [True, True])
+    res, carry = streaming_step(pool, Recipe(2, 1, 3, 10), EngineModel(1, 2, 1.0, 0.0), [stale], partial=True,
+                                max_staleness=1)
+    # The carried group (6 tokens left) and g0 run; g0 ends t=1, g1 ends t=2: full. The stale group is dropped.
+    assert res.groups_kept == 2 and res.wall_s == pytest.approx(2.0)
+    assert carry == [] and res.aborted == pytest.approx(6.0) and res.carried_in == pytest.approx(4.0)
+    assert res.generated == pytest.approx(2.0 + 2.0)
+
+
+def test_tiny_steps_reads_a_run(tmp_path):
+    metrics = {"step": 3, "sampling/groups_generated": 64, "sampling/groups_all_correct": 32,
+               "sampling/groups_all_wrong": 16}
+    ledger = {"step": 3, "cost/step/tokens_generated": 2048, "cost/step/rollouts_generated": 512,
+              "cost/step/prompts_kept": 16}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0}) + "\n" + json.dumps(metrics) + "\n")
+    (tmp_path / "ledger.jsonl").write_text(json.dumps(ledger) + "\n")
+    [(step, stage, tokens, kept)] = tiny_steps(tmp_path)
+    assert (step, tokens, kept) == (3, 2048.0, 16)
+    assert (stage.mean_len, stage.all_correct, stage.all_wrong) == (4.0, 0.5, 0.25)
