@@ -41,7 +41,10 @@ STAGES_32B = (
     Stage("mid", mean_len=3000.0, all_correct=0.35, all_wrong=0.20),
     Stage("late", mean_len=5000.0, all_correct=0.55, all_wrong=0.15),
 )
-POLICIES = ("batch_filter", "stream_abort", "stream_partial")
+POLICIES = ("batch_filter", "batch_adaptive", "stream_abort", "stream_partial")
+# Adaptive over-sampling: a round of (missing groups / last step's usable fraction) x 1.2 prompts, at most 4 x the
+# step's prompts (the cap keeps a bad estimate from flooding the engines).
+ADAPTIVE_MARGIN, ADAPTIVE_CAP = 1.2, 4
 FATES = ("kept", "rejected", "surplus", "aborted")
 
 
@@ -49,9 +52,14 @@ def simulate(policy: str, pool: PromptPool, recipe: Recipe, model: EngineModel, 
              max_staleness: int) -> list[StepResult]:
     """``warmup + steps`` consecutive steps of one policy on one prompt stream; the last ``steps`` results."""
     out, carry = [], []
+    usable_estimate = recipe.prompts_per_step / recipe.gen_batch_prompts  # what the fixed recipe assumes
     for _ in range(warmup + steps):
         if policy == "batch_filter":
             res = batch_and_filter_step(pool, recipe, model)
+        elif policy == "batch_adaptive":
+            res = batch_and_filter_step(pool, recipe, model, (usable_estimate, ADAPTIVE_MARGIN,
+                                                              ADAPTIVE_CAP * recipe.prompts_per_step))
+            usable_estimate = res.usable_seen / res.prompts_drawn
         else:
             res, carry = streaming_step(pool, recipe, model, carry, partial=policy == "stream_partial",
                                         max_staleness=max_staleness)
@@ -61,10 +69,11 @@ def simulate(policy: str, pool: PromptPool, recipe: Recipe, model: EngineModel, 
 
 def summarize(results: list[StepResult]) -> dict[str, float]:
     """Per-step means: wall seconds, tokens by fate, generated tokens per kept group, mean kept response length."""
-    mean = {f: float(np.mean([getattr(r, f) for r in results])) for f in (*FATES, "wall_s", "generated", "gen_batches")}
+    mean = {f: float(np.mean([getattr(r, f) for r in results])) for f in (*FATES, "wall_s", "generated", "prompts_drawn")}
     mean["carried"] = float(np.mean([r.carried_out for r in results]))
     kept_groups = sum(r.groups_kept for r in results)
     mean["tokens_per_kept_group"] = sum(r.generated for r in results) / max(kept_groups, 1)
+    mean["stale_share"] = sum(r.kept_stale for r in results) / max(sum(r.kept for r in results), 1.0)
     mean["kept_resp_len"] = float(np.mean([x for r in results for x in r.kept_lengths]))
     mean["short_steps"] = sum(r.groups_kept < results[0].groups_kept or r.groups_kept == 0 for r in results)
     return mean
@@ -108,29 +117,37 @@ def run_32b(args: argparse.Namespace) -> list[str]:
     lines = [f"recipe: {recipe}; engines {model.engines} x max {model.max_seqs} sequences; decode "
              f"{tokens_per_s:.0f} tokens/s per full engine (planner), {args.single_seq_tokens_per_s:g} for a lone "
              f"sequence (t0={model.t0 * 1e3:.1f} ms + {model.t1 * 1e3:.4f} ms per running sequence)"]
-    ratios, partial_ratios = [], []
+    ratios: dict[str, list[float]] = {p: [] for p in POLICIES[1:]}
     for k, stage in enumerate(STAGES_32B):
         probe = PromptPool(stage, recipe.group_size, lengths, seed=args.seed + 1000 + k)
         ctx = _mean_running_context(probe, args.prompt_len)
-        lines.append(f"\n== stage {stage.name}: mean length {stage.mean_len:g} (capped {probe.take(4096)[0].mean():.0f}), "
+        sample = probe.take(4096)[0]
+        lines.append(f"\n== stage {stage.name}: mean length {stage.mean_len:g} (capped {sample.mean():.0f}, "
+                     f"{(sample >= cap).mean():.1%} at the cap), "
                      f"usable {stage.usable:.2f} (all-correct {stage.all_correct:.2f}, all-wrong {stage.all_wrong:.2f}); "
                      f"KV {kv_tokens} tokens/engine fit ~{kv_tokens / ctx:.0f} sequences at mean context {ctx:.0f}")
-        lines.append(f"{'policy':<15}{'wall min':>9}{'batches':>8}{'kept Mtok':>10}{'rejected':>9}{'surplus':>8}"
-                     f"{'aborted':>8}{'carried':>8}{'gen Mtok':>9}{'tok/kept grp':>13}{'kept len':>9}")
+        lines.append(f"{'policy':<15}{'wall min':>9}{'prompts':>8}{'kept Mtok':>10}{'rejected':>9}{'surplus':>8}"
+                     f"{'aborted':>8}{'carried':>8}{'gen Mtok':>9}{'tok/kept grp':>13}{'kept len':>9}{'stale':>7}")
+        # vLLM runs no more sequences than its KV cache holds (it preempts beyond): the stage's running limit.
+        seqs = min(model.max_seqs, int(kv_tokens / ctx)) if args.kv_limit else model.max_seqs
+        stage_model = EngineModel(model.engines, seqs, model.t0, model.t1)
+        lines.append(f"running sequences per engine: {seqs} ({seqs / (model.t0 + model.t1 * seqs):.0f} tokens/s per "
+                     f"full engine, {1 / (model.t0 + model.t1 * seqs):.0f} per sequence)")
         walls = {}
         for policy in POLICIES:
             pool = PromptPool(stage, recipe.group_size, lengths, seed=args.seed + k)
-            s = summarize(simulate(policy, pool, recipe, model, args.steps, args.warmup, args.max_staleness))
+            s = summarize(simulate(policy, pool, recipe, stage_model, args.steps, args.warmup, args.max_staleness))
             walls[policy] = s["wall_s"]
-            lines.append(f"{policy:<15}{s['wall_s'] / 60:>9.2f}{s['gen_batches']:>8.2f}"
+            lines.append(f"{policy:<15}{s['wall_s'] / 60:>9.2f}{s['prompts_drawn']:>8.0f}"
                          + "".join(f"{s[f] / 1e6:>{w}.1f}" for f, w in zip(FATES, (10, 9, 8, 8), strict=True))
                          + f"{s['carried'] / 1e6:>8.1f}{s['generated'] / 1e6:>9.1f}{s['tokens_per_kept_group']:>13.0f}"
-                         f"{s['kept_resp_len']:>9.0f}" + (f"  ({s['short_steps']} steps short)" if s["short_steps"] else ""))
-        ratios.append(walls["batch_filter"] / walls["stream_abort"])
-        partial_ratios.append(walls["batch_filter"] / walls["stream_partial"])
-        lines.append(f"wall ratio batch_filter / stream_abort {ratios[-1]:.2f}, / stream_partial {partial_ratios[-1]:.2f}")
-    lines.append(f"\nsim_generation_time_ratio_partial: {np.mean(partial_ratios):.2f}")
-    lines.append(f"sim_generation_time_ratio: {np.mean(ratios):.2f}")
+                         f"{s['kept_resp_len']:>9.0f}{s['stale_share']:>7.1%}" + (f"  ({s['short_steps']} steps short)" if s["short_steps"] else ""))
+        for policy in POLICIES[1:]:
+            ratios[policy].append(walls["batch_filter"] / walls[policy])
+        lines.append("wall time ratio batch_filter / " + ", ".join(f"{p} {r[-1]:.2f}" for p, r in ratios.items()))
+    lines.append("")
+    lines += [f"sim_generation_time_ratio_{p.split('_')[-1]}: {np.mean(ratios[p]):.2f}" for p in POLICIES[1:]]
+    lines.append(f"sim_generation_time_ratio: {np.mean(ratios['stream_abort']):.2f}")
     return lines
 
 
@@ -194,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default="qwen2.5-32b", help="model preset for the planner's decode rate")
     ap.add_argument("--gpus", type=int, default=128, help="GPUs of the job (engines = gpus / vLLM TP)")
     ap.add_argument("--max-seqs", type=int, default=128, help="running sequences per engine (vLLM max_num_seqs / KV)")
+    ap.add_argument("--no-kv-limit", dest="kv_limit", action="store_false",
+                    help="run max-seqs sequences whatever the KV cache holds (default: fewer when it is full)")
     ap.add_argument("--engine-tokens-per-s", type=float, default=0.0, help="full-engine decode rate; 0 = the planner's")
     ap.add_argument("--single-seq-tokens-per-s", type=float, default=80.0, help="decode rate of a lone sequence")
     ap.add_argument("--prompt-len", type=int, default=256, help="mean prompt tokens (KV context only)")
@@ -201,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sigma-resp", type=float, default=0.6, help="lognormal sigma of a response within its group")
     ap.add_argument("--steps", type=int, default=3, help="steps measured per stage and policy")
     ap.add_argument("--warmup", type=int, default=1, help="steps run first (partial rollouts need a carry)")
-    ap.add_argument("--max-staleness", type=int, default=1, help="steps an aborted group may be carried")
+    ap.add_argument("--max-staleness", type=int, default=2, help="steps an aborted group may be carried")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--calibrate-tiny", metavar="RUN_DIR", help="replay a real tiny run's metrics instead")
     ap.add_argument("--tiny-config", default="examples/tiny_cpu.yaml", help="the tiny run's config")

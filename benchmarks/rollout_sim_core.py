@@ -239,6 +239,10 @@ class StepResult:
     aborted: float = 0.0
     carried_in: float = 0.0
     carried_out: float = 0.0
+    usable_seen: int = 0
+    """Usable groups among those completed (kept or surplus)."""
+    kept_stale: float = 0.0
+    """Tokens of kept groups generated in earlier steps (by an older policy: partial rollouts)."""
     kept_lengths: list[float] = field(default_factory=list)
     """Mean response length of each kept group (to see which groups a policy favours)."""
 
@@ -248,17 +252,31 @@ class StepResult:
         return self.kept + self.rejected + self.surplus + self.aborted + self.carried_out - self.carried_in
 
 
-def batch_and_filter_step(pool: PromptPool, recipe: Recipe, model: EngineModel) -> StepResult:
-    """Today's dynamic sampling: whole generation batches, each waiting for its longest response."""
+def adaptive_round(missing: int, usable_estimate: float, margin: float, cap: int) -> int:
+    """Prompts for a round that should yield ``missing`` usable groups: missing / usable fraction x margin, capped."""
+    return max(1, min(cap, math.ceil(missing / max(usable_estimate, 1e-9) * margin - 1e-9)))  # 220.00000000000003 is 220
+
+
+def batch_and_filter_step(pool: PromptPool, recipe: Recipe, model: EngineModel,
+                          adaptive: tuple[float, float, int] | None = None) -> StepResult:
+    """Today's dynamic sampling: whole generation batches, each waiting for its longest response.
+
+    ``adaptive=(usable_estimate, margin, cap)`` sizes each round with :func:`adaptive_round` (adaptive over-sampling)
+    instead of ``gen_batch_prompts``; the estimate is the caller's (e.g. the previous step's usable fraction).
+    """
     sim, res = EngineSim(model), StepResult()
     while res.groups_kept < recipe.prompts_per_step and res.gen_batches < recipe.max_gen_batches:
-        lengths, usable = pool.take(recipe.gen_batch_prompts)
+        size = recipe.gen_batch_prompts
+        if adaptive is not None:
+            size = adaptive_round(recipe.prompts_per_step - res.groups_kept, *adaptive)
+        lengths, usable = pool.take(size)
         for i in range(len(usable)):
             sim.add_group(i % model.engines, lengths[i])
         while sim.advance() is not None:
             pass
         res.gen_batches += 1
         res.prompts_drawn += len(usable)
+        res.usable_seen += int(usable.sum())
         for i in range(len(usable)):
             tok = float(lengths[i].sum())
             if not usable[i]:
@@ -313,11 +331,13 @@ def streaming_step(pool: PromptPool, recipe: Recipe, model: EngineModel, carry: 
         for g in completed:
             done.add(g)
             tok = float(sum(sim.seq_len[s] for s in sim.group_seqs[g]))
+            res.usable_seen += int(meta[g][0])
             if not meta[g][0]:
                 res.rejected += tok
             elif res.groups_kept < recipe.prompts_per_step:
                 res.groups_kept += 1
                 res.kept += tok
+                res.kept_stale += float(sum(sim.seq_base[s] for s in sim.group_seqs[g]))
                 res.kept_lengths.append(tok / recipe.group_size)
             else:
                 res.surplus += tok

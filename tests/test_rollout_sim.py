@@ -17,6 +17,7 @@ from benchmarks.rollout_sim_core import (
     PromptPool,
     Recipe,
     Stage,
+    adaptive_round,
     batch_and_filter_step,
     streaming_step,
 )
@@ -107,6 +108,22 @@ def test_batch_and_filter_stops_at_the_batch_limit():
     assert (res.groups_kept, res.gen_batches, res.rejected) == (0, 2, 4.0)
 
 
+def test_adaptive_round_sizes_from_the_usable_estimate():
+    assert adaptive_round(512, 0.3, 1.2, 2048) == 2048  # 512 / 0.3 x 1.2 = 2048.0
+    assert adaptive_round(512, 0.25, 1.2, 2048) == 2048  # capped (2457.6)
+    assert adaptive_round(100, 0.5, 1.1, 2048) == 220
+    assert adaptive_round(1, 0.0, 1.2, 50) == 50
+
+
+def test_adaptive_batch_and_filter_draws_what_the_estimate_asks():
+    # Need 2 groups, estimate 0.5, margin 1.0: a first round of 4 prompts keeps 1 (usable: F T F F),
+    # the second round asks for 1 / 0.5 = 2 prompts (T T): keeps 1, 1 surplus.
+    pool = ListPool([[1]] * 6, [False, True, False, False, True, True])
+    res = batch_and_filter_step(pool, Recipe(2, 1, 3, 5), EngineModel(1, 8, 1.0, 0.0), (0.5, 1.0, 10))
+    assert (res.prompts_drawn, res.gen_batches, res.groups_kept, res.usable_seen) == (6, 2, 2, 3)
+    assert (res.kept, res.rejected, res.surplus) == (2.0, 3.0, 1.0)
+
+
 def _stream_pool() -> ListPool:
     # One engine, two slots, G=1: g0 (5) and g1 (1) start; g1 ends t=1 (rejected), g2 (1) ends t=2 (kept),
     # g3 (4) starts t=2; g0 ends t=5 (kept, the step is full), g3 has 3 of 4 tokens then.
@@ -128,6 +145,7 @@ def test_partial_rollouts_carry_the_aborted_tokens_into_the_next_step():
     # Next step: the carried group needs 1 more token (done t=1, kept, 4 tokens); the fresh g4 (2) ends t=2.
     second, carry = streaming_step(pool, recipe, model, carry, partial=True)
     assert second.wall_s == pytest.approx(2.0) and second.kept == pytest.approx(6.0)
+    assert second.kept_stale == pytest.approx(3.0)  # the carried group's 3 tokens came from the older policy
     assert second.carried_in == pytest.approx(3.0) and second.generated == pytest.approx(4.0)  # 1 + 2 + 1 decoded
     # The step ended with g5 one token in; it carries with staleness 1.
     assert [c.progress.tolist() for c in carry] == [pytest.approx([1.0])]
