@@ -1,5 +1,8 @@
 """Simulated generation wall time of one 32B DAPO step: batch-and-filter vs streaming+abort (+ partial rollouts).
 
+Policies: ``batch_filter`` (today), ``batch_adaptive`` (rounds sized from the last step's usable fraction),
+``stream_abort`` and ``stream_partial`` (aborted groups continue next step, at most ``--max-staleness`` steps).
+
 The step comes from a project config (default ``examples/qwen2.5-32b-fp8.yaml``: 512 prompts x 16 responses kept,
 generation batches of 1,536 prompts, at most 10, responses up to 20,480 tokens, vLLM TP=4 on 128 GPUs = 32 engines).
 The model of lengths, outcomes and decode is in ``benchmarks/rollout_sim_core.py``; the stage assumptions (mean
@@ -126,13 +129,13 @@ def run_32b(args: argparse.Namespace) -> list[str]:
                      f"{(sample >= cap).mean():.1%} at the cap), "
                      f"usable {stage.usable:.2f} (all-correct {stage.all_correct:.2f}, all-wrong {stage.all_wrong:.2f}); "
                      f"KV {kv_tokens} tokens/engine fit ~{kv_tokens / ctx:.0f} sequences at mean context {ctx:.0f}")
-        lines.append(f"{'policy':<15}{'wall min':>9}{'prompts':>8}{'kept Mtok':>10}{'rejected':>9}{'surplus':>8}"
-                     f"{'aborted':>8}{'carried':>8}{'gen Mtok':>9}{'tok/kept grp':>13}{'kept len':>9}{'stale':>7}")
         # vLLM runs no more sequences than its KV cache holds (it preempts beyond): the stage's running limit.
         seqs = min(model.max_seqs, int(kv_tokens / ctx)) if args.kv_limit else model.max_seqs
         stage_model = EngineModel(model.engines, seqs, model.t0, model.t1)
         lines.append(f"running sequences per engine: {seqs} ({seqs / (model.t0 + model.t1 * seqs):.0f} tokens/s per "
                      f"full engine, {1 / (model.t0 + model.t1 * seqs):.0f} per sequence)")
+        lines.append(f"{'policy':<15}{'wall min':>9}{'prompts':>8}{'kept Mtok':>10}{'rejected':>9}{'surplus':>8}"
+                     f"{'aborted':>8}{'carried':>8}{'gen Mtok':>9}{'tok/kept grp':>13}{'kept len':>9}{'stale':>7}")
         walls = {}
         for policy in POLICIES:
             pool = PromptPool(stage, recipe.group_size, lengths, seed=args.seed + k)

@@ -7,10 +7,10 @@ runs at most ``max_seqs`` sequences, every running sequence gains one token per 
 takes ``t0 + t1 * n`` seconds with n sequences running (a memory-bound decode: a fixed weight read plus a per-sequence
 part). A freed slot takes the next waiting sequence of its engine at once (FIFO). Prefill is not modelled.
 
-Three generation policies make one DAPO step each:
+The generation policies make one DAPO step each:
 - :func:`batch_and_filter_step`: today's dynamic sampling. Draw ``gen_batch_prompts`` prompts, wait for the longest
   response, keep usable groups in batch order, draw again until ``prompts_per_step`` are kept; usable groups beyond that
-  are surplus.
+  are surplus. With ``adaptive`` each round is sized from a usable-fraction estimate instead (adaptive over-sampling).
 - :func:`streaming_step`: prompts stream into the engines, each group is scored when its last response ends, and the
   step stops once enough usable groups are kept; everything in flight is aborted. With ``partial=True`` the aborted
   groups are carried into the next step (queued first) and continue from the tokens they have, for at most
