@@ -1,7 +1,8 @@
 """Simulated generation wall time of one 32B DAPO step: batch-and-filter vs streaming+abort (+ partial rollouts).
 
 Policies: ``batch_filter`` (today), ``batch_adaptive`` (rounds sized from the last step's usable fraction),
-``stream_abort`` and ``stream_partial`` (aborted groups continue next step, at most ``--max-staleness`` steps).
+``stream_abort`` and ``stream_partial`` (aborted groups continue next step, at most ``--max-staleness`` steps), and
+``stream_adaptive[_partial]``: the stream's fresh prompts bounded from the last step's usable fraction.
 
 The step comes from a project config (default ``examples/qwen2.5-32b-fp8.yaml``: 512 prompts x 16 responses kept,
 generation batches of 1,536 prompts, at most 10, responses up to 20,480 tokens, vLLM TP=4 on 128 GPUs = 32 engines).
@@ -44,7 +45,8 @@ STAGES_32B = (
     Stage("mid", mean_len=3000.0, all_correct=0.35, all_wrong=0.20),
     Stage("late", mean_len=5000.0, all_correct=0.55, all_wrong=0.15),
 )
-POLICIES = ("batch_filter", "batch_adaptive", "stream_abort", "stream_partial")
+POLICIES = ("batch_filter", "batch_adaptive", "stream_abort", "stream_partial", "stream_adaptive",
+            "stream_adaptive_partial")
 # Adaptive over-sampling: a round of (missing groups / last step's usable fraction) x 1.2 prompts, at most 4 x the
 # step's prompts (the cap keeps a bad estimate from flooding the engines).
 ADAPTIVE_MARGIN, ADAPTIVE_CAP = 1.2, 4
@@ -57,15 +59,14 @@ def simulate(policy: str, pool: PromptPool, recipe: Recipe, model: EngineModel, 
     out, carry = [], []
     usable_estimate = recipe.prompts_per_step / recipe.gen_batch_prompts  # what the fixed recipe assumes
     for _ in range(warmup + steps):
-        if policy == "batch_filter":
-            res = batch_and_filter_step(pool, recipe, model)
-        elif policy == "batch_adaptive":
-            res = batch_and_filter_step(pool, recipe, model, (usable_estimate, ADAPTIVE_MARGIN,
-                                                              ADAPTIVE_CAP * recipe.prompts_per_step))
-            usable_estimate = res.usable_seen / res.prompts_drawn
+        adaptive = (usable_estimate, ADAPTIVE_MARGIN, ADAPTIVE_CAP * recipe.prompts_per_step)
+        if policy.startswith("batch"):
+            res = batch_and_filter_step(pool, recipe, model, adaptive if policy == "batch_adaptive" else None)
         else:
-            res, carry = streaming_step(pool, recipe, model, carry, partial=policy == "stream_partial",
-                                        max_staleness=max_staleness)
+            res, carry = streaming_step(pool, recipe, model, carry, partial=policy.endswith("partial"),
+                                        max_staleness=max_staleness,
+                                        admit=adaptive if "adaptive" in policy else None)
+        usable_estimate = res.usable_seen / max(res.groups_done, 1)
         out.append(res)
     return out[warmup:]
 
@@ -134,14 +135,14 @@ def run_32b(args: argparse.Namespace) -> list[str]:
         stage_model = EngineModel(model.engines, seqs, model.t0, model.t1)
         lines.append(f"running sequences per engine: {seqs} ({seqs / (model.t0 + model.t1 * seqs):.0f} tokens/s per "
                      f"full engine, {1 / (model.t0 + model.t1 * seqs):.0f} per sequence)")
-        lines.append(f"{'policy':<15}{'wall min':>9}{'prompts':>8}{'kept Mtok':>10}{'rejected':>9}{'surplus':>8}"
+        lines.append(f"{'policy':<24}{'wall min':>9}{'prompts':>8}{'kept Mtok':>10}{'rejected':>9}{'surplus':>8}"
                      f"{'aborted':>8}{'carried':>8}{'gen Mtok':>9}{'tok/kept grp':>13}{'kept len':>9}{'stale':>7}")
         walls = {}
         for policy in POLICIES:
             pool = PromptPool(stage, recipe.group_size, lengths, seed=args.seed + k)
             s = summarize(simulate(policy, pool, recipe, stage_model, args.steps, args.warmup, args.max_staleness))
             walls[policy] = s["wall_s"]
-            lines.append(f"{policy:<15}{s['wall_s'] / 60:>9.2f}{s['prompts_drawn']:>8.0f}"
+            lines.append(f"{policy:<24}{s['wall_s'] / 60:>9.2f}{s['prompts_drawn']:>8.0f}"
                          + "".join(f"{s[f] / 1e6:>{w}.1f}" for f, w in zip(FATES, (10, 9, 8, 8), strict=True))
                          + f"{s['carried'] / 1e6:>8.1f}{s['generated'] / 1e6:>9.1f}{s['tokens_per_kept_group']:>13.0f}"
                          f"{s['kept_resp_len']:>9.0f}{s['stale_share']:>7.1%}" + (f"  ({s['short_steps']} steps short)" if s["short_steps"] else ""))
@@ -149,7 +150,7 @@ def run_32b(args: argparse.Namespace) -> list[str]:
             ratios[policy].append(walls["batch_filter"] / walls[policy])
         lines.append("wall time ratio batch_filter / " + ", ".join(f"{p} {r[-1]:.2f}" for p, r in ratios.items()))
     lines.append("")
-    lines += [f"sim_generation_time_ratio_{p.split('_')[-1]}: {np.mean(ratios[p]):.2f}" for p in POLICIES[1:]]
+    lines += [f"sim_generation_time_ratio_{p}: {np.mean(ratios[p]):.2f}" for p in POLICIES[1:]]
     lines.append(f"sim_generation_time_ratio: {np.mean(ratios['stream_abort']):.2f}")
     return lines
 

@@ -169,6 +169,10 @@ class EngineSim:
         self._dirty.add(engine)
         return gid
 
+    def wake(self) -> None:
+        """Let every engine ask the feeder again at the next event (the admission budget grew)."""
+        self._dirty = set(range(self.model.engines))
+
     def progress(self, gid: int) -> np.ndarray:
         """Tokens generated so far by each response of a group (their full length once finished)."""
         out = np.array([self.seq_len[s] if self.seq_done[s] else self.seq_base[s] for s in self.group_seqs[gid]])
@@ -241,6 +245,8 @@ class StepResult:
     carried_out: float = 0.0
     usable_seen: int = 0
     """Usable groups among those completed (kept or surplus)."""
+    groups_done: int = 0
+    """Groups completed (scored)."""
     kept_stale: float = 0.0
     """Tokens of kept groups generated in earlier steps (by an older policy: partial rollouts)."""
     kept_lengths: list[float] = field(default_factory=list)
@@ -277,6 +283,7 @@ def batch_and_filter_step(pool: PromptPool, recipe: Recipe, model: EngineModel,
         res.gen_batches += 1
         res.prompts_drawn += len(usable)
         res.usable_seen += int(usable.sum())
+        res.groups_done += len(usable)
         for i in range(len(usable)):
             tok = float(lengths[i].sum())
             if not usable[i]:
@@ -301,21 +308,61 @@ class Carried:
     staleness: int
 
 
-def streaming_step(pool: PromptPool, recipe: Recipe, model: EngineModel, carry: list[Carried],
-                   partial: bool, max_staleness: int = 1) -> tuple[StepResult, list[Carried]]:
-    """Streaming dynamic sampling with abort; with ``partial`` the aborted groups carry over. Returns the new carry."""
+def _score(res: StepResult, sim: EngineSim, usable: bool, gid: int, recipe: Recipe) -> None:
+    """Count a completed group as kept, rejected or surplus."""
+    tok = float(sum(sim.seq_len[s] for s in sim.group_seqs[gid]))
+    res.usable_seen += int(usable)
+    res.groups_done += 1
+    if not usable:
+        res.rejected += tok
+    elif res.groups_kept < recipe.prompts_per_step:
+        res.groups_kept += 1
+        res.kept += tok
+        res.kept_stale += float(sum(sim.seq_base[s] for s in sim.group_seqs[gid]))
+        res.kept_lengths.append(tok / recipe.group_size)
+    else:
+        res.surplus += tok
+
+
+def _abort(res: StepResult, sim: EngineSim, groups: list[tuple[int, bool, int]], partial: bool,
+           max_staleness: int) -> list[Carried]:
+    """Abort the in-flight ``(gid, usable, staleness)`` groups: carry them (partial rollouts) or count them aborted."""
+    carry = []
+    for g, usable, staleness in groups:
+        prog = sim.progress(g)
+        if partial and staleness < max_staleness:
+            lengths = np.array([sim.seq_len[s] for s in sim.group_seqs[g]])
+            carry.append(Carried(lengths, usable, prog, staleness + 1 if prog.sum() > 0 else 0))
+            res.carried_out += float(prog.sum())
+        else:
+            res.aborted += float(prog.sum())
+    return carry
+
+
+def streaming_step(pool: PromptPool, recipe: Recipe, model: EngineModel, carry: list[Carried], partial: bool,
+                   max_staleness: int = 1, admit: tuple[float, float, int] | None = None
+                   ) -> tuple[StepResult, list[Carried]]:
+    """Streaming dynamic sampling with abort; with ``partial`` the aborted groups carry over. Returns the new carry.
+
+    ``admit=(usable_estimate, margin, cap)`` bounds the fresh prompts (adaptive over-sampling of a stream): enough
+    for the missing groups by :func:`adaptive_round`, counting in-flight groups at the estimate, topped up whenever
+    that expectation falls below the target; without it the engines pull prompts until the step is full.
+    """
     sim, res = EngineSim(model), StepResult()
     meta: dict[int, tuple[bool, int]] = {}  # gid -> (usable, staleness)
     stream = deque(carry)
     res.carried_in = float(sum(c.progress.sum() for c in carry))
-    fresh_cap = recipe.max_gen_batches * recipe.gen_batch_prompts
+    need = recipe.prompts_per_step
+    budget = recipe.max_gen_batches * recipe.gen_batch_prompts
+    if admit is not None:
+        budget = min(budget, adaptive_round(max(need - len(carry) * admit[0], 1), *admit))
 
     def feed(engine: int) -> bool:
         if stream:
             c = stream.popleft()
             meta[sim.add_group(engine, c.lengths, c.progress)] = (c.usable, c.staleness)
             return True
-        if res.prompts_drawn >= fresh_cap:
+        if res.prompts_drawn >= budget:
             return False
         lengths, usable = pool.take(1)
         res.prompts_drawn += 1
@@ -324,36 +371,26 @@ def streaming_step(pool: PromptPool, recipe: Recipe, model: EngineModel, carry: 
 
     sim.feeder = feed
     done: set[int] = set()
-    while res.groups_kept < recipe.prompts_per_step:
+    while res.groups_kept < need:
         completed = sim.advance()
         if completed is None:
             break
         for g in completed:
             done.add(g)
-            tok = float(sum(sim.seq_len[s] for s in sim.group_seqs[g]))
-            res.usable_seen += int(meta[g][0])
-            if not meta[g][0]:
-                res.rejected += tok
-            elif res.groups_kept < recipe.prompts_per_step:
-                res.groups_kept += 1
-                res.kept += tok
-                res.kept_stale += float(sum(sim.seq_base[s] for s in sim.group_seqs[g]))
-                res.kept_lengths.append(tok / recipe.group_size)
-            else:
-                res.surplus += tok
+            _score(res, sim, meta[g][0], g, recipe)
+        if admit is None or not completed:
+            continue
+        pending = len(meta) - len(done) + len(stream) + budget - res.prompts_drawn
+        if res.groups_kept + pending * admit[0] < need:  # bad luck: admit more, sized the same way
+            budget += adaptive_round(need - res.groups_kept - pending * admit[0], *admit)
+            budget = min(budget, recipe.max_gen_batches * recipe.gen_batch_prompts)
+            sim.wake()
     res.wall_s = sim.now
     res.gen_batches = math.ceil(res.prompts_drawn / recipe.gen_batch_prompts)
     new_carry = list(stream)  # carried groups this step never reached keep their tokens and age
     res.carried_out = float(sum(c.progress.sum() for c in new_carry))
-    for g in sorted(set(meta) - done):
-        prog = sim.progress(g)
-        lengths = np.array([sim.seq_len[s] for s in sim.group_seqs[g]])
-        usable, staleness = meta[g]
-        if partial and staleness < max_staleness:
-            new_carry.append(Carried(lengths, usable, prog, staleness + 1 if prog.sum() > 0 else 0))
-            res.carried_out += float(prog.sum())
-        else:
-            res.aborted += float(prog.sum())
+    in_flight = [(g, *meta[g]) for g in sorted(set(meta) - done)]
+    new_carry += _abort(res, sim, in_flight, partial, max_staleness)
     if not partial:  # on-policy: nothing carries, not even the untouched prompts (they cost nothing)
         new_carry = []
     return res, new_carry

@@ -162,6 +162,26 @@ def test_partial_rollouts_drop_groups_past_the_staleness_bound():
     assert res.generated == pytest.approx(2.0 + 2.0)
 
 
+def test_streaming_admission_bounds_the_fresh_prompts_and_tops_up():
+    # usable estimate 1.0, margin 1: admit 2 prompts. t=1: g0 rejected, g1 kept; 1 missing and nothing pending,
+    # so 1 more is admitted: g2 kept at t=2. Without admission both free slots take g2 and g3: g3 is surplus.
+    pool, recipe, model = ListPool([[1]] * 4, [False, True, True, True]), Recipe(2, 1, 3, 10), EngineModel(1, 2, 1.0, 0.0)
+    res, _ = streaming_step(pool, recipe, model, [], partial=False, admit=(1.0, 1.0, 100))
+    assert (res.prompts_drawn, res.groups_kept, res.wall_s, res.surplus) == (3, 2, pytest.approx(2.0), 0.0)
+    free, _ = streaming_step(ListPool([[1]] * 4, [False, True, True, True]), recipe, model, [], partial=False)
+    assert (free.prompts_drawn, free.groups_kept, free.wall_s, free.surplus) == (4, 2, pytest.approx(2.0), 1.0)
+
+
+def test_streaming_admission_counts_pending_prompts_before_topping_up():
+    # estimate 0.5, margin 1.5: admit 6. t=1: g1 rejected; g0 in flight + 4 unfed prompts expect 2.5 >= 2 usable,
+    # so no top-up; the step ends at t=3 (g2 kept t=2, g0 kept t=3) having drawn 4, g3 aborted after 1 token.
+    pool = ListPool([[3], [1], [1], [2], [9], [9], [9], [9]], [True, False, True, True, True, True, True, True])
+    res, _ = streaming_step(pool, Recipe(2, 1, 3, 10), EngineModel(1, 2, 1.0, 0.0), [], partial=False,
+                            admit=(0.5, 1.5, 100))
+    assert (res.prompts_drawn, res.groups_kept, res.wall_s) == (4, 2, pytest.approx(3.0))
+    assert (res.kept, res.rejected, res.aborted) == (4.0, 1.0, pytest.approx(1.0))
+
+
 def test_tiny_steps_reads_a_run(tmp_path):
     metrics = {"step": 3, "sampling/groups_generated": 64, "sampling/groups_all_correct": 32,
                "sampling/groups_all_wrong": 16}
