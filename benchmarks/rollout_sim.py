@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.rollout_sim_core import (
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python benchmarks/rollout_sim.py` from anywhere
+
+from benchmarks.rollout_sim_core import (  # noqa: E402
     EngineModel,
     LengthModel,
     PromptPool,
@@ -211,7 +214,7 @@ def run_tiny(args: argparse.Namespace) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="examples/qwen2.5-32b-fp8.yaml", help="the recipe to simulate")
+    ap.add_argument("--config", default=str(Path(__file__).resolve().parent.parent / "examples/qwen2.5-32b-fp8.yaml"), help="the recipe to simulate")
     ap.add_argument("--preset", default="qwen2.5-32b", help="model preset for the planner's decode rate")
     ap.add_argument("--gpus", type=int, default=128, help="GPUs of the job (engines = gpus / vLLM TP)")
     ap.add_argument("--max-seqs", type=int, default=128, help="running sequences per engine (vLLM max_num_seqs / KV)")
