@@ -15,6 +15,7 @@ from typing import Any, Literal
 import yaml
 
 from dapo_mcore.algo.config import AlgoConfig
+from dapo_mcore.algo.schedule_config import ScheduleConfig
 from dapo_mcore.configtree import ConfigError, apply_overrides, from_dict, read_yaml, to_dict
 from dapo_mcore.data.config import DataConfig
 from dapo_mcore.data.tiny_base_settings import TinyBaseSettings
@@ -198,6 +199,9 @@ class RolloutConfig:
     """Top-k sampling (-1 = off)."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """vLLM settings."""
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    """Rollout scheduling (streaming, adaptive rounds, staged groups, prompt history); all off = DAPO's
+    batch-and-filter loop exactly."""
 
 
 @dataclass
@@ -392,6 +396,10 @@ def _validate_rollout(cfg: Config) -> None:
         raise ConfigError(f"rollout.top_p={r.top_p!r} must lie in (0, 1] (1.0 disables nucleus sampling).")
     if not r.temperature > 0:
         raise ConfigError(f"rollout.temperature={r.temperature!r} must be > 0 (1.0 samples the model's distribution).")
+    try:
+        r.schedule.validate(r.n, cfg.algo.dynamic_sampling)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
     if r.engine == "vllm" and not 0.0 < r.vllm.gpu_memory_utilization < 1.0:
         raise ConfigError("rollout.vllm.gpu_memory_utilization must lie in (0, 1).")
     if cfg.algo.overlong_shaping and cfg.algo.overlong_max_len > r.max_new_tokens:

@@ -171,6 +171,8 @@ class Components:
     writer: Any = None
     ledger: Any = None
     store: Any = None
+    scheduler: Any = None
+    """rollout.scheduler.RolloutScheduler: which prompts a step generates and when it is full."""
     _closers: list[Callable[[], None]] = field(default_factory=list)
 
     @property
@@ -179,6 +181,8 @@ class Components:
 
     def trainer_state(self, step: int) -> dict[str, Any]:
         state = {"step": step, "sampler": self.sampler.state_dict()}
+        if self.cfg.rollout.schedule.enabled:
+            state["schedule"] = self.scheduler.state_dict()
         if self.ledger is not None:
             state["ledger"] = self.ledger.state_dict()
         return state
@@ -276,9 +280,13 @@ def _ledger_counts(metrics: dict[str, Any]) -> dict[str, int]:
         "prompts_kept": int(metrics.get("sampling/groups_kept", 0)),
         "rollouts_generated": int(metrics.get("sampling/rollouts_generated", 0)),
         "rollouts_kept": int(metrics.get("sampling/rollouts_kept", 0)),
-        "tokens_generated": int(metrics.get("sampling/tokens_generated", 0)),
+        "tokens_generated": int(metrics.get("sampling/tokens_generated", 0))
+        + int(metrics.get("sampling/tokens_aborted", 0)),
         "tokens_generated_kept": int(metrics.get("sampling/tokens_kept", 0)),
         "tokens_trained": int(metrics.get("train/tokens", 0)),
+        "tokens_generated_surplus": int(metrics.get("sampling/tokens_surplus", 0)),
+        "tokens_generated_aborted": int(metrics.get("sampling/tokens_aborted", 0)),
+        "prompts_skipped": int(metrics.get("sampling/prompts_history_skipped", 0)),
     }
 
 
@@ -397,7 +405,6 @@ def build_components(cfg: Config, launch: LaunchEnv, *, resume: bool = True, che
     """Start process groups and build actor, engine, data and telemetry (see module docstring for the order)."""
     from dapo_mcore.actor.megatron_actor import MegatronActor
     from dapo_mcore.actor.parallel import init_distributed, init_model_parallel
-    from dapo_mcore.data.sampler import PromptSampler
     from dapo_mcore.data.sources import filter_by_length, load_prompt_records, prompt_encoder
     from dapo_mcore.data.tokenizer import load_tokenizer
     from dapo_mcore.reward import normalize_answer
@@ -421,7 +428,7 @@ def build_components(cfg: Config, launch: LaunchEnv, *, resume: bool = True, che
     elif hf_dir is not None:
         actor.load_hf(str(hf_dir))
     engine = _build_engine(cfg, hf_dir, hf_config, tokenizer)
-    sampler = PromptSampler(train_records, seed=cfg.train.seed) if train_records else None
+    sampler = _build_sampler(cfg, train_records)
     parts_closers: list[Callable[[], None]] = []
     scorer = make_scorer(cfg.reward, parts_closers)
     parts = Components(cfg=cfg, launch=launch, actor=actor, engine=engine, tokenizer=tokenizer, sampler=sampler,
@@ -429,6 +436,8 @@ def build_components(cfg: Config, launch: LaunchEnv, *, resume: bool = True, che
                        normalize=normalize_answer, encode_prompt=prompt_encoder(tokenizer, cfg.data))
     from dapo_mcore.telemetry.perf import device_peak_flops
 
+    if sampler is not None:
+        parts.scheduler = _build_scheduler(cfg, sampler)
     parts.peak_flops = device_peak_flops(cfg.run.peak_tflops_per_device, cfg.model.fp8.enabled)
     engine_tp = cfg.rollout.vllm.tensor_parallel if cfg.rollout.engine == "vllm" else 1
     parts.gen_groups, parts.gen_group_index = launch.world_size // engine_tp, launch.rank // engine_tp
@@ -443,6 +452,26 @@ def build_components(cfg: Config, launch: LaunchEnv, *, resume: bool = True, che
         _open_telemetry(parts, start)
     engine.update_weights(actor.export_hf_weights())  # the engine serves exactly the actor's weights
     return parts
+
+
+def _build_sampler(cfg: Config, records: list) -> Any:
+    from dapo_mcore.data.prompt_history import PromptHistory
+    from dapo_mcore.data.sampler import PromptSampler
+
+    if not records:
+        return None
+    s = cfg.rollout.schedule
+    history = (PromptHistory(cfg.train.seed, s.history_skip_prob, s.history_max_skip_prob, s.history_decay)
+               if s.history else None)
+    return PromptSampler(records, seed=cfg.train.seed, history=history)
+
+
+def _build_scheduler(cfg: Config, sampler: Any) -> Any:
+    from dapo_mcore.rollout.scheduler import RolloutScheduler
+
+    return RolloutScheduler(cfg.rollout.schedule, sampler, n=cfg.rollout.n, target=cfg.train.prompts_per_step,
+                            gen_batch_prompts=cfg.rollout.gen_batch_prompts, max_rounds=cfg.algo.max_gen_batches,
+                            dynamic_sampling=cfg.algo.dynamic_sampling, seed=cfg.train.seed)
 
 
 def _drop_long(records: list, tokenizer, cfg: Config, which: str, filter_by_length) -> list:
@@ -485,6 +514,8 @@ def _restore(parts: Components, *, resume: bool, checkpoint: str | None) -> int:
     state = ckpt.load_checkpoint(target, parts.actor, weights_only=parts.cfg.run.resume_weights_only)
     if parts.sampler is not None:
         parts.sampler.load_state_dict(state["sampler"])
+    if parts.scheduler is not None and "schedule" in state:
+        parts.scheduler.load_state_dict(state["schedule"])
     parts._resume_state = state
     log.info("loaded checkpoint %s (step %d)", target, state["step"])
     return int(state["step"])

@@ -25,7 +25,7 @@ import torch
 
 from dapo_mcore.actor.megatron_actor import TrainSample
 from dapo_mcore.algo.advantages import group_advantages
-from dapo_mcore.algo.dynamic_sampling import DynamicSamplingExhausted, Group, SamplingStats, collect_groups
+from dapo_mcore.algo.dynamic_sampling import DynamicSamplingExhausted, Group, SamplingStats
 from dapo_mcore.algo.metrics import average_updates
 from dapo_mcore.algo.overlong import overlong_penalty
 from dapo_mcore.config import Config
@@ -54,6 +54,12 @@ class GroupData:
     gen_batch: int
     preds: list[str | None] = field(default_factory=list)
     kept: bool = False
+
+    def joined(self, rest: GroupData) -> GroupData:
+        """This group's responses followed by ``rest``'s (a staged group's first stage and its completion)."""
+        return dataclasses.replace(self, responses=self.responses + rest.responses, scores=self.scores + rest.scores,
+                                   acc=self.acc + rest.acc, rewards=self.rewards + rest.rewards,
+                                   preds=self.preds + rest.preds)
 
 
 class _Signals:
@@ -180,23 +186,20 @@ class Trainer:
 
     # ---- phases of a step --------------------------------------------------------------------------------
     def collect(self) -> tuple[list[GroupData], list[GroupData], SamplingStats]:
-        """generate -> score -> shape, refilled by dynamic sampling until the batch holds enough usable groups."""
-        generated: list[GroupData] = []
+        """generate -> score -> shape, until the batch holds enough usable groups (the scheduler decides which
+        prompts to generate and when the step is full: ``rollout.scheduler``)."""
 
-        def generate_batch(i: int) -> list[Group]:
-            # A pre-emption signal is honoured between generation batches too: one step can draw many batches.
-            if i > 0 and self.p.any_rank(self.signals.requested is not None):
+        def generate(records: list[PromptRecord], n: int, slot: int) -> list[Group]:
+            # A pre-emption signal is honoured between generation calls too: one step can draw many batches.
+            if slot > 0 and self.p.any_rank(self.signals.requested is not None):
                 raise _Preempted()
-            records = self.p.sampler.next_batch(self.cfg.rollout.gen_batch_prompts)
-            seed = _seed(self.cfg.train.seed, self.step, i)
-            groups = self._generate_and_score(records, self._sampling(seed=seed), i)
-            generated.extend(groups)
+            params = dataclasses.replace(self._sampling(seed=_seed(self.cfg.train.seed, self.step, slot)), n=n)
+            groups = self._generate_and_score(records, params, slot)
             return [Group(acc=g.acc, payload=g, response_lengths=[r.length for r in g.responses]) for g in groups]
 
         with self._engine_awake():
-            kept, stats = collect_groups(generate_batch, self.cfg.train.prompts_per_step,
-                                         self.cfg.algo.max_gen_batches, enabled=self.cfg.algo.dynamic_sampling)
-        return [g.payload for g in kept], generated, stats
+            kept, generated, stats = self.p.scheduler.collect(generate, GroupData.joined, self.step)
+        return [g.payload for g in kept], [g.payload for g in generated], stats
 
     @contextlib.contextmanager
     def _engine_awake(self) -> Iterator[None]:

@@ -86,9 +86,15 @@ COST_COUNTERS: tuple[str, ...] = (
     "rollouts_generated", "rollouts_kept", "rollouts_rejected",
     "tokens_generated", "tokens_generated_kept", "tokens_generated_rejected",
     "tokens_trained", "device_seconds",
+    "tokens_generated_surplus", "tokens_generated_aborted", "prompts_skipped",
 )
-"""Counters the cost ledger keeps. ``*_rejected`` = generated but not trained on (dynamic sampling's
-rejected groups plus surplus groups dropped); ``device_seconds`` = devices x step wall seconds."""
+"""Counters the cost ledger keeps. ``*_rejected`` = generated in finished groups but not trained on (dynamic
+sampling's rejected groups, surplus groups dropped, stage-skipped groups); ``tokens_generated_surplus`` = the
+surplus part of it; ``tokens_generated_aborted`` = tokens of requests aborted once the step was full (part of
+``tokens_generated``, not of ``*_rejected``); ``prompts_skipped`` = prompts the prompt history skipped before
+generation; ``device_seconds`` = devices x step wall seconds."""
+COST_COUNTERS_ADDED: tuple[str, ...] = ("tokens_generated_surplus", "tokens_generated_aborted", "prompts_skipped")
+"""Counters newer than some checkpoints: a ledger state without them resumes them from 0."""
 
 
 def cost_key(name: str, cumulative: bool) -> str:

@@ -68,6 +68,9 @@ class CostLedger:
         tokens_trained: int,
         phase_seconds: Mapping[str, float],
         num_devices: int,
+        tokens_generated_surplus: int = 0,
+        tokens_generated_aborted: int = 0,
+        prompts_skipped: int = 0,
     ) -> dict[str, float]:
         """Add one step's costs; returns ``as_metrics()``.
 
@@ -88,12 +91,17 @@ class CostLedger:
             "prompts_generated": prompts_generated, "prompts_kept": prompts_kept,
             "rollouts_generated": rollouts_generated, "rollouts_kept": rollouts_kept,
             "tokens_generated": tokens_generated, "tokens_generated_kept": tokens_generated_kept,
-            "tokens_trained": tokens_trained,
+            "tokens_trained": tokens_trained, "tokens_generated_surplus": tokens_generated_surplus,
+            "tokens_generated_aborted": tokens_generated_aborted, "prompts_skipped": prompts_skipped,
         }
         _check_counts(counts)
+        if tokens_generated_kept + tokens_generated_aborted + tokens_generated_surplus > tokens_generated:
+            raise ValueError(f"tokens_generated_kept={tokens_generated_kept} + tokens_generated_aborted="
+                             f"{tokens_generated_aborted} + tokens_generated_surplus={tokens_generated_surplus} "
+                             f"exceed tokens_generated={tokens_generated}; they are disjoint parts of it")
         counts["prompts_rejected"] = prompts_generated - prompts_kept
         counts["rollouts_rejected"] = rollouts_generated - rollouts_kept
-        counts["tokens_generated_rejected"] = tokens_generated - tokens_generated_kept
+        counts["tokens_generated_rejected"] = tokens_generated - tokens_generated_kept - tokens_generated_aborted
         counts["device_seconds"] = num_devices * float(phase_seconds[keys.STEP_PHASE])
         self.step_counts = {name: counts[name] for name in keys.COST_COUNTERS}
         self.step_seconds = {phase: float(s) for phase, s in phase_seconds.items()}
@@ -149,11 +157,11 @@ class CostLedger:
             raise ValueError(f"ledger state version {state['version']} is not {_STATE_VERSION}; cannot resume it")
         if self.step_counts:
             raise ValueError("load_state_dict() after record_step(); restore the ledger before the first step")
-        missing = set(keys.COST_COUNTERS) - set(state["total_counts"])
+        missing = set(keys.COST_COUNTERS) - set(state["total_counts"]) - set(keys.COST_COUNTERS_ADDED)
         if missing:
             raise ValueError(f"ledger state lacks counters {sorted(missing)}")
         self.last_step = state["last_step"]
-        self.total_counts = {name: state["total_counts"][name] for name in keys.COST_COUNTERS}
+        self.total_counts = {name: state["total_counts"].get(name, 0) for name in keys.COST_COUNTERS}
         self.total_seconds = dict(state["total_seconds"])
         self.step_counts, self.step_seconds = {}, {}
         # Nothing survives from a checkpoint taken before the first step.

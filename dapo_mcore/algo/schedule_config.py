@@ -1,0 +1,99 @@
+"""Settings of the rollout scheduler (``rollout.schedule``): how a step gathers its usable groups cheaply.
+
+Every switch is off by default, and all off is DAPO's published batch-and-filter loop exactly (same prompts,
+same seeds, same kept groups). Pure configuration: no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ScheduleConfig"]
+
+
+@dataclass
+class ScheduleConfig:
+    """Rollout scheduling switches (see docs/rollout.md, "Rollout cost")."""
+
+    streaming: bool = False
+    """Generate each round in chunks of ``stream_chunk_prompts`` prompts, decide the groups of each chunk in prompt
+    order, and stop as soon as the step holds train.prompts_per_step usable groups: prompts after that point are
+    never drawn (they stay for the next step)."""
+
+    stream_chunk_prompts: int = 8
+    """Prompts per streamed chunk (streaming only). Smaller stops closer to the need; larger batches the engine
+    better (on GPUs, a few hundred)."""
+
+    adaptive: bool = False
+    """Size each generation round from the usable-group fraction observed so far instead of a fixed
+    rollout.gen_batch_prompts: need / estimated fraction x adaptive_margin, capped at adaptive_max_prompts."""
+
+    adaptive_margin: float = 1.2
+    """Over-sampling factor on top of the expected need (>= 1)."""
+
+    adaptive_max_prompts: int = 0
+    """Most prompts in one round; 0 = 4 x rollout.gen_batch_prompts."""
+
+    adaptive_ema: float = 0.5
+    """Weight of the latest step in the running usable-fraction estimate (in (0, 1]; 1 = last step only)."""
+
+    adaptive_min_fraction: float = 0.05
+    """Floor of the usable-fraction estimate, so a run of bad steps cannot ask for unbounded rounds."""
+
+    stage_responses: int = 0
+    """Staged groups: generate this many responses (k < rollout.n) of each prompt first and complete only the groups
+    whose first k are mixed (they are sure to be usable); groups whose first k agree are skipped and counted
+    (sampling/groups_stage_skipped; a bias towards prompts of middling difficulty). 0 = off."""
+
+    stage_audit_fraction: float = 0.0
+    """Fraction of stage-skipped groups completed anyway, only to measure the bias: how many of them would have been
+    usable (sampling/groups_stage_audit_usable of sampling/groups_stage_audited). They are never trained on."""
+
+    history: bool = False
+    """Prompt history (GRESO-like): skip prompts whose recent visits were all right or all wrong, with a probability
+    that grows with the streak, is capped by history_max_skip_prob and decays with each skip. Saved in checkpoints."""
+
+    history_skip_prob: float = 0.5
+    """Skip probability after one uniform visit; after s uniform visits in a row: 1 - (1 - p)^s."""
+
+    history_max_skip_prob: float = 0.9
+    """Cap of the skip probability (every prompt keeps at least 1 - cap chance to be generated: exploration)."""
+
+    history_decay: float = 0.5
+    """Each skip multiplies a prompt's skip probability by this (in [0, 1]), until its next visit."""
+
+    @property
+    def enabled(self) -> bool:
+        """Any switch on (else the trainer runs the published batch-and-filter loop)."""
+        return self.streaming or self.adaptive or self.stage_responses > 0 or self.history
+
+    def validate(self, n: int, dynamic_sampling: bool) -> None:
+        """Raise ValueError naming the key and the fix."""
+        if self.enabled and not dynamic_sampling:
+            raise ValueError("rollout.schedule switches (streaming, adaptive, stage_responses, history) select usable "
+                             "groups for dynamic sampling; set algo.dynamic_sampling=true or turn them off")
+        if self.stream_chunk_prompts < 1:
+            raise ValueError(f"rollout.schedule.stream_chunk_prompts={self.stream_chunk_prompts} must be >= 1 (e.g. 8)")
+        if self.adaptive_margin < 1.0:
+            raise ValueError(f"rollout.schedule.adaptive_margin={self.adaptive_margin} must be >= 1 (e.g. 1.2)")
+        if self.adaptive_max_prompts < 0:
+            raise ValueError(f"rollout.schedule.adaptive_max_prompts={self.adaptive_max_prompts} must be >= 0 "
+                             "(0 = 4 x rollout.gen_batch_prompts)")
+        if not 0.0 < self.adaptive_ema <= 1.0:
+            raise ValueError(f"rollout.schedule.adaptive_ema={self.adaptive_ema} must be in (0, 1] (e.g. 0.5)")
+        if not 0.0 < self.adaptive_min_fraction <= 1.0:
+            raise ValueError(f"rollout.schedule.adaptive_min_fraction={self.adaptive_min_fraction} must be in (0, 1] "
+                             "(e.g. 0.05)")
+        if self.stage_responses < 0 or (self.stage_responses and not 2 <= self.stage_responses < n):
+            raise ValueError(f"rollout.schedule.stage_responses={self.stage_responses} must be 0 (off) or in "
+                             f"[2, rollout.n={n}): a first stage of one response is never mixed")
+        if not 0.0 <= self.stage_audit_fraction <= 1.0:
+            raise ValueError(f"rollout.schedule.stage_audit_fraction={self.stage_audit_fraction} must be in [0, 1]")
+        if not 0.0 < self.history_skip_prob <= 1.0:
+            raise ValueError(f"rollout.schedule.history_skip_prob={self.history_skip_prob} must be in (0, 1] "
+                             "(e.g. 0.5)")
+        if not 0.0 <= self.history_max_skip_prob < 1.0:
+            raise ValueError(f"rollout.schedule.history_max_skip_prob={self.history_max_skip_prob} must be in [0, 1): "
+                             "1 would drop prompts forever; e.g. 0.9")
+        if not 0.0 <= self.history_decay <= 1.0:
+            raise ValueError(f"rollout.schedule.history_decay={self.history_decay} must be in [0, 1] (e.g. 0.5)")

@@ -1,0 +1,166 @@
+"""The rollout scheduler: gathers one step's usable groups, paying for as few thrown-away rollouts as it can.
+
+With every ``rollout.schedule`` switch off it is DAPO's published loop (``algo.dynamic_sampling.collect_groups``):
+draw ``rollout.gen_batch_prompts`` prompts, generate G responses each, keep the mixed groups, repeat until
+``train.prompts_per_step`` are kept, drop the rest. The switches (see ``ScheduleConfig``) change what is drawn
+and generated, never how a kept group is trained:
+
+- streaming: rounds are generated in chunks and the step stops after the chunk that fills it;
+- adaptive: a round's size follows the usable fraction seen in earlier steps;
+- staged groups: k < G responses first; only groups whose first k are mixed are completed;
+- prompt history: the sampler skips prompts that were all right / all wrong lately (``data.prompt_history``).
+
+Decisions are taken in prompt order over shared, scored groups, never in completion order, so the kept batch is
+a pure function of the seed, the data and the world size, and every rank holds the same one. Generation itself
+goes through the trainer's ``generate`` callback (engine groups, gather), so any layout works.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import random
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from dapo_mcore.algo.dynamic_sampling import Group, SamplingStats, _exhausted, collect_groups
+from dapo_mcore.algo.schedule_config import ScheduleConfig
+
+__all__ = ["RolloutScheduler", "GenerateFn", "MergeFn", "round_size"]
+
+log = logging.getLogger(__name__)
+
+GenerateFn = Callable[[list[Any], int, int], list[Group]]
+"""``generate(records, responses_per_prompt, slot)``: one scored Group per record, in order. ``slot`` counts the
+generation calls of the step from 0 (the trainer derives the seed from it; slot > 0 may honour a stop signal)."""
+MergeFn = Callable[[Any, Any], Any]
+"""Joins the payloads of a group's first stage and its completion (staged groups)."""
+
+
+def round_size(need: int, estimate: float | None, base: int, margin: float, cap: int, floor: float) -> int:
+    """Prompts for the next round: ``base`` without an estimate, else ``ceil(need / max(estimate, floor) * margin)``
+    clamped to ``[1, cap]``."""
+    if estimate is None:
+        return min(base, cap)
+    return max(1, min(cap, math.ceil(need / max(estimate, floor) * margin)))
+
+
+class RolloutScheduler:
+    """One step's group collection (see module docstring).
+
+    Args:
+        cfg: the ``rollout.schedule`` switches.
+        sampler: a ``data.sampler.PromptSampler`` (with a ``PromptHistory`` when ``cfg.history``).
+        n: responses per prompt (G).
+        target: usable groups per step (train.prompts_per_step).
+        gen_batch_prompts: the fixed round size (and the first adaptive round's size).
+        max_rounds: most rounds per step (algo.max_gen_batches; 0 = no limit).
+        dynamic_sampling: False (GRPO) takes one batch unfiltered; only with every switch off.
+        seed: the run's seed (the staged-group audit draws).
+    """
+
+    def __init__(self, cfg: ScheduleConfig, sampler: Any, *, n: int, target: int, gen_batch_prompts: int,
+                 max_rounds: int, dynamic_sampling: bool = True, seed: int = 0) -> None:
+        self.cfg, self.sampler, self.n, self.target = cfg, sampler, n, target
+        self.gen_batch_prompts, self.max_rounds, self.dynamic_sampling, self.seed = (
+            gen_batch_prompts, max_rounds, dynamic_sampling, seed)
+        self.usable_estimate: float | None = None
+        """Running usable-group fraction (adaptive rounds); None until the first step ends."""
+
+    def collect(self, generate: GenerateFn, merge: MergeFn, step: int = 0) -> tuple[list[Group], list[Group], SamplingStats]:
+        """``(kept, generated, stats)``: the step's kept groups (exactly ``target``, prompt order), every group it
+        generated (kept or not, in decision order) and the sampling counters."""
+        if not self.cfg.enabled:
+            generated: list[Group] = []
+
+            def batch(i: int) -> list[Group]:
+                groups = generate(self.sampler.next_batch(self.gen_batch_prompts), self.n, i)
+                generated.extend(groups)
+                return groups
+
+            kept, stats = collect_groups(batch, self.target, self.max_rounds, enabled=self.dynamic_sampling)
+            return kept, generated, stats
+        return self._collect_scheduled(generate, merge, step)
+
+    def _collect_scheduled(self, generate: GenerateFn, merge: MergeFn, step: int) -> tuple[list[Group], list[Group],
+                                                                                          SamplingStats]:
+        stats, kept, generated = SamplingStats(), [], []
+        slots = itertools.count()
+        history = self.sampler.history
+        while len(kept) < self.target:
+            if self.max_rounds and stats.gen_batches >= self.max_rounds:
+                raise _exhausted(stats, self.target, self.max_rounds)
+            size, drawn = self.next_round_size(self.target - len(kept)), 0
+            stats.gen_batches += 1
+            while drawn < size and len(kept) < self.target:
+                take = min(size - drawn, self.cfg.stream_chunk_prompts) if self.cfg.streaming else size - drawn
+                indices, skipped = self.sampler.next_selected(take)
+                stats.prompts_history_skipped += skipped
+                if not indices:
+                    break
+                drawn += len(indices)
+                records = [self.sampler.records[i] for i in indices]
+                for index, (group, staged_out) in zip(indices, self._generate(records, generate, merge, slots, step),
+                                                      strict=True):
+                    generated.append(group)
+                    if history is not None:
+                        history.record(index, group.num_correct(), len(group.acc))
+                    self._decide(group, staged_out, kept, stats)
+        self._update_estimate(stats)
+        return kept, generated, stats
+
+    def _decide(self, group: Group, staged_out: bool, kept: list[Group], stats: SamplingStats) -> None:
+        """Prompt order: the first ``target`` usable groups are kept, later usable ones are surplus."""
+        if staged_out:
+            stats._count(group, "stage_skipped")
+            if len(group.acc) == self.n:  # completed only to measure the staging bias
+                stats.groups_stage_audited += 1
+                stats.groups_stage_audit_usable += int(group.is_usable())
+        elif not group.is_usable():
+            stats._count(group, "rejected")
+        elif len(kept) < self.target:
+            kept.append(group)
+            stats._count(group, "kept")
+        else:
+            stats._count(group, "surplus")
+
+    def _generate(self, records: list[Any], generate: GenerateFn, merge: MergeFn, slots: Iterator[int],
+                  step: int) -> list[tuple[Group, bool]]:
+        """Generate the chunk's groups; with staged groups, ``(group, True)`` marks a group skipped at stage one."""
+        k = self.cfg.stage_responses
+        if not k:
+            return [(g, False) for g in generate(records, self.n, next(slots))]
+        first = generate(records, k, next(slots))
+        audit = random.Random(f"stage-audit:{self.seed}:{step}:{next(slots)}")
+        complete = [i for i, g in enumerate(first)
+                    if g.is_usable() or audit.random() < self.cfg.stage_audit_fraction]
+        rest = generate([records[i] for i in complete], self.n - k, next(slots)) if complete else []
+        out = [(g, True) for g in first]
+        for i, tail in zip(complete, rest, strict=True):
+            head = first[i]
+            joined = Group(acc=list(head.acc) + list(tail.acc), payload=merge(head.payload, tail.payload),
+                           response_lengths=list(head.response_lengths or []) + list(tail.response_lengths or []))
+            out[i] = (joined, not head.is_usable())
+        return out
+
+    def next_round_size(self, need: int) -> int:
+        """Prompts to generate in the next round of this step."""
+        if not self.cfg.adaptive:
+            return self.gen_batch_prompts
+        cap = self.cfg.adaptive_max_prompts or 4 * self.gen_batch_prompts
+        return round_size(need, self.usable_estimate, self.gen_batch_prompts, self.cfg.adaptive_margin, cap,
+                          self.cfg.adaptive_min_fraction)
+
+    def _update_estimate(self, stats: SamplingStats) -> None:
+        if not stats.groups_generated:
+            return
+        frac = (stats.groups_kept + stats.groups_surplus) / stats.groups_generated
+        w = self.cfg.adaptive_ema
+        self.usable_estimate = frac if self.usable_estimate is None else w * frac + (1 - w) * self.usable_estimate
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"usable_estimate": self.usable_estimate}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.usable_estimate = state["usable_estimate"]

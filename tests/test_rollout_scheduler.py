@@ -1,0 +1,240 @@
+"""Rollout scheduler: all switches off is the published loop; each switch against a naive reference."""
+
+import json
+import math
+import random
+
+import pytest
+
+from dapo_mcore.algo.dynamic_sampling import DynamicSamplingExhausted, Group, collect_groups
+from dapo_mcore.algo.schedule_config import ScheduleConfig
+from dapo_mcore.data.prompt_history import PromptHistory, skip_probability
+from dapo_mcore.data.sampler import PromptSampler
+from dapo_mcore.rollout.scheduler import RolloutScheduler, round_size
+
+pytestmark = pytest.mark.unit
+
+N, TARGET, BATCH = 8, 6, 10
+
+
+def _p_correct(record: int) -> float:
+    """A heterogeneous pool: a third always right, a third never, a third in between."""
+    return (0.0, 1.0, 0.2 + 0.6 * ((record * 7) % 11) / 10)[record % 3]
+
+
+def _acc(record: int, j: int, visit: int = 0) -> bool:
+    return random.Random(f"{record}:{j}:{visit}").random() < _p_correct(record)
+
+
+class FakeEngine:
+    """generate(records, n, slot): response j of a record continues where its last call on this step stopped."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[int], int, int]] = []
+        self.done: dict[int, int] = {}
+
+    def __call__(self, records, n, slot):
+        self.calls.append((list(records), n, slot))
+        out = []
+        for r in records:
+            start = self.done.get(r, 0)
+            self.done[r] = start + n
+            acc = [_acc(r, j) for j in range(start, start + n)]
+            out.append(Group(acc=acc, payload=(r, start), response_lengths=[1 + (r + j) % 4 for j in range(n)]))
+        return out
+
+
+def _merge(a, b):
+    return a
+
+
+def _scheduler(cfg: ScheduleConfig, prompts: int = 60, history: PromptHistory | None = None, **kw):
+    sampler = PromptSampler(list(range(prompts)), seed=3, history=history)
+    args = {"n": N, "target": TARGET, "gen_batch_prompts": BATCH, "max_rounds": 30, **kw}
+    return RolloutScheduler(cfg, sampler, **args), sampler
+
+
+def test_all_switches_off_is_collect_groups_exactly():
+    sched, _ = _scheduler(ScheduleConfig())
+    engine = FakeEngine()
+    kept, generated, stats = sched.collect(engine, _merge)
+    ref_sampler, ref_engine = PromptSampler(list(range(60)), seed=3), FakeEngine()
+    ref_generated: list[Group] = []
+
+    def batch(i):
+        groups = ref_engine(ref_sampler.next_batch(BATCH), N, i)
+        ref_generated.extend(groups)
+        return groups
+
+    ref_kept, ref_stats = collect_groups(batch, TARGET, 30)
+    assert [g.payload for g in kept] == [g.payload for g in ref_kept]
+    assert [g.payload for g in generated] == [g.payload for g in ref_generated]
+    assert engine.calls == ref_engine.calls and stats == ref_stats and stats.groups_surplus > 0
+
+
+def _naive_stream(chunk: int, target: int = TARGET) -> tuple[list[int], int]:
+    """Reference: walk the sampler's order in rounds of BATCH cut into chunks; keep the first `target` usable."""
+    order = PromptSampler(list(range(60)), seed=3)
+    kept, drawn = [], 0
+    while len(kept) < target:
+        idx = order.next_indices(min(chunk, BATCH - drawn % BATCH))
+        drawn += len(idx)
+        for r in idx:
+            usable = 0 < sum(_acc(r, j) for j in range(N)) < N
+            if usable and len(kept) < target:
+                kept.append(r)
+    return kept, drawn
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 8])
+def test_streaming_keeps_the_first_usable_groups_in_prompt_order_and_stops(chunk):
+    sched, _ = _scheduler(ScheduleConfig(streaming=True, stream_chunk_prompts=chunk))
+    kept, generated, stats = sched.collect(FakeEngine(), _merge)
+    ref_kept, ref_drawn = _naive_stream(chunk)
+    assert [g.payload[0] for g in kept] == ref_kept
+    assert stats.groups_generated == len(generated) == ref_drawn
+    assert stats.groups_kept == TARGET and stats.groups_surplus <= chunk - 1
+    assert stats.tokens_generated == stats.tokens_kept + stats.tokens_rejected
+
+
+def test_streaming_generates_less_than_batch_and_filter():
+    off, _ = _scheduler(ScheduleConfig())
+    on, _ = _scheduler(ScheduleConfig(streaming=True, stream_chunk_prompts=2))
+    _, _, s_off = off.collect(FakeEngine(), _merge)
+    _, _, s_on = on.collect(FakeEngine(), _merge)
+    assert s_on.tokens_generated < s_off.tokens_generated and s_on.groups_kept == s_off.groups_kept == TARGET
+
+
+def test_staged_groups_complete_only_mixed_first_stages():
+    k = 3
+    sched, _ = _scheduler(ScheduleConfig(stage_responses=k))
+    engine = FakeEngine()
+    kept, generated, stats = sched.collect(engine, _merge)
+    # Reference over the same draw order: a prompt is kept iff its first k responses are mixed.
+    order = PromptSampler(list(range(60)), seed=3)
+    ref_kept, skipped, drawn = [], 0, 0
+    while len(ref_kept) < TARGET:
+        for r in order.next_indices(BATCH):
+            drawn += 1
+            if 0 < sum(_acc(r, j) for j in range(k)) < k:
+                ref_kept.append(r) if len(ref_kept) < TARGET else None
+            else:
+                skipped += 1
+    assert [g.payload[0] for g in kept] == ref_kept
+    assert stats.groups_stage_skipped == skipped and stats.groups_generated == drawn
+    assert all(len(g.acc) == N for g in kept) and all(len(g.acc) == k for g in generated if len(g.acc) != N)
+    assert stats.rollouts_generated == k * skipped + N * (drawn - skipped)
+    assert [n for _, n, _ in engine.calls] == [k, N - k] * (len(engine.calls) // 2)
+
+
+def test_staged_audit_measures_the_bias_without_training_on_it():
+    sched, _ = _scheduler(ScheduleConfig(stage_responses=2, stage_audit_fraction=1.0), prompts=300)
+    kept, generated, stats = sched.collect(FakeEngine(), _merge)
+    assert stats.groups_stage_audited == stats.groups_stage_skipped > 0
+    full = [g for g in generated if len(g.acc) == N]
+    usable_skipped = sum(g.is_usable() for g in full) - stats.groups_kept - stats.groups_surplus
+    assert stats.groups_stage_audit_usable == usable_skipped > 0
+    assert all(0 < sum(g.acc[:2]) < 2 for g in kept)
+
+
+def test_round_size_matches_the_formula():
+    for need, est, base, margin, cap, floor in [(16, None, 32, 1.2, 128, 0.05), (16, 0.5, 32, 1.2, 128, 0.05),
+                                                (16, 0.01, 32, 1.2, 128, 0.05), (3, 0.9, 32, 1.0, 128, 0.05),
+                                                (1, 1.0, 32, 1.0, 128, 0.05)]:
+        want = min(base, cap) if est is None else max(1, min(cap, math.ceil(need / max(est, floor) * margin)))
+        assert round_size(need, est, base, margin, cap, floor) == want
+
+
+def test_adaptive_rounds_follow_the_observed_fraction_and_resume():
+    cfg = ScheduleConfig(adaptive=True, adaptive_ema=0.5, adaptive_margin=1.0)
+    sched, _ = _scheduler(cfg, prompts=400)
+    _, _, s1 = sched.collect(FakeEngine(), _merge, step=0)
+    frac1 = (s1.groups_kept + s1.groups_surplus) / s1.groups_generated
+    assert sched.usable_estimate == pytest.approx(frac1)
+    assert sched.next_round_size(TARGET) == math.ceil(TARGET / frac1)
+    _, _, s2 = sched.collect(FakeEngine(), _merge, step=1)
+    frac2 = (s2.groups_kept + s2.groups_surplus) / s2.groups_generated
+    assert sched.usable_estimate == pytest.approx(0.5 * frac2 + 0.5 * frac1)
+    again, _ = _scheduler(cfg, prompts=400)
+    again.load_state_dict(json.loads(json.dumps(sched.state_dict())))
+    assert again.usable_estimate == sched.usable_estimate
+
+
+def test_exhausted_rounds_raise_with_counts():
+    sched, _ = _scheduler(ScheduleConfig(streaming=True), max_rounds=2)
+    engine = lambda records, n, slot: [Group(acc=[True] * n, payload=r) for r in records]  # noqa: E731
+    with pytest.raises(DynamicSamplingExhausted, match="max_gen_batches=2"):
+        sched.collect(engine, _merge)
+
+
+# ---- prompt history ---------------------------------------------------------------------------------------
+
+def test_skip_probability_matches_the_formula_and_decays():
+    for streak, skips in [(0, 0), (1, 0), (2, 0), (5, 0), (3, 1), (3, 4)]:
+        want = 0.0 if streak == 0 else min(0.9, 1 - 0.5 ** streak) * 0.5 ** skips
+        assert skip_probability(streak, skips, 0.5, 0.9, 0.5) == pytest.approx(want)
+    h = PromptHistory(0, 0.5, 0.9, 0.5)
+    for _ in range(6):
+        h.record(7, 0, 8)
+    assert h.probability(7) == pytest.approx(0.9)  # capped: exploration
+    h.record(7, 3, 8)
+    assert h.probability(7) == 0.0  # a mixed visit clears the streak
+
+
+def test_history_never_drops_a_prompt_forever_and_skips_at_the_rate():
+    h = PromptHistory(1, 0.5, 0.9, 1.0)
+    for i in range(2000):
+        for _ in range(4):
+            h.record(i, 8, 8)
+    skipped = sum(h.should_skip(i) for i in range(2000))
+    assert 0.87 < skipped / 2000 < 0.93
+    h2 = PromptHistory(1, 0.5, 0.9, 0.5)
+    h2.record(0, 8, 8)
+    decisions = [h2.should_skip(0) for _ in range(40)]
+    assert not all(decisions) and h2.probability(0) < 0.5
+
+
+def test_history_skips_uniform_prompts_and_resumes_exactly():
+    def run(sampler, steps):
+        out = []
+        for _ in range(steps):
+            idx, skipped = sampler.next_selected(10)
+            for i in idx:
+                sampler.history.record(i, 8 * (i % 3 == 1), 8)  # a third always right, the rest always wrong
+            out.append((idx, skipped))
+        return out
+
+    make = lambda: PromptSampler(list(range(30)), seed=4, history=PromptHistory(4, 0.5, 0.9, 0.5))  # noqa: E731
+    ref = run(make(), 12)
+    assert sum(s for _, s in ref) > 20
+    first = make()
+    got = run(first, 5)
+    state = json.loads(json.dumps(first.state_dict()))
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert got + run(resumed, 7) == ref
+    assert state["history"]["skipped_total"] == sum(s for _, s in ref[:5])
+
+
+def test_history_with_scheduler_counts_skips():
+    history = PromptHistory(3, 0.9, 0.9, 1.0)
+    sched, sampler = _scheduler(ScheduleConfig(history=True), prompts=30, history=history)
+    totals = [sched.collect(FakeEngine(), _merge, step=s)[2].prompts_history_skipped for s in range(6)]
+    assert sum(totals) > 0 and sum(totals) == history.skipped_total
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("stage_responses", 1, "stage_responses"), ("stage_responses", 8, "stage_responses"),
+    ("stream_chunk_prompts", 0, "stream_chunk_prompts"), ("adaptive_margin", 0.5, "adaptive_margin"),
+    ("history_max_skip_prob", 1.0, "forever"), ("adaptive_ema", 0.0, "adaptive_ema"),
+])
+def test_config_refuses_bad_values_with_the_key(field, value, match):
+    cfg = ScheduleConfig(**{field: value})
+    with pytest.raises(ValueError, match=match):
+        cfg.validate(n=8, dynamic_sampling=True)
+
+
+def test_config_refuses_switches_without_dynamic_sampling():
+    with pytest.raises(ValueError, match="dynamic_sampling=true"):
+        ScheduleConfig(streaming=True).validate(n=8, dynamic_sampling=False)
+    ScheduleConfig().validate(n=8, dynamic_sampling=False)
