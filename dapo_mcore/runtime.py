@@ -173,6 +173,9 @@ class Components:
     store: Any = None
     scheduler: Any = None
     """rollout.scheduler.RolloutScheduler: which prompts a step generates and when it is full."""
+    engine_streams: bool = False
+    """Streaming generation aborts in-flight requests once a step is full: rollout.schedule.streaming with an engine
+    that streams finished groups and a single rank (otherwise streaming works chunk by chunk)."""
     _closers: list[Callable[[], None]] = field(default_factory=list)
 
     @property
@@ -438,6 +441,10 @@ def build_components(cfg: Config, launch: LaunchEnv, *, resume: bool = True, che
 
     if sampler is not None:
         parts.scheduler = _build_scheduler(cfg, sampler)
+    from dapo_mcore.rollout.protocol import StreamingEngine
+
+    parts.engine_streams = (cfg.rollout.schedule.streaming and launch.world_size == 1
+                            and isinstance(engine, StreamingEngine))
     parts.peak_flops = device_peak_flops(cfg.run.peak_tflops_per_device, cfg.model.fp8.enabled)
     engine_tp = cfg.rollout.vllm.tensor_parallel if cfg.rollout.engine == "vllm" else 1
     parts.gen_groups, parts.gen_group_index = launch.world_size // engine_tp, launch.rank // engine_tp

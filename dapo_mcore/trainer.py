@@ -130,7 +130,11 @@ class Trainer:
         with phase("generate"):
             outputs = self._generate(prompt_ids, params)
         with phase("reward"):
-            results = self._score(records, outputs)
+            return self._scored_groups(records, prompt_ids, outputs, gen_batch)
+
+    def _scored_groups(self, records: list[PromptRecord], prompt_ids: list[list[int]],
+                       outputs: list[list[Response]], gen_batch: int) -> list[GroupData]:
+        results = self._score(records, outputs)
         groups, start = [], 0
         for i, rec in enumerate(records):
             res = results[start:start + len(outputs[i])]
@@ -139,6 +143,18 @@ class Trainer:
             groups.append(GroupData(rec, prompt_ids[i], outputs[i], scores, [bool(x.acc) for x in res],
                                     self._shape_rewards(scores, outputs[i]), gen_batch, [x.pred for x in res]))
         return groups
+
+    def _stream_and_score(self, records: list[PromptRecord], params: SamplingParams, gen_batch: int) -> _Stream:
+        """Streamed generation (one engine group): each group is scored as soon as it finishes."""
+        prompt_ids = [self.p.encode_prompt(rec) for rec in records]
+        engine_stream = self.p.engine.stream(prompt_ids, params)
+
+        def scored() -> Iterator[tuple[int, Group]]:
+            with self.p.timer.phase("generate"):
+                for i, responses in engine_stream:
+                    yield i, _group(self._scored_groups([records[i]], [prompt_ids[i]], [responses], gen_batch)[0])
+
+        return _Stream(scored(), engine_stream.abort)
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Response]]:
         """Each engine group generates its share (``rollout.gather.plan_shares``); every rank gets all the results.
@@ -189,16 +205,21 @@ class Trainer:
         """generate -> score -> shape, until the batch holds enough usable groups (the scheduler decides which
         prompts to generate and when the step is full: ``rollout.scheduler``)."""
 
-        def generate(records: list[PromptRecord], n: int, slot: int) -> list[Group]:
+        def params(n: int, slot: int) -> SamplingParams:
             # A pre-emption signal is honoured between generation calls too: one step can draw many batches.
             if slot > 0 and self.p.any_rank(self.signals.requested is not None):
                 raise _Preempted()
-            params = dataclasses.replace(self._sampling(seed=_seed(self.cfg.train.seed, self.step, slot)), n=n)
-            groups = self._generate_and_score(records, params, slot)
-            return [Group(acc=g.acc, payload=g, response_lengths=[r.length for r in g.responses]) for g in groups]
+            return dataclasses.replace(self._sampling(seed=_seed(self.cfg.train.seed, self.step, slot)), n=n)
+
+        def generate(records: list[PromptRecord], n: int, slot: int) -> list[Group]:
+            return [_group(g) for g in self._generate_and_score(records, params(n, slot), slot)]
+
+        def stream(records: list[PromptRecord], n: int, slot: int) -> _Stream:
+            return self._stream_and_score(records, params(n, slot), slot)
 
         with self._engine_awake():
-            kept, generated, stats = self.p.scheduler.collect(generate, GroupData.joined, self.step)
+            kept, generated, stats = self.p.scheduler.collect(generate, GroupData.joined, self.step,
+                                                              stream if self.p.engine_streams else None)
         return [g.payload for g in kept], [g.payload for g in generated], stats
 
     @contextlib.contextmanager
@@ -393,6 +414,26 @@ class Trainer:
             signals.restore()
             p.close()
         return 0
+
+
+def _group(g: GroupData) -> Group:
+    return Group(acc=g.acc, payload=g, response_lengths=[r.length for r in g.responses])
+
+
+@dataclass
+class _Stream:
+    """Scored groups of a streamed generation call (the scheduler's StreamFn result)."""
+
+    groups: Any
+    """A generator of ``(position, Group)``."""
+    engine_abort: Any
+
+    def __iter__(self) -> Iterator[tuple[int, Group]]:
+        return self.groups
+
+    def abort(self) -> int:
+        self.groups.close()  # leaves the generate phase before the next one starts
+        return self.engine_abort()
 
 
 def _seed(base: int, step: int, batch: int) -> int:

@@ -197,3 +197,24 @@ def test_from_pretrained_roundtrip(model, tmp_path):
     loaded.close()
     with pytest.raises(EngineError, match="closed"):
         loaded.generate(PROMPTS, params)
+
+
+def test_stream_yields_generates_groups_and_abort_counts_tokens(model):
+    from dapo_mcore.rollout import StreamingEngine
+
+    engine = HFEngine(model, eos_token_ids=2, max_batch_rows=12)  # 3 prompts x 4 samples per chunk
+    assert isinstance(engine, StreamingEngine)
+    prompts = [[1, 5, 6], [1, 7], [1, 9, 3, 4], [1, 8], [1, 10, 11], [1, 12]]
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=8, seed=11)
+    want = engine.generate(prompts, params)
+    got = dict(engine.stream(prompts, params))
+    assert sorted(got) == list(range(len(prompts)))
+    assert all(got[i] == want[i] for i in range(len(prompts)))
+    stream = engine.stream(prompts, params)
+    it = iter(stream)
+    first_index, _ = next(it)
+    assert first_index < 3  # the first chunk's groups come first
+    aborted = stream.abort()
+    unfinished = [i for i in range(3) if i != first_index]
+    assert 0 < aborted <= sum(r.length for i in unfinished for r in want[i])
+    assert stream.abort() == 0

@@ -238,3 +238,41 @@ def test_config_refuses_switches_without_dynamic_sampling():
     with pytest.raises(ValueError, match="dynamic_sampling=true"):
         ScheduleConfig(streaming=True).validate(n=8, dynamic_sampling=False)
     ScheduleConfig().validate(n=8, dynamic_sampling=False)
+
+
+class FakeStream:
+    """Groups of one call finish in a shuffled order; abort reports 1 token per unfinished response."""
+
+    def __init__(self, groups, seed):
+        self.order = list(range(len(groups)))
+        random.Random(seed).shuffle(self.order)
+        self.groups, self.given, self.aborted = groups, 0, 0
+
+    def __iter__(self):
+        for pos in self.order:
+            self.given += 1
+            yield pos, self.groups[pos]
+
+    def abort(self):
+        self.aborted = (len(self.groups) - self.given) * N
+        return self.aborted
+
+
+@pytest.mark.parametrize("chunk", [3, 7])
+def test_engine_stream_decides_in_prompt_order_not_completion_order(chunk):
+    cfg = ScheduleConfig(streaming=True, stream_chunk_prompts=chunk)
+    chunked, _ = _scheduler(cfg)
+    ref_kept, _, ref_stats = chunked.collect(FakeEngine(), _merge)
+    streamed, _ = _scheduler(cfg)
+    engine, streams = FakeEngine(), []
+
+    def stream(records, n, slot):
+        streams.append(FakeStream(engine(records, n, slot), seed=slot))
+        return streams[-1]
+
+    kept, generated, stats = streamed.collect(FakeEngine(), _merge, stream=stream)
+    assert [g.payload for g in kept] == [g.payload for g in ref_kept]
+    assert stats.tokens_aborted == sum(s.aborted for s in streams) == N * (len(streams[-1].groups) - streams[-1].given)
+    assert stats.tokens_aborted > 0
+    assert stats.groups_generated == len(generated) == ref_stats.groups_generated - stats.tokens_aborted // N
+    assert stats.tokens_generated == stats.tokens_kept + stats.tokens_rejected

@@ -6,9 +6,11 @@ from dapo_mcore.rollout.mismatch import MismatchStats, mismatch_metrics, tis_wei
 from dapo_mcore.rollout.protocol import (
     Engine,
     EngineError,
+    GroupStream,
     PromptFilterResult,
     Response,
     SamplingParams,
+    StreamingEngine,
     WeightBucket,
     filter_prompts,
 )
@@ -18,11 +20,13 @@ from dapo_mcore.rollout.weight_sync import SyncTracker, qwen2_param_shapes
 __all__ = [
     "Engine",
     "EngineError",
+    "GroupStream",
     "HFEngine",
     "MismatchStats",
     "PromptFilterResult",
     "Response",
     "SamplingParams",
+    "StreamingEngine",
     "SyncTracker",
     "VLLMEngine",
     "VLLMEngineOptions",

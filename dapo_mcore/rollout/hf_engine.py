@@ -14,7 +14,8 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -119,6 +120,13 @@ class HFEngine:
     def _generate_rows(self, prompts: list[list[int]], params: SamplingParams, stop_ids: Tensor,
                        generator: torch.Generator) -> list[Response]:
         """Prefill each prompt once, fan the KV cache out to n rows, decode until every row stops."""
+        tokens, logps, n_gen, stopped, _ = deque(self._decode(prompts, params, stop_ids, generator), maxlen=1)[0]
+        return self._to_responses(tokens, logps, n_gen, stopped, params)
+
+    def _decode(self, prompts: list[list[int]], params: SamplingParams, stop_ids: Tensor,
+                generator: torch.Generator) -> Iterator[tuple[Tensor, Tensor, Tensor, Tensor, list[int]]]:
+        """The decoding loop; after each token step yields ``(tokens, logps, n_gen, stopped, finished)`` where
+        ``finished`` lists the rows (prompt i's sample j is row i*n+j) that ended at this step."""
         input_ids, mask, lens = self._left_pad(prompts)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
@@ -140,8 +148,10 @@ class HFEngine:
             hit = torch.isin(tok, stop_ids)
             stopped[active] |= hit
             if t == max_new - 1 or bool(hit.all()):
-                break
+                yield tokens, logps, n_gen, stopped, active.tolist()
+                return
             if bool(hit.any()):
+                yield tokens, logps, n_gen, stopped, active[hit].tolist()
                 keep = (~hit).nonzero().squeeze(-1)
                 cache.batch_select_indices(keep)
                 active, tok, mask, next_pos = active[keep], tok[keep], mask[keep], next_pos[keep]
@@ -150,7 +160,15 @@ class HFEngine:
                              use_cache=True, **{self._cache_kw: cache})
             cache, logits = getattr(out, self._cache_kw), out.logits[:, -1, :]
             next_pos = next_pos + 1
-        return self._to_responses(tokens, logps, n_gen, stopped, params)
+
+    def stream(self, prompts: list[list[int]], params: SamplingParams) -> _HFGroupStream:
+        """Like ``generate``, but yields ``(prompt index, responses)`` as each prompt's n samples have all ended
+        (see ``protocol.GroupStream``); ``abort()`` stops decoding. Same seed, prompts and params -> the same
+        responses as ``generate``."""
+        self._check_open()
+        params.validate()
+        check_prompts(prompts, self.max_prompt_len, self.vocab_size)
+        return _HFGroupStream(self, prompts, params)
 
     @staticmethod
     def _to_responses(tokens: Tensor, logps: Tensor, n_gen: Tensor, stopped: Tensor,
@@ -214,3 +232,48 @@ class HFEngine:
     def _check_open(self) -> None:
         if self._closed:
             raise EngineError("HFEngine is closed; build a new one.")
+
+
+class _HFGroupStream:
+    """Finished groups of one ``HFEngine.stream`` call, chunk by chunk (``max_batch_rows`` rows at a time)."""
+
+    def __init__(self, engine: HFEngine, prompts: list[list[int]], params: SamplingParams) -> None:
+        self.engine, self.prompts, self.params = engine, prompts, params
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        self.generator = torch.Generator(device=engine.device).manual_seed(seed)
+        self.stop_ids = torch.tensor(sorted(set(engine.eos_token_ids) | set(params.stop_token_ids)),
+                                     device=engine.device)
+        self._decoding: Iterator | None = None
+        self._n_gen: Tensor | None = None
+        self._pending: set[int] = set()
+
+    @torch.inference_mode()
+    def __iter__(self) -> Iterator[tuple[int, list[Response]]]:
+        n, per_chunk = self.params.n, max(1, self.engine.max_batch_rows // self.params.n)
+        for start in range(0, len(self.prompts), per_chunk):
+            chunk = self.prompts[start:start + per_chunk]
+            left = [n] * len(chunk)
+            self._pending = set(range(len(chunk)))
+            self._decoding = self.engine._decode(chunk, self.params, self.stop_ids, self.generator)
+            for tokens, logps, n_gen, stopped, finished in self._decoding:
+                self._n_gen = n_gen
+                for row in finished:
+                    left[row // n] -= 1
+                for p in sorted({row // n for row in finished if left[row // n] == 0}):
+                    self._pending.discard(p)
+                    rows = slice(p * n, (p + 1) * n)
+                    yield start + p, HFEngine._to_responses(tokens[rows], logps[rows], n_gen[rows], stopped[rows],
+                                                            self.params)
+            self._decoding = None
+
+    def abort(self) -> int:
+        """Stop decoding; the tokens generated for groups not yet yielded (they are discarded)."""
+        aborted = 0
+        if self._decoding is not None:
+            self._decoding.close()
+            self._decoding = None
+            if self._n_gen is not None:
+                n = self.params.n
+                aborted = sum(int(self._n_gen[p * n:(p + 1) * n].sum()) for p in self._pending)
+        self._pending = set()
+        return aborted

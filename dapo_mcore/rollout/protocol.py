@@ -11,12 +11,16 @@ Engine life cycle inside one DAPO step (colocated with the trainer)::
     engine.sleep()                   # give GPU memory back to the trainer
 
 On CPU ``sleep``/``wake`` are no-ops; the order is the same so the trainer has one code path.
+
+An engine that can also hand back each prompt's group as soon as its n samples have ended implements
+:class:`StreamingEngine` (``HFEngine`` does); the rollout scheduler then stops generating, and aborts what is in
+flight, once a step holds enough usable groups (``rollout.schedule.streaming``).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
@@ -26,10 +30,12 @@ __all__ = [
     "Engine",
     "EngineError",
     "FinishReason",
+    "GroupStream",
     "LogprobsMode",
     "PromptFilterResult",
     "Response",
     "SamplingParams",
+    "StreamingEngine",
     "WeightBucket",
     "filter_prompts",
 ]
@@ -191,4 +197,26 @@ class Engine(Protocol):
 
     def close(self) -> None:
         """Free all resources; the engine is unusable afterwards."""
+        ...
+
+
+@runtime_checkable
+class GroupStream(Protocol):
+    """Finished groups of one streamed generation call."""
+
+    def __iter__(self) -> Iterator[tuple[int, list[Response]]]:
+        """``(prompt index, its n responses)`` as each group's last sample ends, in completion order."""
+        ...
+
+    def abort(self) -> int:
+        """Stop generating (requests in flight are dropped); returns the tokens those requests had generated."""
+        ...
+
+
+@runtime_checkable
+class StreamingEngine(Engine, Protocol):
+    """An engine that also streams finished groups."""
+
+    def stream(self, prompts: list[list[int]], params: SamplingParams) -> GroupStream:
+        """Start sampling ``params.n`` responses per prompt; iterate the result for finished groups."""
         ...

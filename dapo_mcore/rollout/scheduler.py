@@ -36,6 +36,10 @@ GenerateFn = Callable[[list[Any], int, int], list[Group]]
 generation calls of the step from 0 (the trainer derives the seed from it; slot > 0 may honour a stop signal)."""
 MergeFn = Callable[[Any, Any], Any]
 """Joins the payloads of a group's first stage and its completion (staged groups)."""
+StreamFn = Callable[[list[Any], int, int], Any]
+"""``stream(records, responses_per_prompt, slot)``: like GenerateFn, but returns a stream to iterate for
+``(position in records, scored Group)`` as groups finish, with ``abort() -> tokens dropped`` (the shape of
+``rollout.protocol.GroupStream``)."""
 
 
 def round_size(need: int, estimate: float | None, base: int, margin: float, cap: int, floor: float) -> int:
@@ -68,9 +72,11 @@ class RolloutScheduler:
         self.usable_estimate: float | None = None
         """Running usable-group fraction (adaptive rounds); None until the first step ends."""
 
-    def collect(self, generate: GenerateFn, merge: MergeFn, step: int = 0) -> tuple[list[Group], list[Group], SamplingStats]:
+    def collect(self, generate: GenerateFn, merge: MergeFn, step: int = 0,
+                stream: StreamFn | None = None) -> tuple[list[Group], list[Group], SamplingStats]:
         """``(kept, generated, stats)``: the step's kept groups (exactly ``target``, prompt order), every group it
-        generated (kept or not, in decision order) and the sampling counters."""
+        generated (kept or not, in decision order) and the sampling counters. With ``stream`` (an engine that
+        streams finished groups, one engine group), streamed chunks are aborted as soon as the step is full."""
         if not self.cfg.enabled:
             generated: list[Group] = []
 
@@ -81,10 +87,10 @@ class RolloutScheduler:
 
             kept, stats = collect_groups(batch, self.target, self.max_rounds, enabled=self.dynamic_sampling)
             return kept, generated, stats
-        return self._collect_scheduled(generate, merge, step)
+        return self._collect_scheduled(generate, merge, step, stream)
 
-    def _collect_scheduled(self, generate: GenerateFn, merge: MergeFn, step: int) -> tuple[list[Group], list[Group],
-                                                                                          SamplingStats]:
+    def _collect_scheduled(self, generate: GenerateFn, merge: MergeFn, step: int,
+                           stream: StreamFn | None) -> tuple[list[Group], list[Group], SamplingStats]:
         stats, kept, generated = SamplingStats(), [], []
         slots = itertools.count()
         history = self.sampler.history
@@ -101,14 +107,35 @@ class RolloutScheduler:
                     break
                 drawn += len(indices)
                 records = [self.sampler.records[i] for i in indices]
-                for index, (group, staged_out) in zip(indices, self._generate(records, generate, merge, slots, step),
-                                                      strict=True):
+                if self.cfg.streaming and stream is not None and not self.cfg.stage_responses:
+                    decided = self._stream_chunk(stream(records, self.n, next(slots)), kept, stats)
+                else:
+                    decided = enumerate(self._generate(records, generate, merge, slots, step))
+                for pos, (group, staged_out) in decided:
                     generated.append(group)
                     if history is not None:
-                        history.record(index, group.num_correct(), len(group.acc))
+                        history.record(indices[pos], group.num_correct(), len(group.acc))
                     self._decide(group, staged_out, kept, stats)
         self._update_estimate(stats)
         return kept, generated, stats
+
+    def _stream_chunk(self, groups: Any, kept: list[Group], stats: SamplingStats) -> Iterator[tuple[int, tuple[Group,
+                                                                                                       bool]]]:
+        """Hands out streamed groups in prompt order (each as soon as every earlier one has finished) while the
+        caller decides them; once the step is full the stream is aborted and the groups that had finished out of
+        order are handed out too (surplus or rejected: they cost their tokens)."""
+        done: dict[int, Group] = {}
+        nxt = 0
+        for pos, group in groups:
+            done[pos] = group
+            while nxt in done and len(kept) < self.target:
+                yield nxt, (done.pop(nxt), False)
+                nxt += 1
+            if len(kept) >= self.target:
+                stats.tokens_aborted += groups.abort()
+                break
+        for pos in sorted(done):
+            yield pos, (done[pos], False)
 
     def _decide(self, group: Group, staged_out: bool, kept: list[Group], stats: SamplingStats) -> None:
         """Prompt order: the first ``target`` usable groups are kept, later usable ones are surplus."""

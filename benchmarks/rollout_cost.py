@@ -1,0 +1,121 @@
+"""Rollout cost: DAPO's batch-and-filter loop vs each rollout.schedule switch and their combination, same seeds.
+
+Each variant is one real tiny training run (``dapo-mcore train``, the embedded default unless ``--config``), one
+after the other on this machine, with the same seed and data; only ``rollout.schedule.*`` differs. For each:
+generated tokens split kept / rejected / surplus / aborted (the cost ledger), rollouts, prompts skipped by the
+prompt history, stage-skipped groups, wall seconds of the steps, and held-out avg@k at the end and at equal
+generated tokens (the last evaluation whose cumulative generated tokens are within the best combination's total).
+
+    OMP_NUM_THREADS=1 python benchmarks/rollout_cost.py [--steps 80] [--config examples/tiny_cpu.yaml]
+
+Last line: ``generated_tokens_per_kept_group_ratio: X`` = generated tokens per kept group of today's loop over
+that of the best variant whose final held-out avg@k is no more than 0.01 below today's (the issue's bar: >= 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+S = "rollout.schedule."
+VARIANTS: dict[str, list[str]] = {
+    "today": [],
+    "streaming": [f"{S}streaming=true"],
+    "adaptive": [f"{S}adaptive=true"],
+    "staged4": [f"{S}stage_responses=4", f"{S}stage_audit_fraction=0.05"],
+    "history": [f"{S}history=true"],
+    "stream+history": [f"{S}streaming=true", f"{S}history=true"],
+    "stream+history+staged4": [f"{S}streaming=true", f"{S}history=true", f"{S}stage_responses=4"],
+    "all": [f"{S}streaming=true", f"{S}adaptive=true", f"{S}history=true", f"{S}stage_responses=4"],
+}
+ACC_SLACK = 0.01
+
+
+def run_variant(name: str, overrides: list[str], args: argparse.Namespace) -> dict:
+    run_dir = Path(args.out) / name
+    cmd = [sys.executable, "-m", "dapo_mcore.cli", "train", args.config, f"run.dir={run_dir}", "run.overwrite=true",
+           f"train.steps={args.steps}", *args.override, *overrides]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"variant {name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return summarize(name, rows, wall)
+
+
+def summarize(name: str, rows: list[dict], wall: float) -> dict:
+    last = max((r for r in rows if "cost/total/tokens_generated" in r), key=lambda r: r["step"])
+    tot = {k.removeprefix("cost/total/"): v for k, v in last.items() if k.startswith("cost/total/")}
+    tokens_at: dict[int, float] = {0: 0.0}
+    for r in rows:
+        if "cost/total/tokens_generated" in r:
+            tokens_at[r["step"]] = r["cost/total/tokens_generated"]
+    evals = sorted((r["step"], r["eval/avg_at_k"]) for r in rows if "eval/avg_at_k" in r)
+    sums = {k: sum(r.get(f"sampling/{k}", 0) for r in rows) for k in (
+        "groups_stage_skipped", "groups_stage_audited", "groups_stage_audit_usable", "gen_batches")}
+    return {"name": name, "tokens": tot["tokens_generated"], "kept_tokens": tot["tokens_generated_kept"],
+            "rejected_tokens": tot["tokens_generated_rejected"], "surplus_tokens": tot.get("tokens_generated_surplus", 0),
+            "aborted_tokens": tot.get("tokens_generated_aborted", 0), "rollouts": tot["rollouts_generated"],
+            "kept_groups": tot["prompts_kept"], "skipped_prompts": tot.get("prompts_skipped", 0),
+            "step_seconds": tot.get("seconds_step", 0.0), "wall": wall, "final_acc": evals[-1][1],
+            "evals": [(s, tokens_at.get(s, 0.0), a) for s, a in evals], **sums}
+
+
+def acc_at_tokens(result: dict, budget: float) -> tuple[int, float]:
+    """The last evaluation taken with at most ``budget`` generated tokens: (step, avg@k)."""
+    within = [(s, a) for s, t, a in result["evals"] if t <= budget]
+    return within[-1]
+
+
+def table(results: list[dict], budget: float) -> str:
+    head = ("| variant | generated tokens | kept | rejected | surplus | aborted | rollouts | tokens / kept group | "
+            "prompts skipped | stage-skipped (audited: usable) | rounds | step s | wall s | avg@k end | "
+            f"avg@k at <= {budget:,.0f} tokens (step) |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in results:
+        step, acc = acc_at_tokens(r, budget)
+        stage = (f"{r['groups_stage_skipped']:.0f} ({r['groups_stage_audited']:.0f}: "
+                 f"{r['groups_stage_audit_usable']:.0f})")
+        lines.append(f"| {r['name']} | {r['tokens']:,.0f} | {r['kept_tokens']:,.0f} | {r['rejected_tokens']:,.0f} | "
+                     f"{r['surplus_tokens']:,.0f} | {r['aborted_tokens']:,.0f} | {r['rollouts']:,.0f} | "
+                     f"{r['tokens'] / r['kept_groups']:.1f} | {r['skipped_prompts']:,.0f} | {stage} | "
+                     f"{r['gen_batches']:.0f} | {r['step_seconds']:.1f} | {r['wall']:.0f} | {r['final_acc']:.3f} | "
+                     f"{acc:.3f} ({step}) |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="examples/tiny_cpu.yaml")
+    parser.add_argument("--steps", type=int, default=80, help="training steps per variant (shorter: a smoke run)")
+    parser.add_argument("--out", default="runs/rollout_cost", help="run directories go under this")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--override", nargs="*", default=[], help="extra dotted overrides for every variant")
+    args = parser.parse_args()
+    names = ["today"] + [v for v in args.variants if v != "today"]
+    results = []
+    for name in names:
+        results.append(run_variant(name, VARIANTS[name], args))
+        r = results[-1]
+        print(f"{name}: {r['tokens']:,.0f} tokens, {r['tokens'] / r['kept_groups']:.1f} per kept group, "
+              f"final avg@k {r['final_acc']:.3f}, {r['wall']:.0f} s", flush=True)
+    today = results[0]
+    per_kept = {r["name"]: r["tokens"] / r["kept_groups"] for r in results}
+    eligible = [r for r in results[1:] if r["final_acc"] >= today["final_acc"] - ACC_SLACK]
+    best = min(eligible, key=lambda r: per_kept[r["name"]]) if eligible else today
+    print(f"\nconfig {args.config}, {args.steps} steps; best at no loss of final accuracy: {best['name']}")
+    print(table(results, best["tokens"]))
+    print(f"generated_tokens_per_kept_group_ratio: {per_kept['today'] / per_kept[best['name']]:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
