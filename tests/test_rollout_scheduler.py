@@ -276,3 +276,44 @@ def test_engine_stream_decides_in_prompt_order_not_completion_order(chunk):
     assert stats.tokens_aborted > 0
     assert stats.groups_generated == len(generated) == ref_stats.groups_generated - stats.tokens_aborted // N
     assert stats.tokens_generated == stats.tokens_kept + stats.tokens_rejected
+
+
+def test_run_config_refuses_a_bad_schedule_naming_the_key():
+    from pathlib import Path
+
+    from dapo_mcore.config import ConfigError, load_config
+
+    tiny = Path(__file__).resolve().parents[1] / "examples" / "tiny_cpu.yaml"
+    with pytest.raises(ConfigError, match=r"rollout.schedule.stage_responses=8 .*\[2, rollout.n=8\)"):
+        load_config(tiny, ["rollout.schedule.stage_responses=8"]).validate(1)
+    load_config(tiny, ["rollout.schedule.history=true", "rollout.schedule.streaming=true"]).validate(1)
+
+
+def test_checkpoint_state_carries_history_and_estimate_only_when_switched_on():
+    from types import SimpleNamespace
+
+    from dapo_mcore.runtime import Components, _build_sampler, _build_scheduler
+
+    def parts(*overrides):
+        from dapo_mcore.config import load_config
+
+        cfg = load_config(None, ["rollout.n=8", "train.prompts_per_step=4", "rollout.gen_batch_prompts=6",
+                                 *overrides])
+        sampler = _build_sampler(cfg, list(range(40)))
+        return Components(cfg=cfg, launch=SimpleNamespace(rank=0), actor=None, engine=None, tokenizer=None,
+                          sampler=sampler, eval_records=[], timer=None, score=None, normalize=None,
+                          encode_prompt=None, scheduler=_build_scheduler(cfg, sampler))
+
+    off = parts().trainer_state(1)
+    assert set(off) == {"step", "sampler"} and "history" not in off["sampler"]
+    on = parts("rollout.schedule.history=true", "rollout.schedule.adaptive=true")
+    for s in range(3):
+        on.scheduler.collect(FakeEngine(), _merge, step=s)
+    state = json.loads(json.dumps(on.trainer_state(3)))
+    assert state["schedule"]["usable_estimate"] == on.scheduler.usable_estimate
+    resumed = parts("rollout.schedule.history=true", "rollout.schedule.adaptive=true")
+    resumed.sampler.load_state_dict(state["sampler"])
+    resumed.scheduler.load_state_dict(state["schedule"])
+    a, b = on.scheduler.collect(FakeEngine(), _merge, step=3), resumed.scheduler.collect(FakeEngine(), _merge, step=3)
+    assert [g.payload for g in a[1]] == [g.payload for g in b[1]] and a[2] == b[2]
+    assert on.sampler.history.skipped_total == resumed.sampler.history.skipped_total > 0
