@@ -153,6 +153,14 @@ class DynamicSamplingExhausted(RuntimeError):
 
 
 def _exhausted(stats: SamplingStats, target: int, max_gen_batches: int) -> DynamicSamplingExhausted:
+    if stats.groups_stage_skipped or stats.prompts_history_skipped:
+        return DynamicSamplingExhausted(
+            f"dynamic sampling kept {stats.groups_kept}/{target} usable groups after {stats.gen_batches} generation "
+            f"rounds (algo.max_gen_batches={max_gen_batches}); of {stats.groups_generated} groups {stats.groups_rejected} "
+            f"had no mixed outcome and {stats.groups_stage_skipped} were skipped after their first stage; the prompt "
+            f"history skipped {stats.prompts_history_skipped} prompts. Fix: raise algo.max_gen_batches (0 = no limit), "
+            "turn on rollout.schedule.adaptive (rounds sized from the usable fraction), or raise "
+            "rollout.schedule.stage_responses.", stats)
     return DynamicSamplingExhausted(
         f"dynamic sampling kept {stats.groups_kept}/{target} usable groups after {stats.gen_batches} generation "
         f"batches (algo.max_gen_batches={max_gen_batches}); {stats.groups_rejected} of "
