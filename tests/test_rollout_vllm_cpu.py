@@ -149,3 +149,13 @@ def test_dapo_run_with_fewer_prompts_than_engine_groups(env, tmp_path):
     rows = _train(env, tmp_path / "run", 2, "train.prompts_per_step=1", "train.mini_batch_prompts=1",
                   "rollout.gen_batch_prompts=1", timeout=720)  # a hang should not eat the CI budget
     _check_mismatch(rows)
+
+
+def test_dapo_run_with_vllm_streaming_aborts_in_flight_groups(env, tmp_path):
+    """rollout.schedule.streaming on one rank: VLLMEngine.stream (add_request / step / abort_request); every step
+    keeps exactly prompts_per_step groups and the engine's log-probs still match the actor's."""
+    rows = _train(env, tmp_path / "run", 1, "rollout.schedule.streaming=true", "rollout.schedule.stream_chunk_prompts=4")
+    _check_mismatch(rows)
+    steps = [r for r in rows if "sampling/groups_kept" in r]
+    assert len(steps) == 2 and all(r["sampling/groups_kept"] == 16 for r in steps), steps
+    assert all(r["sampling/groups_surplus"] <= 3 for r in steps), steps  # at most a chunk's worth past the need
