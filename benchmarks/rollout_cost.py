@@ -6,7 +6,7 @@ generated tokens split kept / rejected / surplus / aborted (the cost ledger), ro
 prompt history, stage-skipped groups, wall seconds of the steps, and held-out avg@k at the end and at equal
 generated tokens (the last evaluation whose cumulative generated tokens are within the best combination's total).
 
-    OMP_NUM_THREADS=1 python benchmarks/rollout_cost.py [--steps 80] [--config examples/tiny_cpu.yaml]
+    OMP_NUM_THREADS=1 python benchmarks/rollout_cost.py [--steps N] [--config examples/tiny_cpu_chain.yaml]
 
 Last line: ``generated_tokens_per_kept_group_ratio: X`` = generated tokens per kept group of today's loop over
 that of the best variant whose final held-out avg@k is no more than 0.01 below today's (the issue's bar: >= 2).
@@ -42,8 +42,9 @@ must not fail on the limit set for today's loop, which never reaches it on the t
 
 def run_variant(name: str, overrides: list[str], args: argparse.Namespace) -> dict:
     run_dir = Path(args.out) / name
+    steps = [] if args.steps is None else [f"train.steps={args.steps}"]
     cmd = [sys.executable, "-m", "dapo_mcore.cli", "train", args.config, f"run.dir={run_dir}", "run.overwrite=true",
-           f"train.steps={args.steps}", *BASE_OVERRIDES, *args.override, *overrides]
+           *steps, *BASE_OVERRIDES, *args.override, *overrides]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -99,7 +100,8 @@ def table(results: list[dict], budget: float) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="examples/tiny_cpu.yaml")
-    parser.add_argument("--steps", type=int, default=80, help="training steps per variant (shorter: a smoke run)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="training steps per variant (default: the config's; fewer: a smoke run)")
     parser.add_argument("--out", default="runs/rollout_cost", help="run directories go under this")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--override", nargs="*", default=[], help="extra dotted overrides for every variant")
@@ -120,7 +122,7 @@ def main() -> int:
     per_kept = {r["name"]: r["tokens"] / r["kept_groups"] for r in results}
     eligible = [r for r in results[1:] if r["final_acc"] >= today["final_acc"] - ACC_SLACK]
     best = min(eligible, key=lambda r: per_kept[r["name"]]) if eligible else today
-    print(f"\nconfig {args.config}, {args.steps} steps; best at no loss of final accuracy: {best['name']}")
+    print(f"\nconfig {args.config}, {args.steps or 'its'} steps; best at no loss of final accuracy: {best['name']}")
     print(table(results, best["tokens"]))
     print(f"generated_tokens_per_kept_group_ratio: {per_kept['today'] / per_kept[best['name']]:.3f}")
     return 0
