@@ -42,6 +42,13 @@ must not fail on the limit set for today's loop, which never reaches it on the t
 
 def run_variant(name: str, overrides: list[str], args: argparse.Namespace) -> dict:
     run_dir = Path(args.out) / name
+    if args.reuse:
+        metrics = run_dir / "metrics.jsonl"
+        if not metrics.is_file():
+            print(f"variant {name}: no finished run in {run_dir}", flush=True)
+            return {}
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        return summarize(name, rows, float("nan"))
     steps = [] if args.steps is None else [f"train.steps={args.steps}"]
     cmd = [sys.executable, "-m", "dapo_mcore.cli", "train", args.config, f"run.dir={run_dir}", "run.overwrite=true",
            *steps, *BASE_OVERRIDES, *args.override, *overrides]
@@ -105,6 +112,8 @@ def main() -> int:
     parser.add_argument("--out", default="runs/rollout_cost", help="run directories go under this")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--override", nargs="*", default=[], help="extra dotted overrides for every variant")
+    parser.add_argument("--reuse", action="store_true",
+                        help="do not train: tabulate the runs already under --out (wall seconds unknown)")
     args = parser.parse_args()
     names = ["today"] + [v for v in args.variants if v != "today"]
     results = []
