@@ -1,23 +1,26 @@
 """Streaming export of a LIVE Megatron model as full Hugging Face tensors, in size-bounded buckets.
 
 `iter_hf_weights` is a collective: every rank of the job iterates it, and every rank receives every bucket.
-For each Megatron tensor, the pipeline stage that owns it all-gathers the TP shards within its tensor-parallel
-group, merges them into HF tensors (QKV split per group, gate/up split, vocab padding stripped), then broadcasts
-them from that stage to the rest of its pipeline-parallel group. Data-parallel replicas do the same
-independently. The rollout weight sync feeds these buckets to the inference engine's ``update_weights``.
+For each Megatron tensor, the pipeline stage that owns it gathers the TP shards within its tensor-parallel group
+into HF tensors (QKV split per group, gate/up split, vocab padding stripped; on gloo straight into their final
+rows, see `export_plan`), then broadcasts them from that stage to the rest of its pipeline-parallel group.
+Data-parallel replicas do the same independently. The rollout weight sync feeds these buckets to the inference engine's ``update_weights``.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from dapo_mcore.weights.export_plan import CopyPlan, column_block, copy_plan, copy_runs
+from dapo_mcore.weights.layout import ParallelLayout
 from dapo_mcore.weights.live import live_layout, live_tensors, plain_tensor
-from dapo_mcore.weights.mapping import Placement
+from dapo_mcore.weights.mapping import ModelMapping, Placement
 from dapo_mcore.weights.registry import get_mapping
 from dapo_mcore.weights.transforms import Geometry, Split
 
@@ -53,17 +56,18 @@ def iter_hf_weights(model_chunks: list, hf_config: dict[str, Any], *, layer_spec
     tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
     pp_ranks = dist.get_process_group_ranks(pp_group) if layout.pp > 1 else [dist.get_rank()]
 
+    exporter = _Exporter(mapping, layout, params, tp_group)
     owned = iter([pl for pl in placements if pl.pp_rank == pp_rank])
-    # One placement ahead: its TP gather is in flight while this one is merged and while the consumer sends or
-    # loads the bucket just yielded (the generator is suspended at ``yield``, the collective is not).
-    inflight = _start_gather(next(owned, None), params, layout, tp_group)
+    # One placement ahead: its TP transfers are in flight while this one is finished and while the consumer
+    # sends or loads the bucket just yielded (the generator is suspended at ``yield``, the collectives are not).
+    inflight = exporter.start(next(owned, None))
     bucket: Bucket = []
     size = 0
     try:
         for pl in placements:
             if pl.pp_rank == pp_rank:
-                current, inflight = inflight, _start_gather(next(owned, None), params, layout, tp_group)
-                tensors = _finish_and_merge(mapping, current, layout)
+                current, inflight = inflight, exporter.start(next(owned, None))
+                tensors = exporter.finish(current)
             else:
                 tensors = [(n, torch.empty(s, dtype=dtype, device=device)) for n, s in mapping.hf_output_shapes(pl)]
             for name, tensor in tensors:
@@ -78,59 +82,116 @@ def iter_hf_weights(model_chunks: list, hf_config: dict[str, Any], *, layer_spec
         if bucket:
             yield bucket
     finally:
-        if inflight is not None:  # a consumer that stopped early: complete the collective this rank started
-            for work in inflight[2]:
+        if inflight is not None:  # a consumer that stopped early: complete the collectives this rank started
+            for work in inflight.works:
                 work.wait()
 
 
-_InFlight = tuple  # (placement, local or gathered buffer, pending collective works)
+@dataclass
+class InFlight:
+    """One placement whose TP transfers were issued: wait for ``works``, then finish it."""
+
+    pl: Placement
+    outs: list[torch.Tensor]
+    """The HF tensors (copy plan), or the gathered buffer (all-gather path)."""
+    works: list
+    columns: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    """(column block of the HF tensor, staging buffer received for it): ROW split, copied on finish."""
 
 
-def _start_gather(pl: Placement | None, params: dict[str, torch.Tensor], layout, tp_group) -> _InFlight | None:
-    """Issue the TP all-gather of ``pl``'s parameter without waiting for it (None when there is no placement)."""
-    if pl is None:
-        return None
-    local = plain_tensor(params[layout.chunk_prefix(pl.vchunk) + pl.key]).detach().contiguous()
-    if layout.tp == 1:  # FP8 params (model.fp8.fp8_params) leave as bf16, dequantized above
-        return pl, local, []
-    flat, works = _gather_rows(local, layout.tp, tp_group)
-    return pl, flat, works
+class _Exporter:
+    """Starts and finishes the TP transfers of the placements of one export call.
 
-
-def _finish_and_merge(mapping, inflight: _InFlight, layout) -> Bucket:
-    pl, data, works = inflight
-    for work in works:
-        work.wait()
-    if layout.tp == 1:
-        merged = mapping.merge(pl, [data], layout)
-        if pl.rule.split is Split.REPLICATED:
-            merged = [(n, t.clone()) for n, t in merged]  # do not hand out the live parameter itself
-        return [(n, t.contiguous()) for n, t in merged]
-    merged = merge_gathered(pl.rule.split, data, layout.tp, pl.hf_names, mapping.geometry(layout))
-    return [(n, t.contiguous()) for n, t in merged]
-
-
-def _gather_rows(local: torch.Tensor, tp: int, group) -> tuple[torch.Tensor, list]:
-    """All TP ranks' ``local`` tensors stacked on dim 0 (in rank order) in one fresh buffer, issued asynchronously:
-    returns the buffer and the works to wait on before reading it.
-
-    NCCL: ``all_gather_into_tensor``. gloo: one broadcast per rank into its slice of the buffer, because gloo's
-    all-gather stages the data through its own buffers and copies in and out; at TP=2 on CPU the broadcasts move
-    the same bytes about twice as fast (benchmarks/weight_sync.py). Each root sends its slice to every other
-    rank, so at large TP an all-gather's ring would win again; gloo runs on CPU, where TP stays small.
+    On gloo (and at TP=1) each HF tensor is built in its final buffer by the placement's copy plan
+    (`export_plan`): this rank copies its own rows in, the other ranks' rows arrive by one broadcast per (rank,
+    HF tensor) straight into their rows, so each byte is written once. Only ROW splits (column blocks) pass
+    through a staging buffer, two of which are reused alternately (at most two placements are in flight).
+    Broadcasts rather than gloo's all-gather, which stages the data through its own buffers and copies in and
+    out; each root sends its slice to every other rank, so at large TP a ring all-gather would win again, but
+    gloo runs on CPU, where TP stays small. NCCL: one ``all_gather_into_tensor`` per placement into a gathered
+    buffer, merged by `merge_gathered` (a copy on the GPU is cheap next to the transfer).
     """
-    rows = local.shape[0]
-    flat = torch.empty((tp * rows, *local.shape[1:]), dtype=local.dtype, device=local.device)
-    if dist.get_backend(group) != "gloo":
-        return flat, [dist.all_gather_into_tensor(flat, local, group=group, async_op=True)]
-    me = dist.get_rank()
-    works = []
-    for r, src in enumerate(dist.get_process_group_ranks(group)):
-        part = flat[r * rows:(r + 1) * rows]
-        if src == me:
-            part.copy_(local)
-        works.append(dist.broadcast(part, src=src, group=group, async_op=True))
-    return flat, works
+
+    def __init__(self, mapping: ModelMapping, layout: ParallelLayout, params: dict[str, torch.Tensor], tp_group):
+        self.mapping, self.layout, self.params, self.group = mapping, layout, params, tp_group
+        self.geo = mapping.geometry(layout)
+        self.by_plan = layout.tp == 1 or dist.get_backend(tp_group) == "gloo"
+        self.ranks = dist.get_process_group_ranks(tp_group) if layout.tp > 1 else [dist.get_rank()]
+        self.me = self.ranks.index(dist.get_rank())
+        self._staging: list[torch.Tensor | None] = [None, None]
+        self._slot = 0
+
+    def start(self, pl: Placement | None) -> InFlight | None:
+        """Issue ``pl``'s transfers without waiting for them (None when there is no placement)."""
+        if pl is None:
+            return None
+        local = plain_tensor(self.params[self.layout.chunk_prefix(pl.vchunk) + pl.key]).detach().contiguous()
+        if not self.by_plan:
+            flat = torch.empty((self.layout.tp * local.shape[0], *local.shape[1:]), dtype=local.dtype,
+                               device=local.device)
+            return InFlight(pl, [flat], [dist.all_gather_into_tensor(flat, local, group=self.group, async_op=True)])
+        shapes = tuple(s for _, s in self.mapping.hf_output_shapes(pl))
+        geo = self.geo
+        if pl.rule.split is Split.VOCAB:  # the live padding (the layout here says divisible by 1)
+            geo = replace(geo, padded_vocab_size=local.shape[0] * self.layout.tp)
+        plan = copy_plan(pl.rule.split, shapes, self.layout.tp, geo)
+        outs = [torch.empty(s, dtype=local.dtype, device=local.device) for s in plan.shapes]
+        job = InFlight(pl, outs, [])
+        if plan.columns:
+            self._start_columns(plan, local, job)
+        else:
+            self._start_rows(plan, local, job)
+        return job
+
+    def _start_rows(self, plan: CopyPlan, local: torch.Tensor, job: InFlight) -> None:
+        copied = False
+        for send in plan.sends:
+            if send.rank == self.me and send.src < 0 and not copied:  # rows not contiguous here: place them first
+                copy_runs(plan, self.me, local, job.outs)
+                copied = True
+            if plan.tp == 1:
+                continue
+            if send.rank == self.me and send.src >= 0:
+                data = local[send.src:send.src + send.rows]
+            else:
+                data = job.outs[send.out][send.dst:send.dst + send.rows]
+            job.works.append(dist.broadcast(data, src=self.ranks[send.rank], group=self.group, async_op=True))
+        if not copied:  # this rank's own rows, copied while its transfers run
+            copy_runs(plan, self.me, local, job.outs)
+
+    def _start_columns(self, plan: CopyPlan, local: torch.Tensor, job: InFlight) -> None:
+        staging = self._stage(local, plan.tp - 1) if plan.tp > 1 else None
+        others = iter(range(plan.tp - 1))
+        for send in plan.sends:
+            if send.rank == self.me:
+                if plan.tp > 1:
+                    job.works.append(dist.broadcast(local, src=self.ranks[send.rank], group=self.group,
+                                                    async_op=True))
+                continue
+            buf = staging[next(others)]
+            job.works.append(dist.broadcast(buf, src=self.ranks[send.rank], group=self.group, async_op=True))
+            job.columns.append((column_block(job.outs[0], plan.tp, send.rank), buf))
+        copy_runs(plan, self.me, local, job.outs)
+
+    def _stage(self, like: torch.Tensor, count: int) -> torch.Tensor:
+        """``count`` receive buffers shaped like ``like``, from the staging slot not used by the last call."""
+        slot, self._slot = self._slot, 1 - self._slot
+        need = count * like.numel()
+        buf = self._staging[slot]
+        if buf is None or buf.numel() < need or buf.dtype != like.dtype or buf.device != like.device:
+            buf = self._staging[slot] = torch.empty(need, dtype=like.dtype, device=like.device)
+        return buf[:need].view(count, *like.shape)
+
+    def finish(self, job: InFlight) -> Bucket:
+        """Wait for ``job``'s transfers and return its HF (name, tensor) pairs."""
+        for work in job.works:
+            work.wait()
+        if not self.by_plan:
+            merged = merge_gathered(job.pl.rule.split, job.outs[0], self.layout.tp, job.pl.hf_names, self.geo)
+            return [(n, t.contiguous()) for n, t in merged]
+        for block, buf in job.columns:
+            block.copy_(buf)
+        return list(zip(job.pl.hf_names, job.outs, strict=True))
 
 
 def merge_gathered(split: Split, flat: torch.Tensor, tp: int, names: tuple[str, ...],
