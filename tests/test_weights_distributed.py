@@ -78,6 +78,13 @@ def _check_layout(ws: Path, tie: bool, tp: int, pp: int, vpp: int, results: list
     record("export_names_equal", sorted(exported) == sorted(ref))
     record("export_bitwise_equal", all(torch.equal(exported[k], ref[k]) for k in ref if k in exported))
     record("export_buckets_bounded", bounded)
+    # a consumer that stops after one bucket: the transfers already issued complete, the next export is whole
+    early = iter_hf_weights(chunks, hf_config, bucket_bytes=40_000)
+    next(early)
+    early.close()
+    again = {n: t for bucket in iter_hf_weights(chunks, hf_config) for n, t in bucket}
+    record("export_after_early_stop_equal", sorted(again) == sorted(exported)
+           and all(torch.equal(again[k], exported[k]) for k in exported))
 
     # live save == offline conversion, and offline conversion loads back with the same logits
     saved = ws / f"saved_{tag}"
@@ -171,7 +178,8 @@ def test_vocab_padding_rows_are_zero(dist_results):
 
 
 def test_export_yields_exactly_the_hf_state_dict(dist_results):
-    for check in ("export_names_equal", "export_bitwise_equal", "export_buckets_bounded", "live_save_equals_offline"):
+    for check in ("export_names_equal", "export_bitwise_equal", "export_buckets_bounded",
+                  "export_after_early_stop_equal", "live_save_equals_offline"):
         for layout, ok in _values(dist_results, check):
             assert ok is True, (check, layout)
 
