@@ -85,6 +85,22 @@ def _check_layout(ws: Path, tie: bool, tp: int, pp: int, vpp: int, results: list
     again = {n: t for bucket in iter_hf_weights(chunks, hf_config) for n, t in bucket}
     record("export_after_early_stop_equal", sorted(again) == sorted(exported)
            and all(torch.equal(again[k], exported[k]) for k in exported))
+    if tp > 1:  # the NCCL path (all_gather_into_tensor + merge_gathered), forced here on gloo: same tensors
+        from dapo_mcore.weights import export as export_mod
+
+        plain_init = export_mod._Exporter.__init__
+
+        def gather_init(self, *args, **kwargs):
+            plain_init(self, *args, **kwargs)
+            self.by_plan = False
+
+        export_mod._Exporter.__init__ = gather_init
+        try:
+            gathered = {n: t for bucket in iter_hf_weights(chunks, hf_config) for n, t in bucket}
+        finally:
+            export_mod._Exporter.__init__ = plain_init
+        record("export_allgather_path_equal", sorted(gathered) == sorted(exported)
+               and all(torch.equal(gathered[k], exported[k]) for k in exported))
 
     # live save == offline conversion, and offline conversion loads back with the same logits
     saved = ws / f"saved_{tag}"
@@ -182,6 +198,13 @@ def test_export_yields_exactly_the_hf_state_dict(dist_results):
                   "export_after_early_stop_equal", "live_save_equals_offline"):
         for layout, ok in _values(dist_results, check):
             assert ok is True, (check, layout)
+
+
+def test_allgather_export_path_equals_the_copy_plan(dist_results):
+    values = _values(dist_results, "export_allgather_path_equal")
+    assert len({layout for layout, _ in values}) == 2 * sum(tp > 1 for tp, _, _ in LAYOUTS)
+    for layout, ok in values:
+        assert ok is True, layout
 
 
 def test_layout_mismatch_refused_before_writing(dist_results):
