@@ -23,7 +23,12 @@ issued one tensor at a time (the baseline kept since the first measurement). Eac
 all threads, user + system) is reported too, with the same ratios on it (``cpu_export_over_copy``): on a shared
 machine the wall-clock figures swing with the load, the work does not.
 
+On CPU most of every phase's time is first-touch page faults of fresh tensors (glibc maps large blocks afresh
+and returns freed heap to the OS); ``--reuse-freed-memory`` keeps freed memory in the process for every phase, the
+way CUDA's caching allocator does on a GPU, to show the transfer and copy costs without them.
+
     python benchmarks/weight_sync.py [--hidden 1024] [--layers 4] [--vocab 32000] [--repeats 5] [--no-engine]
+                                     [--reuse-freed-memory]
 """
 
 from __future__ import annotations
@@ -230,6 +235,10 @@ def _parse(argv):
     p.add_argument("--bucket-mb", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-engine", action="store_true", help="skip the export + HFEngine.update_weights timing")
+    p.add_argument("--reuse-freed-memory", action="store_true",
+                   help="run the workers with glibc's mmap and trim thresholds raised (MALLOC_MMAP_THRESHOLD_, "
+                        "MALLOC_TRIM_THRESHOLD_), so freed tensors' pages are reused instead of page-faulted afresh, "
+                        "as a caching allocator (CUDA's) does; every phase runs under the same setting")
     p.add_argument("--port", type=int, default=29571)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -247,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.tp), "--master_port",
                str(args.port), __file__, *forwarded, "--worker", "--out", str(out)]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+        if args.reuse_freed_memory:
+            env.update(MALLOC_MMAP_THRESHOLD_=str(2**31 - 1), MALLOC_TRIM_THRESHOLD_=str(2**32))
         proc = subprocess.run(cmd, env=env, cwd=REPO)
         if proc.returncode != 0:
             print(f"torchrun failed with exit code {proc.returncode}", file=sys.stderr)
