@@ -42,7 +42,7 @@ def test_chain_run_learns_with_variable_lengths_and_truncation(chain_env, tmp_pa
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     held = {r["step"]: r["eval/avg_at_k"] for r in rows if "eval/avg_at_k" in r}
     assert set(held) == {0, 10}
-    assert held[10] >= held[0] + 0.06, held
+    assert held[10] >= held[0] + 0.1, held  # observed 0.232 -> 0.460
     first = next(r for r in rows if r["step"] == 1)
     # The untrained policy: mixed groups, short and long responses, some cut at rollout.max_new_tokens (40).
     assert 0.0 < first["rollout/usable_group_frac"] < 1.0
