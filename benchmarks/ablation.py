@@ -227,8 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"base model ready after {time.perf_counter() - start:.1f}s; {len(rows)} rows x {args.seeds} seeds, "
           f"{args.steps} steps, {args.jobs} at a time", flush=True)
     jobs = [(r, s) for s in range(1, args.seeds + 1) for r in rows]
-    with ThreadPoolExecutor(args.jobs) as pool:
-        results = list(pool.map(lambda job: run_one(*job, args, env), jobs))
+    try:
+        with ThreadPoolExecutor(args.jobs) as pool:
+            results = list(pool.map(lambda job: run_one(*job, args, env), jobs))
+    except RuntimeError as err:  # a run failed (e.g. a bad --set value): its stderr tail, no traceback
+        print(f"ablation: {err}", file=sys.stderr)
+        return 2
     from dapo_mcore.telemetry.diagnose import load_run
 
     done: dict[int, list[Path]] = {}
