@@ -8,7 +8,6 @@ The chain base is pre-trained once per test session into the session's cache (sh
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,22 +21,11 @@ CONFIG = ROOT / "examples" / "tiny_cpu_chain.yaml"
 TIMEOUT = 3600  # bounds a hang only; never judges speed
 
 
-@pytest.fixture(scope="session")
-def chain_env(tmp_path_factory) -> dict[str, str]:
-    e = dict(os.environ)
-    e["DAPO_MCORE_CACHE"] = os.environ.get("DAPO_MCORE_TEST_CACHE") or str(tmp_path_factory.getbasetemp() / "dapo-mcore-cache")
-    e["OMP_NUM_THREADS"] = "1"
-    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
-    e.pop("RANK", None)
-    e.pop("WORLD_SIZE", None)
-    return e
-
-
-def test_chain_run_learns_with_variable_lengths_and_truncation(chain_env, tmp_path):
+def test_chain_run_learns_with_variable_lengths_and_truncation(cli_env, tmp_path):
     run_dir = tmp_path / "chain"
     proc = subprocess.run([sys.executable, "-m", "dapo_mcore.cli", "train", str(CONFIG), f"run.dir={run_dir}",
                            "train.steps=10", "eval.every=10", "checkpoint.every=0"],
-                          env=chain_env, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+                          env=cli_env, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     held = {r["step"]: r["eval/avg_at_k"] for r in rows if "eval/avg_at_k" in r}

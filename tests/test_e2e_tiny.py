@@ -29,15 +29,8 @@ TIMEOUT = 3600
 
 
 @pytest.fixture(scope="session")
-def env(tmp_path_factory) -> dict[str, str]:
-    e = dict(os.environ)
-    # The same per-session cache as the Slurm and nemo-run tests: the tiny base is pre-trained once per session.
-    e["DAPO_MCORE_CACHE"] = os.environ.get("DAPO_MCORE_TEST_CACHE") or str(tmp_path_factory.getbasetemp() / "dapo-mcore-cache")
-    e["OMP_NUM_THREADS"] = "1"
-    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
-    e.pop("RANK", None)
-    e.pop("WORLD_SIZE", None)
-    return e
+def env(cli_env) -> dict[str, str]:
+    return cli_env
 
 
 def _cmd(run_dir: Path, *overrides: str, config: Path = CONFIG) -> list[str]:

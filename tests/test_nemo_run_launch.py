@@ -17,13 +17,6 @@ REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "examples" / "nemo_run" / "launch.py"
 
 
-def session_cache(tmp_path_factory) -> str:
-    """One tiny-base-model cache per test session, shared by every e2e module (never ~/.cache)."""
-    path = os.environ.get("DAPO_MCORE_TEST_CACHE") or str(tmp_path_factory.getbasetemp() / "dapo-mcore-cache")
-    Path(path).mkdir(parents=True, exist_ok=True)
-    return path
-
-
 def launch(tmp_path: Path, *args: str, timeout: int = 300, cache: str | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, NEMORUN_HOME=str(tmp_path / "nemorun_home"),
                PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", PYTHONPATH=str(REPO))
@@ -65,10 +58,10 @@ def test_local_executor_runs_a_real_gloo_job(tmp_path):
 
 
 @pytest.mark.e2e
-def test_local_executor_runs_the_tiny_trainer(tmp_path, tmp_path_factory):
+def test_local_executor_runs_the_tiny_trainer(tmp_path, tiny_cache):
     run_dir = tmp_path / "run"
     proc = launch(tmp_path, "local", "--run-dir", str(run_dir), "train.steps=3", "eval.every=0", "checkpoint.every=0",
-                  timeout=900, cache=session_cache(tmp_path_factory))
+                  timeout=900, cache=tiny_cache)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "SUCCEEDED" in proc.stdout
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]

@@ -32,13 +32,6 @@ PROBE = ["python", "slurm/probe.py"]
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 
 
-def session_cache(tmp_path_factory) -> str:
-    """One tiny-base-model cache per test session, shared by every e2e module (never ~/.cache)."""
-    path = os.environ.get("DAPO_MCORE_TEST_CACHE") or str(tmp_path_factory.getbasetemp() / "dapo-mcore-cache")
-    Path(path).mkdir(parents=True, exist_ok=True)
-    return path
-
-
 def free_port_base(span: int = 32) -> int:
     """A rendezvous port base whose next ``span`` ports are free: each private cluster numbers its jobs from 1,
     so two test sessions on one host would otherwise both rendezvous on 20001 (launch.sh: base + job id)."""
@@ -56,7 +49,7 @@ def free_port_base(span: int = 32) -> int:
 
 
 @pytest.fixture(scope="module")
-def slurm_env(tmp_path_factory):
+def slurm_env(tmp_path_factory, tiny_cache):
     missing = [exe for exe in ("munged", "slurmctld", "slurmd", "sbatch") if shutil.which(exe) is None]
     if missing:
         pytest.skip(f"slurm packages not installed ({', '.join(missing)}): run slurm/local/install.sh")
@@ -67,7 +60,7 @@ def slurm_env(tmp_path_factory):
     env = dict(os.environ, SLURM_CONF=str(state / "slurm.conf"), DAPO_REPO=str(REPO), OMP_NUM_THREADS="1",
                PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
                PYTHONPATH=f"{REPO}:{os.environ.get('PYTHONPATH', '')}".rstrip(":"),
-               DAPO_MCORE_CACHE=session_cache(tmp_path_factory), DAPO_MASTER_PORT_BASE=str(free_port_base()))
+               DAPO_MCORE_CACHE=tiny_cache, DAPO_MASTER_PORT_BASE=str(free_port_base()))
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     try:
