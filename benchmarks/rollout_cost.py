@@ -41,7 +41,7 @@ must not fail on the limit set for today's loop, which never reaches it on the t
 
 
 def run_variant(name: str, overrides: list[str], args: argparse.Namespace) -> dict:
-    run_dir = Path(args.out) / name
+    run_dir = Path(args.out).resolve() / name
     if args.reuse:
         metrics = run_dir / "metrics.jsonl"
         if not metrics.is_file():
@@ -50,14 +50,15 @@ def run_variant(name: str, overrides: list[str], args: argparse.Namespace) -> di
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
         return summarize(name, rows, float("nan"))
     steps = [] if args.steps is None else [f"train.steps={args.steps}"]
-    cmd = [sys.executable, "-m", "dapo_mcore.cli", "train", args.config, f"run.dir={run_dir}", "run.overwrite=true",
+    cmd = [sys.executable, "-m", "dapo_mcore.cli", "train", str(Path(args.config).resolve()), f"run.dir={run_dir}", "run.overwrite=true",
            *steps, *BASE_OVERRIDES, *args.override, *overrides]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
-        print(f"variant {name} failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1]}", flush=True)
+        last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        print(f"variant {name} failed (exit {proc.returncode}): {last}", flush=True)
         return {}
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return summarize(name, rows, wall)
@@ -106,10 +107,11 @@ def table(results: list[dict], budget: float) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default="examples/tiny_cpu.yaml")
+    parser.add_argument("--config", default=str(ROOT / "examples" / "tiny_cpu.yaml"),
+                        help="the DAPO config to run (default examples/tiny_cpu.yaml; paths are relative to here)")
     parser.add_argument("--steps", type=int, default=None,
                         help="training steps per variant (default: the config's; fewer: a smoke run)")
-    parser.add_argument("--out", default="runs/rollout_cost", help="run directories go under this")
+    parser.add_argument("--out", default=str(ROOT / "runs" / "rollout_cost"), help="run directories go under this")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--override", nargs="*", default=[], help="extra dotted overrides for every variant")
     parser.add_argument("--reuse", action="store_true",
