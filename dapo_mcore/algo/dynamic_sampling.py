@@ -106,7 +106,7 @@ class SamplingStats:
         """Fraction of generated groups that passed the filter (kept or surplus)."""
         return self._usable_seen / self.groups_generated if self.groups_generated else 0.0
 
-    def _count(self, group: Group, outcome: str) -> None:
+    def record(self, group: Group, outcome: str) -> None:
         n, tok = len(group.acc), group.num_tokens()
         self.groups_generated += 1
         self.rollouts_generated += n
@@ -152,7 +152,7 @@ class DynamicSamplingExhausted(RuntimeError):
         self.stats = stats
 
 
-def _exhausted(stats: SamplingStats, target: int, max_gen_batches: int) -> DynamicSamplingExhausted:
+def exhausted_error(stats: SamplingStats, target: int, max_gen_batches: int) -> DynamicSamplingExhausted:
     if stats.groups_stage_skipped or stats.prompts_history_skipped:
         return DynamicSamplingExhausted(
             f"dynamic sampling kept {stats.groups_kept}/{target} usable groups after {stats.gen_batches} generation "
@@ -197,19 +197,19 @@ def collect_groups(
     kept: list[Group] = []
     while len(kept) < target_groups:
         if enabled and max_gen_batches and stats.gen_batches >= max_gen_batches:
-            raise _exhausted(stats, target_groups, max_gen_batches)
+            raise exhausted_error(stats, target_groups, max_gen_batches)
         batch = list(generate_batch(stats.gen_batches))
         stats.gen_batches += 1
         if not batch:
             raise ValueError(f"generate_batch({stats.gen_batches - 1}) returned no groups; the prompt source is empty")
         for group in batch:
             if enabled and not group.is_usable():
-                stats._count(group, "rejected")
+                stats.record(group, "rejected")
             elif len(kept) < target_groups:
                 kept.append(group)
-                stats._count(group, "kept")
+                stats.record(group, "kept")
             else:
-                stats._count(group, "surplus")
+                stats.record(group, "surplus")
         if not enabled:
             break
     logger.debug("dynamic sampling: %s", stats)

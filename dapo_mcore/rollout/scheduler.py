@@ -24,7 +24,7 @@ import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from dapo_mcore.algo.dynamic_sampling import Group, SamplingStats, _exhausted, collect_groups
+from dapo_mcore.algo.dynamic_sampling import Group, SamplingStats, collect_groups, exhausted_error
 from dapo_mcore.algo.schedule_config import ScheduleConfig
 
 __all__ = ["RolloutScheduler", "GenerateFn", "MergeFn", "round_size"]
@@ -96,7 +96,7 @@ class RolloutScheduler:
         history = self.sampler.history
         while len(kept) < self.target:
             if self.max_rounds and stats.gen_batches >= self.max_rounds:
-                raise _exhausted(stats, self.target, self.max_rounds)
+                raise exhausted_error(stats, self.target, self.max_rounds)
             size, drawn = self.next_round_size(self.target - len(kept)), 0
             stats.gen_batches += 1
             while drawn < size and len(kept) < self.target:
@@ -140,17 +140,17 @@ class RolloutScheduler:
     def _decide(self, group: Group, staged_out: bool, kept: list[Group], stats: SamplingStats) -> None:
         """Prompt order: the first ``target`` usable groups are kept, later usable ones are surplus."""
         if staged_out:
-            stats._count(group, "stage_skipped")
+            stats.record(group, "stage_skipped")
             if len(group.acc) == self.n:  # completed only to measure the staging bias
                 stats.groups_stage_audited += 1
                 stats.groups_stage_audit_usable += int(group.is_usable())
         elif not group.is_usable():
-            stats._count(group, "rejected")
+            stats.record(group, "rejected")
         elif len(kept) < self.target:
             kept.append(group)
-            stats._count(group, "kept")
+            stats.record(group, "kept")
         else:
-            stats._count(group, "surplus")
+            stats.record(group, "surplus")
 
     def _generate(self, records: list[Any], generate: GenerateFn, merge: MergeFn, slots: Iterator[int],
                   step: int) -> list[tuple[Group, bool]]:
