@@ -14,7 +14,9 @@ On CPU ``sleep``/``wake`` are no-ops; the order is the same so the trainer has o
 
 An engine that can also hand back each prompt's group as soon as its n samples have ended implements
 :class:`StreamingEngine` (``HFEngine`` does); the rollout scheduler then stops generating, and aborts what is in
-flight, once a step holds enough usable groups (``rollout.schedule.streaming``).
+flight, once a step holds enough usable groups (``rollout.schedule.streaming``). One that can also hand back the
+aborted groups as far as they got and continue them later implements :class:`ResumingEngine` (partial rollouts,
+``rollout.schedule.partial``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,10 @@ __all__ = [
     "FinishReason",
     "GroupStream",
     "LogprobsMode",
+    "PartialGroup",
+    "PartialGroupStream",
     "PromptFilterResult",
+    "ResumingEngine",
     "Response",
     "SamplingParams",
     "StreamingEngine",
@@ -113,6 +118,9 @@ class Response:
     """One log-prob per token (see SamplingParams.logprobs), or empty when logprobs="none"."""
     finish_reason: FinishReason
     """"stop": ended by an EOS/stop token; "length": reached max_new_tokens."""
+    stale_tokens: int = 0
+    """Leading tokens sampled by an earlier policy (partial rollouts, ``rollout.schedule.partial``): their log-probs
+    are that policy's. 0 for a response sampled in one go."""
 
     @property
     def length(self) -> int:
@@ -213,10 +221,55 @@ class GroupStream(Protocol):
         ...
 
 
+@dataclass
+class PartialGroup:
+    """A group that was still in flight when its stream was aborted with ``abort(keep_partial=True)``."""
+
+    index: int
+    """Position of the prompt in the stream call."""
+    responses: list[Response]
+    """Its n responses as they stood: ended ones whole, the others cut where decoding stopped (with log-probs)."""
+    done: list[bool]
+    """Which responses had ended (EOS/stop token or max_new_tokens); the others are continued by ``resume``."""
+
+    def num_tokens(self) -> int:
+        """Tokens generated so far for this group."""
+        return sum(r.length for r in self.responses)
+
+
+@runtime_checkable
+class PartialGroupStream(GroupStream, Protocol):
+    """A stream that can hand back the groups it aborted, as far as they got (partial rollouts)."""
+
+    def abort(self, keep_partial: bool = False) -> int:
+        """Like ``GroupStream.abort``; with ``keep_partial`` the in-flight groups are kept for ``partials()`` and their
+        tokens are not in the returned count (groups whose decoding never started are neither)."""
+        ...
+
+    def partials(self) -> list[PartialGroup]:
+        """After ``abort(keep_partial=True)``: every group that was in flight, in prompt order."""
+        ...
+
+
 @runtime_checkable
 class StreamingEngine(Engine, Protocol):
     """An engine that also streams finished groups."""
 
     def stream(self, prompts: list[list[int]], params: SamplingParams) -> GroupStream:
         """Start sampling ``params.n`` responses per prompt; iterate the result for finished groups."""
+        ...
+
+
+@runtime_checkable
+class ResumingEngine(StreamingEngine, Protocol):
+    """A streaming engine that can also continue responses cut short by an abort (partial rollouts)."""
+
+    def stream(self, prompts: list[list[int]], params: SamplingParams) -> PartialGroupStream:
+        ...
+
+    def resume(self, prompts: list[list[int]], prefixes: list[list[int]], params: SamplingParams) -> list[Response]:
+        """Continue one response per prompt: ``prefixes[i]`` (the tokens it had, at most ``params.max_new_tokens - 1``)
+        is fed after ``prompts[i]`` at the positions it was sampled at, and up to ``params.max_new_tokens -
+        len(prefixes[i])`` new tokens are sampled. ``params.n`` must be 1. Returns only the new tokens (with their
+        log-probs), finish_reason as for the whole response; the prompt limits apply to ``prompts`` alone."""
         ...
