@@ -400,6 +400,9 @@ def _validate_rollout(cfg: Config) -> None:
         r.schedule.validate(r.n, cfg.algo.dynamic_sampling)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
+    if r.schedule.partial and cfg.algo.tis_cap is None:
+        raise ConfigError("rollout.schedule.partial trains on tokens an older policy sampled; they need the truncated "
+                          "importance correction: set algo.tis_cap (e.g. 2.0)")
     if r.engine == "vllm" and not 0.0 < r.vllm.gpu_memory_utilization < 1.0:
         raise ConfigError("rollout.vllm.gpu_memory_utilization must lie in (0, 1).")
     if cfg.algo.overlong_shaping and cfg.algo.overlong_max_len > r.max_new_tokens:

@@ -441,10 +441,7 @@ def build_components(cfg: Config, launch: LaunchEnv, *, resume: bool = True, che
 
     if sampler is not None:
         parts.scheduler = _build_scheduler(cfg, sampler)
-    from dapo_mcore.rollout.protocol import StreamingEngine
-
-    parts.engine_streams = (cfg.rollout.schedule.streaming and launch.world_size == 1
-                            and isinstance(engine, StreamingEngine))
+    parts.engine_streams = _engine_streams(cfg, launch.world_size, engine)
     parts.peak_flops = device_peak_flops(cfg.run.peak_tflops_per_device, cfg.model.fp8.enabled)
     engine_tp = cfg.rollout.vllm.tensor_parallel if cfg.rollout.engine == "vllm" else 1
     parts.gen_groups, parts.gen_group_index = launch.world_size // engine_tp, launch.rank // engine_tp
@@ -471,6 +468,23 @@ def _build_sampler(cfg: Config, records: list) -> Any:
     history = (PromptHistory(cfg.train.seed, s.history_skip_prob, s.history_max_skip_prob, s.history_decay)
                if s.history else None)
     return PromptSampler(records, seed=cfg.train.seed, history=history)
+
+
+def _engine_streams(cfg: Config, world_size: int, engine: Any) -> bool:
+    """Whether the step streams finished groups (rollout.schedule.streaming, one rank, an engine that streams);
+    with rollout.schedule.partial the engine must also continue aborted responses."""
+    from dapo_mcore.rollout.protocol import ResumingEngine, StreamingEngine
+
+    sched = cfg.rollout.schedule
+    streams = sched.streaming and world_size == 1 and isinstance(engine, StreamingEngine)
+    if sched.partial and streams and not isinstance(engine, ResumingEngine):
+        raise ConfigError(f"rollout.schedule.partial: the {cfg.rollout.engine} engine cannot continue aborted "
+                          "responses; turn rollout.schedule.partial off")
+    if sched.streaming and not streams:
+        log.warning("rollout.schedule.streaming: %s; rounds are generated chunk by chunk without aborts%s",
+                    "more than one rank" if world_size > 1 else f"the {cfg.rollout.engine} engine does not stream",
+                    " and rollout.schedule.partial has nothing to continue" if sched.partial else "")
+    return streams
 
 
 def _build_scheduler(cfg: Config, sampler: Any) -> Any:

@@ -31,6 +31,7 @@ from dapo_mcore.algo.overlong import overlong_penalty
 from dapo_mcore.config import Config
 from dapo_mcore.data.records import PromptRecord
 from dapo_mcore.rollout.gather import apply_once, broadcast_shares, merge_shares, plan_shares
+from dapo_mcore.rollout.partial import Buffered, join, stale_response
 from dapo_mcore.rollout.protocol import EngineError, Response, SamplingParams
 from dapo_mcore.runtime import Components, build_components, prepare_run_dir, read_config
 from dapo_mcore.telemetry import keys
@@ -154,7 +155,22 @@ class Trainer:
                 for i, responses in engine_stream:
                     yield i, _group(self._scored_groups([records[i]], [prompt_ids[i]], [responses], gen_batch)[0])
 
-        return _Stream(scored(), engine_stream.abort)
+        return _Stream(scored(), engine_stream.abort, getattr(engine_stream, "partials", None))
+
+    def _resume_and_score(self, buffered: list[Buffered], params: SamplingParams, gen_batch: int) -> list[GroupData]:
+        """Partial rollouts: continue the unfinished responses of the groups the last step aborted (one engine
+        group, as streaming), then score the whole groups."""
+        records = [self.p.sampler.records[b.index] for b in buffered]
+        prompt_ids = [self.p.encode_prompt(rec) for rec in records]
+        todo = [(gi, ri) for gi, b in enumerate(buffered) for ri, done in enumerate(b.group.done) if not done]
+        with self.p.timer.phase("generate"):
+            tails = self.p.engine.resume([prompt_ids[gi] for gi, _ in todo],
+                                         [buffered[gi].group.responses[ri].token_ids for gi, ri in todo], params)
+        outputs = [[stale_response(r) for r in b.group.responses] for b in buffered]
+        for (gi, ri), tail in zip(todo, tails, strict=True):
+            outputs[gi][ri] = join(buffered[gi].group.responses[ri], tail)
+        with self.p.timer.phase("reward"):
+            return self._scored_groups(records, prompt_ids, outputs, gen_batch)
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Response]]:
         """Each engine group generates its share (``rollout.gather.plan_shares``); every rank gets all the results.
@@ -217,9 +233,13 @@ class Trainer:
         def stream(records: list[PromptRecord], n: int, slot: int) -> _Stream:
             return self._stream_and_score(records, params(n, slot), slot)
 
+        def resume(buffered: list[Buffered], slot: int) -> list[Group]:
+            return [_group(g) for g in self._resume_and_score(buffered, params(1, slot), slot)]
+
+        streams = self.p.engine_streams
         with self._engine_awake():
             kept, generated, stats = self.p.scheduler.collect(generate, GroupData.joined, self.step,
-                                                              stream if self.p.engine_streams else None)
+                                                              stream if streams else None, resume if streams else None)
         return [g.payload for g in kept], [g.payload for g in generated], stats
 
     @contextlib.contextmanager
@@ -250,12 +270,15 @@ class Trainer:
                 if a.overlong_filter and resp.finish_reason == "length":
                     mask = torch.zeros(resp.length)
                 samples.append(TrainSample(g.prompt_ids, list(resp.token_ids), float(adv[gi, ri]), loss_mask=mask,
-                                           extra={"engine_logp": torch.tensor(resp.logprobs, dtype=torch.float32)}))
+                                           extra={"engine_logp": torch.tensor(resp.logprobs, dtype=torch.float32),
+                                                  "stale_tokens": resp.stale_tokens}))
         return samples
 
     def old_logprobs(self, samples: list[TrainSample]) -> dict[str, float]:
-        """The actor's log-probs of the rollout tokens, compared with what the engine reported."""
-        from dapo_mcore.rollout.mismatch import mismatch_metrics, tis_weights
+        """The actor's log-probs of the rollout tokens, compared with what the engine reported: ``mismatch/*`` over
+        the tokens the current policy sampled, ``partial/*`` over those an older one did (partial rollouts: the
+        policy's drift over a step plus the engine mismatch)."""
+        from dapo_mcore.rollout.mismatch import MismatchStats, mismatch_metrics, tis_weights
 
         logps, _ = self.p.actor.compute_logprobs(samples)
         actor_lp, engine_lp = [], []
@@ -266,7 +289,12 @@ class Trainer:
             actor_lp.append(lp)
             engine_lp.append(s.extra["engine_logp"])
         flat_a, flat_e = torch.cat(actor_lp).unsqueeze(0), torch.cat(engine_lp).unsqueeze(0)
-        return mismatch_metrics(flat_e, flat_a, torch.ones_like(flat_a), self.cfg.algo.tis_cap)
+        stale = torch.cat([torch.arange(len(lp)) < s.extra.get("stale_tokens", 0) for s, lp in zip(samples, actor_lp,
+                                                                                            strict=True)]).unsqueeze(0)
+        out = mismatch_metrics(flat_e, flat_a, ~stale, self.cfg.algo.tis_cap)
+        if bool(stale.any()):
+            out.update(MismatchStats.from_tensors(flat_e, flat_a, stale, self.cfg.algo.tis_cap).metrics("partial/"))
+        return out
 
     def train(self, groups: list[GroupData], samples: list[TrainSample]) -> dict[str, float]:
         """Mini-batch updates: prompts_per_step / mini_batch_prompts optimizer steps per epoch."""
@@ -372,6 +400,7 @@ class Trainer:
                 p.log_base_eval(base)
             while self.step < cfg.train.steps:
                 sampler_at_start = p.sampler.state_dict()
+                schedule_at_start = p.scheduler.state_dict() if p.scheduler is not None else None
                 p.profile_window(self.step + 1, starting=True)
                 try:
                     with p.timer.phase("step"):
@@ -383,6 +412,8 @@ class Trainer:
                 except _Preempted:
                     p.timer.pop_step()
                     p.sampler.load_state_dict(sampler_at_start)  # the abandoned step's prompts come again
+                    if schedule_at_start is not None:  # and its partial groups (rollout.schedule.partial)
+                        p.scheduler.load_state_dict(schedule_at_start)
                     p.save(self.step)
                     log.warning("stop signal during generation of step %d: step abandoned, checkpointed at step %d; "
                                 "exiting %d", self.step + 1, self.step, signals.exit_code)
@@ -417,7 +448,8 @@ class Trainer:
 
 
 def _group(g: GroupData) -> Group:
-    return Group(acc=g.acc, payload=g, response_lengths=[r.length for r in g.responses])
+    return Group(acc=g.acc, payload=g, response_lengths=[r.length for r in g.responses],
+                 stale_tokens=sum(r.stale_tokens for r in g.responses))
 
 
 @dataclass
@@ -431,9 +463,12 @@ class _Stream:
     def __iter__(self) -> Iterator[tuple[int, Group]]:
         return self.groups
 
-    def abort(self) -> int:
+    partials: Any = None
+    """The engine stream's ``partials`` (a PartialGroupStream), else None."""
+
+    def abort(self, keep_partial: bool = False) -> int:
         self.groups.close()  # leaves the generate phase before the next one starts
-        return self.engine_abort()
+        return self.engine_abort(keep_partial=True) if keep_partial else self.engine_abort()
 
 
 def _seed(base: int, step: int, batch: int) -> int:

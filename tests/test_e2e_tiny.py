@@ -357,3 +357,33 @@ def test_signal_during_dynamic_sampling_refill_resumes_the_same_trajectory(env, 
     assert [r["step"] for r in b] == [r["step"] for r in a]
     for key in ("train/loss", "rollout/acc_mean", "rollout/gen_batches"):
         assert _by_step(a, key) == _by_step(b, key), key
+
+
+def test_partial_rollouts_train_and_resume_the_same_trajectory(env, tmp_path):
+    """rollout.schedule.partial: groups a streamed step aborted are continued at the next step (stale tokens
+    trained with TIS, reported apart from the engine mismatch); a run stopped while the buffer holds groups resumes
+    them from its checkpoint and follows the uninterrupted run exactly."""
+    partial = ("eval.every=0", "eval.at_start=false", "checkpoint.every=0", "rollout.schedule.streaming=true",
+               "rollout.schedule.stream_chunk_prompts=16", "rollout.schedule.partial=true", "algo.tis_cap=2.0")
+    straight = tmp_path / "straight"
+    proc = _run(_cmd(straight, "train.steps=4", *partial), env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a = _metrics(straight)
+    buffered = _by_step(a, "sampling/tokens_partial_buffered")
+    with_buffer = [s for s in (1, 2, 3) if buffered[s] > 0]
+    assert with_buffer, f"no step aborted a group in flight: {buffered}"
+    s = with_buffer[0]
+    resumed_groups, stale = _by_step(a, "sampling/groups_resumed"), _by_step(a, "sampling/tokens_stale_kept")
+    assert resumed_groups[s + 1] > 0 and 0 < stale[s + 1] <= buffered[s]
+    assert _by_step(a, "partial/tokens")[s + 1] == stale[s + 1]  # every trained stale token is in partial/*
+    assert 0 < _by_step(a, "partial/tis_mean")[s + 1] <= 2.0
+    run_dir = tmp_path / "stopped"
+    first = _run(_cmd(run_dir, f"train.steps={s}", *partial), env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    state = json.loads((run_dir / "checkpoints" / f"step_{s:06d}" / "trainer_state.json").read_text())
+    assert len(state["schedule"]["partials"]) == resumed_groups[s + 1]
+    second = _run(_cmd(run_dir, "train.steps=4", *partial), env)
+    assert second.returncode == 0, second.stderr[-3000:]
+    b = _metrics(run_dir)
+    for key in ("train/loss", "rollout/acc_mean", "sampling/groups_resumed", "sampling/tokens_stale_kept"):
+        assert _by_step(a, key) == _by_step(b, key), key

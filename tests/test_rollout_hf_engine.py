@@ -218,3 +218,64 @@ def test_stream_yields_generates_groups_and_abort_counts_tokens(model):
     unfinished = [i for i in range(3) if i != first_index]
     assert 0 < aborted <= sum(r.length for i in unfinished for r in want[i])
     assert stream.abort() == 0
+
+
+def test_resume_continues_a_greedy_response_exactly(model):
+    """Partial rollouts: resume(prompt, R[:k]) of a greedy response R gives R[k:] with R's log-probs, on a batch
+    whose prompt + prefix rows have different lengths (left padding) and different token budgets."""
+    from dapo_mcore.rollout import ResumingEngine
+
+    engine = HFEngine(model, eos_token_ids=99, pad_token_id=0, max_batch_rows=3)  # no EOS: every R is 12 long
+    assert isinstance(engine, ResumingEngine)
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=12)
+    whole = [g[0] for g in engine.generate(PROMPTS, params)]
+    cuts = [1, 5, 11, 3, 7]
+    tails = engine.resume(PROMPTS, [r.token_ids[:k] for r, k in zip(whole, cuts, strict=True)], params)
+    for r, k, tail in zip(whole, cuts, tails, strict=True):
+        assert tail.token_ids == r.token_ids[k:] and tail.finish_reason == "length" == r.finish_reason
+        torch.testing.assert_close(torch.tensor(tail.logprobs), torch.tensor(r.logprobs[k:]), atol=2e-5, rtol=0)
+
+
+def test_resume_stops_at_eos_and_refuses_bad_requests(model, engine):
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=12)
+    whole = [g[0] for g in engine.generate(PROMPTS, params)]
+    stopped = [(p, r) for p, r in zip(PROMPTS, whole, strict=True) if r.finish_reason == "stop" and r.length > 1]
+    if stopped:
+        p, r = stopped[0]
+        (tail,) = engine.resume([p], [r.token_ids[:1]], params)
+        assert tail.token_ids == r.token_ids[1:] and tail.finish_reason == "stop"
+    with pytest.raises(EngineError, match="n=1"):
+        engine.resume([PROMPTS[0]], [[3]], SamplingParams(n=2, max_new_tokens=12))
+    with pytest.raises(EngineError, match="prefix 0 has 12 tokens"):
+        engine.resume([PROMPTS[0]], [[3] * 12], params)
+    with pytest.raises(EngineError, match="prefix 0 has 0 tokens"):
+        engine.resume([PROMPTS[0]], [[]], params)
+
+
+def test_stream_abort_keeps_partial_groups_as_prefixes_of_generate(model):
+    """abort(keep_partial=True): the in-flight groups come back as they stood, each response a prefix of what
+    generate samples with the same seed (ended ones whole), and abort counts none of their tokens."""
+    from dapo_mcore.rollout import PartialGroupStream
+
+    # Ten stop ids end responses early and at different steps, so groups finish one by one.
+    engine = HFEngine(model, eos_token_ids=list(range(2, 12)), max_batch_rows=12)  # 3 prompts x 4 samples a chunk
+    prompts = [[1, 5, 6], [1, 7], [1, 9, 3, 4], [1, 8], [1, 10, 11], [1, 12]]
+    cut_total = 0
+    for seed in range(8):
+        params = SamplingParams(n=4, temperature=1.0, max_new_tokens=8, seed=seed)
+        want = engine.generate(prompts, params)
+        stream = engine.stream(prompts, params)
+        assert isinstance(stream, PartialGroupStream)
+        first_index, _ = next(iter(stream))
+        assert stream.abort(keep_partial=True) == 0
+        partials = stream.partials()
+        assert [p.index for p in partials] == [i for i in range(3) if i != first_index]
+        for p in partials:
+            for r, done, w in zip(p.responses, p.done, want[p.index], strict=True):
+                assert r.token_ids == w.token_ids[:r.length] and r.logprobs == w.logprobs[:r.length]
+                assert done == (r.length == w.length) and (not done or r.finish_reason == w.finish_reason)
+                cut_total += w.length - r.length
+        again = engine.stream(prompts, params)
+        next(iter(again))
+        assert again.abort() == sum(p.num_tokens() for p in partials)  # the same groups, dropped instead
+    assert cut_total > 0  # some response was really cut mid-way

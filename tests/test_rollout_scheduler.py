@@ -317,3 +317,79 @@ def test_checkpoint_state_carries_history_and_estimate_only_when_switched_on():
     a, b = on.scheduler.collect(FakeEngine(), _merge, step=3), resumed.scheduler.collect(FakeEngine(), _merge, step=3)
     assert [g.payload for g in a[1]] == [g.payload for g in b[1]] and a[2] == b[2]
     assert on.sampler.history.skipped_total == resumed.sampler.history.skipped_total > 0
+
+
+class FakePartialStream(FakeStream):
+    """FakeStream whose abort(keep_partial=True) hands back the unfinished groups, each response cut to 1 token."""
+
+    def abort(self, keep_partial=False):
+        from dapo_mcore.rollout.protocol import PartialGroup, Response
+
+        if not keep_partial:
+            return super().abort()
+        left = sorted(self.order[self.given:])
+        self.kept = [PartialGroup(pos, [Response([pos, j], [-0.5, -0.25], "length") for j in range(N)],
+                                  [j % 2 == 0 for j in range(N)]) for pos in left]
+        return 0
+
+    def partials(self):
+        return self.kept
+
+
+def test_partial_rollouts_buffer_aborted_groups_and_continue_them_first_next_step():
+    from dapo_mcore.rollout.protocol import Response
+
+    cfg = ScheduleConfig(streaming=True, stream_chunk_prompts=5, partial=True)
+    sched, sampler = _scheduler(cfg)
+    engine, streams, resumed = FakeEngine(), [], []
+
+    def stream(records, n, slot):
+        streams.append(FakePartialStream(engine(records, n, slot), seed=slot))
+        return streams[-1]
+
+    def resume(items, slot):
+        resumed.append((slot, [(b.index, b.step, b.group.index) for b in items]))
+        # a continued group: the record's outcomes at visit 1, its stale tokens the prefixes' 2 per response
+        return [Group(acc=[_acc(b.index, j, visit=1) for j in range(N)], payload=("resumed", b.index),
+                      response_lengths=[5] * N, stale_tokens=2 * N) for b in items]
+
+    kept, _, stats = sched.collect(engine, _merge, step=0, stream=stream, resume=resume)
+    last = streams[-1]
+    buffered = [(b.index, b.step, b.group.index) for b in sched.partials.items]
+    assert stats.tokens_aborted == 0 and len(buffered) == len(last.order) - last.given > 0
+    assert stats.tokens_partial_buffered == sum(2 * N for _ in buffered) and stats.groups_resumed == 0
+    assert all(step == 0 for _, step, _ in buffered) and not resumed
+    # the buffered groups are the records of the last chunk that had not finished
+    assert sorted(i for i, _, _ in buffered) == sorted(last.groups[p].payload[0] for p in last.order[last.given:])
+    state = json.loads(json.dumps(sched.state_dict()))
+
+    kept1, generated1, stats1 = sched.collect(engine, _merge, step=1, stream=stream, resume=resume)
+    assert resumed == [(0, buffered)]  # slot 0: before any new prompt is drawn
+    assert stats1.tokens_partial_buffered == sched.partials.num_tokens()
+    assert stats1.groups_resumed == len(buffered)
+    assert [g.payload for g in generated1[:len(buffered)]] == [("resumed", i) for i, _, _ in buffered]
+    usable_resumed = [g for g in generated1[:len(buffered)] if g.is_usable()][:TARGET]
+    assert kept1[:len(usable_resumed)] == usable_resumed
+    assert stats1.tokens_stale_kept == 2 * N * len(usable_resumed)
+
+    again, _ = _scheduler(cfg)
+    again.load_state_dict(state)
+    assert [(b.index, b.step, b.group.index) for b in again.partials.items] == buffered
+    pos = buffered[0][2]
+    assert again.partials.items[0].group.responses == [Response([pos, j], [-0.5, -0.25], "length") for j in range(N)]
+    with pytest.raises(ValueError, match="no resume callback"):
+        again.collect(FakeEngine(), _merge, step=1)
+
+
+def test_partial_needs_streaming_and_tis():
+    from pathlib import Path
+
+    from dapo_mcore.config import ConfigError, load_config
+
+    with pytest.raises(ValueError, match="partial .* needs rollout.schedule.streaming=true"):
+        ScheduleConfig(partial=True).validate(n=8, dynamic_sampling=True)
+    tiny = Path(__file__).resolve().parents[1] / "examples" / "tiny_cpu.yaml"
+    on = ["rollout.schedule.streaming=true", "rollout.schedule.partial=true"]
+    with pytest.raises(ConfigError, match="set algo.tis_cap"):
+        load_config(tiny, on).validate(1)
+    load_config(tiny, [*on, "algo.tis_cap=2.0"]).validate(1)

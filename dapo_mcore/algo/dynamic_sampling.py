@@ -40,6 +40,9 @@ class Group:
     response_lengths: Sequence[int] | Tensor | None = None
     """Per-rollout generated token counts, for token accounting; None if unknown."""
 
+    stale_tokens: int = 0
+    """Of those tokens, how many an older policy sampled (partial rollouts); 0 for an on-policy group."""
+
     def num_correct(self) -> int:
         """Number of correct rollouts."""
         return sum(1 for a in self.acc if bool(a))
@@ -99,6 +102,13 @@ class SamplingStats:
     """Audited stage-skipped groups that turned out usable: the groups the staging bias cost."""
     prompts_history_skipped: int = 0
     """Prompts the prompt history skipped before generation (no tokens spent)."""
+    groups_resumed: int = 0
+    """Partial groups of the previous step continued in this one (rollout.schedule.partial); counted in
+    groups_generated, and all their tokens in tokens_generated (a partial group's tokens count in the step it ends)."""
+    tokens_stale_kept: int = 0
+    """Tokens of kept groups that an older policy sampled (partial rollouts): trained off-policy, TIS-corrected."""
+    tokens_partial_buffered: int = 0
+    """Tokens of the groups this step aborted and kept for the next one (not yet in tokens_generated)."""
     _usable_seen: int = field(default=0, repr=False)
 
     @property

@@ -24,6 +24,14 @@ class ScheduleConfig:
     """Prompts per streamed chunk (streaming only). Smaller stops closer to the need; larger batches the engine
     better (on GPUs, a few hundred)."""
 
+    partial: bool = False
+    """Partial rollouts (off-policy, streaming only): the groups still in flight when a streamed step fills are kept
+    as far as they got (tokens and the engine's log-probs) and continued first thing at the next step, by the new
+    policy, instead of being thrown away. Their earlier tokens are one policy version old (the staleness bound is one
+    step, by construction: everything kept is continued at the very next step) and are corrected token by token with
+    truncated importance sampling: needs algo.tis_cap. Counted in sampling/groups_resumed, sampling/tokens_stale_kept
+    (trained tokens an older policy sampled) and sampling/tokens_partial_buffered."""
+
     adaptive: bool = False
     """Size each generation round from the usable-group fraction observed so far instead of a fixed
     rollout.gen_batch_prompts: need / estimated fraction x adaptive_margin, capped at adaptive_max_prompts."""
@@ -72,6 +80,9 @@ class ScheduleConfig:
         if self.enabled and not dynamic_sampling:
             raise ValueError("rollout.schedule switches (streaming, adaptive, stage_responses, history) select usable "
                              "groups for dynamic sampling; set algo.dynamic_sampling=true or turn them off")
+        if self.partial and (not self.streaming or self.stage_responses):
+            raise ValueError("rollout.schedule.partial continues the groups a streamed step aborted: it needs "
+                             "rollout.schedule.streaming=true and stage_responses=0")
         if self.stream_chunk_prompts < 1:
             raise ValueError(f"rollout.schedule.stream_chunk_prompts={self.stream_chunk_prompts} must be >= 1 (e.g. 8)")
         if self.adaptive_margin < 1.0:

@@ -11,6 +11,7 @@ token) are dropped from the batch and from the KV cache, so the batch shrinks as
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import time
@@ -22,7 +23,14 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from dapo_mcore.rollout.protocol import EngineError, Response, SamplingParams, WeightBucket, check_prompts
+from dapo_mcore.rollout.protocol import (
+    EngineError,
+    PartialGroup,
+    Response,
+    SamplingParams,
+    WeightBucket,
+    check_prompts,
+)
 from dapo_mcore.rollout.sampling import sample_next
 from dapo_mcore.rollout.weight_sync import SyncTracker
 
@@ -124,9 +132,11 @@ class HFEngine:
         return self._to_responses(tokens, logps, n_gen, stopped, params)
 
     def _decode(self, prompts: list[list[int]], params: SamplingParams, stop_ids: Tensor,
-                generator: torch.Generator) -> Iterator[tuple[Tensor, Tensor, Tensor, Tensor, list[int]]]:
+                generator: torch.Generator, budgets: Tensor | None = None,
+                ) -> Iterator[tuple[Tensor, Tensor, Tensor, Tensor, list[int]]]:
         """The decoding loop; after each token step yields ``(tokens, logps, n_gen, stopped, finished)`` where
-        ``finished`` lists the rows (prompt i's sample j is row i*n+j) that ended at this step."""
+        ``finished`` lists the rows (prompt i's sample j is row i*n+j) that ended at this step. ``budgets`` (one per
+        row, <= max_new_tokens) ends a row after that many tokens (``resume``); None = max_new_tokens for all."""
         input_ids, mask, lens = self._left_pad(prompts)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
@@ -147,6 +157,8 @@ class HFEngine:
             tokens[active, t], logps[active, t], n_gen[active] = tok, lp.to(logps.dtype), t + 1
             hit = torch.isin(tok, stop_ids)
             stopped[active] |= hit
+            if budgets is not None:
+                hit = hit | (budgets[active] <= t + 1)
             if t == max_new - 1 or bool(hit.all()):
                 yield tokens, logps, n_gen, stopped, active.tolist()
                 return
@@ -169,6 +181,40 @@ class HFEngine:
         params.validate()
         check_prompts(prompts, self.max_prompt_len, self.vocab_size)
         return _HFGroupStream(self, prompts, params)
+
+    @torch.inference_mode()
+    def resume(self, prompts: list[list[int]], prefixes: list[list[int]], params: SamplingParams) -> list[Response]:
+        """Continue one response per prompt after its ``prefix`` (see ``protocol.ResumingEngine.resume``): the
+        prefix is prefilled with the prompt at the positions it was sampled at; only the new tokens come back."""
+        self._check_open()
+        params.validate()
+        if params.n != 1:
+            raise EngineError(f"resume() continues one response per prompt; got n={params.n} (use n=1).")
+        if len(prefixes) != len(prompts):
+            raise EngineError(f"resume(): {len(prompts)} prompts but {len(prefixes)} prefixes.")
+        check_prompts(prompts, self.max_prompt_len, self.vocab_size)
+        for i, pre in enumerate(prefixes):
+            if not 0 < len(pre) < params.max_new_tokens:
+                raise EngineError(f"resume(): prefix {i} has {len(pre)} tokens; it must have 1 to "
+                                  f"max_new_tokens - 1 = {params.max_new_tokens - 1} (an ended response is not resumed).")
+        longest = max((len(p) for p in prompts), default=0)
+        if longest + params.max_new_tokens > self.max_positions:
+            raise EngineError(f"prompt length {longest} + max_new_tokens {params.max_new_tokens} exceeds the "
+                              f"model's max_position_embeddings={self.max_positions}.")
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        stop_ids = torch.tensor(sorted(set(self.eos_token_ids) | set(params.stop_token_ids)), device=self.device)
+        out: list[Response] = []
+        for start in range(0, len(prompts), self.max_batch_rows):
+            rows = [list(p) + list(q) for p, q in zip(prompts[start:start + self.max_batch_rows],
+                                                      prefixes[start:start + self.max_batch_rows], strict=True)]
+            budgets = torch.tensor([params.max_new_tokens - len(q) for q in prefixes[start:start + self.max_batch_rows]],
+                                   device=self.device)
+            tail = dataclasses.replace(params, max_new_tokens=int(budgets.max()))
+            tokens, logps, n_gen, stopped, _ = deque(self._decode(rows, tail, stop_ids, generator, budgets),
+                                                     maxlen=1)[0]
+            out.extend(self._to_responses(tokens, logps, n_gen, stopped, tail))
+        return out
 
     @staticmethod
     def _to_responses(tokens: Tensor, logps: Tensor, n_gen: Tensor, stopped: Tensor,
@@ -244,8 +290,10 @@ class _HFGroupStream:
         self.stop_ids = torch.tensor(sorted(set(engine.eos_token_ids) | set(params.stop_token_ids)),
                                      device=engine.device)
         self._decoding: Iterator | None = None
-        self._n_gen: Tensor | None = None
+        self._state: tuple[Tensor, Tensor, Tensor, Tensor] | None = None  # tokens, logps, n_gen, stopped
+        self._start = 0
         self._pending: set[int] = set()
+        self._partials: list[PartialGroup] = []
 
     @torch.inference_mode()
     def __iter__(self) -> Iterator[tuple[int, list[Response]]]:
@@ -253,10 +301,10 @@ class _HFGroupStream:
         for start in range(0, len(self.prompts), per_chunk):
             chunk = self.prompts[start:start + per_chunk]
             left = [n] * len(chunk)
-            self._pending = set(range(len(chunk)))
+            self._pending, self._start = set(range(len(chunk))), start
             self._decoding = self.engine._decode(chunk, self.params, self.stop_ids, self.generator)
             for tokens, logps, n_gen, stopped, finished in self._decoding:
-                self._n_gen = n_gen
+                self._state = (tokens, logps, n_gen, stopped)
                 for row in finished:
                     left[row // n] -= 1
                 for p in sorted({row // n for row in finished if left[row // n] == 0}):
@@ -266,14 +314,29 @@ class _HFGroupStream:
                                                             self.params)
             self._decoding = None
 
-    def abort(self) -> int:
-        """Stop decoding; the tokens generated for groups not yet yielded (they are discarded)."""
+    def abort(self, keep_partial: bool = False) -> int:
+        """Stop decoding; the tokens generated for groups not yet yielded (discarded), or with ``keep_partial``
+        0 and those groups kept for ``partials()``."""
         aborted = 0
         if self._decoding is not None:
             self._decoding.close()
             self._decoding = None
-            if self._n_gen is not None:
+            if self._state is not None:
                 n = self.params.n
-                aborted = sum(int(self._n_gen[p * n:(p + 1) * n].sum()) for p in self._pending)
+                tokens, logps, n_gen, stopped = self._state
+                for p in sorted(self._pending):
+                    rows = slice(p * n, (p + 1) * n)
+                    if keep_partial:
+                        responses = HFEngine._to_responses(tokens[rows], logps[rows], n_gen[rows], stopped[rows],
+                                                           self.params)
+                        done = [bool(s) or int(g) >= self.params.max_new_tokens
+                                for s, g in zip(stopped[rows].tolist(), n_gen[rows].tolist(), strict=True)]
+                        self._partials.append(PartialGroup(self._start + p, responses, done))
+                    else:
+                        aborted += int(n_gen[rows].sum())
         self._pending = set()
         return aborted
+
+    def partials(self) -> list[PartialGroup]:
+        """The groups ``abort(keep_partial=True)`` kept, in prompt order."""
+        return list(self._partials)

@@ -8,7 +8,9 @@ and generated, never how a kept group is trained:
 - streaming: rounds are generated in chunks and the step stops after the chunk that fills it;
 - adaptive: a round's size follows the usable fraction seen in earlier steps;
 - staged groups: k < G responses first; only groups whose first k are mixed are completed;
-- prompt history: the sampler skips prompts that were all right / all wrong lately (``data.prompt_history``).
+- prompt history: the sampler skips prompts that were all right / all wrong lately (``data.prompt_history``);
+- partial rollouts: the groups a streamed step aborted are continued first thing at the next step
+  (``rollout.partial``).
 
 Decisions are taken in prompt order over shared, scored groups, never in completion order, so the kept batch is
 a pure function of the seed, the data and the world size, and every rank holds the same one. Generation itself
@@ -26,8 +28,9 @@ from typing import Any
 
 from dapo_mcore.algo.dynamic_sampling import Group, SamplingStats, collect_groups, exhausted_error
 from dapo_mcore.algo.schedule_config import ScheduleConfig
+from dapo_mcore.rollout.partial import Buffered, PartialBuffer
 
-__all__ = ["RolloutScheduler", "GenerateFn", "MergeFn", "round_size"]
+__all__ = ["RolloutScheduler", "GenerateFn", "MergeFn", "ResumeFn", "round_size"]
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +42,11 @@ MergeFn = Callable[[Any, Any], Any]
 StreamFn = Callable[[list[Any], int, int], Any]
 """``stream(records, responses_per_prompt, slot)``: like GenerateFn, but returns a stream to iterate for
 ``(position in records, scored Group)`` as groups finish, with ``abort() -> tokens dropped`` (the shape of
-``rollout.protocol.GroupStream``)."""
+``rollout.protocol.GroupStream``; with partial rollouts ``abort(keep_partial=True)`` and ``partials()`` as in
+``PartialGroupStream``)."""
+ResumeFn = Callable[[list[Buffered], int], list[Group]]
+"""``resume(buffered, slot)``: the buffered partial groups continued by the current policy, one scored Group each,
+in order (partial rollouts)."""
 
 
 def round_size(need: int, estimate: float | None, base: int, margin: float, cap: int, floor: float) -> int:
@@ -71,12 +78,15 @@ class RolloutScheduler:
             gen_batch_prompts, max_rounds, dynamic_sampling, seed)
         self.usable_estimate: float | None = None
         """Running usable-group fraction (adaptive rounds); None until the first step ends."""
+        self.partials = PartialBuffer()
+        """Groups the last streamed step aborted, continued at the next (rollout.schedule.partial)."""
 
-    def collect(self, generate: GenerateFn, merge: MergeFn, step: int = 0,
-                stream: StreamFn | None = None) -> tuple[list[Group], list[Group], SamplingStats]:
+    def collect(self, generate: GenerateFn, merge: MergeFn, step: int = 0, stream: StreamFn | None = None,
+                resume: ResumeFn | None = None) -> tuple[list[Group], list[Group], SamplingStats]:
         """``(kept, generated, stats)``: the step's kept groups (exactly ``target``, prompt order), every group it
         generated (kept or not, in decision order) and the sampling counters. With ``stream`` (an engine that
-        streams finished groups, one engine group), streamed chunks are aborted as soon as the step is full."""
+        streams finished groups, one engine group), streamed chunks are aborted as soon as the step is full; with
+        ``resume`` too and ``partial`` on, the aborted groups are kept and continued at the next step."""
         if not self.cfg.enabled:
             generated: list[Group] = []
 
@@ -87,13 +97,24 @@ class RolloutScheduler:
 
             kept, stats = collect_groups(batch, self.target, self.max_rounds, enabled=self.dynamic_sampling)
             return kept, generated, stats
-        return self._collect_scheduled(generate, merge, step, stream)
+        return self._collect_scheduled(generate, merge, step, stream, resume)
 
-    def _collect_scheduled(self, generate: GenerateFn, merge: MergeFn, step: int,
-                           stream: StreamFn | None) -> tuple[list[Group], list[Group], SamplingStats]:
+    def _collect_scheduled(self, generate: GenerateFn, merge: MergeFn, step: int, stream: StreamFn | None,
+                           resume: ResumeFn | None) -> tuple[list[Group], list[Group], SamplingStats]:
         stats, kept, generated = SamplingStats(), [], []
         slots = itertools.count()
         history = self.sampler.history
+        partial = self.cfg.partial and stream is not None and resume is not None
+        if self.partials.items:
+            if resume is None:
+                raise ValueError("the scheduler holds partial groups but was given no resume callback")
+            items = self.partials.take()
+            for item, group in zip(items, resume(items, next(slots)), strict=True):
+                generated.append(group)
+                stats.groups_resumed += 1
+                if history is not None:
+                    history.record(item.index, group.num_correct(), len(group.acc))
+                self._decide(group, False, kept, stats)
         while len(kept) < self.target:
             if self.max_rounds and stats.gen_batches >= self.max_rounds:
                 raise exhausted_error(stats, self.target, self.max_rounds)
@@ -108,7 +129,8 @@ class RolloutScheduler:
                 drawn += len(indices)
                 records = [self.sampler.records[i] for i in indices]
                 if self.cfg.streaming and stream is not None and not self.cfg.stage_responses:
-                    decided = self._stream_chunk(stream(records, self.n, next(slots)), kept, stats)
+                    keep = (indices, step) if partial else None
+                    decided = self._stream_chunk(stream(records, self.n, next(slots)), kept, stats, keep)
                 else:
                     decided = enumerate(self._generate(records, generate, merge, slots, step))
                 for pos, (group, staged_out) in decided:
@@ -117,13 +139,17 @@ class RolloutScheduler:
                         history.record(indices[pos], group.num_correct(), len(group.acc))
                     self._decide(group, staged_out, kept, stats)
         self._update_estimate(stats)
+        stats.tokens_stale_kept = sum(g.stale_tokens for g in kept)
+        stats.tokens_partial_buffered = self.partials.num_tokens()
         return kept, generated, stats
 
-    def _stream_chunk(self, groups: Any, kept: list[Group], stats: SamplingStats) -> Iterator[tuple[int, tuple[Group,
-                                                                                                       bool]]]:
+    def _stream_chunk(self, groups: Any, kept: list[Group], stats: SamplingStats,
+                      keep: tuple[list[int], int] | None) -> Iterator[tuple[int, tuple[Group, bool]]]:
         """Hands out streamed groups in prompt order (each as soon as every earlier one has finished) while the
         caller decides them; once the step is full the stream is aborted and the groups that had finished out of
-        order are handed out too (surplus or rejected: they cost their tokens)."""
+        order are handed out too (surplus or rejected: they cost their tokens). With ``keep`` (the chunk's sampler
+        indices and the step: partial rollouts) the groups in flight go to the partial buffer instead of being
+        dropped."""
         done: dict[int, Group] = {}
         nxt = 0
         for pos, group in groups:
@@ -132,7 +158,11 @@ class RolloutScheduler:
                 yield nxt, (done.pop(nxt), False)
                 nxt += 1
             if len(kept) >= self.target:
-                stats.tokens_aborted += groups.abort()
+                if keep is None:
+                    stats.tokens_aborted += groups.abort()
+                else:
+                    stats.tokens_aborted += groups.abort(keep_partial=True)
+                    self.partials.add(keep[0], groups.partials(), keep[1])
                 break
         for pos in sorted(done):
             yield pos, (done[pos], False)
@@ -187,7 +217,9 @@ class RolloutScheduler:
         self.usable_estimate = frac if self.usable_estimate is None else w * frac + (1 - w) * self.usable_estimate
 
     def state_dict(self) -> dict[str, Any]:
-        return {"usable_estimate": self.usable_estimate}
+        """A copy: the trainer keeps the state at a step's start to roll an abandoned step back."""
+        return {"usable_estimate": self.usable_estimate, "partials": self.partials.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.usable_estimate = state["usable_estimate"]
+        self.partials.load_state_dict(state.get("partials", []))

@@ -95,6 +95,9 @@ def run_summary(run_dir: Path, process_seconds: float | None = None) -> str:
     if gen:
         lines.append(f"generated tokens: {int(gen):,} (trained on {int(kept or 0):,} = {(kept or 0) / gen:.0%}, "
                      f"rejected {int(rej or 0):,} = {(rej or 0) / gen:.0%})")
+        buffered = int(last.get("sampling/tokens_partial_buffered", 0) or 0)
+        if buffered:  # partial rollouts: counted when their group ends, and the run ended first
+            lines[-1] += f", and {buffered:,} in partial groups left unfinished"
     if wall:
         shares = []
         for phase in keys.PHASES:

@@ -1,0 +1,84 @@
+"""Partial rollouts: the groups a streamed step aborted, kept as far as they got and continued at the next step.
+
+When streaming dynamic sampling (``rollout.schedule.streaming``) has kept enough groups it aborts the requests
+still in flight. With ``rollout.schedule.partial`` those groups are not thrown away: :class:`PartialBuffer` keeps
+each one's responses so far (token ids and the engine's log-probs, i.e. the behaviour policy's) with the step that
+sampled them, and the next step continues every unfinished response with the new policy before it draws new
+prompts (``ResumingEngine.resume``). A continued response is the old prefix followed by the new tokens
+(:func:`join`); ``Response.stale_tokens`` says how many leading tokens the older policy sampled, and the trainer's
+truncated importance weights (``algo.tis_cap``) correct them token by token against the current policy's log-probs.
+
+Everything kept is continued at the very next step, so no token is more than one policy version old. The buffer
+is part of the scheduler's checkpoint state: a resumed run continues the same partial groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dapo_mcore.rollout.protocol import PartialGroup, Response
+
+__all__ = ["Buffered", "PartialBuffer", "join", "stale_response"]
+
+
+def join(prefix: Response, tail: Response) -> Response:
+    """``prefix`` continued by ``tail`` (what ``resume`` sampled after it): one response whose first
+    ``len(prefix)`` tokens are stale."""
+    return Response(token_ids=list(prefix.token_ids) + list(tail.token_ids),
+                    logprobs=list(prefix.logprobs) + list(tail.logprobs), finish_reason=tail.finish_reason,
+                    stale_tokens=prefix.length)
+
+
+def stale_response(done: Response) -> Response:
+    """A response that had already ended when its group was aborted: every token is stale."""
+    return Response(token_ids=list(done.token_ids), logprobs=list(done.logprobs), finish_reason=done.finish_reason,
+                    stale_tokens=done.length)
+
+
+@dataclass
+class Buffered:
+    """One aborted group waiting to be continued."""
+
+    index: int
+    """The prompt's index in the sampler's records."""
+    group: PartialGroup
+    """Its responses as they stood when the stream was aborted."""
+    step: int
+    """The step whose policy sampled them."""
+
+
+class PartialBuffer:
+    """The aborted groups of the last streamed step (see module docstring)."""
+
+    def __init__(self) -> None:
+        self.items: list[Buffered] = []
+
+    def add(self, indices: list[int], partials: list[PartialGroup], step: int) -> None:
+        """Keep ``partials`` of a stream call whose prompt ``i`` is sampler record ``indices[i]``."""
+        for p in partials:
+            if not p.done or len(p.done) != len(p.responses):
+                raise ValueError(f"partial group {p.index}: {len(p.responses)} responses, {len(p.done)} done flags")
+            self.items.append(Buffered(indices[p.index], p, step))
+
+    def take(self) -> list[Buffered]:
+        """Every buffered group, oldest first; the buffer is empty afterwards."""
+        items, self.items = self.items, []
+        return items
+
+    def num_tokens(self) -> int:
+        """Tokens generated for the buffered groups (not yet in any ledger count)."""
+        return sum(b.group.num_tokens() for b in self.items)
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        """Plain lists and numbers (a copy): what a checkpoint stores."""
+        return [{"index": b.index, "step": b.step, "position": b.group.index, "done": list(b.group.done),
+                 "responses": [{"token_ids": list(r.token_ids), "logprobs": list(r.logprobs),
+                                "finish_reason": r.finish_reason} for r in b.group.responses]}
+                for b in self.items]
+
+    def load_state_dict(self, state: list[dict[str, Any]]) -> None:
+        self.items = [Buffered(int(d["index"]), PartialGroup(
+            int(d["position"]), [Response(list(r["token_ids"]), [float(x) for x in r["logprobs"]], r["finish_reason"])
+                                 for r in d["responses"]], [bool(x) for x in d["done"]]), int(d["step"]))
+            for d in state]
