@@ -2,8 +2,9 @@
 
 Each variant is one real tiny training run (``dapo-mcore train``, the embedded default unless ``--config``), one
 after the other on this machine, with the same seed and data; only ``rollout.schedule.*`` differs. For each:
-generated tokens split kept / rejected / surplus / aborted (the cost ledger), rollouts, prompts skipped by the
-prompt history, stage-skipped groups, wall seconds of the steps, and held-out avg@k at the end and at equal
+generated tokens split kept / rejected / surplus / aborted (the cost ledger; partial rollouts: plus the tokens of the
+groups left unfinished when the run ended, and the kept tokens an older policy sampled), rollouts, prompts skipped
+by the prompt history, stage-skipped groups, wall seconds of the steps, and held-out avg@k at the end and at equal
 generated tokens (the last evaluation whose cumulative generated tokens are within the best combination's total).
 
     OMP_NUM_THREADS=1 python benchmarks/rollout_cost.py [--steps N] [--config examples/tiny_cpu_chain.yaml]
@@ -33,6 +34,9 @@ VARIANTS: dict[str, list[str]] = {
     "stream+history": [f"{S}streaming=true", f"{S}history=true"],
     "stream+history+staged4": [f"{S}streaming=true", f"{S}history=true", f"{S}stage_responses=4"],
     "all": [f"{S}streaming=true", f"{S}adaptive=true", f"{S}history=true", f"{S}stage_responses=4"],
+    "stream+partial": [f"{S}streaming=true", f"{S}partial=true", "algo.tis_cap=2.0"],
+    "stream+adaptive+history+partial": [f"{S}streaming=true", f"{S}adaptive=true", f"{S}history=true",
+                                        f"{S}partial=true", "algo.tis_cap=2.0"],
 }
 ACC_SLACK = 0.01
 BASE_OVERRIDES = ["algo.max_gen_batches=0"]
@@ -73,9 +77,12 @@ def summarize(name: str, rows: list[dict], wall: float) -> dict:
             tokens_at[r["step"]] = r["cost/total/tokens_generated"]
     evals = sorted((r["step"], r["eval/avg_at_k"]) for r in rows if "eval/avg_at_k" in r)
     sums = {k: sum(r.get(f"sampling/{k}", 0) for r in rows) for k in (
-        "groups_stage_skipped", "groups_stage_audited", "groups_stage_audit_usable", "gen_batches")}
-    return {"name": name, "tokens": tot["tokens_generated"], "kept_tokens": tot["tokens_generated_kept"],
-            "rejected_tokens": tot["tokens_generated_rejected"], "surplus_tokens": tot.get("tokens_generated_surplus", 0),
+        "groups_stage_skipped", "groups_stage_audited", "groups_stage_audit_usable", "gen_batches",
+        "tokens_stale_kept", "groups_resumed")}
+    # Partial rollouts count a group's tokens when it ends; those still buffered when the run stopped were spent too.
+    unfinished = last.get("sampling/tokens_partial_buffered", 0)
+    return {"name": name, "tokens": tot["tokens_generated"] + unfinished, "kept_tokens": tot["tokens_generated_kept"],
+            "rejected_tokens": tot["tokens_generated_rejected"] + unfinished, "surplus_tokens": tot.get("tokens_generated_surplus", 0),
             "aborted_tokens": tot.get("tokens_generated_aborted", 0), "rollouts": tot["rollouts_generated"],
             "kept_groups": tot["prompts_kept"], "skipped_prompts": tot.get("prompts_skipped", 0),
             "step_seconds": tot.get("seconds_step", 0.0), "wall": wall, "final_acc": evals[-1][1],
@@ -90,7 +97,8 @@ def acc_at_tokens(result: dict, budget: float) -> tuple[int, float]:
 
 def table(results: list[dict], budget: float) -> str:
     head = ("| variant | generated tokens | kept | rejected | surplus | aborted | rollouts | tokens / kept group | "
-            "prompts skipped | stage-skipped (audited: usable) | rounds | step s | wall s | avg@k end | "
+            "prompts skipped | stage-skipped (audited: usable) | resumed groups (stale kept tokens) | rounds | "
+            "step s | wall s | avg@k end | "
             f"avg@k at <= {budget:,.0f} tokens (step) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
@@ -100,6 +108,7 @@ def table(results: list[dict], budget: float) -> str:
         lines.append(f"| {r['name']} | {r['tokens']:,.0f} | {r['kept_tokens']:,.0f} | {r['rejected_tokens']:,.0f} | "
                      f"{r['surplus_tokens']:,.0f} | {r['aborted_tokens']:,.0f} | {r['rollouts']:,.0f} | "
                      f"{r['tokens'] / r['kept_groups']:.1f} | {r['skipped_prompts']:,.0f} | {stage} | "
+                     f"{r['groups_resumed']:.0f} ({r['tokens_stale_kept']:,.0f}) | "
                      f"{r['gen_batches']:.0f} | {r['step_seconds']:.1f} | {r['wall']:.0f} | {r['final_acc']:.3f} | "
                      f"{acc:.3f} ({step}) |")
     return "\n".join(lines)
