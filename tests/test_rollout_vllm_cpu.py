@@ -93,6 +93,10 @@ def test_engine_single_process(env, tmp_path, tied, logprobs):
     res = _ranks(tmp_path, 1)[0]
     _check_engine_result(res)
     assert res["stream_same"] and res["after_abort_same"], res  # VLLMEngine.stream: the same groups as generate
+    # Partial rollouts (asserted in the script): abort(keep_partial=True) kept ended samples equal to generate's and
+    # unfinished ones as prefixes; resume() continued greedy prefixes into generate's responses.
+    assert res["partial_sampled"]["unfinished"] > 0 and res["partial_sampled"]["done"] > 0, res
+    assert res["partial_greedy"]["unfinished"] > 0 and res["resume_lp_err"] < TOL, res
 
 
 def test_engine_tp2_under_torchrun(env, tmp_path):

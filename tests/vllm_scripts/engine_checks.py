@@ -19,6 +19,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -111,6 +112,66 @@ def sync(engine: VLLMEngine, model, bucket: int) -> None:
     engine.wake()
 
 
+def check_partials(partials, full, aborted_tokens: int) -> dict[str, int]:
+    """Partials of a stream aborted after its first group against generate's groups ``full`` (same seeds): ended
+    samples equal, unfinished ones strict prefixes (tokens and log-probs); the same stream aborted without
+    keep_partial counted exactly the partials' tokens."""
+    assert [p.index for p in partials] == sorted(p.index for p in partials), "partials not in prompt order"
+    counts = {"done": 0, "unfinished": 0}
+    for p in partials:
+        for r, done, f in zip(p.responses, p.done, full[p.index], strict=True):
+            if done:
+                assert (r.token_ids, r.logprobs, r.finish_reason) == (f.token_ids, f.logprobs, f.finish_reason), p
+            else:
+                k = len(r.token_ids)
+                assert 0 < k < len(f.token_ids) and r.token_ids == f.token_ids[:k], (r, f)
+                assert max(abs(a - b) for a, b in zip(r.logprobs, f.logprobs[:k], strict=True)) < TOL, (r, f)
+            counts["done" if done else "unfinished"] += 1
+    assert aborted_tokens == sum(p.num_tokens() for p in partials), (aborted_tokens, partials)
+    return counts
+
+
+def aborted_stream(engine: VLLMEngine, prompts, params, keep_partial: bool):
+    stream = engine.stream(prompts, params)
+    next(iter(stream))
+    return stream.abort(keep_partial=keep_partial), stream
+
+
+def partial_checks(engine: VLLMEngine, prompts, sampled, first, greedy) -> dict:
+    """Partial rollouts: streams aborted after the first group with keep_partial (seeded sampling n=8 and greedy),
+    then ``resume`` of greedy responses cut at half their length and of the greedy partials: prefix + continuation
+    must be generate's response (tokens exactly, log-probs within TOL, same finish reason)."""
+    res, partials = {}, {}
+    greedy_full = engine.generate(prompts, greedy)
+    for name, params, full in (("sampled", sampled, first), ("greedy", greedy, greedy_full)):
+        kept, stream = aborted_stream(engine, prompts, params, keep_partial=True)
+        dropped, _ = aborted_stream(engine, prompts, params, keep_partial=False)
+        assert kept == 0, kept
+        partials[name] = stream.partials()
+        res[f"partial_{name}"] = check_partials(partials[name], full, dropped)
+        assert res[f"partial_{name}"]["unfinished"] > 0, res  # else the check shows nothing
+    long = dataclasses.replace(greedy, max_new_tokens=3 * MAX_NEW)  # both finish reasons with these models
+    whole = [g[0] for g in engine.generate(prompts, long)]
+    cut = [r.token_ids[:len(r.token_ids) // 2] for r in whole]
+    unfinished = [(p.index, r.token_ids) for p in partials["greedy"]
+                  for r, d in zip(p.responses, p.done, strict=True) if not d]
+    cases = [(prompts[i], cut[i], whole[i], long) for i in range(len(prompts))]
+    cases += [(prompts[i], prefix, greedy_full[i][0], greedy) for i, prefix in unfinished]
+    err = 0.0
+    for prompt, prefix, want, params in cases:
+        (got,) = engine.resume([prompt], [prefix], params)
+        k = len(prefix)
+        assert prefix + got.token_ids == want.token_ids and got.finish_reason == want.finish_reason, (prefix, got, want)
+        err = max([err] + [abs(a - b) for a, b in zip(got.logprobs, want.logprobs[k:], strict=True)])
+    batch = engine.resume(prompts, cut, long)  # all at once: per-request budgets and seeds
+    assert [c + r.token_ids for c, r in zip(cut, batch, strict=True)] == [w.token_ids for w in whole]
+    assert {w.finish_reason for w in whole} == {"stop", "length"}, [w.finish_reason for w in whole]
+    assert err < TOL, err
+    res["resume_lp_err"] = err
+    res["resume_cases"] = len(cases)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
@@ -156,6 +217,9 @@ def main() -> None:
         res["stream_aborted_tokens"] = stream.abort()
         res["after_abort_same"] = as_lists(engine.generate(prompts, sampled)) == as_lists(first)
         assert res["stream_same"] and res["after_abort_same"], res
+        t0 = time.perf_counter()
+        res.update(partial_checks(engine, prompts, sampled, first, greedy))
+        res["partial_checks_s"] = round(time.perf_counter() - t0, 2)
     greedy_a = engine.generate(prompts, greedy)
     assert [g[0].token_ids for g in greedy_a] == [hf_greedy(model_a, p) for p in prompts], "greedy != HF generate (A)"
     res["greedy_err_a"] = max_err(model_a, prompts, greedy_a, 1.0)
