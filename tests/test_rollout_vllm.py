@@ -60,6 +60,7 @@ class FakeRequestOutput:
     request_id: str
     outputs: list[FakeCompletion]
     prompt_token_ids: list[int] = field(default_factory=list)
+    finished: bool = True
 
 
 def fake_outputs(inputs: list[dict], sampling: list[dict]) -> list[FakeRequestOutput]:
@@ -80,10 +81,12 @@ class FakeBackend:
 
     def generate(self, inputs, sampling):
         self.calls.append(("generate", len(inputs)))
+        self.requests.append((inputs, sampling))
         return fake_outputs(inputs, sampling)
 
     def __init__(self, sleeps: bool = True):
         self.calls: list[tuple] = []
+        self.requests: list[tuple[list[dict], list[dict]]] = []
         self.loaded: list[str] = []
         self.sleeps = sleeps
 
@@ -477,36 +480,64 @@ def test_check_hardware_accepts_vllm_where_its_cpu_build_is_installed(monkeypatc
 
 
 class FakeStreamingBackend(FakeBackend):
-    """add_requests / step / abort over fake_outputs: one request finishes per step, the last added first."""
+    """add_requests / step / abort with vLLM's DELTA outputs over fake_outputs: each step starts one more request (the
+    last added first) and every started sample adds one token; one RequestOutput per sample and step, holding that
+    token, ``finished`` on the one that ends the request's last sample (as vLLM's ParentRequest does)."""
 
-    def __init__(self):
+    def __init__(self, steps_per_call: int = 1):
         super().__init__()
         self.queue: list[FakeRequestOutput] = []
+        self.made: dict[str, list[int]] = {}
+        self.running: set[str] = set()
+        self.steps_per_call = steps_per_call
 
     def add_requests(self, request_ids, inputs, sampling):
         self.calls.append(("add_requests", len(inputs)))
         for rid, out in zip(request_ids, fake_outputs(inputs, sampling), strict=True):
-            out.request_id, out.finished = rid, True
+            out.request_id = rid
             self.queue.insert(0, out)
+            self.made[rid] = [0] * len(out.outputs)
 
     def step(self):
-        return [self.queue.pop(0)] if self.queue else []
+        return [out for _ in range(self.steps_per_call) for out in self._step()]
+
+    def _step(self):
+        waiting = [o.request_id for o in self.queue if o.request_id not in self.running]
+        self.running.update(waiting[:1])
+        outs = []
+        for o in [o for o in self.queue if o.request_id in self.running]:
+            made = self.made[o.request_id]
+            for c in o.outputs:
+                k = made[c.index]
+                if k < len(c.token_ids):
+                    made[c.index] = k + 1
+                    end = k + 1 == len(c.token_ids)
+                    delta = FakeCompletion(c.index, c.token_ids[k:k + 1], c.logprobs and c.logprobs[k:k + 1],
+                                           c.finish_reason if end else None)
+                    outs.append(FakeRequestOutput(o.request_id, [delta], finished=False))
+            if all(made[c.index] == len(c.token_ids) for c in o.outputs):
+                outs[-1].finished = True
+                self.queue.remove(o)
+        return outs
 
     def has_unfinished(self):
         return bool(self.queue)
 
     def abort(self, request_ids):
         self.calls.append(("abort", tuple(request_ids)))
-        dropped = [o for o in self.queue if o.request_id in request_ids]
         self.queue = [o for o in self.queue if o.request_id not in request_ids]
-        return sum(len(c.token_ids) for o in dropped for c in o.outputs)
+
+
+def streaming_engine(steps_per_call: int = 1, **opts) -> tuple[VLLMEngine, FakeStreamingBackend]:
+    backend = FakeStreamingBackend(steps_per_call)
+    options = VLLMEngineOptions(model_path="/models/tiny", **opts)
+    return VLLMEngine(options, TINY, backend=backend, world_size=1), backend
 
 
 def test_stream_yields_generates_groups_in_completion_order_and_aborts_the_rest():
     from dapo_mcore.rollout import StreamingEngine
 
-    backend = FakeStreamingBackend()
-    engine = VLLMEngine(VLLMEngineOptions(model_path="/models/tiny"), TINY, backend=backend, world_size=1)
+    engine, backend = streaming_engine()
     assert isinstance(engine, StreamingEngine)
     prompts = [[1, 5, 6], [1, 7], [1, 9, 3], [1, 8]]
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=8, seed=5)
@@ -514,6 +545,84 @@ def test_stream_yields_generates_groups_in_completion_order_and_aborts_the_rest(
     got = list(engine.stream(prompts, params))
     assert [i for i, _ in got] == [3, 2, 1, 0] and all(g == want[i] for i, g in got)
     stream = engine.stream(prompts, params)
-    assert next(iter(stream))[0] == 3
-    assert stream.abort() == sum(r.length for i in (0, 1, 2) for r in want[i]) and stream.abort() == 0
-    assert backend.calls[-1][0] == "abort" and len(backend.calls[-1][1]) == 3
+    assert next(iter(stream))[0] == 3  # step 4: prompt 3's samples (2, 3, 4 tokens) have ended
+    # prompts 2, 1, 0 started one step later each: 2+3+3, 2+2+2 and 1+1+1 tokens so far, every sample counted
+    assert stream.abort() == 8 + 6 + 3 and stream.abort() == 0
+    assert backend.calls[-1] == ("abort", ("dapo-stream-2-0", "dapo-stream-2-1", "dapo-stream-2-2"))
+
+
+def test_abort_keep_partial_hands_back_the_in_flight_samples():
+    from dapo_mcore.rollout.protocol import PartialGroupStream, ResumingEngine
+
+    engine, backend = streaming_engine()
+    assert isinstance(engine, ResumingEngine)
+    prompts = [[1, 5, 6], [1, 7], [1, 9, 3], [1, 8], [1, 4]]
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=8, seed=5)
+    want = engine.generate(prompts, params)
+    stream = engine.stream(prompts, params)
+    assert isinstance(stream, PartialGroupStream)
+    with pytest.raises(EngineError, match="before abort"):
+        stream.partials()
+    assert next(iter(stream)) == (4, want[4])
+    assert stream.abort(keep_partial=True) == 0  # kept tokens are not aborted ones
+    parts = stream.partials()
+    assert [p.index for p in parts] == [1, 2, 3]  # prompt order; prompt 0 never started: neither kept nor counted
+    assert [[r.length for r in p.responses] for p in parts] == [[1, 1, 1], [2, 2, 2], [2, 3, 3]]
+    assert [p.done for p in parts] == [[False] * 3, [True, False, False], [True, True, False]]
+    for p in parts:
+        for r, done, full in zip(p.responses, p.done, want[p.index], strict=True):
+            assert r.token_ids == full.token_ids[:r.length] and r.logprobs == full.logprobs[:r.length]
+            assert r.finish_reason == ("stop" if done else "length") and r.stale_tokens == 0
+            assert done == (r.length == full.length)
+    assert stream.abort(keep_partial=True) == 0 and stream.partials() == parts
+    again = engine.stream(prompts, params)
+    next(iter(again))
+    assert again.abort() == sum(p.num_tokens() for p in parts)  # without keep_partial: the same tokens, counted
+    done = engine.stream(prompts, params)
+    assert len(list(done)) == 5 and done.abort(keep_partial=True) == 0 and done.partials() == []
+    aborts = [c[1] for c in backend.calls if c[0] == "abort"]  # every pending request, in prompt order, once
+    assert aborts == [tuple(f"dapo-stream-{s}-{i}" for i in range(4)) for s in (1, 2)]
+
+
+def test_abort_between_groups_of_one_step_keeps_the_rest_whole():
+    """Groups that ended in the step the consumer is still iterating are pending, with every sample done."""
+    engine, _ = streaming_engine(steps_per_call=4)  # all three 2-token responses end within one call
+    params = SamplingParams(n=1, max_new_tokens=8, seed=0)
+    prompts = [[1, 5], [1, 6], [1, 7]]
+    want = engine.generate(prompts, params)
+    stream = engine.stream(prompts, params)
+    it = iter(stream)
+    first = next(it)
+    stream.abort(keep_partial=True)
+    assert list(it) == []
+    parts = stream.partials()
+    assert first[0] == 2 and [p.index for p in parts] == [0, 1]
+    assert all(p.done == [True] and p.responses == want[p.index] for p in parts)
+
+
+def test_resume_maps_prefixes_budgets_and_seeds():
+    engine, backend = make_engine(max_prompt_len=4)
+    params = SamplingParams(n=1, temperature=0.8, max_new_tokens=6, seed=40)
+    out = engine.resume([[1, 2, 3, 4], [1, 7]], [[9, 10], []], params)
+    inputs, sampling = backend.requests[-1]
+    assert inputs == [{"prompt_token_ids": [1, 2, 3, 4, 9, 10]}, {"prompt_token_ids": [1, 7]}]  # prompt + prefix
+    assert [s["max_tokens"] for s in sampling] == [4, 6]  # the response as a whole stays within max_new_tokens
+    assert [s["seed"] for s in sampling] == [40, 41] and all(s["n"] == 1 and s["logprobs"] == 0 for s in sampling)
+    assert [r.token_ids for r in out] == [[13, 2], [10, 2]] and out[0].logprobs == pytest.approx([-0.1, -0.2])
+    _, other = build_requests([[1]], params, "processed", max_tokens=[3])
+    assert other[0]["max_tokens"] == 3 and other[0]["seed"] == 40
+    with pytest.raises(EngineError, match="params.n=2, use n=1"):
+        engine.resume([[1]], [[5]], SamplingParams(n=2))
+    with pytest.raises(EngineError, match="prefix 1 has 6 tokens, max_new_tokens=6 leaves none"):
+        engine.resume([[1], [1]], [[5], [5] * 6], params)
+    with pytest.raises(EngineError, match="too_long=1"):  # the prompt limit applies to the prompt alone
+        engine.resume([[1, 2, 3, 4, 5]], [[5]], params)
+    with pytest.raises(EngineError, match="2 prompts but 1 prefixes"):
+        engine.resume([[1], [1]], [[5]], params)
+    with pytest.raises(EngineError, match="outside the vocabulary"):
+        engine.resume([[1]], [[TINY["vocab_size"]]], params)
+    with pytest.raises(EngineError, match="renormalised"):
+        engine.resume([[1]], [[5]], SamplingParams(top_p=0.5))
+    engine.sleep()
+    with pytest.raises(EngineError, match="resume\\(\\) needs the engine awake"):
+        engine.resume([[1]], [[5]], params)
