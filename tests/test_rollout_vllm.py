@@ -317,8 +317,13 @@ def fake_vllm_module(version: str, log: list, monkeypatch, device_type: str = "c
             log.append(("LLM", kwargs))
             runner = types.SimpleNamespace(model=model)
             worker = types.SimpleNamespace(worker=types.SimpleNamespace(model_runner=runner))
-            self.llm_engine = types.SimpleNamespace(model_executor=types.SimpleNamespace(driver_worker=worker),
-                                                    vllm_config=types.SimpleNamespace(model_config="MC"))
+            self.llm_engine = types.SimpleNamespace(
+                model_executor=types.SimpleNamespace(driver_worker=worker),
+                vllm_config=types.SimpleNamespace(model_config="MC"),
+                add_request=lambda rid, inp, sp: log.append(("add_request", rid, sp.output_kind, sp.kwargs["seed"])),
+                step=lambda: log.append(("step",)) or [],
+                has_unfinished_requests=lambda: True,
+                abort_request=lambda ids: log.append(("abort_request", ids)))
 
         def generate(self, inputs, sampling_params, use_tqdm):
             log.append(("generate", use_tqdm))
@@ -342,6 +347,8 @@ def fake_vllm_module(version: str, log: list, monkeypatch, device_type: str = "c
         finalize_layerwise_reload=lambda m, mc: log.append(("finalize_reload", mc)))
     monkeypatch.setitem(sys.modules, "vllm.platforms", types.SimpleNamespace(current_platform=FakePlatform(device_type)))
     monkeypatch.setitem(sys.modules, "vllm.model_executor.model_loader.reload", reload)
+    monkeypatch.setitem(sys.modules, "vllm.sampling_params", types.SimpleNamespace(
+        RequestOutputKind=types.SimpleNamespace(CUMULATIVE=0, DELTA=1, FINAL_ONLY=2)))
     vllm = types.SimpleNamespace(__version__=version, LLM=LLM, SamplingParams=FakeSamplingParams)
     monkeypatch.setitem(sys.modules, "vllm", vllm)
     return vllm
@@ -397,6 +404,19 @@ def test_real_adapter_on_the_cpu_platform(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     VLLMEngine(VLLMEngineOptions(model_path="/m"), TINY, world_size=1)
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "3" and os.environ["RANK"] == "1"  # the user's values stand
+
+
+def test_real_adapter_streams_deltas(monkeypatch):
+    """stream() asks vLLM for DELTA outputs (each step's new tokens per sample), passes every step's outputs through
+    and aborts by request id."""
+    log: list = []
+    fake_vllm_module("0.32.0", log, monkeypatch)
+    engine = VLLMEngine(VLLMEngineOptions(model_path="/m", external_launcher=False), TINY, world_size=1)
+    stream = engine.stream([[1, 5], [1, 6]], SamplingParams(n=2, seed=7))
+    stream.backend.step()
+    assert stream.abort(keep_partial=True) == 0 and stream.partials() == []  # no token had come back
+    assert log[1:] == [("add_request", "dapo-stream-1-0", 1, 7), ("add_request", "dapo-stream-1-1", 1, 9), ("step",),
+                       ("abort_request", ["dapo-stream-1-0", "dapo-stream-1-1"])]
 
 
 def test_platform_traits_and_launch_env():
