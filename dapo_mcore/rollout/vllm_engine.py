@@ -31,21 +31,14 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from torch import Tensor
 
-from dapo_mcore.rollout.protocol import (
-    EngineError,
-    FinishReason,
-    PartialGroup,
-    Response,
-    SamplingParams,
-    WeightBucket,
-    check_prompts,
-)
+from dapo_mcore.rollout.protocol import EngineError, Response, SamplingParams, WeightBucket, check_prompts
+from dapo_mcore.rollout.vllm_outputs import VLLMGroupStream, completion_tokens, responses_from_outputs
 from dapo_mcore.rollout.weight_sync import SyncTracker, qwen2_param_shapes
 
 __all__ = [
@@ -243,51 +236,6 @@ def build_requests(prompts: Sequence[Sequence[int]], params: SamplingParams,
             logprobs=None if params.logprobs == "none" else 0, detokenize=False, ignore_eos=False,
         ))
     return inputs, sampling
-
-
-def _sampled_logprob(entry: Any, token_id: int, where: str) -> float:
-    try:
-        return float(entry[token_id].logprob)
-    except (KeyError, TypeError, IndexError) as exc:
-        raise EngineError(f"{where}: vLLM returned no log-prob for the sampled token {token_id}") from exc
-
-
-def _check_finish(reason: str | None, where: str) -> FinishReason:
-    if reason not in ("stop", "length"):
-        raise EngineError(f"{where}: finish_reason={reason!r} (aborted?); expected stop/length")
-    return reason  # type: ignore[return-value]
-
-
-def completion_tokens(c: Any, logprobs: str, where: str) -> tuple[list[int], list[float]]:
-    """Token ids and sampled-token log-probs of one ``CompletionOutput`` (a whole response or, with
-    ``RequestOutputKind.DELTA``, the tokens one engine step added)."""
-    token_ids = [int(t) for t in c.token_ids]
-    lps: list[float] = []
-    if logprobs != "none":
-        if c.logprobs is None or len(c.logprobs) != len(token_ids):
-            got = None if c.logprobs is None else len(c.logprobs)
-            raise EngineError(f"{where}: {got} log-prob entries for {len(token_ids)} tokens")
-        lps = [_sampled_logprob(e, t, where) for e, t in zip(c.logprobs, token_ids, strict=True)]
-    return token_ids, lps
-
-
-def responses_from_outputs(outputs: Sequence[Any], n: int, logprobs: str) -> list[list[Response]]:
-    """Convert vLLM ``RequestOutput``s (``.outputs``: ``CompletionOutput`` with ``index``, ``token_ids``,
-    ``logprobs`` (per token a mapping ``token id -> Logprob(.logprob)``) and ``finish_reason``) into
-    Responses, in request order and completion index order."""
-    result = []
-    for r, out in enumerate(outputs):
-        comps = sorted(out.outputs, key=lambda c: c.index)
-        if len(comps) != n:
-            raise EngineError(f"request {r}: vLLM returned {len(comps)} completions, expected n={n}")
-        group = []
-        for c in comps:
-            where = f"request {r} completion {c.index}"
-            reason = _check_finish(c.finish_reason, where)
-            token_ids, lps = completion_tokens(c, logprobs, where)
-            group.append(Response(token_ids=token_ids, logprobs=lps, finish_reason=reason))
-        result.append(group)
-    return result
 
 
 class VLLMBackend(Protocol):
@@ -521,7 +469,7 @@ class VLLMEngine:
                                           self.options.logprobs, [params.max_new_tokens - len(x) for x in prefixes])
         return [group[0] for group in self._generate(inputs, sampling, params)]
 
-    def stream(self, prompts: list[list[int]], params: SamplingParams) -> _VLLMGroupStream:
+    def stream(self, prompts: list[list[int]], params: SamplingParams) -> VLLMGroupStream:
         """Like ``generate`` (same requests and seeds, so the same samples), but iterating the result yields
         ``(prompt index, responses)`` as each prompt's n samples have finished; ``abort()`` drops what is still in
         flight, ``abort(keep_partial=True)`` keeps it for ``partials()`` (continued later by ``resume``). One engine
@@ -531,7 +479,7 @@ class VLLMEngine:
         self._streams += 1
         ids = [f"dapo-stream-{self._streams}-{i}" for i in range(len(prompts))]
         self.backend.add_requests(ids, inputs, sampling)
-        return _VLLMGroupStream(self.backend, ids, params)
+        return VLLMGroupStream(self.backend, ids, params)
 
     def update_weights(self, buckets: Iterable[WeightBucket]) -> None:
         """Wake the weights if asleep, then load one full sync bucket by bucket (KV cache stays asleep)."""
@@ -601,91 +549,3 @@ class VLLMEngine:
             hint = {"asleep": "call wake() (after update_weights())", "weights_only": "call wake()",
                     "closed": "build a new engine"}[self.state]
             raise EngineError(f"{action}() needs the engine {state}, it is {self.state}: {hint}.")
-
-
-@dataclass
-class _Sample:
-    """One sample of a streamed request as far as its deltas got."""
-
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish_reason: str | None = None
-
-
-class _VLLMGroupStream:
-    """Finished groups of one ``VLLMEngine.stream`` call (see ``protocol.PartialGroupStream``).
-
-    Every step's deltas are added to their samples before any group of that step is yielded, so what an abort hands
-    back (or counts) is every token vLLM had returned for the requests still pending."""
-
-    def __init__(self, backend: VLLMBackend, request_ids: list[str], params: SamplingParams) -> None:
-        self.backend, self.params = backend, params
-        self.position = {rid: i for i, rid in enumerate(request_ids)}
-        self.pending = set(request_ids)
-        self._samples = {rid: [_Sample() for _ in range(params.n)] for rid in request_ids}
-        self._partials: list[PartialGroup] | None = None
-
-    def __iter__(self) -> Iterator[tuple[int, list[Response]]]:
-        while self.pending:
-            if not self.backend.has_unfinished():
-                raise EngineError(f"vLLM has no unfinished requests but {len(self.pending)} streamed requests never "
-                                  "finished")
-            for rid in self._take(self.backend.step()):
-                if rid not in self.pending:  # aborted while this step's groups were being handed out
-                    return
-                self.pending.discard(rid)
-                yield self.position[rid], self._group(rid)
-
-    def _take(self, outputs: list[Any]) -> list[str]:
-        """Add one step's deltas to their samples; the requests that finished in it, in output order."""
-        finished = []
-        for out in outputs:
-            rid = out.request_id
-            if rid not in self.pending:
-                raise EngineError(f"vLLM returned request {rid!r}, not one of this stream's pending requests")
-            for c in out.outputs:
-                where = f"request {rid} completion {c.index}"
-                if not 0 <= c.index < self.params.n or self._samples[rid][c.index].finish_reason is not None:
-                    raise EngineError(f"{where}: not a running sample (n={self.params.n})")
-                sample = self._samples[rid][c.index]
-                token_ids, lps = completion_tokens(c, self.params.logprobs, where)
-                sample.token_ids += token_ids
-                sample.logprobs += lps
-                sample.finish_reason = c.finish_reason
-            if out.finished:
-                finished.append(rid)
-        return finished
-
-    def _group(self, rid: str) -> list[Response]:
-        return [Response(token_ids=s.token_ids, logprobs=s.logprobs,
-                         finish_reason=_check_finish(s.finish_reason, f"request {rid} completion {j}"))
-                for j, s in enumerate(self._samples[rid])]
-
-    def _partial(self, rid: str) -> PartialGroup:
-        # An unfinished sample says "length" until resume() tells how the whole response ends; `done` tells them apart.
-        responses = [Response(token_ids=s.token_ids, logprobs=s.logprobs, finish_reason=_check_finish(
-            s.finish_reason or "length", f"request {rid} completion {j}")) for j, s in enumerate(self._samples[rid])]
-        return PartialGroup(index=self.position[rid], responses=responses,
-                            done=[s.finish_reason is not None for s in self._samples[rid]])
-
-    def abort(self, keep_partial: bool = False) -> int:
-        """Abort every request not yet yielded. Without ``keep_partial``: the tokens they had generated (every
-        sample's, finished or not). With it: 0, and the requests that had any token are kept for ``partials()``."""
-        if keep_partial and self._partials is None:
-            self._partials = []
-        if not self.pending:
-            return 0
-        ids = sorted(self.pending, key=self.position.__getitem__)
-        self.backend.abort(ids)
-        self.pending.clear()
-        if keep_partial:
-            self._partials = [self._partial(rid) for rid in ids if any(s.token_ids for s in self._samples[rid])]
-            return 0
-        return sum(len(s.token_ids) for rid in ids for s in self._samples[rid])
-
-    def partials(self) -> list[PartialGroup]:
-        """The groups ``abort(keep_partial=True)`` kept, in prompt order (samples that had ended are ``done``)."""
-        if self._partials is None:
-            raise EngineError("partials() before abort(keep_partial=True): only a stream aborted with keep_partial "
-                              "keeps its in-flight groups.")
-        return self._partials
