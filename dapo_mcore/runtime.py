@@ -537,6 +537,12 @@ def _restore(parts: Components, *, resume: bool, checkpoint: str | None) -> int:
         parts.sampler.load_state_dict(state["sampler"])
     if parts.scheduler is not None and "schedule" in state:
         parts.scheduler.load_state_dict(state["schedule"])
+        buffered = parts.scheduler.partials
+        if buffered.items and not (parts.engine_streams and parts.cfg.rollout.schedule.partial):
+            log.warning("the checkpoint holds %d partial groups (%d tokens) for the next step, but this run does not "
+                        "stream (rollout.schedule.streaming/partial off, or more than one rank): they are dropped",
+                        len(buffered.items), buffered.num_tokens())
+            buffered.take()
     parts._resume_state = state
     log.info("loaded checkpoint %s (step %d)", target, state["step"])
     return int(state["step"])
