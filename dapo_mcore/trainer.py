@@ -163,9 +163,11 @@ class Trainer:
         records = [self.p.sampler.records[b.index] for b in buffered]
         prompt_ids = [self.p.encode_prompt(rec) for rec in records]
         todo = [(gi, ri) for gi, b in enumerate(buffered) for ri, done in enumerate(b.group.done) if not done]
-        with self.p.timer.phase("generate"):
-            tails = self.p.engine.resume([prompt_ids[gi] for gi, _ in todo],
-                                         [buffered[gi].group.responses[ri].token_ids for gi, ri in todo], params)
+        tails = []
+        if todo:  # groups that ended in the step that filled the batch need no engine call
+            with self.p.timer.phase("generate"):
+                tails = self.p.engine.resume([prompt_ids[gi] for gi, _ in todo],
+                                             [buffered[gi].group.responses[ri].token_ids for gi, ri in todo], params)
         outputs = [[stale_response(r) for r in b.group.responses] for b in buffered]
         for (gi, ri), tail in zip(todo, tails, strict=True):
             outputs[gi][ri] = join(buffered[gi].group.responses[ri], tail)
@@ -400,7 +402,7 @@ class Trainer:
                 p.log_base_eval(base)
             while self.step < cfg.train.steps:
                 sampler_at_start = p.sampler.state_dict()
-                schedule_at_start = p.scheduler.state_dict() if p.scheduler is not None else None
+                schedule_at_start = p.scheduler.snapshot() if p.scheduler is not None else None
                 p.profile_window(self.step + 1, starting=True)
                 try:
                     with p.timer.phase("step"):
@@ -413,7 +415,7 @@ class Trainer:
                     p.timer.pop_step()
                     p.sampler.load_state_dict(sampler_at_start)  # the abandoned step's prompts come again
                     if schedule_at_start is not None:  # and its partial groups (rollout.schedule.partial)
-                        p.scheduler.load_state_dict(schedule_at_start)
+                        p.scheduler.rollback(schedule_at_start)
                     p.save(self.step)
                     log.warning("stop signal during generation of step %d: step abandoned, checkpointed at step %d; "
                                 "exiting %d", self.step + 1, self.step, signals.exit_code)

@@ -376,6 +376,9 @@ def test_partial_rollouts_train_and_resume_the_same_trajectory(env, tmp_path):
     resumed_groups, stale = _by_step(a, "sampling/groups_resumed"), _by_step(a, "sampling/tokens_stale_kept")
     assert resumed_groups[s + 1] > 0 and 0 < stale[s + 1] <= buffered[s]
     assert _by_step(a, "partial/tokens")[s + 1] == stale[s + 1]  # every trained stale token is in partial/*
+    # ...and mismatch/* keeps to the fresh ones: together they are every token of the kept groups
+    kept_tokens = _by_step(a, "sampling/tokens_kept")[s + 1]
+    assert _by_step(a, "mismatch/tokens")[s + 1] + stale[s + 1] == kept_tokens > stale[s + 1]
     assert 0 < _by_step(a, "partial/tis_mean")[s + 1] <= 2.0
     run_dir = tmp_path / "stopped"
     first = _run(_cmd(run_dir, f"train.steps={s}", *partial), env)

@@ -248,8 +248,8 @@ def test_resume_stops_at_eos_and_refuses_bad_requests(model, engine):
         engine.resume([PROMPTS[0]], [[3]], SamplingParams(n=2, max_new_tokens=12))
     with pytest.raises(EngineError, match="prefix 0 has 12 tokens"):
         engine.resume([PROMPTS[0]], [[3] * 12], params)
-    with pytest.raises(EngineError, match="prefix 0 has 0 tokens"):
-        engine.resume([PROMPTS[0]], [[]], params)
+    (plain,) = engine.resume([PROMPTS[0]], [[]], params)  # an empty prefix is a plain generation
+    assert plain.token_ids == whole[0].token_ids
 
 
 def test_stream_abort_keeps_partial_groups_as_prefixes_of_generate(model):

@@ -381,6 +381,24 @@ def test_partial_rollouts_buffer_aborted_groups_and_continue_them_first_next_ste
         again.collect(FakeEngine(), _merge, step=1)
 
 
+def test_partial_buffer_snapshot_rolls_an_abandoned_step_back():
+    """The trainer snapshots the scheduler at a step's start; a step abandoned on a signal after its resume call
+    took the buffer must give the buffered groups back (and the usable estimate), to be continued when it reruns."""
+    from dapo_mcore.rollout.protocol import PartialGroup, Response
+
+    sched, _ = _scheduler(ScheduleConfig(streaming=True, partial=True, adaptive=True))
+    group = PartialGroup(0, [Response([1, 2], [-0.1, -0.2], "length") for _ in range(N)], [False] * N)
+    sched.partials.add([7], [group], step=3)
+    sched.usable_estimate = 0.25
+    snap = sched.snapshot()
+    taken = sched.partials.take()
+    sched.usable_estimate = 0.5
+    assert not sched.partials.items and taken[0].index == 7
+    sched.rollback(snap)
+    assert [(b.index, b.step) for b in sched.partials.items] == [(7, 3)] and sched.usable_estimate == 0.25
+    assert sched.partials.items[0].group is group
+
+
 def test_partial_needs_streaming_and_tis():
     from pathlib import Path
 

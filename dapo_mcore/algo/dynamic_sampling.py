@@ -106,7 +106,8 @@ class SamplingStats:
     """Partial groups of the previous step continued in this one (rollout.schedule.partial); counted in
     groups_generated, and all their tokens in tokens_generated (a partial group's tokens count in the step it ends)."""
     tokens_stale_kept: int = 0
-    """Tokens of kept groups that an older policy sampled (partial rollouts): trained off-policy, TIS-corrected."""
+    """Tokens of kept groups that an older policy sampled (partial rollouts): trained off-policy, TIS-corrected
+    (unless the overlong filter masks their response)."""
     tokens_partial_buffered: int = 0
     """Tokens of the groups this step aborted and kept for the next one (not yet in tokens_generated)."""
     _usable_seen: int = field(default=0, repr=False)

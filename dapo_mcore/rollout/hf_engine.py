@@ -194,8 +194,8 @@ class HFEngine:
             raise EngineError(f"resume(): {len(prompts)} prompts but {len(prefixes)} prefixes.")
         check_prompts(prompts, self.max_prompt_len, self.vocab_size)
         for i, pre in enumerate(prefixes):
-            if not 0 < len(pre) < params.max_new_tokens:
-                raise EngineError(f"resume(): prefix {i} has {len(pre)} tokens; it must have 1 to "
+            if len(pre) >= params.max_new_tokens:
+                raise EngineError(f"resume(): prefix {i} has {len(pre)} tokens; it must have at most "
                                   f"max_new_tokens - 1 = {params.max_new_tokens - 1} (an ended response is not resumed).")
         longest = max((len(p) for p in prompts), default=0)
         if longest + params.max_new_tokens > self.max_positions:

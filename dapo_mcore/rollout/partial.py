@@ -14,8 +14,11 @@ is part of the scheduler's checkpoint state: a resumed run continues the same pa
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from dapo_mcore.rollout.protocol import PartialGroup, Response
 
@@ -71,14 +74,25 @@ class PartialBuffer:
         return sum(b.group.num_tokens() for b in self.items)
 
     def state_dict(self) -> list[dict[str, Any]]:
-        """Plain lists and numbers (a copy): what a checkpoint stores."""
+        """What a checkpoint stores (JSON-able, a copy). Token ids and log-probs are packed (little-endian int32 and
+        float64, base64): a 32B step may buffer hundreds of groups of 20k-token responses, which as JSON lists would
+        be one line per number in trainer_state.json. float64 keeps every log-prob bit for bit."""
         return [{"index": b.index, "step": b.step, "position": b.group.index, "done": list(b.group.done),
-                 "responses": [{"token_ids": list(r.token_ids), "logprobs": list(r.logprobs),
+                 "responses": [{"token_ids": _pack(r.token_ids, "<i4"), "logprobs": _pack(r.logprobs, "<f8"),
                                 "finish_reason": r.finish_reason} for r in b.group.responses]}
                 for b in self.items]
 
     def load_state_dict(self, state: list[dict[str, Any]]) -> None:
         self.items = [Buffered(int(d["index"]), PartialGroup(
-            int(d["position"]), [Response(list(r["token_ids"]), [float(x) for x in r["logprobs"]], r["finish_reason"])
+            int(d["position"]), [Response([int(t) for t in _unpack(r["token_ids"], "<i4")],
+                                          [float(x) for x in _unpack(r["logprobs"], "<f8")], r["finish_reason"])
                                  for r in d["responses"]], [bool(x) for x in d["done"]]), int(d["step"]))
             for d in state]
+
+
+def _pack(values: list, dtype: str) -> str:
+    return base64.b64encode(np.asarray(values, dtype=dtype).tobytes()).decode("ascii")
+
+
+def _unpack(text: str, dtype: str) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(text), dtype=dtype)

@@ -268,7 +268,8 @@ class ResumingEngine(StreamingEngine, Protocol):
         ...
 
     def resume(self, prompts: list[list[int]], prefixes: list[list[int]], params: SamplingParams) -> list[Response]:
-        """Continue one response per prompt: ``prefixes[i]`` (the tokens it had, at most ``params.max_new_tokens - 1``)
+        """Continue one response per prompt: ``prefixes[i]`` (the tokens it had, 0 to ``params.max_new_tokens - 1``;
+        an empty prefix is a plain generation)
         is fed after ``prompts[i]`` at the positions it was sampled at, and up to ``params.max_new_tokens -
         len(prefixes[i])`` new tokens are sampled. ``params.n`` must be 1. Returns only the new tokens (with their
         log-probs), finish_reason as for the whole response; the prompt limits apply to ``prompts`` alone."""

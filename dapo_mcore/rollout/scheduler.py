@@ -216,8 +216,15 @@ class RolloutScheduler:
         w = self.cfg.adaptive_ema
         self.usable_estimate = frac if self.usable_estimate is None else w * frac + (1 - w) * self.usable_estimate
 
+    def snapshot(self) -> tuple[float | None, list[Buffered]]:
+        """What ``rollback`` needs to undo a step abandoned on a signal (cheap: buffered groups are never mutated)."""
+        return self.usable_estimate, list(self.partials.items)
+
+    def rollback(self, snap: tuple[float | None, list[Buffered]]) -> None:
+        self.usable_estimate, self.partials.items = snap[0], list(snap[1])
+
     def state_dict(self) -> dict[str, Any]:
-        """A copy: the trainer keeps the state at a step's start to roll an abandoned step back."""
+        """JSON-able, a copy (what a checkpoint stores)."""
         return {"usable_estimate": self.usable_estimate, "partials": self.partials.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
