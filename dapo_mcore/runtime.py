@@ -305,7 +305,7 @@ def _rollouts(generated: list) -> list:
                                response_ids=np.asarray(r.token_ids, dtype=np.int64),
                                logprobs=np.asarray(r.logprobs, dtype=np.float32) if r.logprobs else None,
                                reward=float(reward), acc=bool(acc), finish_reason=r.finish_reason, kept=g.kept,
-                               group_id=gi, gen_batch=g.gen_batch))
+                               group_id=gi, gen_batch=g.gen_batch, stale_tokens=r.stale_tokens))
     return out
 
 

@@ -33,7 +33,8 @@ def expected(step):
         out.append(Rollout(
             prompt_ids=rng.integers(0, 50000, int(rng.integers(1, 9))), response_ids=resp, logprobs=lp,
             reward=float(np.float32(rng.normal())), acc=i % 3 == 0, finish_reason="length" if i % 4 == 0 else "stop",
-            kept=i % 2 == 1, group_id=i // 2, gen_batch=int(rng.integers(0, 3))))
+            kept=i % 2 == 1, group_id=i // 2, gen_batch=int(rng.integers(0, 3)),
+            stale_tokens=len(resp) // 2 if i % 5 == 2 else 0))
     return out
 
 def same(got, want, step):
@@ -43,8 +44,8 @@ def same(got, want, step):
         assert np.array_equal(g.prompt_ids, w.prompt_ids) and np.array_equal(g.response_ids, w.response_ids)
         want_lp = np.full(len(w.response_ids), np.nan, np.float32) if w.logprobs is None else w.logprobs
         assert np.array_equal(g.logprobs, want_lp, equal_nan=True)
-        assert (g.reward, g.acc, g.finish_reason, g.kept, g.group_id, g.gen_batch) == (
-            w.reward, w.acc, w.finish_reason, w.kept, w.group_id, w.gen_batch)
+        assert (g.reward, g.acc, g.finish_reason, g.kept, g.group_id, g.gen_batch, g.stale_tokens) == (
+            w.reward, w.acc, w.finish_reason, w.kept, w.group_id, w.gen_batch, w.stale_tokens)
 '''
 _ns: dict = {}
 exec(GEN_SRC, _ns)
@@ -69,6 +70,27 @@ def test_round_trip_and_append_across_steps(tmp_path):
     assert cols["response_ids"][s0:s0 + cols["response_len"][i]].tolist() == want[i].response_ids.tolist()
     with pytest.raises(KeyError, match="not in the store"):
         reader.read_step(3)
+
+
+def test_store_written_before_stale_tokens_reads_zeros_and_takes_appends(tmp_path):
+    """A run started before the stale_tokens column (partial rollouts) existed: its store reads as 0 stale tokens,
+    and a resumed run appends to it with the column created (zeros for the old rows)."""
+    import zarr
+
+    path = tmp_path / ROLLOUTS_DIR
+    store = RolloutStore(path, row_chunk=5, token_chunk=16)
+    for step in (0, 1):
+        store.append_step(step, expected(step))
+    old = zarr.open_group(str(path), mode="r+")
+    del old["stale_tokens"]  # as the first stores were written
+    assert "stale_tokens" not in zarr.open_group(str(path), mode="r")
+    reader = RolloutReader(path)
+    assert [r.stale_tokens for r in reader.read_step(1)] == [0] * len(expected(1))
+    assert reader.column("stale_tokens").tolist() == [0] * (len(expected(0)) + len(expected(1)))
+    RolloutStore(path, resume_step=2).append_step(2, expected(2))
+    same(reader.read_step(2), expected(2), 2)
+    assert any(r.stale_tokens for r in expected(2))
+    assert reader.column("stale_tokens").tolist()[: len(expected(0))] == [0] * len(expected(0))
 
 
 def test_reopen_appends_and_resume_rewrites(tmp_path):

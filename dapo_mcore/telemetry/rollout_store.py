@@ -4,7 +4,8 @@ Layout (``run_dir/rollouts.zarr``), all arrays 1-D and chunked along their only 
 
 - one row per rollout: ``step`` (int64), ``group_id`` (int64), ``gen_batch`` (int32), ``reward``
   (float32), ``acc`` (bool), ``kept`` (bool: kept by dynamic sampling and trained on),
-  ``finish`` (uint8 code into the ``finish_reasons`` attribute: stop, length),
+  ``finish`` (uint8 code into the ``finish_reasons`` attribute: stop, length), ``stale_tokens`` (int32: leading
+  response tokens an older policy sampled, partial rollouts; stores written before it read as 0),
   ``prompt_start``/``prompt_len`` and ``response_start``/``response_len`` (offsets into the token arrays);
 - ragged tokens, concatenated: ``prompt_ids`` (int32), ``response_ids`` (int32) and ``logprobs``
   (float32, the engine's log-prob of each response token, NaN when the engine gave none).
@@ -40,8 +41,11 @@ FINISH_REASONS: tuple[str, ...] = ("stop", "length")
 ROW_COLUMNS: dict[str, str] = {
     "step": "int64", "group_id": "int64", "gen_batch": "int32", "reward": "float32", "acc": "bool",
     "kept": "bool", "finish": "uint8", "prompt_start": "int64", "prompt_len": "int32",
-    "response_start": "int64", "response_len": "int32",
+    "response_start": "int64", "response_len": "int32", "stale_tokens": "int32",
 }
+ADDED_ROW_COLUMNS: tuple[str, ...] = ("stale_tokens",)
+"""Columns newer than the format's first stores: read as 0 where absent, created (zeros) when such a store is
+appended to."""
 TOKEN_COLUMNS: dict[str, tuple[str, str]] = {
     # name: (dtype, which token stream it follows)
     "prompt_ids": ("int32", "prompt"), "response_ids": ("int32", "response"), "logprobs": ("float32", "response"),
@@ -68,6 +72,8 @@ class Rollout:
     group_id: int
     gen_batch: int
     step: int = -1
+    stale_tokens: int = 0
+    """Leading response tokens an older policy sampled (partial rollouts; their log-probs are that policy's)."""
 
     @property
     def prompt_len(self) -> int:
@@ -150,6 +156,7 @@ class RolloutStore:
             self._group = zarr.open_group(str(self.path), mode="r+")
             _check_format(self._group, self.path)
             self._committed = _Committed.from_attrs(dict(self._group.attrs))
+            self._add_missing_columns()
             if resume_step is not None:
                 self._truncate(self._committed.keep_before(resume_step))
             self._shrink_to_committed()
@@ -186,6 +193,16 @@ class RolloutStore:
         # Un-commit first, so readers never see a step whose data is being cut.
         self._committed = kept
         self._group.update_attributes(kept.to_attrs())
+
+    def _add_missing_columns(self) -> None:
+        """A store written before a column existed gets it, zeros for the rows it already holds."""
+        length, chunk = self._group["step"].shape[0], self._group["step"].chunks[0]
+        for name in ADDED_ROW_COLUMNS:
+            if name not in self._group:
+                array = self._group.create_array(name, shape=(length,), dtype=ROW_COLUMNS[name], chunks=(chunk,),
+                                                 fill_value=0)
+                if length:
+                    array[:] = np.zeros(length, dtype=ROW_COLUMNS[name])
 
     def _shrink_to_committed(self) -> None:
         """Cut array tails past the committed ends (a step that crashed mid-write, or dropped steps)."""
@@ -268,6 +285,7 @@ def _columns(step: int, records: Sequence[Rollout]) -> dict[str, np.ndarray]:
         "prompt_len": prompt_len.astype(np.int32),
         "response_start": np.cumsum(response_len) - response_len,
         "response_len": response_len.astype(np.int32),
+        "stale_tokens": np.array([r.stale_tokens for r in records], dtype=np.int32),
         "prompt_ids": cat(prompts, "int32"),
         "response_ids": cat(responses, "int32"),
         "logprobs": cat(logprobs, "float32"),
@@ -296,7 +314,7 @@ class RolloutReader:
         """The step's columns (see module docstring); starts are relative to the step's token arrays."""
         group, committed = self._open()
         rows, ptok, rtok = committed.ranges(step)
-        out = {name: group[name][rows] for name in ROW_COLUMNS}
+        out = {name: _row_column(group, name, rows) for name in ROW_COLUMNS}
         for name, (_, stream) in TOKEN_COLUMNS.items():
             out[name] = group[name][ptok if stream == "prompt" else rtok]
         out["prompt_start"] = out["prompt_start"] - ptok.start
@@ -316,6 +334,7 @@ class RolloutReader:
                 logprobs=c["logprobs"][r0:r1], reward=float(c["reward"][i]), acc=bool(c["acc"][i]),
                 finish_reason=finish_reasons[int(c["finish"][i])], kept=bool(c["kept"][i]),
                 group_id=int(c["group_id"][i]), gen_batch=int(c["gen_batch"][i]), step=int(c["step"][i]),
+                stale_tokens=int(c["stale_tokens"][i]),
             ))
         return out
 
@@ -324,7 +343,14 @@ class RolloutReader:
         if name not in ROW_COLUMNS:
             raise ValueError(f"unknown column {name!r}; per-rollout columns are {sorted(ROW_COLUMNS)}")
         group, committed = self._open()
-        return group[name][: committed.ends()[0]]
+        return _row_column(group, name, slice(0, committed.ends()[0]))
+
+
+def _row_column(group: zarr.Group, name: str, rows: slice) -> np.ndarray:
+    if name in group:
+        return group[name][rows]
+    length = len(range(*rows.indices(group["step"].shape[0])))  # a column the store predates
+    return np.zeros(length, dtype=ROW_COLUMNS[name])
 
 
 def _print_step(reader: RolloutReader, step: int, limit: int, which: str, decode: Any) -> None:
@@ -339,7 +365,8 @@ def _print_step(reader: RolloutReader, step: int, limit: int, which: str, decode
     shown = [r for r in rollouts if which == "all" or r.kept == (which == "kept")][:limit]
     for i, r in enumerate(shown):
         print(f"\n--- [{i}] group {r.group_id}  gen_batch {r.gen_batch}  reward {r.reward:+.3f}  acc {r.acc}  "
-              f"kept {r.kept}  finish {r.finish_reason}  prompt {r.prompt_len} tok  response {r.response_len} tok")
+              f"kept {r.kept}  finish {r.finish_reason}  prompt {r.prompt_len} tok  response {r.response_len} tok"
+              + (f" ({r.stale_tokens} from the previous policy)" if r.stale_tokens else ""))
         print(f"prompt:   {decode(r.prompt_ids)!r}")
         print(f"response: {decode(r.response_ids)!r}")
 
