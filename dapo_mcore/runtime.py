@@ -206,7 +206,7 @@ class Components:
         metrics.update(PhaseTimer.as_metrics(seconds))
         if self.step_work is not None:
             metrics.update(self.step_work.metrics(seconds, self.launch.world_size, self.peak_flops,
-                                                  int(metrics.get("sampling/tokens_generated", 0))))
+                                                  _decoded_tokens(metrics)))
         self.ledger.record_step(step, **_ledger_counts(metrics), phase_seconds=seconds,
                                 num_devices=self.launch.world_size)
         metrics.update(self.ledger.as_metrics())
@@ -275,6 +275,14 @@ class Components:
         for closer in reversed(self._closers):
             closer()
         self._closers.clear()
+
+
+def _decoded_tokens(metrics: dict[str, Any]) -> int:
+    """Tokens the engine decoded during this step: the generated ones, the aborted ones, and with partial rollouts
+    those carried to the next step, less the prefixes of resumed groups (decoded in the step before)."""
+    m = {k: int(metrics.get(f"sampling/{k}", 0)) for k in (
+        "tokens_generated", "tokens_aborted", "tokens_partial_buffered", "tokens_resumed_stale")}
+    return m["tokens_generated"] + m["tokens_aborted"] + m["tokens_partial_buffered"] - m["tokens_resumed_stale"]
 
 
 def _ledger_counts(metrics: dict[str, Any]) -> dict[str, int]:

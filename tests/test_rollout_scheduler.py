@@ -366,7 +366,7 @@ def test_partial_rollouts_buffer_aborted_groups_and_continue_them_first_next_ste
     kept1, generated1, stats1 = sched.collect(engine, _merge, step=1, stream=stream, resume=resume)
     assert resumed == [(0, buffered)]  # slot 0: before any new prompt is drawn
     assert stats1.tokens_partial_buffered == sched.partials.num_tokens()
-    assert stats1.groups_resumed == len(buffered)
+    assert stats1.groups_resumed == len(buffered) and stats1.tokens_resumed_stale == 2 * N * len(buffered)
     assert [g.payload for g in generated1[:len(buffered)]] == [("resumed", i) for i, _, _ in buffered]
     usable_resumed = [g for g in generated1[:len(buffered)] if g.is_usable()][:TARGET]
     assert kept1[:len(usable_resumed)] == usable_resumed

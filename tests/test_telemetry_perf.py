@@ -38,3 +38,14 @@ def test_no_mfu_without_a_peak_and_a_configured_peak_wins():
     m = work.metrics({"train": 1.0, "old_logprobs": 1.0, "step": 1.0}, devices=1, peak=None, generated_tokens=5)
     assert keys.PERF_MFU_TRAIN not in m and keys.PERF_MFU_LOGPROB not in m
     assert device_peak_flops(123.0, fp8=False) == pytest.approx(123e12)
+
+
+def test_decoded_tokens_count_each_token_in_the_step_that_decoded_it():
+    """Generation throughput with partial rollouts: a step's carried tokens are its own, and the resumed prefixes
+    that the next step's finished groups contain are not that step's."""
+    from dapo_mcore.runtime import _decoded_tokens
+
+    step_s = {"sampling/tokens_generated": 100, "sampling/tokens_aborted": 20, "sampling/tokens_partial_buffered": 30}
+    step_s1 = {"sampling/tokens_generated": 130, "sampling/tokens_resumed_stale": 30}
+    assert _decoded_tokens(step_s) == 150 and _decoded_tokens(step_s1) == 100
+    assert _decoded_tokens({"sampling/tokens_generated": 77}) == 77  # no streaming: unchanged

@@ -108,6 +108,8 @@ class SamplingStats:
     tokens_stale_kept: int = 0
     """Tokens of kept groups that an older policy sampled (partial rollouts): trained off-policy, TIS-corrected
     (unless the overlong filter masks their response)."""
+    tokens_resumed_stale: int = 0
+    """Of tokens_generated, the prefixes of resumed groups: decoded in the previous step, not this one."""
     tokens_partial_buffered: int = 0
     """Tokens of the groups this step aborted and kept for the next one (not yet in tokens_generated)."""
     _usable_seen: int = field(default=0, repr=False)

@@ -112,6 +112,7 @@ class RolloutScheduler:
             for item, group in zip(items, resume(items, next(slots)), strict=True):
                 generated.append(group)
                 stats.groups_resumed += 1
+                stats.tokens_resumed_stale += group.stale_tokens
                 if history is not None:
                     history.record(item.index, group.num_correct(), len(group.acc))
                 self._decide(group, False, kept, stats)
