@@ -364,7 +364,9 @@ def test_partial_rollouts_train_and_resume_the_same_trajectory(env, tmp_path):
     trained with TIS, reported apart from the engine mismatch); a run stopped while the buffer holds groups resumes
     them from its checkpoint and follows the uninterrupted run exactly."""
     partial = ("eval.every=0", "eval.at_start=false", "checkpoint.every=0", "rollout.schedule.streaming=true",
-               "rollout.schedule.stream_chunk_prompts=16", "rollout.schedule.partial=true", "algo.tis_cap=2.0")
+               "rollout.schedule.stream_chunk_prompts=16", "rollout.schedule.partial=true", "algo.tis_cap=2.0",
+               # 4 groups a step out of chunks of 16: the step fills early in a chunk, with groups still in flight
+               "train.prompts_per_step=4")
     straight = tmp_path / "straight"
     proc = _run(_cmd(straight, "train.steps=4", *partial), env)
     assert proc.returncode == 0, proc.stderr[-3000:]
