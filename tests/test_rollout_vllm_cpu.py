@@ -164,10 +164,12 @@ def test_dapo_run_with_vllm_streaming_and_partial_rollouts(env, tmp_path):
     (partial/*). Seen: 34 tokens buffered at step 1, 1 group resumed at step 2 and 6 (130 stale tokens) at step 3
     (25 s on the 2-core machine)."""
     rows = _train(env, tmp_path / "run", 1, "train.steps=3", "rollout.schedule.streaming=true",
-                  "rollout.schedule.stream_chunk_prompts=16", "rollout.schedule.partial=true", "algo.tis_cap=2.0")
+                  "rollout.schedule.stream_chunk_prompts=16", "rollout.schedule.partial=true", "algo.tis_cap=2.0",
+                  "train.prompts_per_step=4")  # the step fills early in a chunk of 16: groups are in flight
+
     _check_mismatch(rows, n_steps=3)
     steps = {int(r["step"]): r for r in rows if "sampling/groups_kept" in r}
-    assert sorted(steps) == [1, 2, 3] and all(r["sampling/groups_kept"] == 16 for r in steps.values()), steps
+    assert sorted(steps) == [1, 2, 3] and all(r["sampling/groups_kept"] == 4 for r in steps.values()), steps
     assert all(r["sampling/groups_surplus"] <= 15 for r in steps.values()), steps  # chunks of 16 prompts
     buffered = [s for s in (1, 2) if steps[s]["sampling/tokens_partial_buffered"] > 0]
     assert buffered, f"no step kept a group in flight: {steps}"
