@@ -461,12 +461,11 @@ class _Stream:
     groups: Any
     """A generator of ``(position, Group)``."""
     engine_abort: Any
+    partials: Any = None
+    """The engine stream's ``partials`` (a PartialGroupStream), else None."""
 
     def __iter__(self) -> Iterator[tuple[int, Group]]:
         return self.groups
-
-    partials: Any = None
-    """The engine stream's ``partials`` (a PartialGroupStream), else None."""
 
     def abort(self, keep_partial: bool = False) -> int:
         self.groups.close()  # leaves the generate phase before the next one starts

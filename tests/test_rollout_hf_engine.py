@@ -146,6 +146,10 @@ def test_prompt_checks(engine):
         engine.generate([[1, 2], []], SamplingParams())
     with pytest.raises(EngineError, match="max_position_embeddings"):
         engine.generate([[1] * 100], SamplingParams(max_new_tokens=64))
+    with pytest.raises(EngineError, match="max_position_embeddings"):  # stream and resume share the checks
+        engine.stream([[1] * 100], SamplingParams(max_new_tokens=64))
+    with pytest.raises(EngineError, match="max_position_embeddings"):
+        engine.resume([[1] * 100], [[3]], SamplingParams(max_new_tokens=64))
     with pytest.raises(ValueError, match="top_p"):
         engine.generate([[1, 2]], SamplingParams(top_p=0.0))
 
@@ -248,6 +252,8 @@ def test_resume_stops_at_eos_and_refuses_bad_requests(model, engine):
         engine.resume([PROMPTS[0]], [[3]], SamplingParams(n=2, max_new_tokens=12))
     with pytest.raises(EngineError, match="prefix 0 has 12 tokens"):
         engine.resume([PROMPTS[0]], [[3] * 12], params)
+    with pytest.raises(EngineError, match="outside the vocabulary"):
+        engine.resume([PROMPTS[0]], [[engine.vocab_size]], params)
     (plain,) = engine.resume([PROMPTS[0]], [[]], params)  # an empty prefix is a plain generation
     assert plain.token_ids == whole[0].token_ids
 

@@ -30,6 +30,7 @@ from dapo_mcore.rollout.protocol import (
     SamplingParams,
     WeightBucket,
     check_prompts,
+    check_resume,
 )
 from dapo_mcore.rollout.sampling import sample_next
 from dapo_mcore.rollout.weight_sync import SyncTracker
@@ -92,20 +93,7 @@ class HFEngine:
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Response]]:
         """Sample ``params.n`` responses per prompt (see ``Engine.generate``)."""
-        self._check_open()
-        params.validate()
-        check_prompts(prompts, self.max_prompt_len, self.vocab_size)
-        longest = max((len(p) for p in prompts), default=0)
-        if longest + params.max_new_tokens > self.max_positions:
-            raise EngineError(f"prompt length {longest} + max_new_tokens {params.max_new_tokens} exceeds the "
-                              f"model's max_position_embeddings={self.max_positions}; lower max_new_tokens or "
-                              f"the prompt limit.")
-        if params.seed is None:
-            seed = int(torch.randint(0, 2**62, (1,)).item())
-        else:
-            seed = params.seed
-        generator = torch.Generator(device=self.device).manual_seed(seed)
-        stop_ids = torch.tensor(sorted(set(self.eos_token_ids) | set(params.stop_token_ids)), device=self.device)
+        generator, stop_ids = self._prepare(prompts, params)
         per_chunk = max(1, self.max_batch_rows // params.n)  # prompts per chunk; each becomes n rows
         flat: list[Response] = []
         t0 = time.perf_counter()
@@ -114,6 +102,22 @@ class HFEngine:
         logger.debug("HFEngine: %d responses, %d tokens in %.3f s", len(flat), sum(r.length for r in flat),
                      time.perf_counter() - t0)
         return [flat[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
+
+    def _prepare(self, prompts: list[list[int]], params: SamplingParams) -> tuple[torch.Generator, Tensor]:
+        """The checks every call shares (engine open, params, prompts, prompt + max_new_tokens within the model's
+        positions), then the call's sampling RNG (``params.seed``, or a fresh one) and its stop ids."""
+        self._check_open()
+        params.validate()
+        check_prompts(prompts, self.max_prompt_len, self.vocab_size)
+        longest = max((len(p) for p in prompts), default=0)
+        if longest + params.max_new_tokens > self.max_positions:
+            raise EngineError(f"prompt length {longest} + max_new_tokens {params.max_new_tokens} exceeds the "
+                              f"model's max_position_embeddings={self.max_positions}; lower max_new_tokens or "
+                              f"the prompt limit.")
+        seed = int(torch.randint(0, 2**62, (1,)).item()) if params.seed is None else params.seed
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        stop_ids = torch.tensor(sorted(set(self.eos_token_ids) | set(params.stop_token_ids)), device=self.device)
+        return generator, stop_ids
 
     def _left_pad(self, rows: list[list[int]]) -> tuple[Tensor, Tensor, Tensor]:
         lens = torch.tensor([len(r) for r in rows], device=self.device)
@@ -177,33 +181,15 @@ class HFEngine:
         """Like ``generate``, but yields ``(prompt index, responses)`` as each prompt's n samples have all ended
         (see ``protocol.GroupStream``); ``abort()`` stops decoding. Same seed, prompts and params -> the same
         responses as ``generate``."""
-        self._check_open()
-        params.validate()
-        check_prompts(prompts, self.max_prompt_len, self.vocab_size)
-        return _HFGroupStream(self, prompts, params)
+        generator, stop_ids = self._prepare(prompts, params)
+        return _HFGroupStream(self, prompts, params, generator, stop_ids)
 
     @torch.inference_mode()
     def resume(self, prompts: list[list[int]], prefixes: list[list[int]], params: SamplingParams) -> list[Response]:
         """Continue one response per prompt after its ``prefix`` (see ``protocol.ResumingEngine.resume``): the
         prefix is prefilled with the prompt at the positions it was sampled at; only the new tokens come back."""
-        self._check_open()
-        params.validate()
-        if params.n != 1:
-            raise EngineError(f"resume() continues one response per prompt; got n={params.n} (use n=1).")
-        if len(prefixes) != len(prompts):
-            raise EngineError(f"resume(): {len(prompts)} prompts but {len(prefixes)} prefixes.")
-        check_prompts(prompts, self.max_prompt_len, self.vocab_size)
-        for i, pre in enumerate(prefixes):
-            if len(pre) >= params.max_new_tokens:
-                raise EngineError(f"resume(): prefix {i} has {len(pre)} tokens; it must have at most "
-                                  f"max_new_tokens - 1 = {params.max_new_tokens - 1} (an ended response is not resumed).")
-        longest = max((len(p) for p in prompts), default=0)
-        if longest + params.max_new_tokens > self.max_positions:
-            raise EngineError(f"prompt length {longest} + max_new_tokens {params.max_new_tokens} exceeds the "
-                              f"model's max_position_embeddings={self.max_positions}.")
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
-        generator = torch.Generator(device=self.device).manual_seed(seed)
-        stop_ids = torch.tensor(sorted(set(self.eos_token_ids) | set(params.stop_token_ids)), device=self.device)
+        generator, stop_ids = self._prepare(prompts, params)
+        check_resume(prompts, prefixes, params, self.vocab_size)
         out: list[Response] = []
         for start in range(0, len(prompts), self.max_batch_rows):
             rows = [list(p) + list(q) for p, q in zip(prompts[start:start + self.max_batch_rows],
@@ -283,12 +269,10 @@ class HFEngine:
 class _HFGroupStream:
     """Finished groups of one ``HFEngine.stream`` call, chunk by chunk (``max_batch_rows`` rows at a time)."""
 
-    def __init__(self, engine: HFEngine, prompts: list[list[int]], params: SamplingParams) -> None:
+    def __init__(self, engine: HFEngine, prompts: list[list[int]], params: SamplingParams,
+                 generator: torch.Generator, stop_ids: Tensor) -> None:
         self.engine, self.prompts, self.params = engine, prompts, params
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
-        self.generator = torch.Generator(device=engine.device).manual_seed(seed)
-        self.stop_ids = torch.tensor(sorted(set(engine.eos_token_ids) | set(params.stop_token_ids)),
-                                     device=engine.device)
+        self.generator, self.stop_ids = generator, stop_ids
         self._decoding: Iterator | None = None
         self._state: tuple[Tensor, Tensor, Tensor, Tensor] | None = None  # tokens, logps, n_gen, stopped
         self._start = 0

@@ -170,6 +170,25 @@ def filter_prompts(prompts: Sequence[Sequence[int]], max_prompt_len: int,
     return result
 
 
+def check_resume(prompts: Sequence[Sequence[int]], prefixes: Sequence[Sequence[int]], params: SamplingParams,
+                 vocab_size: int | None) -> None:
+    """Raise EngineError for a ``ResumingEngine.resume`` request no engine can serve: n != 1, one prefix per prompt
+    missing, a prefix that leaves no token to sample, or prefix tokens outside the vocabulary (engines call this;
+    the prompts themselves go through :func:`check_prompts`)."""
+    if params.n != 1:
+        raise EngineError(f"resume() continues one response per prompt: params.n={params.n}, use n=1 (pass a "
+                          f"prompt once per response to continue).")
+    if len(prefixes) != len(prompts):
+        raise EngineError(f"resume(): {len(prompts)} prompts but {len(prefixes)} prefixes; pass one per prompt.")
+    for i, prefix in enumerate(prefixes):
+        if len(prefix) >= params.max_new_tokens:
+            raise EngineError(f"resume(): prefix {i} has {len(prefix)} tokens, max_new_tokens="
+                              f"{params.max_new_tokens} leaves none to sample; a response that reached the limit "
+                              f"has ended (done), pass only unfinished ones.")
+        if vocab_size is not None and prefix and (min(prefix) < 0 or max(prefix) >= vocab_size):
+            raise EngineError(f"resume(): prefix {i} has token ids outside the vocabulary [0, {vocab_size}).")
+
+
 def check_prompts(prompts: Sequence[Sequence[int]], max_prompt_len: int, vocab_size: int | None) -> None:
     """Raise EngineError if any prompt would be rejected by :func:`filter_prompts` (engines call this)."""
     result = filter_prompts(prompts, max_prompt_len, vocab_size)

@@ -10,7 +10,7 @@ and generated, never how a kept group is trained:
 - staged groups: k < G responses first; only groups whose first k are mixed are completed;
 - prompt history: the sampler skips prompts that were all right / all wrong lately (``data.prompt_history``);
 - partial rollouts: the groups a streamed step aborted are continued first thing at the next step
-  (``rollout.partial``).
+  (``rollout.schedule.partial``).
 
 Decisions are taken in prompt order over shared, scored groups, never in completion order, so the kept batch is
 a pure function of the seed, the data and the world size, and every rank holds the same one. Generation itself

@@ -37,7 +37,14 @@ from typing import Any, Literal, Protocol
 
 from torch import Tensor
 
-from dapo_mcore.rollout.protocol import EngineError, Response, SamplingParams, WeightBucket, check_prompts
+from dapo_mcore.rollout.protocol import (
+    EngineError,
+    Response,
+    SamplingParams,
+    WeightBucket,
+    check_prompts,
+    check_resume,
+)
 from dapo_mcore.rollout.vllm_outputs import VLLMGroupStream, completion_tokens, responses_from_outputs
 from dapo_mcore.rollout.weight_sync import SyncTracker, qwen2_param_shapes
 
@@ -453,18 +460,7 @@ class VLLMEngine:
         len(prefixes[i])`` and generate's seed for position i, so the prefix sits at the positions it was sampled at and
         the response as a whole stays within ``max_new_tokens``. Returns the new tokens only."""
         self._ready("resume", prompts)
-        if params.n != 1:
-            raise EngineError(f"resume() continues one response per prompt: params.n={params.n}, use n=1 (pass a "
-                              f"prompt once per response to continue).")
-        if len(prefixes) != len(prompts):
-            raise EngineError(f"resume(): {len(prompts)} prompts but {len(prefixes)} prefixes; pass one per prompt.")
-        for i, prefix in enumerate(prefixes):
-            if len(prefix) >= params.max_new_tokens:
-                raise EngineError(f"resume(): prefix {i} has {len(prefix)} tokens, max_new_tokens="
-                                  f"{params.max_new_tokens} leaves none to sample; a response that reached the limit "
-                                  f"has ended (done), pass only unfinished ones.")
-            if prefix and (min(prefix) < 0 or max(prefix) >= self.vocab_size):
-                raise EngineError(f"resume(): prefix {i} has token ids outside the vocabulary [0, {self.vocab_size}).")
+        check_resume(prompts, prefixes, params, self.vocab_size)
         inputs, sampling = build_requests([list(p) + list(x) for p, x in zip(prompts, prefixes, strict=True)], params,
                                           self.options.logprobs, [params.max_new_tokens - len(x) for x in prefixes])
         return [group[0] for group in self._generate(inputs, sampling, params)]
