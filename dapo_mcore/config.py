@@ -200,7 +200,7 @@ class RolloutConfig:
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """vLLM settings."""
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    """Rollout scheduling (streaming, adaptive rounds, staged groups, prompt history); all off = DAPO's
+    """Rollout scheduling (streaming, partial rollouts, adaptive rounds, staged groups, prompt history); all off = DAPO's
     batch-and-filter loop exactly."""
 
 

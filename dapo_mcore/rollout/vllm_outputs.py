@@ -114,16 +114,14 @@ class VLLMGroupStream:
                 finished.append(rid)
         return finished
 
-    def _group(self, rid: str) -> list[Response]:
-        return [Response(token_ids=s.token_ids, logprobs=s.logprobs,
-                         finish_reason=_check_finish(s.finish_reason, f"request {rid} completion {j}"))
-                for j, s in enumerate(self._samples[rid])]
+    def _group(self, rid: str, unfinished: str | None = None) -> list[Response]:
+        """The request's samples as Responses; a sample still running says ``unfinished`` (None: none may be)."""
+        return [Response(token_ids=s.token_ids, logprobs=s.logprobs, finish_reason=_check_finish(
+            s.finish_reason or unfinished, f"request {rid} completion {j}")) for j, s in enumerate(self._samples[rid])]
 
     def _partial(self, rid: str) -> PartialGroup:
         # An unfinished sample says "length" until resume() tells how the whole response ends; `done` tells them apart.
-        responses = [Response(token_ids=s.token_ids, logprobs=s.logprobs, finish_reason=_check_finish(
-            s.finish_reason or "length", f"request {rid} completion {j}")) for j, s in enumerate(self._samples[rid])]
-        return PartialGroup(index=self.position[rid], responses=responses,
+        return PartialGroup(index=self.position[rid], responses=self._group(rid, unfinished="length"),
                             done=[s.finish_reason is not None for s in self._samples[rid]])
 
     def abort(self, keep_partial: bool = False) -> int:
