@@ -30,3 +30,17 @@ def cli_env(tiny_cache) -> dict[str, str]:
     e.pop("RANK", None)
     e.pop("WORLD_SIZE", None)
     return e
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """``DAPO_MCORE_CI_NO_SKIPS=1`` (a CI tier's switch, see .ci/run) fails a session that skipped anything: a tier
+    selects exactly the tests it exists to run, so a skip there means the tier did not test what it claims to."""
+    if os.environ.get("DAPO_MCORE_CI_NO_SKIPS") != "1":
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    skipped = reporter.stats.get("skipped", []) if reporter is not None else []
+    if skipped and session.exitstatus == pytest.ExitCode.OK:
+        reporter.ensure_newline()
+        reporter.write_line(f"DAPO_MCORE_CI_NO_SKIPS=1: {len(skipped)} skip(s) fail this session (reasons below)",
+                            red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

