@@ -206,6 +206,8 @@ class Components:
     engine_streams: bool = False
     """Streaming generation aborts in-flight requests once a step is full: rollout.schedule.streaming with an engine
     that streams finished groups and a single rank (otherwise streaming works chunk by chunk)."""
+    rollouts: Any = None
+    """The rollout side (rollout.source.RolloutSource): what the trainer asks for a step's batch."""
     _closers: list[Callable[[], None]] = field(default_factory=list)
 
     @property
@@ -504,6 +506,7 @@ def _build_parts(cfg: Config, launch: LaunchEnv, *, resume: bool, checkpoint: st
     engine_tp = cfg.rollout.vllm.tensor_parallel if cfg.rollout.engine == "vllm" else 1
     parts.gen_groups, parts.gen_group_index = launch.world_size // engine_tp, launch.rank // engine_tp
     parts.gen_group_leader = launch.rank % engine_tp == 0
+    parts.rollouts = _build_rollouts(parts)
     parts._closers.extend(parts_closers)
     parts._closers.append(engine.close)
     start = _restore(parts, resume=resume and not for_eval, checkpoint=checkpoint)
@@ -543,6 +546,15 @@ def _engine_streams(cfg: Config, world_size: int, engine: Any) -> bool:
                     "more than one rank" if world_size > 1 else f"the {cfg.rollout.engine} engine does not stream",
                     " and rollout.schedule.partial has nothing to continue" if sched.partial else "")
     return streams
+
+
+def _build_rollouts(parts: Components) -> Any:
+    from dapo_mcore.rollout.colocated import ColocatedRollouts, EngineGroups
+
+    return ColocatedRollouts(parts.cfg, engine=parts.engine, scheduler=parts.scheduler, tokenizer=parts.tokenizer,
+                             score=parts.score, encode_prompt=parts.encode_prompt, timer=parts.timer,
+                             groups=EngineGroups(parts.gen_groups, parts.gen_group_index, parts.gen_group_leader),
+                             streams=parts.engine_streams)
 
 
 def _build_scheduler(cfg: Config, sampler: Any) -> Any:

@@ -1,38 +1,35 @@
 """The DAPO training loop, read top to bottom.
 
-    generate -> score -> overlong shaping -> dynamic sampling (refill) -> advantages -> old log-probs
-      -> mini-batch updates -> weight sync -> log / eval / checkpoint
+    batch (rollout side: generate -> score -> overlong shaping -> dynamic sampling) -> advantages -> old log-probs
+      -> mini-batch updates -> publish weights -> log / eval / checkpoint
 
-Every rank runs this loop. Engine groups split each generation batch and one rank per group shares its responses;
-each response is scored on one rank and the verdicts are shared, so every rank holds the same rollout batch; the
-actor splits the work over data-parallel ranks itself. Rank 0 writes metrics, the ledger and the rollout store.
+The rollout side is one component behind ``rollout.source.RolloutSource``: the trainer asks it for a step's batch
+and hands it the new weights; how the batch is produced (engine groups, streaming, staged groups, partial rollouts)
+is its business. Every rank runs this loop and holds the same batch; the actor splits the work over data-parallel
+ranks itself. Rank 0 writes metrics, the ledger and the rollout store.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import os
 import signal
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from dapo_mcore.actor.megatron_actor import TrainSample
 from dapo_mcore.algo.advantages import group_advantages
-from dapo_mcore.algo.dynamic_sampling import DynamicSamplingExhausted, Group, SamplingStats
+from dapo_mcore.algo.dynamic_sampling import DynamicSamplingExhausted
 from dapo_mcore.algo.metrics import average_updates
-from dapo_mcore.algo.overlong import overlong_penalty
 from dapo_mcore.config import Config
-from dapo_mcore.data.records import PromptRecord
-from dapo_mcore.rollout.gather import apply_once, broadcast_shares, merge_shares, plan_shares
-from dapo_mcore.rollout.partial import Buffered, join, stale_response
-from dapo_mcore.rollout.protocol import EngineError, Response, SamplingParams
+from dapo_mcore.rollout.groups import GroupData
+from dapo_mcore.rollout.protocol import EngineError
+from dapo_mcore.rollout.source import RolloutInterrupted, StepBatch
 from dapo_mcore.runtime import Components, build_components, prepare_run_dir, read_config
 from dapo_mcore.telemetry import keys
 
@@ -40,27 +37,6 @@ log = logging.getLogger(__name__)
 
 EXIT_REQUEUE = 75      # EX_TEMPFAIL: checkpointed on a signal; Slurm requeues and the run resumes
 EXIT_INTERRUPTED = 130
-
-
-@dataclass
-class GroupData:
-    """One prompt's G rollouts and their scores (the payload of a dynamic-sampling Group)."""
-
-    record: PromptRecord
-    prompt_ids: list[int]
-    responses: list[Response]
-    scores: list[float]
-    acc: list[bool]
-    rewards: list[float]
-    gen_batch: int
-    preds: list[str | None] = field(default_factory=list)
-    kept: bool = False
-
-    def joined(self, rest: GroupData) -> GroupData:
-        """This group's responses followed by ``rest``'s (a staged group's first stage and its completion)."""
-        return dataclasses.replace(self, responses=self.responses + rest.responses, scores=self.scores + rest.scores,
-                                   acc=self.acc + rest.acc, rewards=self.rewards + rest.rewards,
-                                   preds=self.preds + rest.preds)
 
 
 class _Signals:
@@ -98,10 +74,6 @@ class _Signals:
             signal.signal(sig, handler)
 
 
-class _Preempted(Exception):
-    """A stop signal arrived while dynamic sampling was still refilling: the step is abandoned."""
-
-
 class Trainer:
     """Owns the components of a run and steps through the DAPO loop."""
 
@@ -110,154 +82,30 @@ class Trainer:
         self.step = 0
         self.signals: _Signals | None = None
 
-    # ---- one generation batch: generate, score, shape ---------------------------------------------------
-    def _sampling(self, eval_mode: bool = False, seed: int = 0) -> SamplingParams:
-        r, e = self.cfg.rollout, self.cfg.eval
-        return SamplingParams(
-            n=e.k if eval_mode else r.n, temperature=e.temperature if eval_mode else r.temperature,
-            top_p=e.top_p if eval_mode else r.top_p, top_k=r.top_k,
-            max_new_tokens=(e.max_new_tokens or r.max_new_tokens) if eval_mode else r.max_new_tokens,
-            seed=seed, logprobs="none" if eval_mode else "processed")
-
-    def _generate_and_score(self, records: list[PromptRecord], params: SamplingParams, gen_batch: int,
-                            timed: bool = True) -> list[GroupData]:
-        """Generate and score; ``timed=False`` inside evaluation, whose time is its own phase."""
-        p = self.p
-
-        def phase(name: str):
-            return p.timer.phase(name) if timed else contextlib.nullcontext()
-
-        prompt_ids = [p.encode_prompt(rec) for rec in records]
-        with phase("generate"):
-            outputs = self._generate(prompt_ids, params)
-        with phase("reward"):
-            return self._scored_groups(records, prompt_ids, outputs, gen_batch)
-
-    def _scored_groups(self, records: list[PromptRecord], prompt_ids: list[list[int]],
-                       outputs: list[list[Response]], gen_batch: int) -> list[GroupData]:
-        results = self._score(records, outputs)
-        groups, start = [], 0
-        for i, rec in enumerate(records):
-            res = results[start:start + len(outputs[i])]
-            start += len(outputs[i])
-            scores = [float(x.score) for x in res]
-            groups.append(GroupData(rec, prompt_ids[i], outputs[i], scores, [bool(x.acc) for x in res],
-                                    self._shape_rewards(scores, outputs[i]), gen_batch, [x.pred for x in res]))
-        return groups
-
-    def _stream_and_score(self, records: list[PromptRecord], params: SamplingParams, gen_batch: int) -> _Stream:
-        """Streamed generation (one engine group): each group is scored as soon as it finishes."""
-        prompt_ids = [self.p.encode_prompt(rec) for rec in records]
-        engine_stream = self.p.engine.stream(prompt_ids, params)
-
-        def scored() -> Iterator[tuple[int, Group]]:
-            with self.p.timer.phase("generate"):
-                for i, responses in engine_stream:
-                    yield i, _group(self._scored_groups([records[i]], [prompt_ids[i]], [responses], gen_batch)[0])
-
-        return _Stream(scored(), engine_stream.abort, getattr(engine_stream, "partials", None))
-
-    def _resume_and_score(self, buffered: list[Buffered], params: SamplingParams, gen_batch: int) -> list[GroupData]:
-        """Partial rollouts: continue the unfinished responses of the groups the last step aborted (one engine
-        group, as streaming), then score the whole groups."""
-        records = [self.p.sampler.records[b.index] for b in buffered]
-        prompt_ids = [self.p.encode_prompt(rec) for rec in records]
-        todo = [(gi, ri) for gi, b in enumerate(buffered) for ri, done in enumerate(b.group.done) if not done]
-        tails = []
-        if todo:  # groups that ended in the step that filled the batch need no engine call
-            with self.p.timer.phase("generate"):
-                tails = self.p.engine.resume([prompt_ids[gi] for gi, _ in todo],
-                                             [buffered[gi].group.responses[ri].token_ids for gi, ri in todo], params)
-        outputs = [[stale_response(r) for r in b.group.responses] for b in buffered]
-        for (gi, ri), tail in zip(todo, tails, strict=True):
-            outputs[gi][ri] = join(buffered[gi].group.responses[ri], tail)
-        with self.p.timer.phase("reward"):
-            return self._scored_groups(records, prompt_ids, outputs, gen_batch)
-
-    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Response]]:
-        """Each engine group generates its share (``rollout.gather.plan_shares``); every rank gets all the results.
-
-        An engine group is one rank for the transformers engine and the ranks of one vLLM tensor-parallel group for
-        vLLM (they see the same share, and only the group's leader sends it). Every group calls the engine on every
-        generation batch, even with fewer samples than groups, because vLLM's data-parallel engines step together.
-        Each share has its own seed, derived from the batch seed.
-        """
-        groups, me = self.p.gen_groups, self.p.gen_group_index
-        if groups == 1:
-            return self.p.engine.generate(prompts, params)
-        if not prompts:
-            return []
-        share = plan_shares(len(prompts), params.n, groups)[me]
-        seed = (params.seed or 0) + 1_000_003 * me
-        if share.idle:  # a one-token placeholder keeps this group's engine in step with the others
-            self.p.engine.generate([prompts[0]], dataclasses.replace(params, n=1, max_new_tokens=1, seed=seed))
-            local: list[list[Response]] = []
-        else:
-            local = self.p.engine.generate([prompts[i] for i in share.indices],
-                                           dataclasses.replace(params, n=share.n, seed=seed))
-        shares = broadcast_shares(share.indices, local, sender=self.p.gen_group_leader)
-        return merge_shares(shares, len(prompts), params.n)
-
-    def _score(self, records: list[PromptRecord], outputs: list[list[Response]]) -> list[Any]:
-        """Decode and verify every response once over all ranks (each rank its strided share) and share the
-        verdicts: ranks cannot disagree on one (a worker timeout, a custom reward) and then hold different batches."""
-        p = self.p
-        items = [(r.token_ids, rec.ground_truth) for rec, group in zip(records, outputs, strict=True) for r in group]
-
-        def verify(share: list[tuple[list[int], str]]) -> list[Any]:
-            texts = [p.tokenizer.decode(ids, skip_special_tokens=True) for ids, _ in share]
-            return p.score(texts, [truth for _, truth in share])
-
-        return apply_once(verify, items)
-
-    def _shape_rewards(self, scores: list[float], responses: list[Response]) -> list[float]:
-        a = self.cfg.algo
-        if not a.overlong_shaping:
-            return list(scores)
-        lengths = torch.tensor([r.length for r in responses])
-        penalty = overlong_penalty(lengths, a.overlong_max_len, a.overlong_cache_len, a.overlong_penalty_factor)
-        return [s + float(pen) for s, pen in zip(scores, penalty, strict=True)]
-
     # ---- phases of a step --------------------------------------------------------------------------------
-    def collect(self) -> tuple[list[GroupData], list[GroupData], SamplingStats]:
-        """generate -> score -> shape, until the batch holds enough usable groups (the scheduler decides which
-        prompts to generate and when the step is full: ``rollout.scheduler``)."""
-
-        def params(n: int, slot: int) -> SamplingParams:
-            # A pre-emption signal is honoured between generation calls too: one step can draw many batches.
-            if slot > 0 and self.p.any_rank(self.signals.requested is not None):
-                raise _Preempted()
-            return dataclasses.replace(self._sampling(seed=_seed(self.cfg.train.seed, self.step, slot)), n=n)
-
-        def generate(records: list[PromptRecord], n: int, slot: int) -> list[Group]:
-            return [_group(g) for g in self._generate_and_score(records, params(n, slot), slot)]
-
-        def stream(records: list[PromptRecord], n: int, slot: int) -> _Stream:
-            return self._stream_and_score(records, params(n, slot), slot)
-
-        def resume(buffered: list[Buffered], slot: int) -> list[Group]:
-            return [_group(g) for g in self._resume_and_score(buffered, params(1, slot), slot)]
-
-        streams = self.p.engine_streams
+    def collect(self) -> StepBatch:
+        """The step's scored, shaped and filtered rollouts, from the rollout side (``rollout.source``)."""
         with self._engine_awake():
-            kept, generated, stats = self.p.scheduler.collect(generate, GroupData.joined, self.step,
-                                                              stream if streams else None, resume if streams else None)
-        return [g.payload for g in kept], [g.payload for g in generated], stats
+            return self.p.rollouts.step_batch(self.step, stop=self._stop_requested)
+
+    def _stop_requested(self) -> bool:
+        """A stop signal on any rank (a collective: the rollout side polls it at the same points on every rank)."""
+        return self.p.any_rank(self.signals is not None and self.signals.requested is not None)
 
     @contextlib.contextmanager
     def _engine_awake(self) -> Iterator[None]:
         """Colocated phases: the actor's grads and optimizer state leave the GPU (if configured) while the
         engine holds its KV cache; everything returns before training."""
-        if not self.p.engine.weights_valid:
+        if not self.p.rollouts.weights_valid:
             # vLLM sleep level 2 discards the weights (e.g. an evaluation's sleep after the step's sync): resync
             # first. Every rank's engine follows the same states, so all ranks take this collective together.
             self.sync_weights()
         self.p.actor.offload()
-        self.p.engine.wake()
+        self.p.rollouts.wake()
         try:
             yield
         finally:
-            self.p.engine.sleep()
+            self.p.rollouts.sleep()
             self.p.actor.reload()
 
     def make_samples(self, groups: list[GroupData]) -> list[TrainSample]:
@@ -316,16 +164,14 @@ class Trainer:
         return o.lr if o.warmup_steps == 0 else o.lr * min(1.0, (step + 1) / o.warmup_steps)
 
     def sync_weights(self) -> None:
-        self.p.engine.update_weights(self.p.actor.export_hf_weights())
+        self.p.rollouts.publish(self.p.actor.export_hf_weights())
 
     # ---- evaluation ----------------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
         from dapo_mcore.evaluation import summarize
 
-        records = self.p.eval_records
-        params = self._sampling(eval_mode=True, seed=_seed(self.cfg.train.seed + 7919, self.step, 0))
         with self._engine_awake():
-            groups = self._generate_and_score(records, params, 0, timed=False)
+            groups = self.p.rollouts.eval_groups(self.p.eval_records, self.step)
         truth_norm = [self.p.normalize(g.record.ground_truth) for g in groups]
         result = summarize([g.acc for g in groups], [g.preds for g in groups],
                            [[p is not None and p == t for p in g.preds] for g, t in zip(groups, truth_norm, strict=True)],
@@ -336,7 +182,8 @@ class Trainer:
     def run_step(self) -> tuple[dict[str, Any], list[GroupData]]:
         """One DAPO step; returns its metrics and every group generated (kept or rejected)."""
         p = self.p
-        groups, generated, stats = self.collect()
+        batch = self.collect()
+        groups, generated, stats = batch.kept, batch.generated, batch.stats
         samples = self.make_samples(groups)
         with p.timer.phase("old_logprobs"):
             mismatch = self.old_logprobs(samples)
@@ -344,9 +191,6 @@ class Trainer:
             train_metrics = self.train(groups, samples)
         with p.timer.phase("sync_weights"):
             self.sync_weights()
-        kept = {id(g) for g in groups}
-        for g in generated:
-            g.kept = id(g) in kept
         metrics = self._step_metrics(groups, generated, stats, samples, train_metrics, mismatch)
         from dapo_mcore.telemetry.perf import StepWork
 
@@ -401,8 +245,7 @@ class Trainer:
                 p.timer.pop_step()
                 p.log_base_eval(base)
             while self.step < cfg.train.steps:
-                sampler_at_start = p.sampler.state_dict()
-                schedule_at_start = p.scheduler.snapshot() if p.scheduler is not None else None
+                rollouts_at_start = p.rollouts.snapshot()
                 p.profile_window(self.step + 1, starting=True)
                 try:
                     with p.timer.phase("step"):
@@ -411,11 +254,9 @@ class Trainer:
                         if (cfg.eval.every and self.step % cfg.eval.every == 0) or self.step == cfg.train.steps:
                             with p.timer.phase("eval"):
                                 metrics.update(self.evaluate())
-                except _Preempted:
+                except RolloutInterrupted:
                     p.timer.pop_step()
-                    p.sampler.load_state_dict(sampler_at_start)  # the abandoned step's prompts come again
-                    if schedule_at_start is not None:  # and its partial groups (rollout.schedule.partial)
-                        p.scheduler.rollback(schedule_at_start)
+                    p.rollouts.rollback(rollouts_at_start)  # the abandoned step's prompts come again
                     p.save(self.step)
                     log.warning("stop signal during generation of step %d: step abandoned, checkpointed at step %d; "
                                 "exiting %d", self.step + 1, self.step, signals.exit_code)
@@ -447,34 +288,6 @@ class Trainer:
             signals.restore()
             p.close()
         return 0
-
-
-def _group(g: GroupData) -> Group:
-    return Group(acc=g.acc, payload=g, response_lengths=[r.length for r in g.responses],
-                 stale_tokens=sum(r.stale_tokens for r in g.responses))
-
-
-@dataclass
-class _Stream:
-    """Scored groups of a streamed generation call (the scheduler's StreamFn result)."""
-
-    groups: Any
-    """A generator of ``(position, Group)``."""
-    engine_abort: Any
-    partials: Any = None
-    """The engine stream's ``partials`` (a PartialGroupStream), else None."""
-
-    def __iter__(self) -> Iterator[tuple[int, Group]]:
-        return self.groups
-
-    def abort(self, keep_partial: bool = False) -> int:
-        self.groups.close()  # leaves the generate phase before the next one starts
-        return self.engine_abort(keep_partial=True) if keep_partial else self.engine_abort()
-
-
-def _seed(base: int, step: int, batch: int) -> int:
-    """A distinct, reproducible seed per (run seed, step, generation batch)."""
-    return (base * 1_000_003 + step * 10_007 + batch) % (2**62)
 
 
 def _cpu_threads() -> None:

@@ -4,7 +4,6 @@ rank per group in bounded chunks, and every response is scored once so ranks can
 from __future__ import annotations
 
 import itertools
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -57,22 +56,23 @@ class _Tokenizer:
         return " ".join(map(str, ids))
 
 
-def _trainer(rank: int, score):
+def _rollouts(rank: int, score):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from dapo_mcore.config import Config
     from dapo_mcore.data.records import PromptRecord
     from dapo_mcore.model.presets import preset_config
     from dapo_mcore.rollout import HFEngine
-    from dapo_mcore.trainer import Trainer
+    from dapo_mcore.rollout.colocated import ColocatedRollouts, EngineGroups
 
     torch.manual_seed(0)  # the same weights on both ranks, as after a weight sync
     model = Qwen2ForCausalLM(Qwen2Config(**preset_config("tiny"))).float().eval()
     engine = _RecordingEngine(HFEngine(model, eos_token_ids=2, pad_token_id=0))
-    parts = SimpleNamespace(engine=engine, tokenizer=_Tokenizer(), score=score, gen_groups=2, gen_group_index=rank,
-                            gen_group_leader=True, encode_prompt=lambda rec: [1, 5 + rec.index, 9])
+    rollouts = ColocatedRollouts(Config(), engine=engine, scheduler=None, tokenizer=_Tokenizer(), score=score,
+                                 encode_prompt=lambda rec: [1, 5 + rec.index, 9], timer=None,
+                                 groups=EngineGroups(count=2, index=rank, leader=True))
     records = [PromptRecord(prompt=f"q{i}", ground_truth="4", data_source="t", index=i) for i in range(3)]
-    return Trainer(Config(), parts), engine, records
+    return rollouts, engine, records
 
 
 def _verdict(rank: int):
@@ -88,11 +88,11 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     out = {}
-    trainer, engine, records = _trainer(rank, _verdict(rank))
+    rollouts, engine, records = _rollouts(rank, _verdict(rank))
     for name, recs, n in (("one_prompt_n4", records[:1], 4), ("one_prompt_n1", records[:1], 1),
                           ("three_prompts", records, 2)):
         engine.calls.clear()
-        groups = trainer._generate_and_score(recs, SamplingParams(n=n, temperature=1.0, max_new_tokens=6, seed=11),
+        groups = rollouts._generate_and_score(recs, SamplingParams(n=n, temperature=1.0, max_new_tokens=6, seed=11),
                                              0, timed=False)
         out[name] = dict(calls=list(engine.calls), responses=[[r.token_ids for r in g.responses] for g in groups],
                          scores=[g.scores for g in groups], preds=[g.preds for g in groups])

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from dapo_mcore.config import Config
+from dapo_mcore.rollout.colocated import ColocatedRollouts
 from dapo_mcore.rollout.protocol import EngineError
 from dapo_mcore.trainer import Trainer
 
@@ -47,7 +48,9 @@ class _Actor:
 
 def test_a_discarded_engine_is_resynced_before_it_wakes_and_a_valid_one_is_not():
     engine = _Level2Engine()
-    trainer = Trainer(Config(), SimpleNamespace(engine=engine, actor=_Actor()))
+    rollouts = ColocatedRollouts(Config(), engine=engine, scheduler=None, tokenizer=None, score=None,
+                                 encode_prompt=None, timer=None)
+    trainer = Trainer(Config(), SimpleNamespace(rollouts=rollouts, actor=_Actor()))
     with trainer._engine_awake():  # weights valid (the step's sync just landed): no extra sync
         assert engine.awake
     with trainer._engine_awake():  # e.g. the next step's generation after an evaluation's level-2 sleep
