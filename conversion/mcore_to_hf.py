@@ -19,6 +19,8 @@ import argparse
 import logging
 from pathlib import Path
 
+import torch
+
 from conversion.entry import add_debug_flag, run
 from conversion.hf_to_mcore import _progress
 from dapo_mcore.weights import checkpoint as ckpt
@@ -88,6 +90,9 @@ def convert_mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, *, max_shard
             parts = [ckpt.read_rank_tensor(directory, t, pl.pp_rank, layout.chunk_prefix(pl.vchunk) + pl.key)
                      for t in range(layout.tp)]
             for name, tensor in mapping.merge(pl, parts, layout):
+                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                    raise ckpt.CheckpointError(f"{directory}: {name} holds NaN or inf values (a checkpoint of a run "
+                                               "whose update went non-finite); convert an earlier checkpoint.")
                 writer.write(name, tensor)
                 bar.advance(task, tensor.numel() * tensor.element_size())
             del parts

@@ -142,6 +142,10 @@ class OptimConfig:
     """Clip the global gradient norm to this value (0 = off)."""
     warmup_steps: int = 10
     """Linear warm-up length in optimizer updates... counted in rollout steps (DAPO: 20, verl script: 10)."""
+    skip_nonfinite_updates: int = 0
+    """An update whose loss or gradients are NaN/inf is never applied. 0: the run stops at the first one (exit 2, one
+    line naming the fix; nothing of that step is logged or checkpointed); N: skip up to N in a row (weights and Adam's
+    state untouched, a warning each), stop at the next."""
 
 
 @dataclass
@@ -379,6 +383,15 @@ def _validate_batches(cfg: Config, world_size: int) -> None:
               ("optim.grad_clip", o.grad_clip, 0), ("checkpoint.every", c.every, 0), ("checkpoint.keep_last", c.keep_last, 1))
     if not o.lr > 0:  # also refuses NaN
         raise ConfigError(f"optim.lr={o.lr!r} must be > 0 (e.g. optim.lr=1e-6, the DAPO paper's value).")
+    if not o.eps > 0:
+        raise ConfigError(f"optim.eps={o.eps!r} must be > 0: Adam divides by sqrt(v) + eps, and v is 0 for a "
+                          "gradient that is 0 (e.g. optim.eps=1e-8).")
+    for i, beta in enumerate(o.betas):
+        if not 0.0 <= beta < 1.0:
+            raise ConfigError(f"optim.betas[{i}]={beta!r} must lie in [0, 1) (Adam: [0.9, 0.999]).")
+    if len(o.betas) != 2:
+        raise ConfigError(f"optim.betas={list(o.betas)} must hold two values (Adam: [0.9, 0.999]).")
+    _at_least(("optim.weight_decay", o.weight_decay, 0), ("optim.skip_nonfinite_updates", o.skip_nonfinite_updates, 0))
 
 
 def _validate_rollout(cfg: Config) -> None:
@@ -412,6 +425,10 @@ def _validate_rollout(cfg: Config) -> None:
         raise ConfigError(f"algo.overlong_max_len={cfg.algo.overlong_max_len} exceeds rollout.max_new_tokens="
                           f"{r.max_new_tokens}: responses can never be that long; set them equal (L_max).")
     _at_least(("eval.k", cfg.eval.k, 1), ("eval.every", cfg.eval.every, 0))
+    if not cfg.eval.temperature > 0:
+        raise ConfigError(f"eval.temperature={cfg.eval.temperature!r} must be > 0 (DAPO: 1.0).")
+    if not 0.0 < cfg.eval.top_p <= 1.0:
+        raise ConfigError(f"eval.top_p={cfg.eval.top_p!r} must lie in (0, 1] (DAPO: 0.7).")
     ps = cfg.run.profile_steps
     if ps and (len(ps) != 2 or ps[0] < 1 or ps[1] < ps[0]):
         raise ConfigError(f"run.profile_steps={ps} must be [first, last] with 1 <= first <= last (e.g. [3, 4]), or [].")

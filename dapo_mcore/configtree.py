@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -70,9 +71,12 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is Any:
         return value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        value = float(value)
     if tp is float and isinstance(value, str) and _FLOAT_RE.match(value.strip()):
-        return float(value)  # YAML 1.1 reads "5e-4" (no dot) as a string
+        value = float(value)  # YAML 1.1 reads "5e-4" (no dot) as a string
+    if tp is float and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}={value!r} is not a finite number (YAML reads .inf, .nan and values past ~1.8e308 "
+                          "such as 1e309 as infinity or NaN); give a finite value.")
     if tp is bool and not isinstance(value, bool):
         raise ConfigError(f"{key}={value!r}: expected true or false.")
     if tp in (int, float) and isinstance(value, bool):

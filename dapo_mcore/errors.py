@@ -50,3 +50,8 @@ def naming(path: str | Path) -> Iterator[None]:
         if err.filename is not None or err.errno is None:
             raise
         raise OSError(err.errno, err.strerror, str(path)) from err
+
+
+class NonFiniteError(UserError):
+    """A NaN or infinity where a number must be finite (an update, a checkpoint's weights, a reward); the message
+    names where it was found and what to change."""

@@ -33,7 +33,7 @@ _IDENTITY_SECTIONS = ("model", "algo", "data", "rollout", "train", "optim", "tin
 # ...except these keys (and everything under them): how a run is laid out or how long it runs, not what it learns.
 # The parallel section is not identity at all: checkpoints reshard to any layout (actor.checkpoint).
 _NOT_IDENTITY = ("train.steps", "train.micro_batch_tokens", "model.layer_spec", "model.make_vocab_size_divisible_by",
-                 "model.recompute", "rollout.vllm")
+                 "model.recompute", "rollout.vllm", "optim.skip_nonfinite_updates")
 
 
 def read_config(path: str, overrides: list[str]) -> tuple[Config, LaunchEnv]:
@@ -411,7 +411,8 @@ def _actor_settings(cfg: Config, hf_config: dict[str, Any], pad_id: int):
         recompute=cfg.model.recompute, fp8=cfg.model.fp8, distributed_optimizer=cfg.parallel.distributed_optimizer,
         offload_for_rollout=cfg.parallel.offload_for_rollout,
         lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay,
-        grad_clip=cfg.optim.grad_clip, micro_batch_tokens=cfg.train.micro_batch_tokens,
+        grad_clip=cfg.optim.grad_clip, skip_nonfinite_updates=cfg.optim.skip_nonfinite_updates,
+        micro_batch_tokens=cfg.train.micro_batch_tokens,
         temperature=cfg.rollout.temperature, pad_id=pad_id, algo=cfg.algo, max_response_len=cfg.rollout.max_new_tokens)
 
 

@@ -41,3 +41,17 @@ def test_a_second_train_on_the_same_directory_is_refused_and_the_first_loses_not
     assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 2, steps
     assert len((run_dir / "ledger.jsonl").read_text().splitlines()) == len(steps)
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{len(steps):06d}"
+
+
+def test_a_non_finite_update_stops_the_run_in_one_line_and_leaves_only_finite_checkpoints(env, tmp_path):  # noqa: F811
+    run_dir = tmp_path / "nan"
+    done = _run(_cmd(run_dir, "train.steps=3", "optim.lr=1e6", "optim.grad_clip=0", *FAST), env)
+    assert done.returncode == 2, done.stderr[-3000:]
+    line = _error_line(done.stderr)
+    assert "a non-finite update (loss" in line and "optim.lr (now 1e+06" in line, line
+    from dapo_mcore.actor.checkpoint import check_intact
+
+    ckpts = sorted((run_dir / "checkpoints").glob("step_*")) if (run_dir / "checkpoints").is_dir() else []
+    assert all(check_intact(c) == [] for c in ckpts), ckpts  # whatever was saved is finite
+    again = _run(_cmd(run_dir, "train.steps=3", "optim.lr=1e6", "optim.grad_clip=0", *FAST), env)
+    assert again.returncode == 2 and _error_line(again.stderr) == line  # the resume says the same, no crash

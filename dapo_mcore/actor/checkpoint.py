@@ -13,7 +13,9 @@ Layout of one checkpoint (``<run>/checkpoints/step_000010/``):
 A checkpoint is written into ``step_000010.partial`` and renamed after all ranks finish; then ``latest`` is
 replaced atomically. Resume takes ``latest`` if it is complete and its files match the manifest, else the newest
 one that does, logging one line per checkpoint it skips (naming the bad file); if checkpoints exist but none is
-intact, it stops with a CheckpointError rather than start over. ``*.partial`` directories left by a killed save
+intact, it stops with a CheckpointError rather than start over. "Intact" includes finite values: a checkpoint
+whose tensors hold NaN/inf (a manifest cannot tell) is skipped like a bad CRC, and none is ever written
+(``check_finite_state`` refuses to save one). ``*.partial`` directories left by a killed save
 are removed when a run starts (`remove_partials`) and at the next save. Old checkpoints beyond ``keep_last`` are
 deleted only after a newer one is complete.
 
@@ -95,6 +97,7 @@ def save_checkpoint(root: Path, step: int, actor, trainer_state: dict[str, Any],
     root = Path(root)
     final = root / f"step_{step:06d}"
     partial = root / f"step_{step:06d}.partial"
+    check_finite_state(actor, step)
     if _rank() == 0:
         if partial.exists():
             shutil.rmtree(partial)
@@ -253,8 +256,51 @@ def check_intact(ckpt: Path) -> list[str]:
         return []
     if manifest is not None:
         files = manifest["files"]
-        problems += wckpt.verify_files(ckpt, files, _share(sorted(files)))
+        mine = _share(sorted(files))
+        problems += wckpt.verify_files(ckpt, files, mine)
+        if not problems:  # bytes as saved: now the values (a NaN checkpoint has a valid manifest)
+            problems += _nonfinite_files(ckpt, [n for n in mine if n.endswith(".safetensors")])
     return sorted({p for part in _gather(problems) for p in part})
+
+
+def _nonfinite_files(ckpt: Path, names: list[str]) -> list[str]:
+    problems = []
+    for name in names:
+        bad = wckpt.nonfinite_tensors(ckpt / name)
+        if bad:
+            problems.append(wckpt.describe_nonfinite(ckpt / name, bad))
+    return problems
+
+
+def check_finite_state(actor, step: int) -> None:
+    """Collective, before a save: refuse to checkpoint weights or Adam state holding NaN/inf (on any rank)."""
+    from dapo_mcore.actor.nonfinite import nonfinite_tensors
+    from dapo_mcore.errors import NonFiniteError
+
+    named = [(f"chunk{i}.{n}", p) for i, c in enumerate(actor.chunks) for n, p in c.named_parameters()]
+    bad = nonfinite_tensors(named) + nonfinite_tensors(_optimizer_tensors(actor.optimizer))
+    everywhere = [name for part in _gather(bad) for name in part]
+    if everywhere:
+        shown = ", ".join(everywhere[:3]) + (f" and {len(everywhere) - 3} more" if len(everywhere) > 3 else "")
+        raise NonFiniteError(f"not saving the checkpoint of step {step}: {shown} hold NaN or inf values; the "
+                             "run's earlier checkpoints are kept and it resumes from the latest of them. Lower "
+                             "optim.lr or turn on optim.grad_clip")
+
+
+def _optimizer_tensors(optimizer) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the optimizer's fp32 main parameters and Adam state (every inner torch optimizer)."""
+    out = []
+    for i, part in enumerate(getattr(optimizer, "chained_optimizers", [optimizer])):
+        inner = getattr(part, "optimizer", None)
+        if inner is None:
+            continue
+        for g, group in enumerate(inner.param_groups):
+            for j, param in enumerate(group["params"]):
+                out.append((f"optimizer{i}.group{g}.param{j}", param))
+                for key, value in inner.state.get(param, {}).items():
+                    if isinstance(value, torch.Tensor) and value.numel() > 1:
+                        out.append((f"optimizer{i}.group{g}.param{j}.{key}", value))
+    return out
 
 
 def check_same_model(ckpt: Path, actor) -> None:

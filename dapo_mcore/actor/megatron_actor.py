@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from dapo_mcore.actor.batch import MicroBatch, build_micro_batch, sequence_pad_multiple, to_device
 from dapo_mcore.actor.logprobs import token_entropy, token_logprobs
+from dapo_mcore.actor.nonfinite import NonFiniteGuard, grads_finite
 from dapo_mcore.algo.loss import masked_entropy_contrib, policy_loss
 from dapo_mcore.data.packing import pack_micro_batches
 
@@ -49,6 +50,7 @@ class ActorSettings:
     eps: float = 1e-8
     weight_decay: float = 0.1
     grad_clip: float = 1.0
+    skip_nonfinite_updates: int = 0  # non-finite updates skipped in a row before the run stops (actor.nonfinite)
     micro_batch_tokens: int = 16384
     temperature: float = 1.0
     layout: str = "auto"
@@ -134,6 +136,7 @@ class MegatronActor:
         else:
             self.layout = settings.layout
         self.pad_multiple = settings.seq_pad_multiple
+        self.nonfinite = NonFiniteGuard(settings.skip_nonfinite_updates, settings.lr, settings.grad_clip)
 
     # ---- weights -------------------------------------------------------------------------------------------
     @property
@@ -319,15 +322,21 @@ class MegatronActor:
             return loss * scale, {k: v.detach().float().cpu() for k, v in metrics.items()}
 
         results = self._run(mbs, loss_fn, forward_only=False)
-        ok, grad_norm, _ = self.optimizer.step()
-        for m in self.model:
-            m.zero_grad_buffer()
-        self.optimizer.zero_grad()
         sums: dict[str, float] = {}
         for res in results:
             for k, v in res.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
         reduced = self._sum_over_dp_last_stage(sums)
+        # Every rank knows the summed loss and whether any rank's gradients are non-finite: all take one branch.
+        skip = self.nonfinite.check(reduced.get("loss", 0.0), grads_finite(self.chunks), lr)
+        ok, grad_norm = False, None
+        if not skip:
+            ok, grad_norm, _ = self.optimizer.step()
+        for m in self.model:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        if skip:
+            return {"skipped": 1.0}
         reduced["grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
         reduced["update_ok"] = 1.0 if ok else 0.0
         return reduced

@@ -212,3 +212,22 @@ def verify_files(root: str | Path, files: dict[str, dict[str, Any]], names: list
         except OSError as err:
             problems.append(f"{path}: unreadable ({err.strerror or err})")
     return problems
+
+
+def nonfinite_tensors(path: str | Path) -> list[str]:
+    """The tensors of safetensors file `path` that hold a NaN or an infinity (read one tensor at a time).
+
+    A run whose update went non-finite writes a checkpoint with a valid manifest and NaN weights (older versions
+    did): its CRC is right, so resume and export check the values too."""
+    bad = []
+    with safe_open(str(path), framework="pt") as f:
+        for key in f.keys():  # noqa: SIM118  (safe_open handles have keys(), not iteration)
+            t = f.get_tensor(key)
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                bad.append(key)
+    return bad
+
+
+def describe_nonfinite(path: str | Path, keys: list[str]) -> str:
+    shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+    return f"{path}: NaN or inf values in {shown} (saved from a run whose update went non-finite)"
