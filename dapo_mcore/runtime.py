@@ -205,7 +205,7 @@ class Components:
     """rollout.scheduler.RolloutScheduler: which prompts a step generates and when it is full."""
     engine_streams: bool = False
     """Streaming generation aborts in-flight requests once a step is full: rollout.schedule.streaming with an engine
-    that streams finished groups and a single rank (otherwise streaming works chunk by chunk)."""
+    that streams finished groups (in ticks, with several engine groups; otherwise streaming works chunk by chunk)."""
     rollouts: Any = None
     """The rollout side (rollout.source.RolloutSource): what the trainer asks for a step's batch."""
     _closers: list[Callable[[], None]] = field(default_factory=list)
@@ -502,11 +502,11 @@ def _build_parts(cfg: Config, launch: LaunchEnv, *, resume: bool, checkpoint: st
 
     if sampler is not None:
         parts.scheduler = _build_scheduler(cfg, sampler)
-    parts.engine_streams = _engine_streams(cfg, launch.world_size, engine)
     parts.peak_flops = device_peak_flops(cfg.run.peak_tflops_per_device, cfg.model.fp8.enabled)
     engine_tp = cfg.rollout.vllm.tensor_parallel if cfg.rollout.engine == "vllm" else 1
     parts.gen_groups, parts.gen_group_index = launch.world_size // engine_tp, launch.rank // engine_tp
     parts.gen_group_leader = launch.rank % engine_tp == 0
+    parts.engine_streams = _engine_streams(cfg, parts.gen_groups, engine)
     parts.rollouts = _build_rollouts(parts)
     parts._closers.extend(parts_closers)
     parts._closers.append(engine.close)
@@ -532,19 +532,21 @@ def _build_sampler(cfg: Config, records: list) -> Any:
     return PromptSampler(records, seed=cfg.train.seed, history=history)
 
 
-def _engine_streams(cfg: Config, world_size: int, engine: Any) -> bool:
-    """Whether the step streams finished groups (rollout.schedule.streaming, one rank, an engine that streams);
-    with rollout.schedule.partial the engine must also continue aborted responses."""
-    from dapo_mcore.rollout.protocol import ResumingEngine, StreamingEngine
+def _engine_streams(cfg: Config, engine_groups: int, engine: Any) -> bool:
+    """Whether the step streams finished groups (rollout.schedule.streaming and an engine that streams; with several
+    engine groups, one whose streams advance in ticks, so that the groups stream in lockstep); with
+    rollout.schedule.partial the engine must also continue aborted responses."""
+    from dapo_mcore.rollout.protocol import ResumingEngine, StreamingEngine, TickingEngine
 
     sched = cfg.rollout.schedule
-    streams = sched.streaming and world_size == 1 and isinstance(engine, StreamingEngine)
+    streams = sched.streaming and isinstance(engine, TickingEngine if engine_groups > 1 else StreamingEngine)
     if sched.partial and streams and not isinstance(engine, ResumingEngine):
         raise ConfigError(f"rollout.schedule.partial: the {cfg.rollout.engine} engine cannot continue aborted "
                           "responses; turn rollout.schedule.partial off")
     if sched.streaming and not streams:
         log.warning("rollout.schedule.streaming: %s; rounds are generated chunk by chunk without aborts%s",
-                    "more than one rank" if world_size > 1 else f"the {cfg.rollout.engine} engine does not stream",
+                    f"the {cfg.rollout.engine} engine does not stream"
+                    + (f" in ticks, which {engine_groups} engine groups need" if engine_groups > 1 else ""),
                     " and rollout.schedule.partial has nothing to continue" if sched.partial else "")
     return streams
 
@@ -611,7 +613,7 @@ def _restore(parts: Components, *, resume: bool, checkpoint: str | None) -> int:
         buffered = parts.scheduler.partials
         if buffered.items and not (parts.engine_streams and parts.cfg.rollout.schedule.partial):
             log.warning("the checkpoint holds %d partial groups (%d tokens) for the next step, but this run does not "
-                        "stream (rollout.schedule.streaming/partial off, or more than one rank): they are dropped",
+                        "stream (rollout.schedule.streaming/partial off, or an engine that cannot stream here): they are dropped",
                         len(buffered.items), buffered.num_tokens())
             buffered.take()
     parts._resume_state = state

@@ -24,6 +24,11 @@ class ScheduleConfig:
     """Prompts per streamed chunk (streaming only). Smaller stops closer to the need; larger batches the engine
     better (on GPUs, a few hundred)."""
 
+    exchange_every: int = 4
+    """Streaming over several engine groups: decode steps every group takes between two exchanges of the groups that
+    ended (each exchange is a few collectives over all ranks). Smaller stops closer to the need and costs more
+    exchanges; the step is a pure function of the seed, the data, the world size and this value."""
+
     partial: bool = False
     """Partial rollouts (off-policy, streaming only): the groups still in flight when a streamed step fills are kept
     as far as they got (tokens and the engine's log-probs) and continued first thing at the next step, by the new
@@ -85,6 +90,8 @@ class ScheduleConfig:
                              "rollout.schedule.streaming=true and stage_responses=0")
         if self.stream_chunk_prompts < 1:
             raise ValueError(f"rollout.schedule.stream_chunk_prompts={self.stream_chunk_prompts} must be >= 1 (e.g. 8)")
+        if self.exchange_every < 1:
+            raise ValueError(f"rollout.schedule.exchange_every={self.exchange_every} must be >= 1 (e.g. 4)")
         if self.adaptive_margin < 1.0:
             raise ValueError(f"rollout.schedule.adaptive_margin={self.adaptive_margin} must be >= 1 (e.g. 1.2)")
         if self.adaptive_max_prompts < 0:

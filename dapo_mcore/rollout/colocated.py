@@ -21,13 +21,14 @@ import torch
 from dapo_mcore.algo.dynamic_sampling import Group
 from dapo_mcore.algo.overlong import overlong_penalty
 from dapo_mcore.data.records import PromptRecord
+from dapo_mcore.rollout.engine_groups import EngineGroups, EngineGroupStream, round_robin
 from dapo_mcore.rollout.gather import apply_once, broadcast_shares, merge_shares, plan_shares
 from dapo_mcore.rollout.groups import GroupData, as_group
 from dapo_mcore.rollout.partial import Buffered, join, stale_response
 from dapo_mcore.rollout.protocol import Response, SamplingParams, WeightBucket
 from dapo_mcore.rollout.source import RolloutInterrupted, StepBatch
 
-__all__ = ["ColocatedRollouts", "step_seed"]
+__all__ = ["ColocatedRollouts", "EngineGroups", "step_seed"]
 
 EVAL_SEED_OFFSET = 7919
 """Held-out generation draws from its own seed stream (run seed + this), apart from the training rollouts'."""
@@ -36,17 +37,6 @@ EVAL_SEED_OFFSET = 7919
 def step_seed(base: int, step: int, batch: int) -> int:
     """A distinct, reproducible seed per (run seed, step, generation call)."""
     return (base * 1_000_003 + step * 10_007 + batch) % (2**62)
-
-
-@dataclass
-class EngineGroups:
-    """How this rank takes part in generation: ``count`` engine groups split each call; this rank is in group
-    ``index`` and sends the group's responses when ``leader`` (the transformers engine: one rank a group; vLLM: the
-    ranks of one tensor-parallel engine)."""
-
-    count: int = 1
-    index: int = 0
-    leader: bool = True
 
 
 class ColocatedRollouts:
@@ -61,7 +51,8 @@ class ColocatedRollouts:
         encode_prompt: a PromptRecord -> prompt token ids.
         timer: the run's ``telemetry.timers.PhaseTimer`` (``generate`` and ``reward`` phases).
         groups: the engine-group layout.
-        streams: the engine streams finished groups and the scheduler may abort (one engine group).
+        streams: the engine streams finished groups and the scheduler may abort (with several engine groups the
+            engine's streams advance in ticks: ``rollout.engine_groups``).
     """
 
     def __init__(self, cfg: Any, *, engine: Any, scheduler: Any, tokenizer: Any,
@@ -162,8 +153,11 @@ class ColocatedRollouts:
         return groups
 
     def _stream_and_score(self, records: list[PromptRecord], params: SamplingParams, gen_batch: int) -> _Stream:
-        """Streamed generation (one engine group): each group is scored as soon as it finishes."""
+        """Streamed generation: each group is scored as soon as it finishes (with several engine groups, as soon as
+        the exchange after it has brought it to every rank)."""
         prompt_ids = [self.encode_prompt(rec) for rec in records]
+        if self.groups.count > 1:
+            return self._stream_over_groups(records, prompt_ids, params, gen_batch)
         engine_stream = self.engine.stream(prompt_ids, params)
 
         def scored() -> Iterator[tuple[int, Group]]:
@@ -173,22 +167,52 @@ class ColocatedRollouts:
 
         return _Stream(scored(), engine_stream.abort, getattr(engine_stream, "partials", None))
 
+    def _stream_over_groups(self, records: list[PromptRecord], prompt_ids: list[list[int]], params: SamplingParams,
+                            gen_batch: int) -> _Stream:
+        mine = round_robin(len(records), self.groups)
+        local = (self.engine.stream([prompt_ids[i] for i in mine],
+                                    dataclasses.replace(params, seed=self.groups.seed(params.seed))) if mine else None)
+        stream = EngineGroupStream(local, mine, self.groups, self.cfg.rollout.schedule.exchange_every)
+
+        def scored() -> Iterator[tuple[int, Group]]:
+            with self.timer.phase("generate"):
+                for ended in stream.ticks():  # the same list on every rank: score it once over all of them
+                    groups = self._scored_groups([records[p] for p, _ in ended], [prompt_ids[p] for p, _ in ended],
+                                                 [rs for _, rs in ended], gen_batch)
+                    for (pos, _), group in zip(ended, groups, strict=True):
+                        stream.claim(pos)
+                        yield pos, as_group(group)
+
+        return _Stream(scored(), stream.abort, stream.partials)
+
     def _resume_and_score(self, buffered: list[Buffered], params: SamplingParams, gen_batch: int) -> list[GroupData]:
-        """Partial rollouts: continue the unfinished responses of the groups the last step aborted (one engine
-        group, as streaming), then score the whole groups."""
+        """Partial rollouts: continue the unfinished responses of the groups the last step aborted (split over the
+        engine groups round robin), then score the whole groups."""
         records = [self.scheduler.sampler.records[b.index] for b in buffered]
         prompt_ids = [self.encode_prompt(rec) for rec in records]
         todo = [(gi, ri) for gi, b in enumerate(buffered) for ri, done in enumerate(b.group.done) if not done]
         tails = []
         if todo:  # groups that ended in the step that filled the batch need no engine call
             with self.timer.phase("generate"):
-                tails = self.engine.resume([prompt_ids[gi] for gi, _ in todo],
-                                           [buffered[gi].group.responses[ri].token_ids for gi, ri in todo], params)
+                tails = self._resume(todo, [prompt_ids[gi] for gi, _ in todo],
+                                     [buffered[gi].group.responses[ri].token_ids for gi, ri in todo], params)
         outputs = [[stale_response(r) for r in b.group.responses] for b in buffered]
         for (gi, ri), tail in zip(todo, tails, strict=True):
             outputs[gi][ri] = join(buffered[gi].group.responses[ri], tail)
         with self.timer.phase("reward"):
             return self._scored_groups(records, prompt_ids, outputs, gen_batch)
+
+    def _resume(self, todo: list[Any], prompts: list[list[int]], prefixes: list[list[int]],
+                params: SamplingParams) -> list[Response]:
+        """The continued tails of ``todo``'s responses, every engine group its round-robin share, on every rank."""
+        if self.groups.count == 1:
+            return self.engine.resume(prompts, prefixes, params)
+        mine = round_robin(len(todo), self.groups)
+        local = (self.engine.resume([prompts[k] for k in mine], [prefixes[k] for k in mine],
+                                    dataclasses.replace(params, seed=self.groups.seed(params.seed))) if mine else [])
+        shares = broadcast_shares(mine, [[tail] for tail in local], sender=self.groups.leader)
+        merged = {k: rs[0] for share in shares for k, rs in share.items()}
+        return [merged[k] for k in range(len(todo))]
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Response]]:
         """Each engine group generates its share (``rollout.gather.plan_shares``); every rank gets all the results.
@@ -202,7 +226,7 @@ class ColocatedRollouts:
         if not prompts:
             return []
         share = plan_shares(len(prompts), params.n, g.count)[g.index]
-        seed = (params.seed or 0) + 1_000_003 * g.index
+        seed = g.seed(params.seed)
         if share.idle:  # a one-token placeholder keeps this group's engine in step with the others
             self.engine.generate([prompts[0]], dataclasses.replace(params, n=1, max_new_tokens=1, seed=seed))
             local: list[list[Response]] = []

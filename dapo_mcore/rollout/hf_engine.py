@@ -57,6 +57,9 @@ class HFEngine:
         max_batch_rows: most (prompt x sample) rows decoded together (at least n); bounds memory.
     """
 
+    stream_ticks = True
+    """Streams have ``ticks()`` (protocol.TickingEngine): several engine groups can stream together."""
+
     def __init__(self, model: PreTrainedModel, *, eos_token_ids: int | Sequence[int],
                  pad_token_id: int | None = None, max_prompt_len: int | None = None,
                  max_batch_rows: int = 512):
@@ -279,8 +282,21 @@ class _HFGroupStream:
         self._pending: set[int] = set()
         self._partials: list[PartialGroup] = []
 
-    @torch.inference_mode()
     def __iter__(self) -> Iterator[tuple[int, list[Response]]]:
+        for ended in self._steps():
+            for p in ended:
+                yield self._finished(p)
+
+    def ticks(self) -> Iterator[list[tuple[int, list[Response]]]]:
+        """One list per decode step: the groups whose last sample ended in it (often none), as ``__iter__`` yields
+        them. Several engine groups advance their streams tick by tick and exchange what ended
+        (``rollout.engine_groups``), so where each stream stands at an exchange is decided by the seed, not by speed."""
+        for ended in self._steps():
+            yield [self._finished(p) for p in ended]
+
+    @torch.inference_mode()
+    def _steps(self) -> Iterator[list[int]]:
+        """Decode step by step, chunk by chunk; per step, the chunk positions of the prompts whose group ended."""
         n, per_chunk = self.params.n, max(1, self.engine.max_batch_rows // self.params.n)
         for start in range(0, len(self.prompts), per_chunk):
             chunk = self.prompts[start:start + per_chunk]
@@ -291,12 +307,17 @@ class _HFGroupStream:
                 self._state = (tokens, logps, n_gen, stopped)
                 for row in finished:
                     left[row // n] -= 1
-                for p in sorted({row // n for row in finished if left[row // n] == 0}):
-                    self._pending.discard(p)
-                    rows = slice(p * n, (p + 1) * n)
-                    yield start + p, HFEngine._to_responses(tokens[rows], logps[rows], n_gen[rows], stopped[rows],
-                                                            self.params)
+                yield sorted({row // n for row in finished if left[row // n] == 0})
             self._decoding = None
+
+    def _finished(self, p: int) -> tuple[int, list[Response]]:
+        """Chunk position ``p``'s ended group, handed out (no longer pending for ``abort``)."""
+        assert self._state is not None
+        tokens, logps, n_gen, stopped = self._state
+        self._pending.discard(p)
+        rows = slice(p * self.params.n, (p + 1) * self.params.n)
+        return self._start + p, HFEngine._to_responses(tokens[rows], logps[rows], n_gen[rows], stopped[rows],
+                                                      self.params)
 
     def abort(self, keep_partial: bool = False) -> int:
         """Stop decoding; the tokens generated for groups not yet yielded (discarded), or with ``keep_partial``

@@ -41,6 +41,7 @@ __all__ = [
     "Response",
     "SamplingParams",
     "StreamingEngine",
+    "TickingEngine",
     "WeightBucket",
     "filter_prompts",
 ]
@@ -277,6 +278,15 @@ class StreamingEngine(Engine, Protocol):
     def stream(self, prompts: list[list[int]], params: SamplingParams) -> GroupStream:
         """Start sampling ``params.n`` responses per prompt; iterate the result for finished groups."""
         ...
+
+
+@runtime_checkable
+class TickingEngine(StreamingEngine, Protocol):
+    """A streaming engine whose streams also have ``ticks()``: one list per decode step of the groups that ended in it.
+    Several engine groups can then stream together, in lockstep (``rollout.engine_groups``)."""
+
+    stream_ticks: bool
+    """True: ``stream()``'s result has ``ticks()``."""
 
 
 @runtime_checkable

@@ -85,7 +85,7 @@ class RolloutScheduler:
                 resume: ResumeFn | None = None) -> tuple[list[Group], list[Group], SamplingStats]:
         """``(kept, generated, stats)``: the step's kept groups (exactly ``target``, prompt order), every group it
         generated (kept or not, in decision order) and the sampling counters. With ``stream`` (an engine that
-        streams finished groups, one engine group), streamed chunks are aborted as soon as the step is full; with
+        streams finished groups, over every engine group), streamed chunks are aborted as soon as the step is full; with
         ``resume`` too and ``partial`` on, the aborted groups are kept and continued at the next step."""
         if not self.cfg.enabled:
             generated: list[Group] = []

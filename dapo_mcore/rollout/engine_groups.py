@@ -1,0 +1,133 @@
+"""Streaming over several engine groups: one stream, one decision per step, the same on every rank.
+
+Each engine group streams its own share of a chunk's prompts (round robin: prompt ``i`` goes to group
+``i % groups``, so every group holds early prompts). The groups advance in lockstep, ``exchange_every`` decode steps
+at a time, and after each tick every group's leader broadcasts the groups that ended in it (``gather.broadcast_shares``).
+Every rank then holds the same finished groups at the same tick, and the scheduler decides on them in prompt order,
+exactly as with one engine. Where a stream stands at an exchange depends on the seed and the decode steps taken, not
+on which engine is faster, so the whole step (kept, rejected, surplus, aborted, buffered) is a pure function of the
+seed, the data, the world size and ``rollout.schedule.exchange_every``.
+
+An abort reaches every rank at the same tick (it follows from shared data): each group aborts its own stream, the
+aborted token counts are summed over the leaders, and with partial rollouts the groups in flight are exchanged so that
+every rank buffers the same ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dapo_mcore.rollout.gather import broadcast_shares
+from dapo_mcore.rollout.protocol import PartialGroup, Response
+
+__all__ = ["EngineGroups", "EngineGroupStream", "round_robin"]
+
+
+@dataclass
+class EngineGroups:
+    """How this rank takes part in generation: ``count`` engine groups split each call; this rank is in group
+    ``index`` and sends the group's responses when ``leader`` (the transformers engine: one rank a group; vLLM: the
+    ranks of one tensor-parallel engine)."""
+
+    count: int = 1
+    index: int = 0
+    leader: bool = True
+
+    def seed(self, seed: int | None) -> int:
+        """This group's share of a call seeded ``seed``: each group draws its own samples."""
+        return (seed or 0) + 1_000_003 * self.index
+
+
+def round_robin(num_items: int, groups: EngineGroups) -> list[int]:
+    """The positions (of ``num_items``) this engine group serves."""
+    return list(range(groups.index, num_items, groups.count))
+
+
+def _collective_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _sum_over_ranks(values: list[int]) -> list[int]:
+    t = torch.tensor(values, dtype=torch.int64, device=_collective_device())
+    dist.all_reduce(t)
+    return [int(x) for x in t.tolist()]
+
+
+class EngineGroupStream:
+    """A streamed generation call over every engine group (see module docstring).
+
+    Args:
+        local: this group's engine stream (``ticks()``, ``abort``, ``partials``), or None when it serves no prompt.
+        positions: the chunk position of each of ``local``'s prompts.
+        groups: the engine-group layout.
+        exchange_every: decode steps between two exchanges.
+    """
+
+    def __init__(self, local: Any, positions: list[int], groups: EngineGroups, exchange_every: int) -> None:
+        self.local, self.positions, self.groups, self.every = local, positions, groups, exchange_every
+        self._ticks = local.ticks() if local is not None else iter(())
+        self._exhausted = local is None
+        self._unclaimed: dict[int, list[Response]] = {}
+        self._partials: list[PartialGroup] = []
+        self.exchanges = 0
+        """Exchanges made so far (each: one size all-gather, the leaders' broadcasts, one all-reduce)."""
+
+    def ticks(self) -> Iterator[list[tuple[int, list[Response]]]]:
+        """Per exchange, the groups that ended on any engine since the last one, in prompt order (the same list on
+        every rank). A group is pending until ``claim``ed: an abort counts the unclaimed ones as in flight."""
+        while True:
+            mine: list[tuple[int, list[Response]]] = []
+            for _ in range(self.every):
+                if self._exhausted:
+                    break
+                try:
+                    mine.extend(next(self._ticks))
+                except StopIteration:
+                    self._exhausted = True
+            shares = broadcast_shares([self.positions[i] for i, _ in mine], [r for _, r in mine],
+                                      sender=self.groups.leader)
+            running = _sum_over_ranks([int(not self._exhausted)])[0]
+            self.exchanges += 1
+            ended = sorted((pos, rs) for share in shares for pos, rs in share.items())
+            self._unclaimed.update(ended)
+            if ended:
+                yield ended
+            if not running:
+                return
+
+    def claim(self, position: int) -> None:
+        """The consumer took this ended group (it is generated, not in flight)."""
+        del self._unclaimed[position]
+
+    def abort(self, keep_partial: bool = False) -> int:
+        """Every group stops (a collective: all ranks abort at the same tick). Returns the tokens dropped over all
+        groups; with ``keep_partial`` the groups in flight are kept for ``partials()`` instead (every rank the same)."""
+        local = 0 if self.local is None else self.local.abort(keep_partial=True) if keep_partial else self.local.abort()
+        unclaimed = sorted(self._unclaimed.items())
+        self._unclaimed = {}
+        if keep_partial:
+            mine = [] if self.local is None or not self.groups.leader else self.local.partials()
+            self._partials = self._exchange_partials(mine) + [
+                PartialGroup(pos, rs, [True] * len(rs)) for pos, rs in unclaimed]
+            self._partials.sort(key=lambda p: p.index)
+            return 0
+        dropped = _sum_over_ranks([local if self.groups.leader else 0])[0]
+        return dropped + sum(r.length for _, rs in unclaimed for r in rs)
+
+    def partials(self) -> list[PartialGroup]:
+        """After ``abort(keep_partial=True)``: every engine group's groups in flight, in prompt order."""
+        return list(self._partials)
+
+    def _exchange_partials(self, mine: list[PartialGroup]) -> list[PartialGroup]:
+        """The leaders' in-flight groups on every rank (pickled: small, once per abort)."""
+        payload = [(self.positions[p.index], [(r.token_ids, r.logprobs, r.finish_reason) for r in p.responses], p.done)
+                   for p in mine]
+        everything: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everything, payload)
+        return [PartialGroup(pos, [Response(list(t), list(lp), fr) for t, lp, fr in rs], list(done))
+                for part in everything for pos, rs, done in part]
