@@ -244,9 +244,15 @@ class RewardConfig:
     """Registered reward function (dapo_mcore.reward): math_dapo (Answer: line), math_dapo_strict (refuses hedged
     answers), math_dapo_strict_box (last \\boxed{}); or your own as package.module:function (must be importable)."""
     workers: int = 0
-    """Scoring processes: 0 scores in the trainer process (fast rule verifier); >0 uses an isolated pool."""
+    """Scoring processes: 0 scores in the trainer process (registered rewards only: the fast rule verifier); >0 uses
+    an isolated pool, which a custom package.module:function reward needs (a hang or a crash there is bounded)."""
     timeout_s: float = 10.0
-    """Per-answer time limit in the pool; an answer over it is scored wrong."""
+    """Per-answer time limit: an answer over it is scored wrong, as a failure (in process: after 1-2x this long)."""
+    max_failure_frac: float = 0.5
+    """Stop the run, quoting the reward's first error, when at least this share of the last `failure_window` answers
+    failed (the reward raised, timed out, crashed, or returned no verdict); 1.0 = only when all of them failed."""
+    failure_window: int = 64
+    """Answers the failure share is taken over (judged once half of them have been scored)."""
 
     def validate(self) -> None:
         from dapo_mcore.reward.registry import get_reward
@@ -257,6 +263,13 @@ class RewardConfig:
             raise ConfigError(f"reward.name={self.name!r}: {exc}.") from exc
         if self.workers < 0 or self.timeout_s <= 0:
             raise ConfigError("reward.workers must be >= 0 and reward.timeout_s > 0.")
+        if ":" in self.name and self.workers == 0:
+            raise ConfigError(f"reward.name={self.name} is your own code, which may hang or exit the process: score "
+                              "it in the worker pool, where reward.timeout_s bounds each answer (reward.workers=2).")
+        if not 0.0 < self.max_failure_frac <= 1.0:
+            raise ConfigError(f"reward.max_failure_frac={self.max_failure_frac!r} must lie in (0, 1] (default 0.5).")
+        if self.failure_window < 1:
+            raise ConfigError(f"reward.failure_window={self.failure_window} must be >= 1 (default 64).")
 
 
 @dataclass

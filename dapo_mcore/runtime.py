@@ -367,17 +367,31 @@ def _print_progress(step: int, total: int, m: dict[str, Any], every: int, pace: 
 
 
 def make_scorer(rcfg, closers: list) -> Callable[[list[str], list[str]], list]:
-    """A ``score(responses, ground_truths)`` function: in process, or through an isolated worker pool."""
+    """A ``score(responses, ground_truths)`` function: in process, or through an isolated worker pool; either way
+    with a time limit per answer, a circuit breaker on failing answers and finite scores (``reward.guard``)."""
+    from dapo_mcore.reward.guard import FailureBreaker, InProcessScorer, check_finite
     from dapo_mcore.reward.registry import get_reward
 
     spec = get_reward(rcfg.name)
+    breaker = FailureBreaker(rcfg.name, rcfg.failure_window, rcfg.max_failure_frac)
     if rcfg.workers == 0:
-        return lambda texts, truths: [spec.fn(t, g) for t, g in zip(texts, truths, strict=True)]
-    from dapo_mcore.reward.pool import RewardPool
+        if ":" in rcfg.name:
+            raise ConfigError(f"reward.name={rcfg.name} is your own code: score it in the worker pool "
+                              "(reward.workers=2)")
+        backend: Callable[[list[str], list[str]], list] = InProcessScorer(spec.fn, rcfg.timeout_s, breaker)
+    else:
+        from dapo_mcore.reward.pool import RewardPool
 
-    pool = RewardPool(rcfg.name, num_workers=rcfg.workers, timeout_s=rcfg.timeout_s)
-    closers.append(pool.close)
-    return pool.score
+        pool = RewardPool(rcfg.name, num_workers=rcfg.workers, timeout_s=rcfg.timeout_s, breaker=breaker)
+        closers.append(pool.close)
+        backend = pool.score
+
+    def score(texts: list[str], truths: list[str]) -> list:
+        results = backend(texts, truths)
+        check_finite(rcfg.name, results, texts)
+        return results
+
+    return score
 
 
 def _cache_root() -> Path:

@@ -55,3 +55,13 @@ def test_a_non_finite_update_stops_the_run_in_one_line_and_leaves_only_finite_ch
     assert all(check_intact(c) == [] for c in ckpts), ckpts  # whatever was saved is finite
     again = _run(_cmd(run_dir, "train.steps=3", "optim.lr=1e6", "optim.grad_clip=0", *FAST), env)
     assert again.returncode == 2 and _error_line(again.stderr) == line  # the resume says the same, no crash
+
+
+def test_a_failing_reward_stops_the_run_in_one_line_quoting_its_error(env, tmp_path):  # noqa: F811
+    (tmp_path / "broken_reward.py").write_text("def score(response, gt):\n    raise KeyError('no grader for ' + gt)\n")
+    env = {**env, "PYTHONPATH": f"{tmp_path}:{env['PYTHONPATH']}"}
+    done = _run(_cmd(tmp_path / "run", "train.steps=2", "reward.name=broken_reward:score", "reward.workers=1",
+                     *FAST), env)
+    assert done.returncode == 2, done.stderr[-3000:]
+    line = _error_line(done.stderr)
+    assert "reward broken_reward:score failed on" in line and "KeyError: 'no grader for" in line, line

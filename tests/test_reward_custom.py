@@ -78,7 +78,7 @@ def test_bad_import_paths_are_config_errors(plugin, name, fragment):
     assert fragment in str(err.value)
     with pytest.raises(ConfigError, match="registered: .*math_dapo_strict"):
         RewardConfig(name="math_dapo_stritc").validate()
-    RewardConfig(name=f"{plugin}:as_bool").validate()
+    RewardConfig(name=f"{plugin}:as_bool", workers=2).validate()
 
 
 def test_import_path_reward_in_the_pool_with_timeout(plugin):
@@ -91,8 +91,11 @@ def test_import_path_reward_in_the_pool_with_timeout(plugin):
 def test_trainer_scorer_uses_the_import_path(plugin):
     from dapo_mcore.runtime import make_scorer
 
-    score = make_scorer(RewardConfig(name=f"{plugin}:as_bool", workers=0), [])
+    closers: list = []
+    score = make_scorer(RewardConfig(name=f"{plugin}:as_bool", workers=1), closers)
     assert [r.acc for r in score(["a 5", "a 6"], ["5", "5"])] == [True, False]
+    for close in closers:
+        close()
 
 
 @pytest.mark.parametrize("response", [

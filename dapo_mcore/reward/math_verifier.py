@@ -68,6 +68,9 @@ class RewardResult:
     """The normalized prediction; None when nothing was extracted."""
     reason: str | None = None
     """Why there is no prediction (no answer line, worker timeout/crash, ...); None for a plain comparison."""
+    failed: bool = False
+    """The reward function failed on this answer (raised, timed out, crashed, returned no verdict): scored wrong,
+    and counted by the run's circuit breaker (reward.guard)."""
 
 
 def normalize_answer(answer: str) -> str:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from dapo_mcore.reward.guard import FailureBreaker, RewardFailingError, as_result, failure
 from dapo_mcore.reward.math_verifier import RewardResult
 from dapo_mcore.reward.registry import decode_tail, get_reward
 
@@ -42,10 +43,10 @@ def _worker_main(conn: Connection, progress: Any, fn: Callable[..., RewardResult
         out = []
         for response, ground_truth in items:
             try:
-                r = fn(response, ground_truth, **fn_kwargs)
-                out.append((r.score, r.acc, r.pred, r.reason))
-            except Exception as exc:  # a failing answer is scored wrong, with the reason recorded
-                out.append((-1.0, False, None, f"reward function raised {type(exc).__name__}: {exc}"[:300]))
+                r = as_result(fn(response, ground_truth, **fn_kwargs))
+                out.append((r.score, r.acc, r.pred, r.reason, r.failed))
+            except Exception as exc:  # a failing answer is scored wrong, with the reason recorded (and counted)
+                out.append((-1.0, False, None, f"reward function raised {type(exc).__name__}: {exc}"[:300], True))
             progress.value += 1
         conn.send(out)
 
@@ -93,6 +94,8 @@ class RewardPool:
         fn_kwargs: extra keyword arguments for every call.
         tail_chars: for a callable, the response characters it reads (registered names bring their own);
             responses are sliced to that before leaving the parent process.
+        breaker: counts failed answers (raised, timed out, crashed) as they come back and stops a ``score`` call
+            with RewardFailingError when too many fail (``reward.guard``); None: failures are only scored wrong.
 
     Use as a context manager, or call :meth:`close`.
     """
@@ -107,6 +110,7 @@ class RewardPool:
         mp_context: str = "spawn",
         fn_kwargs: Mapping[str, Any] | None = None,
         tail_chars: int | None = None,
+        breaker: FailureBreaker | None = None,
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers={num_workers} must be >= 1")
@@ -120,6 +124,7 @@ class RewardPool:
         else:
             self._fn, self._tail = reward, tail_chars
         self._kwargs = dict(fn_kwargs or {})
+        self._breaker = breaker
         self._timeout = timeout_s
         self._chunk_size = chunk_size
         self._ctx = mp.get_context(mp_context)
@@ -177,6 +182,18 @@ class RewardPool:
         results: list[RewardResult | None] = [None] * len(items)
         idx = list(range(len(items)))
         pending = deque(idx[i:i + self._chunk_size] for i in range(0, len(idx), self._chunk_size))
+        try:
+            self._score_all(items, results, pending)
+        except RewardFailingError:
+            for slot in self._slots:  # workers still on abandoned chunks are stopped (replaced at their next use)
+                if slot.chunk is not None:
+                    slot.proc.kill()
+                    slot.proc.join(timeout=2.0)
+                    slot.chunk = None
+            raise
+        return results  # type: ignore[return-value]  # every slot filled: the loop ends only then
+
+    def _score_all(self, items: list[_Item], results: list, pending: deque) -> None:
         poll = min(0.05, self._timeout / 4)
         while pending or any(s.chunk is not None for s in self._slots):
             for slot in self._slots:
@@ -189,7 +206,6 @@ class RewardPool:
             for slot in self._slots:
                 if slot.chunk is not None:
                     self._check_progress(slot, now, results, pending)
-        return results  # type: ignore[return-value]  # every slot filled: the loop ends only then
 
     def _dispatch(self, slot: _Slot, chunk: list[int], items: list[_Item], results: list, pending: deque) -> None:
         if not slot.proc.is_alive():  # died while idle (e.g. killed from outside): no answer to blame
@@ -212,9 +228,15 @@ class RewardPool:
             self._replace(slot, results, pending, f"reward worker crashed (exit code {slot.proc.exitcode})")
             return
         assert slot.chunk is not None and len(out) == len(slot.chunk)
-        for i, (score, acc, pred, reason) in zip(slot.chunk, out, strict=True):
-            results[i] = RewardResult(score, acc, pred, reason)
-        slot.chunk = None
+        chunk, slot.chunk = slot.chunk, None
+        for i, (score, acc, pred, reason, failed) in zip(chunk, out, strict=True):
+            results[i] = RewardResult(score, acc, pred, reason, failed)
+        for i in chunk:
+            self._record(results[i])
+
+    def _record(self, result: RewardResult) -> None:
+        if self._breaker is not None:
+            self._breaker.record(result)
 
     def _check_progress(self, slot: _Slot, now: float, results: list, pending: deque) -> None:
         value = slot.progress.value
@@ -228,13 +250,14 @@ class RewardPool:
         assert slot.chunk is not None
         pos = slot.progress.value - slot.base
         chunk = slot.chunk
-        if pos < len(chunk):
-            results[chunk[pos]] = RewardResult(-1.0, False, None, reason)
-            logger.warning("%s on answer %d; replacing the worker", reason, chunk[pos])
         rest = chunk[:pos] + chunk[pos + 1:]
         if rest:
             pending.appendleft(rest)
         self._respawn(slot)
+        if pos < len(chunk):
+            results[chunk[pos]] = failure(reason)
+            logger.warning("%s on answer %d; replacing the worker", reason, chunk[pos])
+            self._record(results[chunk[pos]])
 
     def _respawn(self, slot: _Slot) -> None:
         if slot.proc.is_alive():

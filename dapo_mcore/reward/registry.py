@@ -3,7 +3,7 @@
 A reward function takes ``(response: str | bytes, ground_truth: str)`` and returns a
 :class:`~dapo_mcore.reward.math_verifier.RewardResult`. Besides registered names, ``package.module:function``
 names a function by import path (your own verifier, outside this package): it may return a ``RewardResult``, a
-bool (correct or not: +1/-1) or a number (the score; correct when > 0), and may declare ``fn.tail_chars = N``. One registered with ``tail_chars=N`` promises to look at
+bool (correct or not: +1/-1) or a number (the score; correct when > 0), numpy and torch scalars included, and may declare ``fn.tail_chars = N``. One registered with ``tail_chars=N`` promises to look at
 no more than :func:`decode_tail(response, N) <decode_tail>`, so callers (the worker pool) may slice long responses
 before shipping them to a worker without changing any score.
 """
@@ -87,16 +87,13 @@ class ImportedReward:
         return ImportedReward, (self.path,)
 
     def __call__(self, response: str | bytes, ground_truth: str, **kwargs: Any) -> Any:
-        from dapo_mcore.reward.math_verifier import RewardResult
+        from dapo_mcore.reward.guard import as_result
 
         out = self.fn(response, ground_truth, **kwargs)
-        if isinstance(out, RewardResult):
-            return out
-        if isinstance(out, bool):
-            return RewardResult(1.0 if out else -1.0, out, None)
-        if isinstance(out, int | float):
-            return RewardResult(float(out), float(out) > 0, None)
-        raise TypeError(f"reward {self.path} returned {type(out).__name__}; return a RewardResult, a bool or a number")
+        try:
+            return as_result(out)
+        except TypeError as exc:
+            raise TypeError(f"reward {self.path} {exc}") from None
 
 
 def _import_callable(path: str) -> Callable[..., Any]:

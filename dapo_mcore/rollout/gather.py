@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from dapo_mcore.errors import UserError
 from dapo_mcore.rollout.protocol import EngineError, Response
 
 _FINISH = ("stop", "length")
@@ -195,17 +196,26 @@ def apply_once(fn: Callable[[list[T]], list[R]], items: Sequence[T]) -> list[R]:
 
     Every rank gets the same list whatever ``fn`` does on each rank: one verdict per item, not one per rank.
     A collective over the default group when one is initialized (the verdicts travel pickled; they are small).
+    A user error raised by ``fn`` on one rank (a reward that fails too often, a NaN reward) is raised on every rank,
+    so none of them waits for the others' verdicts.
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return list(fn(list(items)))
     world, rank = dist.get_world_size(), dist.get_rank()
     mine = list(range(rank, len(items), world))
-    local = list(fn([items[i] for i in mine])) if mine else []
-    if len(local) != len(mine):
+    error: UserError | None = None
+    try:
+        local = list(fn([items[i] for i in mine])) if mine else []
+    except UserError as exc:
+        local, error = [], exc
+    if error is None and len(local) != len(mine):
         raise ValueError(f"the function returned {len(local)} results for {len(mine)} items")
     everything: list[Any] = [None] * world
-    dist.all_gather_object(everything, local)
+    dist.all_gather_object(everything, (error, local))
+    first = next((e for e, _ in everything if e is not None), None)
+    if first is not None:
+        raise first
     out: list[Any] = [None] * len(items)
-    for r, part in enumerate(everything):
+    for r, (_, part) in enumerate(everything):
         out[r::world] = part
     return out
