@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -30,6 +32,23 @@ def cli_env(tiny_cache) -> dict[str, str]:
     e.pop("RANK", None)
     e.pop("WORLD_SIZE", None)
     return e
+
+
+@pytest.fixture(scope="module")
+def local_slurm(tmp_path_factory) -> dict[str, str]:
+    """A private single-node Slurm (slurm/local/start.sh) for one module, stopped by pid afterwards: the environment
+    its clients need (SLURM_CONF). Skipped without the packages (slurm/local/install.sh) or root."""
+    missing = [exe for exe in ("munged", "slurmctld", "slurmd", "sbatch") if shutil.which(exe) is None]
+    if missing:
+        pytest.skip(f"slurm packages not installed ({', '.join(missing)}): run slurm/local/install.sh")
+    if os.geteuid() != 0:
+        pytest.skip("the local Slurm runs slurmd as root; run the e2e tests as root")
+    state = tmp_path_factory.mktemp("slurm")
+    subprocess.run([str(ROOT / "slurm/local/start.sh"), str(state)], check=True, capture_output=True, text=True)
+    try:
+        yield dict(os.environ, SLURM_CONF=str(state / "slurm.conf"))
+    finally:
+        subprocess.run([str(ROOT / "slurm/local/stop.sh"), str(state)], check=True)
 
 
 def pytest_sessionfinish(session, exitstatus):
