@@ -201,6 +201,10 @@ class RolloutConfig:
     """Nucleus sampling threshold."""
     top_k: int = -1
     """Top-k sampling (-1 = off)."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end a response besides the model's EOS ids. Both engines stop on the same set: these, every
+    ``eos_token_id`` of the model's generation_config.json (an int or a list) and the tokenizer's EOS token; the
+    rollout store records the id that ended each response."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """vLLM settings."""
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
@@ -425,6 +429,11 @@ def _validate_rollout(cfg: Config) -> None:
         raise ConfigError(f"rollout.top_p={r.top_p!r} must lie in (0, 1] (1.0 disables nucleus sampling).")
     if not r.temperature > 0:
         raise ConfigError(f"rollout.temperature={r.temperature!r} must be > 0 (1.0 samples the model's distribution).")
+    vocab = int(cfg.model.hf_config(cfg.tiny_base.preset)["vocab_size"])
+    outside = [t for t in r.stop_token_ids if not 0 <= t < vocab]
+    if outside:
+        raise ConfigError(f"rollout.stop_token_ids={list(r.stop_token_ids)}: {outside} lie outside the vocabulary "
+                          f"[0, {vocab}); use token ids of the model's tokenizer.")
     try:
         r.schedule.validate(r.n, cfg.algo.dynamic_sampling)
     except ValueError as exc:

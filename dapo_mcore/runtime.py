@@ -203,6 +203,9 @@ class Components:
     store: Any = None
     scheduler: Any = None
     """rollout.scheduler.RolloutScheduler: which prompts a step generates and when it is full."""
+    model_files: tuple[Path | None, Path | None] = (None, None)
+    """(tokenizer dir, model dir) the run starts from: their tokenizer and generation-config files are kept verbatim in
+    RUN_DIR/tokenizer (what `convert mcore-to-hf` copies into an export)."""
     engine_streams: bool = False
     """Streaming generation aborts in-flight requests once a step is full: rollout.schedule.streaming with an engine
     that streams finished groups (in ticks, with several engine groups; otherwise streaming works chunk by chunk)."""
@@ -345,7 +348,8 @@ def _rollouts(generated: list) -> list:
                                response_ids=np.asarray(r.token_ids, dtype=np.int64),
                                logprobs=np.asarray(r.logprobs, dtype=np.float32) if r.logprobs else None,
                                reward=float(reward), acc=bool(acc), finish_reason=r.finish_reason, kept=g.kept,
-                               group_id=gi, gen_batch=g.gen_batch, stale_tokens=r.stale_tokens))
+                               group_id=gi, gen_batch=g.gen_batch, stale_tokens=r.stale_tokens,
+                               stop_token=r.token_ids[-1] if r.finish_reason == "stop" and r.token_ids else -1))
     return out
 
 
@@ -430,7 +434,21 @@ def _actor_settings(cfg: Config, hf_config: dict[str, Any], pad_id: int):
         temperature=cfg.rollout.temperature, pad_id=pad_id, algo=cfg.algo, max_response_len=cfg.rollout.max_new_tokens)
 
 
-def _build_engine(cfg: Config, hf_dir: Path | None, hf_config: dict[str, Any], tokenizer):
+def run_stop_tokens(cfg: Config, hf_dir: Path | None, hf_config: dict[str, Any], tokenizer):
+    """The one stop set both engines use (rollout.stop_tokens): generation_config.json's EOS ids, the tokenizer's EOS
+    and rollout.stop_token_ids. Raises ConfigError naming the source of a bad id."""
+    from dapo_mcore.rollout.stop_tokens import StopTokenError, resolve_stop_tokens
+
+    try:
+        stops = resolve_stop_tokens(hf_dir, tokenizer.eos_token_id, cfg.rollout.stop_token_ids,
+                                    int(hf_config["vocab_size"]))
+    except StopTokenError as err:
+        raise ConfigError(str(err)) from err
+    log.info("responses end at: %s", stops.describe(lambda ids: tokenizer.decode(ids)))
+    return stops
+
+
+def _build_engine(cfg: Config, hf_dir: Path | None, hf_config: dict[str, Any], tokenizer, stops):
     if cfg.rollout.engine == "vllm":
         from dapo_mcore.rollout.vllm_engine import VLLMEngine, VLLMEngineOptions
 
@@ -442,7 +460,7 @@ def _build_engine(cfg: Config, hf_dir: Path | None, hf_config: dict[str, Any], t
             enforce_eager=v.enforce_eager, max_num_batched_tokens=v.max_num_batched_tokens,
             max_model_len=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens, sleep_level=v.sleep_level,
             dtype=cfg.model.params_dtype, seed=cfg.train.seed, max_prompt_len=cfg.data.max_prompt_len,
-            load_format="dummy")  # build_components syncs every weight from the actor before the first generation
+            stop_token_ids=stops.ids, load_format="dummy")  # build_components syncs every weight from the actor before the first generation
         return VLLMEngine(options, hf_config)
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -454,7 +472,7 @@ def _build_engine(cfg: Config, hf_dir: Path | None, hf_config: dict[str, Any], t
     model = AutoModelForCausalLM.from_config(Qwen2Config(**hf_config), dtype=dtype)
     if torch.cuda.is_available():
         model = model.to(torch.device("cuda", torch.cuda.current_device()))
-    return HFEngine(model, eos_token_ids=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    return HFEngine(model, eos_token_ids=stops.ids, pad_token_id=tokenizer.pad_token_id,
                     max_prompt_len=cfg.data.max_prompt_len)
 
 
@@ -498,6 +516,7 @@ def _build_parts(cfg: Config, launch: LaunchEnv, *, resume: bool, checkpoint: st
     hf_dir = resolve_base_model(cfg, launch)
     hf_config = cfg.model.hf_config(cfg.tiny_base.preset) if hf_dir is None else read_hf_config(hf_dir)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or hf_dir)
+    stops = run_stop_tokens(cfg, hf_dir, hf_config, tokenizer)
     train_records = _drop_long(train_records, tokenizer, cfg, "train", filter_by_length)
     eval_records = _drop_long(eval_records, tokenizer, cfg, "eval", filter_by_length)
     actor = MegatronActor(_actor_settings(cfg, hf_config, tokenizer.pad_token_id))
@@ -505,7 +524,7 @@ def _build_parts(cfg: Config, launch: LaunchEnv, *, resume: bool, checkpoint: st
         actor.load_megatron(cfg.model.mcore_path)
     elif hf_dir is not None:
         actor.load_hf(str(hf_dir))
-    engine = _build_engine(cfg, hf_dir, hf_config, tokenizer)
+    engine = _build_engine(cfg, hf_dir, hf_config, tokenizer, stops)
     sampler = _build_sampler(cfg, train_records)
     parts_closers: list[Callable[[], None]] = []
     scorer = make_scorer(cfg.reward, parts_closers)
@@ -514,6 +533,7 @@ def _build_parts(cfg: Config, launch: LaunchEnv, *, resume: bool, checkpoint: st
                        normalize=normalize_answer, encode_prompt=prompt_encoder(tokenizer, cfg.data))
     from dapo_mcore.telemetry.perf import device_peak_flops
 
+    parts.model_files = (Path(cfg.model.tokenizer_path) if cfg.model.tokenizer_path else hf_dir, hf_dir)
     if sampler is not None:
         parts.scheduler = _build_scheduler(cfg, sampler)
     parts.peak_flops = device_peak_flops(cfg.run.peak_tflops_per_device, cfg.model.fp8.enabled)
@@ -662,6 +682,9 @@ def _open_telemetry(parts: Components, start: int) -> None:
         store = RolloutStore(run_dir / ROLLOUTS_DIR, resume_step=resume_step)
         parts.store = store if parts.cfg.run.rollout_store else None
     if parts.is_main:
-        parts.tokenizer.save_pretrained(str(run_dir / "tokenizer"))
+        from dapo_mcore.weights.hf_checkpoint import keep_model_files
+
+        keep_model_files(run_dir / "tokenizer", *parts.model_files, parts.tokenizer)
     parts._closers.append(parts.writer.close)
     parts._closers.append(parts.ledger.close)
+

@@ -25,6 +25,7 @@ read from and what the CPU tier cannot show.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import importlib
 import logging
@@ -172,6 +173,9 @@ class VLLMEngineOptions:
     """SPMD inside a torchrun job (required for colocation); False = a standalone single-process engine."""
     max_prompt_len: int = 4096
     """Longest accepted prompt; longer ones must be filtered out before generate."""
+    stop_token_ids: tuple[int, ...] = ()
+    """The run's stop set (rollout.stop_tokens.resolve_stop_tokens), added to every request's ``stop_token_ids`` so
+    that vLLM stops on exactly the ids the transformers engine stops on, whatever vLLM reads from the model dir."""
 
     def validate(self, world_size: int = 1) -> None:
         """Raise ValueError naming the fix."""
@@ -442,6 +446,7 @@ class VLLMEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Response]]:
         """Sample params.n responses per prompt; the engine must be awake (call wake() after a sync)."""
         self._ready("generate", prompts)
+        params = self._with_run_stops(params)
         inputs, sampling = build_requests(prompts, params, self.options.logprobs)
         return self._generate(inputs, sampling, params)
 
@@ -461,6 +466,7 @@ class VLLMEngine:
         the response as a whole stays within ``max_new_tokens``. Returns the new tokens only."""
         self._ready("resume", prompts)
         check_resume(prompts, prefixes, params, self.vocab_size)
+        params = self._with_run_stops(params)
         inputs, sampling = build_requests([list(p) + list(x) for p, x in zip(prompts, prefixes, strict=True)], params,
                                           self.options.logprobs, [params.max_new_tokens - len(x) for x in prefixes])
         return [group[0] for group in self._generate(inputs, sampling, params)]
@@ -471,6 +477,7 @@ class VLLMEngine:
         flight, ``abort(keep_partial=True)`` keeps it for ``partials()`` (continued later by ``resume``). One engine
         group only: vLLM's data-parallel engines step together."""
         self._ready("stream", prompts)
+        params = self._with_run_stops(params)
         inputs, sampling = build_requests(prompts, params, self.options.logprobs)
         self._streams += 1
         ids = [f"dapo-stream-{self._streams}-{i}" for i in range(len(prompts))]
@@ -539,6 +546,13 @@ class VLLMEngine:
             raise EngineError(f"{action}() before any weight sync: the engine holds no valid weights "
                               "(load_format=dummy or a failed sync); call update_weights() and wake() first.")
         check_prompts(prompts, self.options.max_prompt_len, self.vocab_size)
+
+    def _with_run_stops(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with the run's stop set (options.stop_token_ids) joined to its own stop ids."""
+        extra = set(self.options.stop_token_ids) - set(params.stop_token_ids)
+        if not extra:
+            return params
+        return dataclasses.replace(params, stop_token_ids=tuple(sorted(set(params.stop_token_ids) | extra)))
 
     def _require(self, state: str, action: str) -> None:
         if self.state != state:

@@ -5,7 +5,9 @@ Layout (``run_dir/rollouts.zarr``), all arrays 1-D and chunked along their only 
 - one row per rollout: ``step`` (int64), ``group_id`` (int64), ``gen_batch`` (int32), ``reward``
   (float32), ``acc`` (bool), ``kept`` (bool: kept by dynamic sampling and trained on),
   ``finish`` (uint8 code into the ``finish_reasons`` attribute: stop, length), ``stale_tokens`` (int32: leading
-  response tokens an older policy sampled, partial rollouts; stores written before it read as 0),
+  response tokens an older policy sampled, partial rollouts; stores written before it read as 0), ``stop_token``
+  (int64: the stop/EOS id that ended the response, -1 when it reached the length limit; stores written before it read
+  as -1),
   ``prompt_start``/``prompt_len`` and ``response_start``/``response_len`` (offsets into the token arrays);
 - ragged tokens, concatenated: ``prompt_ids`` (int32), ``response_ids`` (int32) and ``logprobs``
   (float32, the engine's log-prob of each response token, NaN when the engine gave none).
@@ -41,11 +43,11 @@ FINISH_REASONS: tuple[str, ...] = ("stop", "length")
 ROW_COLUMNS: dict[str, str] = {
     "step": "int64", "group_id": "int64", "gen_batch": "int32", "reward": "float32", "acc": "bool",
     "kept": "bool", "finish": "uint8", "prompt_start": "int64", "prompt_len": "int32",
-    "response_start": "int64", "response_len": "int32", "stale_tokens": "int32",
+    "response_start": "int64", "response_len": "int32", "stale_tokens": "int32", "stop_token": "int64",
 }
-ADDED_ROW_COLUMNS: tuple[str, ...] = ("stale_tokens",)
-"""Columns newer than the format's first stores: read as 0 where absent, created (zeros) when such a store is
-appended to."""
+ADDED_ROW_COLUMNS: dict[str, int] = {"stale_tokens": 0, "stop_token": -1}
+"""Columns newer than the format's first stores, with the value they read as where absent (and are created with
+when such a store is appended to)."""
 TOKEN_COLUMNS: dict[str, tuple[str, str]] = {
     # name: (dtype, which token stream it follows)
     "prompt_ids": ("int32", "prompt"), "response_ids": ("int32", "response"), "logprobs": ("float32", "response"),
@@ -74,6 +76,8 @@ class Rollout:
     step: int = -1
     stale_tokens: int = 0
     """Leading response tokens an older policy sampled (partial rollouts; their log-probs are that policy's)."""
+    stop_token: int = -1
+    """The stop/EOS id that ended the response (finish_reason "stop"); -1 when it reached the length limit."""
 
     @property
     def prompt_len(self) -> int:
@@ -199,10 +203,11 @@ class RolloutStore:
         length, chunk = self._group["step"].shape[0], self._group["step"].chunks[0]
         for name in ADDED_ROW_COLUMNS:
             if name not in self._group:
+                fill = ADDED_ROW_COLUMNS[name]
                 array = self._group.create_array(name, shape=(length,), dtype=ROW_COLUMNS[name], chunks=(chunk,),
-                                                 fill_value=0)
+                                                 fill_value=fill)
                 if length:
-                    array[:] = np.zeros(length, dtype=ROW_COLUMNS[name])
+                    array[:] = np.full(length, fill, dtype=ROW_COLUMNS[name])
 
     def _shrink_to_committed(self) -> None:
         """Cut array tails past the committed ends (a step that crashed mid-write, or dropped steps)."""
@@ -286,6 +291,7 @@ def _columns(step: int, records: Sequence[Rollout]) -> dict[str, np.ndarray]:
         "response_start": np.cumsum(response_len) - response_len,
         "response_len": response_len.astype(np.int32),
         "stale_tokens": np.array([r.stale_tokens for r in records], dtype=np.int32),
+        "stop_token": np.array([r.stop_token for r in records], dtype=np.int64),
         "prompt_ids": cat(prompts, "int32"),
         "response_ids": cat(responses, "int32"),
         "logprobs": cat(logprobs, "float32"),
@@ -334,7 +340,7 @@ class RolloutReader:
                 logprobs=c["logprobs"][r0:r1], reward=float(c["reward"][i]), acc=bool(c["acc"][i]),
                 finish_reason=finish_reasons[int(c["finish"][i])], kept=bool(c["kept"][i]),
                 group_id=int(c["group_id"][i]), gen_batch=int(c["gen_batch"][i]), step=int(c["step"][i]),
-                stale_tokens=int(c["stale_tokens"][i]),
+                stale_tokens=int(c["stale_tokens"][i]), stop_token=int(c["stop_token"][i]),
             ))
         return out
 
@@ -350,7 +356,7 @@ def _row_column(group: zarr.Group, name: str, rows: slice) -> np.ndarray:
     if name in group:
         return group[name][rows]
     length = len(range(*rows.indices(group["step"].shape[0])))  # a column the store predates
-    return np.zeros(length, dtype=ROW_COLUMNS[name])
+    return np.full(length, ADDED_ROW_COLUMNS[name], dtype=ROW_COLUMNS[name])
 
 
 def _print_step(reader: RolloutReader, step: int, limit: int, which: str, decode: Any) -> None:
@@ -365,10 +371,17 @@ def _print_step(reader: RolloutReader, step: int, limit: int, which: str, decode
     shown = [r for r in rollouts if which == "all" or r.kept == (which == "kept")][:limit]
     for i, r in enumerate(shown):
         print(f"\n--- [{i}] group {r.group_id}  gen_batch {r.gen_batch}  reward {r.reward:+.3f}  acc {r.acc}  "
-              f"kept {r.kept}  finish {r.finish_reason}  prompt {r.prompt_len} tok  response {r.response_len} tok"
+              f"kept {r.kept}  finish {r.finish_reason}{_stop_text(r, decode)}  prompt {r.prompt_len} tok  response {r.response_len} tok"
               + (f" ({r.stale_tokens} from the previous policy)" if r.stale_tokens else ""))
         print(f"prompt:   {decode(r.prompt_ids)!r}")
         print(f"response: {decode(r.response_ids)!r}")
+
+
+def _stop_text(r: Rollout, decode: Any) -> str:
+    """`` (151645 '<|im_end|>')``: which stop id ended a "stop" response."""
+    if r.stop_token < 0:
+        return ""
+    return f" ({r.stop_token} {decode(np.asarray([r.stop_token]))!r})"
 
 
 def main(argv: list[str] | None = None) -> int:

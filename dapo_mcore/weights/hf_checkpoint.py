@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -149,3 +150,24 @@ def copy_tokenizer(tokenizer_dir: str | Path, directory: Path) -> list[str]:
     if not copied:
         raise InputMissingError(f"{src} holds none of the tokenizer files {', '.join(TOKENIZER_FILES)}.")
     return copied
+
+
+def keep_model_files(dest: Path, tokenizer_dir: Path | None, model_dir: Path | None, tokenizer: Any) -> None:
+    """Copy the original tokenizer files (``tokenizer_dir``) and generation config (``model_dir``) byte for byte into
+    ``dest``, replacing what was there; a tokenizer that came from no directory is saved with ``save_pretrained``.
+
+    A re-save would not do: transformers rewrites ``tokenizer_config.json`` (class, load-time keys, dropped
+    ``added_tokens_decoder``) and drops ``vocab.json``/``merges.txt``/``generation_config.json``, so an export would not
+    carry the model's own files.
+    """
+    staging = dest.with_name(f"{dest.name}.partial")
+    if staging.exists():
+        shutil.rmtree(staging)
+    copied = copy_tokenizer_files(tokenizer_dir, staging) if tokenizer_dir is not None else []
+    if copied and model_dir is not None and (model_dir / "generation_config.json").is_file():
+        shutil.copy2(model_dir / "generation_config.json", staging / "generation_config.json")
+    if not copied:
+        tokenizer.save_pretrained(str(staging))
+    if dest.exists():
+        shutil.rmtree(dest)
+    os.replace(staging, dest)
