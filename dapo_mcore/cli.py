@@ -115,8 +115,22 @@ def _run_training_command(args: argparse.Namespace) -> int:
     from dapo_mcore import trainer
 
     if args.command == "train":
-        return trainer.train_main(args.config, overrides)
+        return _requeue_exit(trainer.train_main(args.config, overrides), trainer.EXIT_REQUEUE)
     return trainer.eval_main(args.config, overrides, checkpoint)
+
+
+def _requeue_exit(code: int, requeue_code: int) -> int:
+    """The run checkpointed and asks for a requeue: from here on, SIGTERM/SIGUSR1 are ignored.
+
+    The first rank to exit with the requeue code makes srun (--kill-on-bad-exit) send SIGTERM to its peers, which
+    may be shutting down the interpreter by then: Python puts the default handlers back for that, so the SIGTERM
+    would kill the process (status 143, not ``requeue_code``) and slurm/launch.sh would not requeue the job."""
+    if code == requeue_code:
+        import signal
+
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_IGN)  # SIG_IGN survives interpreter shutdown; a Python handler does not
+    return code
 
 
 def _quiet_cpu_warnings() -> None:

@@ -3,12 +3,14 @@
 # torch.distributed's env rendezvous, forward the pre-emption signal, and requeue on request.
 #
 # Usage (inside an sbatch allocation):  slurm/launch.sh COMMAND [ARGS...]
-#   e.g. slurm/launch.sh dapo-mcore train examples/qwen2.5-32b.yaml run.dir=/runs/x
+#   e.g. slurm/launch.sh dapo-mcore train examples/qwen2.5-7b.yaml run.dir=/runs/x
 #
 # Rendezvous: MASTER_ADDR = first host of `scontrol show hostnames $SLURM_JOB_NODELIST`,
 # MASTER_PORT = DAPO_MASTER_PORT_BASE + SLURM_JOB_ID % 10000 (per job, so jobs sharing a node do not
 # collide; a requeued job keeps its id and port). Each task gets RANK/LOCAL_RANK/WORLD_SIZE from
 # SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS, so any torch `env://` program works unchanged.
+# Before the tasks start, one probe task per node checks that COMMAND resolves there (PATH, DAPO_VENV,
+# the container of DAPO_SRUN_ARGS): a node without it stops the job in one line, exit 2.
 #
 # Signals and requeue (contract with the trainer):
 #   The sbatch scripts ask for `--signal=B:USR1@<secs>`: Slurm signals only this batch shell, which
@@ -18,9 +20,13 @@
 #   shell would not know a requeue was asked for, and a signal arriving before srun starts would be
 #   lost.) The trainer finishes its step, checkpoints and exits 75 (EX_TEMPFAIL); then this script
 #   runs `scontrol requeue $SLURM_JOB_ID` and the job restarts later under the same id, resuming
-#   from the latest checkpoint. Because srun is started with --kill-on-bad-exit=1, the first rank to
-#   exit 75 gets its peers killed, so srun may report 128+9 instead of 75: after a forwarded
-#   USR1 any non-zero exit is treated as "requeue". DAPO_MAX_REQUEUES bounds the restarts.
+#   from the latest checkpoint. Only that exit code requeues: any other failure (a typo in the config
+#   exits 2, a crash 1, a task killed by a signal) ends the job with its code, signal or not.
+#   srun is started with --kill-on-bad-exit=1, so the first rank to exit 75 gets its peers sent SIGTERM
+#   (SIGKILL after Slurm's KillWait). srun reports the highest exit code, but a task that died of a
+#   signal outranks every exit code; so each task's wrapper shell outlives that SIGTERM (the command
+#   gets it too, from slurmstepd) and exits with the command's own status: 75, not 128+15.
+#   DAPO_MAX_REQUEUES bounds the restarts.
 #   SIGTERM (scancel, or the time limit without a USR1 warning) is forwarded too, so the trainer can
 #   checkpoint, but never leads to a requeue: the job is being ended on purpose, and requeueing it
 #   would turn a user's `scancel` into a restart two minutes later.
@@ -38,7 +44,7 @@ if [[ -z "${SLURM_JOB_ID:-}" ]]; then
     exit 2
 fi
 if (( $# == 0 )); then
-    log "usage: launch.sh COMMAND [ARGS...]"
+    log "usage: launch.sh COMMAND [ARGS...], e.g. launch.sh dapo-mcore train examples/qwen2.5-7b.yaml run.dir=RUN_DIR"
     exit 2
 fi
 
@@ -72,12 +78,33 @@ trap 'forward USR1' USR1
 trap 'forward TERM' TERM
 
 read -r -a extra_srun_args <<<"${DAPO_SRUN_ARGS:-}"
-# One task per allocated task slot (the sbatch scripts ask for one per GPU). The bash wrapper only
-# exports torch's env names and execs the command, so signals reach the command itself.
+
+# One probe task per node, in the tasks' own environment (and container): does COMMAND resolve there?
+# Checked before the real step, so a node without the venv stops the job in one line instead of
+# failing one of 128 tasks after the others have loaded their models.
+# shellcheck disable=SC2016  # expanded by each probe task
+if ! missing=$(srun --nodes="${SLURM_JOB_NUM_NODES:-1}" --ntasks="${SLURM_JOB_NUM_NODES:-1}" --ntasks-per-node=1 \
+        --kill-on-bad-exit=0 "${extra_srun_args[@]}" \
+        bash -c 'command -v "$1" >/dev/null 2>&1 || echo "$(hostname)"' dapo-check "$1"); then
+    log "the per-node check of '$1' could not run (srun failed; see above)"
+    exit 2
+fi
+if [[ -n "$missing" ]]; then
+    log "'$1' is not on PATH on node(s) $(echo "$missing" | sort -u | paste -sd, -): activate the venv there" \
+        "(DAPO_VENV in slurm/env.sh, or PATH), or put it in the container of DAPO_SRUN_ARGS"
+    exit 2
+fi
+
+# One task per allocated task slot (the sbatch scripts ask for one per GPU). The bash wrapper exports
+# torch's env names and runs the command in the foreground; its no-op traps keep it alive through the
+# SIGTERM/SIGUSR1 that slurmstepd sends every process of the step (the command receives them itself), so
+# the task's status is the command's exit code (see "Signals and requeue" above).
 # shellcheck disable=SC2016  # the $SLURM_* variables are expanded per task, not here
 srun --kill-on-bad-exit=1 "${extra_srun_args[@]}" \
     bash -c 'export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS
-             export LOCAL_WORLD_SIZE=${SLURM_NTASKS_PER_NODE:-$SLURM_NTASKS}; exec "$@"' dapo-task "$@" &
+             export LOCAL_WORLD_SIZE=${SLURM_NTASKS_PER_NODE:-$SLURM_NTASKS}
+             trap : TERM USR1
+             "$@"' dapo-task "$@" &
 srun_pid=$!
 
 # A trapped signal makes `wait` return early (status > 128) while srun still runs: wait again.
@@ -99,7 +126,7 @@ if [[ -n "$terminating" ]]; then
     log "terminated by SIGTERM (scancel or time limit): not requeueing"
     exit "$rc"
 fi
-if (( rc == DAPO_REQUEUE_EXIT_CODE )) || [[ -n "$warned" ]]; then
+if (( rc == DAPO_REQUEUE_EXIT_CODE )); then
     restarts=${SLURM_RESTART_COUNT:-0}
     if (( restarts >= DAPO_MAX_REQUEUES )); then
         log "requeue requested but the job already restarted $restarts times (DAPO_MAX_REQUEUES); giving up"
@@ -108,5 +135,8 @@ if (( rc == DAPO_REQUEUE_EXIT_CODE )) || [[ -n "$warned" ]]; then
     log "requeueing job $SLURM_JOB_ID (restart $(( restarts + 1 )))"
     scontrol requeue "$SLURM_JOB_ID"
     exit 0
+fi
+if [[ -n "$warned" ]]; then
+    log "a requeue was asked for (SIGUSR1) but the step failed with $rc, not $DAPO_REQUEUE_EXIT_CODE: not requeueing"
 fi
 exit "$rc"

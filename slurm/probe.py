@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -45,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
 
     dist.init_process_group("gloo", init_method="env://")
     rank, world = dist.get_rank(), dist.get_world_size()
+    hosts: list[str] = [""] * world  # which host each rank runs on (the two-node test checks them)
+    dist.all_gather_object(hosts, socket.gethostname())
     args.out_dir.mkdir(parents=True, exist_ok=True)
     ckpt = args.out_dir / "checkpoint.json"
     start = json.loads(ckpt.read_text())["step"] + 1 if ckpt.exists() else 0
@@ -55,10 +58,15 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(args.step_seconds)
         if rank == 0:
             with open(args.out_dir / "metrics.jsonl", "a") as fh:
-                fh.write(json.dumps({"step": step, "sum": value.item(), "world": world, "restart": restart}) + "\n")
+                fh.write(json.dumps({"step": step, "sum": value.item(), "world": world, "restart": restart,
+                                     "hosts": hosts}) + "\n")
         stop = torch.tensor([1.0 if _stop_requested else 0.0])
         dist.all_reduce(stop, op=dist.ReduceOp.MAX)
         if stop.item() and step + 1 < args.steps:
+            # The peers' srun SIGTERM (--kill-on-bad-exit) may land during interpreter shutdown, which restores
+            # the default handlers (death by SIGTERM) but keeps SIG_IGN (as dapo_mcore.cli does).
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
             if rank == 0:
                 ckpt.write_text(json.dumps({"step": step}))
             dist.barrier()
@@ -66,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rank {rank}: stop requested, checkpointed step {step}, exiting {REQUEUE_EXIT_CODE}", flush=True)
             return REQUEUE_EXIT_CODE
     if rank == 0:
-        (args.out_dir / "done.json").write_text(json.dumps({"world": world, "steps": args.steps, "restart": restart}))
+        (args.out_dir / "done.json").write_text(json.dumps({"world": world, "steps": args.steps, "restart": restart,
+                                                                   "hosts": hosts}))
     dist.barrier()
     dist.destroy_process_group()
     return 0
