@@ -46,7 +46,7 @@ def test_parquet_rejects_bad_ground_truth_with_index_and_reason(tmp_path):
 
 def test_jsonl_both_layouts_dedupe_and_rejects(tmp_path):
     lines = [_dapo_row("p1", "3"), {"prompt": "What is 1+1?", "answer": "2"}, {"prompt": "What is 1+1?", "answer": "2"},
-             {"prompt": "q", "answer": 5}, {"prompt": "r"}, {"prompt": 7, "answer": "1"}]
+             {"prompt": "q", "answer": [5]}, {"prompt": "r"}, {"prompt": 7, "answer": "1"}]
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
     ds = load_prompt_dataset(path)
@@ -54,9 +54,75 @@ def test_jsonl_both_layouts_dedupe_and_rejects(tmp_path):
     assert ds.report.n_duplicates == 1 and ds.report.n_rows == 6
     assert {i for i, _ in ds.report.rejected} == {3, 4, 5}
     reasons = dict(ds.report.rejected)
-    assert "int" in reasons[3] and "no ground truth" in reasons[4] and "prompt" in reasons[5]
+    assert "list" in reasons[3] and "no ground truth" in reasons[4] and "prompt" in reasons[5]
     raw = load_prompt_dataset(path, wrap_raw=False)
     assert raw.records[1].prompt == "What is 1+1?"
+
+
+def test_verl_system_turn_dedups_on_the_whole_conversation(tmp_path):
+    """verl's [system, user] prompts share the system turn: 3 distinct problems are 3 records, not 1 + 2 duplicates."""
+    def row(user, truth, system="Think step by step."):
+        return {**_dapo_row(user, truth), "prompt": [{"role": "system", "content": system},
+                                                     {"role": "user", "content": user}]}
+
+    rows = [row("p1", "1"), row("p2", "2"), row("p1", "1"), row("p3", "3"), row("p1", "1", system="Be brief.")]
+    for path in (_write_parquet(tmp_path / "d.parquet", rows), tmp_path / "d.jsonl"):
+        if path.suffix == ".jsonl":
+            path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        ds = load_prompt_dataset(path)
+        assert [(r.system, r.prompt) for r in ds.records] == [
+            ("Think step by step.", "p1"), ("Think step by step.", "p2"), ("Think step by step.", "p3"),
+            ("Be brief.", "p1")]
+        assert ds.report.n_duplicates == 1 and ds.report.rejected == []
+    from dapo_mcore.data.prompts import render_prompt_ids
+    from dapo_mcore.errors import UserError
+
+    tok = build_tiny_tokenizer()
+    with pytest.raises(UserError, match="chat template cannot render a system turn and a user turn"):
+        render_prompt_ids(tok, "p1", "Think step by step.")  # the tiny template has no system role
+    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+    encode = prompt_encoder(tok, DataConfig(max_prompt_len=64))
+
+    rec = ds.records[0]
+    assert encode(rec) == render_prompt_ids(tok, "p1", "Think step by step.") != render_prompt_ids(tok, "p1")
+
+
+def test_numeric_ground_truth_is_taken_as_its_string(tmp_path):
+    rows = [_dapo_row("p1", 42), _dapo_row("p2", 7)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    ds = load_prompt_dataset(tmp_path / "d.parquet")
+    assert [r.ground_truth for r in ds.records] == ["42", "7"] and ds.report.n_numeric_truths == 2
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in [
+        {"prompt": "a", "answer": 2.5}, {"prompt": "b", "answer": "3"}, {"prompt": "c", "answer": float("nan")}]))
+    ds = load_prompt_dataset(path)
+    assert [r.ground_truth for r in ds.records] == ["2.5", "3"] and ds.report.n_numeric_truths == 1
+    assert "not a finite number" in ds.report.rejected[0][1]
+
+
+def test_files_people_have_give_one_line_errors(tmp_path):
+    """#29 item 5: a non-UTF-8 jsonl, a parquet whose prompt is an empty list or a struct without content, a
+    directory: DatasetFormatError (one line, exit 2 through the CLI), never UnicodeDecodeError/ArrowInvalid."""
+    bad = tmp_path / "latin1.jsonl"
+    bad.write_bytes(json.dumps({"prompt": "ok", "answer": "1"}).encode() + b"\n" +
+                    '{"prompt": "caf\u00e9", "answer": "2"}\n'.encode("latin-1"))
+    with pytest.raises(DatasetFormatError, match="line 2 is not UTF-8"):
+        load_prompt_dataset(bad)
+    empty = _write_parquet(tmp_path / "empty.parquet", [{**_dapo_row("p", "1"), "prompt": []}])
+    with pytest.raises(DatasetFormatError, match=r"no usable rows \(1 rejected\)"):
+        load_prompt_dataset(empty)
+    no_content = _write_parquet(tmp_path / "nc.parquet", [{**_dapo_row("p", "1"), "prompt": [{"role": "user"}]},
+                                                           {**_dapo_row("p", "1"), "prompt": [{"role": "user"}]}])
+    with pytest.raises(DatasetFormatError, match="no usable rows"):
+        load_prompt_dataset(no_content)
+    mixed = _write_parquet(tmp_path / "m.parquet", [{**_dapo_row("p", "1"), "prompt": []}, _dapo_row("q", "2")])
+    assert [r.prompt for r in load_prompt_dataset(mixed).records] == ["q"]
+    with pytest.raises(DatasetFormatError, match="a directory, not a file"):
+        load_prompt_dataset(tmp_path)
+    (tmp_path / "dir.parquet").mkdir()
+    with pytest.raises(ValueError, match="is a directory; give the .parquet/.jsonl file inside it"):
+        DataConfig(train=str(tmp_path / "dir.parquet")).validate()
 
 
 def test_dapo_math_prompt_wording():
@@ -91,7 +157,7 @@ def test_parquet_without_prompt_column(tmp_path):
 
 def test_all_rows_rejected_is_an_error(tmp_path):
     path = tmp_path / "d.jsonl"
-    path.write_text(json.dumps({"prompt": "q", "answer": 1}) + "\n")
+    path.write_text(json.dumps({"prompt": "q", "answer": True}) + "\n")
     with pytest.raises(DatasetFormatError, match="no usable rows"):
         load_prompt_dataset(path)
 

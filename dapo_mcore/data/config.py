@@ -61,5 +61,8 @@ def check_source(field_name: str, spec: str) -> None:
     if path.suffix not in SUFFIXES:
         raise ValueError(f"{field_name}={spec!r}: expected task:<name> or a path ending in "
                          f"{' or '.join(SUFFIXES)}")
+    if path.is_dir():
+        raise ValueError(f"{field_name}={spec!r} is a directory; give the .parquet/.jsonl file inside it (e.g. "
+                         f"{field_name}={str(path / 'train.parquet')!r}) or task:<name>")
     if not path.is_file():
         raise ValueError(f"{field_name}={spec!r}: no such file; give an existing path or task:<name>")

@@ -32,17 +32,28 @@ def dapo_math_prompt(problem: str) -> str:
     return f"{DAPO_INSTRUCTION}\n\n{problem}\n\n{DAPO_REMINDER}"
 
 
-def render_prompt_text(tokenizer: PreTrainedTokenizerBase, content: str) -> str:
-    """One user turn plus the generation prompt, rendered with the tokenizer's chat template."""
+def render_prompt_text(tokenizer: PreTrainedTokenizerBase, content: str, system: str | None = None) -> str:
+    """One user turn (after a ``system`` turn, if given) plus the generation prompt, rendered with the tokenizer's chat
+    template."""
     if tokenizer.chat_template is None:
         raise ValueError("tokenizer has no chat_template; use a chat/instruct tokenizer or the tiny one")
-    return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                         add_generation_prompt=True)
+    turns = ([{"role": "system", "content": system}] if system is not None else []) + [
+        {"role": "user", "content": content}]
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    except TemplateError as err:
+        from dapo_mcore.errors import UserError
+
+        what = "a system turn and a user turn" if system is not None else "a user turn"
+        raise UserError(f"the tokenizer's chat template cannot render {what}: {err}; use a dataset without system "
+                        "messages or a tokenizer whose template renders them (model.tokenizer_path)") from err
 
 
-def render_prompt_ids(tokenizer: PreTrainedTokenizerBase, content: str) -> list[int]:
+def render_prompt_ids(tokenizer: PreTrainedTokenizerBase, content: str, system: str | None = None) -> list[int]:
     """Token ids of :func:`render_prompt_text` (the template already holds any bos token)."""
-    return tokenizer(render_prompt_text(tokenizer, content), add_special_tokens=False).input_ids
+    return tokenizer(render_prompt_text(tokenizer, content, system), add_special_tokens=False).input_ids
 
 
 @dataclass(frozen=True)
@@ -68,7 +79,7 @@ def encode_prompts(records: list[PromptRecord], tokenizer: PreTrainedTokenizerBa
     kept: list[EncodedPrompt] = []
     dropped: list[tuple[int, str]] = []
     for rec in records:
-        ids = render_prompt_ids(tokenizer, rec.prompt)
+        ids = render_prompt_ids(tokenizer, rec.prompt, rec.system)
         if len(ids) <= max_prompt_len:
             kept.append(EncodedPrompt(rec, ids, truncated=False))
         elif truncation == "left":

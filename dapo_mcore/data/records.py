@@ -9,11 +9,13 @@ from dataclasses import dataclass
 class PromptRecord:
     """One prompt with its verifiable answer.
 
-    ``prompt`` is the user-turn content before chat-template rendering; ``index`` is the row's
-    position in its source (after deduplication for files, in the split for synthetic tasks).
+    ``prompt`` is the user-turn content before chat-template rendering, ``system`` the system turn before it (None:
+    none, the chat template's default applies); ``index`` is the row's position in its source (after deduplication
+    for files, in the split for synthetic tasks).
     """
 
     prompt: str
     ground_truth: str
     data_source: str
     index: int
+    system: str | None = None

@@ -39,19 +39,19 @@ def prompt_encoder(tokenizer: PreTrainedTokenizerBase, cfg: DataConfig) -> Calla
     In ``drop`` mode an over-long prompt is an error here: drop them at load time with
     :func:`filter_by_length`.
     """
-    cache: dict[str, list[int]] = {}
+    cache: dict[tuple[str | None, str], list[int]] = {}
 
     def encode(record: PromptRecord) -> list[int]:
-        ids = cache.get(record.prompt)
+        ids = cache.get((record.system, record.prompt))
         if ids is None:
-            ids = render_prompt_ids(tokenizer, record.prompt)
+            ids = render_prompt_ids(tokenizer, record.prompt, record.system)
             if len(ids) > cfg.max_prompt_len:
                 if cfg.truncation != "left":
                     raise ValueError(f"prompt {record.index} of {record.data_source} has {len(ids)} tokens > "
                                      f"data.max_prompt_len={cfg.max_prompt_len}; filter with filter_by_length() "
                                      "at load time or set data.truncation=left")
                 ids = ids[-cfg.max_prompt_len:]
-            cache[record.prompt] = ids
+            cache[(record.system, record.prompt)] = ids
         return ids
 
     return encode
