@@ -30,6 +30,9 @@ pytestmark = [
 
 # Qwen2.5-0.5B widths, heads and vocabulary, with few layers so a test takes seconds.
 SMALL_0P5B = {"num_hidden_layers": 2}
+# The CPU mode keeps the widths, heads and layers but not the 152k vocabulary: bf16 matmuls over it on a 2-core CPU
+# took > 20 min for this module (CI's gpu-cpu-mode tier); 8k token ids exercise the same code.
+CPU_VOCAB = {"vocab_size": 8192, "bos_token_id": 8000, "eos_token_id": 8000}
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +55,8 @@ def _expected_device() -> torch.device:
 def _config(**overrides):
     from dapo_mcore.model.presets import preset_config
 
-    return preset_config("qwen2.5-0.5b", **{**SMALL_0P5B, **overrides})
+    cpu = {} if torch.cuda.is_available() else CPU_VOCAB
+    return preset_config("qwen2.5-0.5b", **{**SMALL_0P5B, **cpu, **overrides})
 
 
 def _main_and_model_params(actor) -> list[tuple[torch.Tensor, torch.Tensor]]:
