@@ -11,6 +11,7 @@ import json
 from dataclasses import asdict, fields
 from typing import Any
 
+from dapo_mcore import plan_disagg
 from dapo_mcore.planner import (
     CONFIG_KEYS,
     GIB,
@@ -85,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         kind = {bool: _parse_bool, int: int, float: float, str: str}[type(f.default)]
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=argparse.SUPPRESS,
                             help=f"(default: {f.default})")
+    plan_disagg.add_arguments(parser)
     return parser
 
 
@@ -124,7 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = vars(parser.parse_intermixed_args(argv))
     as_json = args.pop("json")
+    disaggregated = plan_disagg.pop_arguments(args)
     plan, names, max_tp = _plan_from_args(parser, args)
+    if disaggregated is not None:
+        try:
+            return plan_disagg.run(plan, disaggregated, as_json)
+        except ValueError as err:
+            parser.error(str(err))
     est, flops = estimate_memory(plan), estimate_flops(plan)
     if as_json:
         train_s, gen_s = estimate_step_seconds(plan, flops)
