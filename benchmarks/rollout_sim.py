@@ -1,21 +1,34 @@
-"""Simulated generation wall time of one 32B DAPO step: batch-and-filter vs streaming+abort (+ partial rollouts).
+"""Simulated 32B DAPO steps: today's loop vs streaming over all engines vs asynchronous disaggregated layouts.
 
-Policies: ``batch_filter`` (today), ``batch_adaptive`` (rounds sized from the last step's usable fraction),
+Default (issue 26): the WHOLE step (generation, old log-probs, updates, weight sync) of each variant on the recipe's
+GPUs (default ``examples/qwen2.5-32b-fp8.yaml`` at 128 GPUs):
+(a) ``today``: synchronous, colocated, batch-and-filter rounds of 1,536 prompts (what the recipe runs);
+(a') ``today_chunked``: today's ``rollout.schedule.streaming`` with several engine groups (no stream: chunks of
+``--chunk-prompts`` over all engines, each waiting for its longest response, stop after the chunk that fills);
+(b) ``sync_stream``: streaming + abort over all engines at once, decisions in prompt order (``--order``);
+(b') ``sync_partial``: the same with partial rollouts;
+(c) ``async``: engines on their own GPUs, the trainer on the others, one policy version behind, batch-and-filter;
+(d) ``async_stream``: async + streaming/abort; (e) ``async_partial``: async + partial rollouts.
+Generation is simulated (``rollout_sim_core.py``); old log-probs, updates and the memory of each side are the
+planner's (``dapo_mcore/planner.py``, ``dapo_mcore/plan_disagg.py``: FLOPs at 35% MFU, KV cache per engine); the
+step rules are in ``rollout_sim_step.py``. Async variants run on every engine/trainer split the planner accepts
+and report their best. Every assumption is printed first. Last line: ``sim_step_time_ratio: X`` = today's mean step
+time / the best variant's (mean over the three stages).
+
+``--generation-only``: the #16 simulator (generation wall time of the scheduling policies, completion order):
+``batch_filter`` (today), ``batch_adaptive`` (rounds sized from the last step's usable fraction),
 ``stream_abort`` and ``stream_partial`` (aborted groups continue next step, at most ``--max-staleness`` steps), and
-``stream_adaptive[_partial]``: the stream's fresh prompts bounded from the last step's usable fraction.
+``stream_adaptive[_partial]``: the stream's fresh prompts bounded from the last step's usable fraction. Last line
+``sim_generation_time_ratio: X`` (batch-and-filter / streaming+abort wall time, mean over stages).
 
-The step comes from a project config (default ``examples/qwen2.5-32b-fp8.yaml``: 512 prompts x 16 responses kept,
-generation batches of 1,536 prompts, at most 10, responses up to 20,480 tokens, vLLM TP=4 on 128 GPUs = 32 engines).
-The model of lengths, outcomes and decode is in ``benchmarks/rollout_sim_core.py``; the stage assumptions (mean
-length and all-correct / all-wrong shares) are ``STAGES_32B`` below and in docs/results.md ("#16 simulator").
-Decode speed: a full engine decodes the planner's implied rate (its generation estimate at 10% decode MFU, response
-tokens per second per engine) and a lone sequence ``--single-seq-tokens-per-s``.
+The stage assumptions (mean length and all-correct / all-wrong shares) are ``STAGES_32B`` below and in
+docs/results.md ("#16 simulator"). Decode speed: a full engine decodes the planner's implied rate (its generation
+estimate at 10% decode MFU, response tokens per second per engine) and a lone sequence ``--single-seq-tokens-per-s``.
 
 ``--calibrate-tiny RUN_DIR`` replays a real tiny run instead: each step's usable fraction, outcome shares and mean
 response length from its metrics.jsonl / ledger.jsonl drive the batch-and-filter model, whose generated tokens per
-kept group are compared with the ledger's, per stage (thirds of the run). Last line:
-``sim_generation_time_ratio: X`` (batch-and-filter / streaming+abort wall time, mean over stages), or
-``tiny_tokens_per_kept_group_sim_over_real: X`` with ``--calibrate-tiny``.
+kept group are compared with the ledger's, per stage (thirds of the run). Last line
+``tiny_tokens_per_kept_group_sim_over_real: X``.
 """
 
 from __future__ import annotations
@@ -23,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +53,9 @@ from benchmarks.rollout_sim_core import (  # noqa: E402
     batch_and_filter_step,
     streaming_step,
 )
+from benchmarks.rollout_sim_step import Phases, StepTime, async_steps, mean_step, sync_step  # noqa: E402
+from dapo_mcore import plan_disagg  # noqa: E402
+from dapo_mcore.planner import PlanInput  # noqa: E402
 
 # Mean lengths: the DAPO paper's mean response length grows from ~1k to ~5k tokens over training. Outcome shares:
 # its accuracy curve rises and the share of all-correct prompts grows (why dynamic sampling must draw more), while
@@ -143,7 +160,8 @@ def run_32b(args: argparse.Namespace) -> list[str]:
         walls = {}
         for policy in POLICIES:
             pool = PromptPool(stage, recipe.group_size, lengths, seed=args.seed + k)
-            s = summarize(simulate(policy, pool, recipe, stage_model, args.steps, args.warmup, args.max_staleness))
+            s = summarize(simulate(policy, pool, recipe, stage_model, args.steps, args.warmup,
+                                     args.max_staleness or 2))
             walls[policy] = s["wall_s"]
             lines.append(f"{policy:<24}{s['wall_s'] / 60:>9.2f}{s['prompts_drawn']:>8.0f}"
                          + "".join(f"{s[f] / 1e6:>{w}.1f}" for f, w in zip(FATES, (10, 9, 8, 8), strict=True))
@@ -155,6 +173,175 @@ def run_32b(args: argparse.Namespace) -> list[str]:
     lines.append("")
     lines += [f"sim_generation_time_ratio_{p}: {np.mean(ratios[p]):.2f}" for p in POLICIES[1:]]
     lines.append(f"sim_generation_time_ratio: {np.mean(ratios['stream_abort']):.2f}")
+    return lines
+
+
+SYNC_VARIANTS = ("today", "today_chunked", "sync_stream", "sync_partial")
+ASYNC_VARIANTS = ("async", "async_stream", "async_partial")
+VARIANT_TEXT = {
+    "today": "(a) today: colocated batch-and-filter",
+    "today_chunked": "(a') today + schedule.streaming (chunks)",
+    "sync_stream": "(b) sync + streaming/abort, all engines",
+    "sync_partial": "(b') sync + partial rollouts, all engines",
+    "async": "(c) async disaggregated, batch-and-filter",
+    "async_stream": "(d) async + streaming/abort",
+    "async_partial": "(e) async + partial rollouts",
+}
+
+
+def _generation(variant: str, pool: PromptPool, recipe: Recipe, model: EngineModel, args: argparse.Namespace
+                ) -> list[StepResult]:
+    """``warmup + steps`` steps of a variant's generation policy on one prompt stream; the last ``steps``."""
+    out, carry = [], []
+    for _ in range(args.warmup + args.steps):
+        if variant in ("today", "async"):
+            res = batch_and_filter_step(pool, recipe, model)
+        elif variant == "today_chunked":
+            res = batch_and_filter_step(pool, recipe, model, chunk=args.chunk_prompts)
+        else:
+            res, carry = streaming_step(pool, recipe, model, carry, partial=variant.endswith("partial"),
+                                        max_staleness=args.max_staleness or 1, order=args.order)
+        out.append(res)
+    return out[args.warmup:]
+
+
+def _trainer_phases(trainer: PlanInput, results: list[StepResult], prompt_len: int) -> list[tuple[float, float]]:
+    """(old log-prob, update) seconds of each step's kept batch: the planner's FLOPs at its mean kept length."""
+    from dapo_mcore.planner import estimate_flops, estimate_step_seconds
+
+    out = []
+    for r in results:
+        t = replace(trainer, mean_prompt_len=prompt_len, mean_response_len=max(1, round(np.mean(r.kept_lengths))))
+        flops = estimate_flops(t)
+        logprobs, _ = estimate_step_seconds(t, replace(flops, train=0.0))
+        out.append((logprobs, estimate_step_seconds(t, flops)[0] - logprobs))
+    return out
+
+
+def _step_times(variant: str, results: list[StepResult], trainer: PlanInput, sync_s: float,
+                prompt_len: int) -> StepTime:
+    """Mean step time of a variant over its simulated steps (see rollout_sim_step)."""
+    phases = [Phases(r.wall_s, lp, tr, sync_s) for r, (lp, tr) in zip(results, _trainer_phases(trainer, results, prompt_len),
+                                                                     strict=True)]
+    if variant in SYNC_VARIANTS:
+        return mean_step([sync_step(ph) for ph in phases])
+    return mean_step(async_steps([ph.generation for ph in phases], phases, sync_s))
+
+
+def _running_seqs(stage: Stage, recipe: Recipe, lengths: LengthModel, kv_tokens: int, args: argparse.Namespace,
+                  k: int) -> int:
+    """Running sequences per engine in a stage: max_seqs, or fewer when the KV cache cannot hold them."""
+    ctx = _mean_running_context(PromptPool(stage, recipe.group_size, lengths, seed=args.seed + 1000 + k), args.prompt_len)
+    return min(args.max_seqs, int(kv_tokens / ctx)) if args.kv_limit else args.max_seqs
+
+
+def run_step(args: argparse.Namespace) -> list[str]:
+    """The whole step (generation, old log-probs, updates, weight sync) of every variant, per stage."""
+    from dapo_mcore import plan_disagg
+    from dapo_mcore.config import load_config
+    from dapo_mcore.plan_cli import plan_input_from_config
+
+    recipe, cap, vllm_tp = recipe_from_config(args.config)
+    tokens_per_s, kv_colocated = planner_decode(args.config, args.gpus, args.preset)
+    if args.engine_tokens_per_s:
+        tokens_per_s = args.engine_tokens_per_s
+    p = plan_input_from_config(load_config(args.config, ["model.hf_path=null", f"model.preset={args.preset}"]),
+                               args.gpus)
+    rates = plan_disagg.TransferRates(args.weight_export_gbs, args.weight_network_gbs)
+    splits = [s for s in plan_disagg.scan_splits(p, args.engine_memory_utilization, rates) if s.fits]
+    if args.engine_gpus:
+        splits = [s for s in splits if s.engine_gpus in args.engine_gpus]
+    if not splits:
+        raise SystemExit("rollout_sim: no disaggregated split fits (see dapo-mcore plan ... --disaggregated)")
+    kv_engine = splits[0].engine_memory.kv_tokens
+    sync_s = plan_disagg.weight_sync_seconds(p, rates, disaggregated=False)
+    base = EngineModel.from_throughput(args.gpus // vllm_tp, args.max_seqs, tokens_per_s, args.single_seq_tokens_per_s)
+    lengths = LengthModel(sigma_group=args.sigma_group, sigma_resp=args.sigma_resp, cap=cap)
+    lines = _assumption_lines(args, recipe, base, tokens_per_s, kv_colocated, kv_engine, sync_s, splits, p)
+    layouts = [("today", None), ("today_chunked", None), ("sync_stream", None), ("sync_partial", None)]
+    layouts += [(v, s) for s in splits for v in ASYNC_VARIANTS]
+    times: dict[tuple[str, int], list[StepTime]] = {}
+    for k, stage in enumerate(STAGES_32B):
+        lines.append(f"\n== stage {stage.name}: mean length {stage.mean_len:g}, usable {stage.usable:.2f} "
+                     f"(all-correct {stage.all_correct:.2f}, all-wrong {stage.all_wrong:.2f})")
+        seqs = {kv: _running_seqs(stage, recipe, lengths, kv, args, k) for kv in (kv_colocated, kv_engine)}
+        lines.append(f"running sequences per engine (KV limit): colocated {seqs[kv_colocated]}, "
+                     f"disaggregated {seqs[kv_engine]}")
+        lines.append(_STEP_HEADER)
+        for variant, split in layouts:
+            engines = base.engines if split is None else split.engine_gpus // vllm_tp
+            model = EngineModel(engines, seqs[kv_colocated if split is None else kv_engine], base.t0, base.t1)
+            pool = PromptPool(stage, recipe.group_size, lengths, seed=args.seed + k)
+            results = _generation(variant, pool, recipe, model, args)
+            trainer = p if split is None else split.trainer
+            st = _step_times(variant, results, trainer, sync_s if split is None else split.transfer_s, args.prompt_len)
+            times.setdefault((variant, 0 if split is None else split.engine_gpus), []).append(st)
+            stale = sum(r.kept_stale for r in results) / max(sum(r.kept for r in results), 1.0)
+            kept_len = float(np.mean([x for r in results for x in r.kept_lengths]))
+            lines.append(_step_row(variant, split, p, st, times[("today", 0)][k].step, stale, kept_len))
+    return lines + _summary_lines(times, splits, p)
+
+
+_STEP_HEADER = (f"{'variant':<44}{'E+T GPUs':>9}{'gen':>7}{'logp':>6}{'train':>6}{'sync s':>7}{'T wait':>7}"
+                f"{'E wait':>7}{'step':>7}{'today/':>7}{'kept len':>9}{'stale':>7}   (minutes unless marked)")
+
+
+def _split_text(split: plan_disagg.Split | None, p: PlanInput) -> str:
+    world = p.tensor_parallel * p.pipeline_parallel * p.data_parallel
+    return f"{world} shared" if split is None else f"{split.engine_gpus}+{split.trainer_gpus}"
+
+
+def _step_row(variant: str, split: plan_disagg.Split | None, p: PlanInput, st: StepTime, today: float,
+              stale: float, kept_len: float) -> str:
+    ph = st.phases
+    return (f"{VARIANT_TEXT[variant]:<44}{_split_text(split, p):>9}{ph.generation / 60:>7.2f}{ph.old_logprobs / 60:>6.2f}"
+            f"{ph.train / 60:>6.2f}{ph.weight_sync:>7.1f}{st.trainer_wait / 60:>7.2f}{st.engine_wait / 60:>7.2f}"
+            f"{st.step / 60:>7.2f}{today / st.step:>7.2f}{kept_len:>9.0f}{stale:>7.1%}")
+
+
+def _assumption_lines(args: argparse.Namespace, recipe: Recipe, base: EngineModel, tokens_per_s: float,
+                      kv_colocated: int, kv_engine: int, sync_s: float, splits: list, p: PlanInput) -> list[str]:
+    return [
+        f"recipe: {recipe}; {base.engines} engines x max {base.max_seqs} sequences when colocated",
+        f"decode: {tokens_per_s:.0f} response tokens/s per full engine (the planner's generation estimate at "
+        f"{p.decode_mfu:.0%} decode MFU), {args.single_seq_tokens_per_s:g} for a lone sequence; training: the planner's "
+        f"FLOPs at {p.train_mfu:.0%} MFU of {p.peak_tflops:g} TFLOP/s per GPU, at each step's mean kept length",
+        f"KV cache per engine: colocated {kv_colocated} tokens (gpu_memory_utilization "
+        f"{p.vllm_gpu_memory_utilization:g}), disaggregated {kv_engine} tokens ({args.engine_memory_utilization:g}, no "
+        f"trainer state)",
+        f"weight sync: colocated {sync_s:.1f} s (export at {args.weight_export_gbs:g} GB/s per rank); disaggregated "
+        f"{splits[0].transfer_s:.1f} s (+ broadcast at {args.weight_network_gbs:g} GB/s per engine GPU), fully exposed",
+        f"decisions: streaming in {args.order} order; partial rollouts carry a group at most "
+        f"{args.max_staleness or 1} step(s); today_chunked = chunks of {args.chunk_prompts} prompts; async: one policy "
+        f"version behind, splits scanned: " + ", ".join(f"{s.engine_gpus}+{s.trainer_gpus}" for s in splits),
+        "not modelled: prefill, preemption, scoring, engine sleep/wake, stragglers; a model, not a measurement",
+    ]
+
+
+def _summary_lines(times: dict[tuple[str, int], list[StepTime]], splits: list, p: PlanInput) -> list[str]:
+    """Mean step time per variant over the stages (async: its best split), the winner and the headline."""
+    mean = {key: float(np.mean([t.step for t in ts])) for key, ts in times.items()}
+    best_split = {v: min((e for (w, e) in mean if w == v), key=lambda e: mean[(v, e)]) for v in ASYNC_VARIANTS}
+    rows = [(v, 0) for v in SYNC_VARIANTS] + [(v, best_split[v]) for v in ASYNC_VARIANTS]
+    today = mean[("today", 0)]
+    by_split = {s.engine_gpus: s for s in splits}
+    lines = ["", "== step time per variant (minutes; async at its best split), mean over the stages",
+             f"{'variant':<44}{'E+T GPUs':>9}{'early':>8}{'mid':>8}{'late':>8}{'mean':>8}{'today/':>8}"]
+    for v, e in rows:
+        lines.append(f"{VARIANT_TEXT[v]:<44}{_split_text(by_split.get(e), p):>9}"
+                     + "".join(f"{t.step / 60:>8.2f}" for t in times[(v, e)])
+                     + f"{mean[(v, e)] / 60:>8.2f}{today / mean[(v, e)]:>8.2f}")
+    for v in ASYNC_VARIANTS:
+        lines.append(f"{v} by split: " + ", ".join(f"{e}+{by_split[e].trainer_gpus} {mean[(v, e)] / 60:.2f}"
+                                                  for (w, e) in sorted(mean) if w == v))
+    winner = min(rows, key=lambda r: mean[r])
+    ts = times[winner]
+    gen = np.mean([t.phases.generation for t in ts]) / 60
+    work = np.mean([t.phases.old_logprobs + t.phases.train for t in ts]) / 60
+    lines.append(f"best: {VARIANT_TEXT[winner[0]]} on {_split_text(by_split.get(winner[1]), p)} GPUs: "
+                 f"{mean[winner] / 60:.2f} min per step vs today's {today / 60:.2f} (generation {gen:.2f} min, "
+                 f"old log-probs + updates {work:.2f} min per step)")
+    lines.append(f"sim_step_time_ratio: {today / mean[winner]:.2f}")
     return lines
 
 
@@ -227,13 +414,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sigma-resp", type=float, default=0.6, help="lognormal sigma of a response within its group")
     ap.add_argument("--steps", type=int, default=3, help="steps measured per stage and policy")
     ap.add_argument("--warmup", type=int, default=1, help="steps run first (partial rollouts need a carry)")
-    ap.add_argument("--max-staleness", type=int, default=2, help="steps an aborted group may be carried")
+    ap.add_argument("--max-staleness", type=int, default=None,
+                    help="steps an aborted group may be carried (default: 1, the trainer's bound; 2 with "
+                         "--generation-only, as in #16)")
+    ap.add_argument("--generation-only", action="store_true",
+                    help="the #16 simulator: generation time of the scheduling policies only (completion order)")
+    ap.add_argument("--order", choices=("prompt", "completion"), default="prompt",
+                    help="streaming decides groups in prompt order (the trainer's scheduler) or as they finish")
+    ap.add_argument("--chunk-prompts", type=int, default=256,
+                    help="today_chunked: prompts per chunk (rollout.schedule.stream_chunk_prompts; 256 = 8 groups "
+                         "of 16 per engine at 32 engines, one full engine's 128 sequences)")
+    ap.add_argument("--engine-gpus", type=int, nargs="*", default=None,
+                    help="async: simulate only these engine-GPU counts (default: every split that fits)")
+    ap.add_argument("--engine-memory-utilization", type=float, default=0.9,
+                    help="async: vLLM memory fraction on an engine GPU (no trainer state beside it)")
+    ap.add_argument("--weight-export-gbs", type=float, default=plan_disagg.TransferRates.export_gbs,
+                    help="trainer-side weight export rate per rank, GB/s")
+    ap.add_argument("--weight-network-gbs", type=float, default=plan_disagg.TransferRates.network_gbs,
+                    help="async: trainer -> engine broadcast rate per engine GPU, GB/s")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--calibrate-tiny", metavar="RUN_DIR", help="replay a real tiny run's metrics instead")
     ap.add_argument("--tiny-config", default="examples/tiny_cpu.yaml", help="the tiny run's config")
     ap.add_argument("--tiny-reps", type=int, default=10, help="simulated draws per real tiny step")
     args = ap.parse_args(argv)
-    lines = run_tiny(args) if args.calibrate_tiny else run_32b(args)
+    if args.calibrate_tiny:
+        lines = run_tiny(args)
+    else:
+        lines = run_32b(args) if args.generation_only else run_step(args)
     print("\n".join(lines))
     return 0
 

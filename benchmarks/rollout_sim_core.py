@@ -10,8 +10,11 @@ part). A freed slot takes the next waiting sequence of its engine at once (FIFO)
 The generation policies make one DAPO step each:
 - :func:`batch_and_filter_step`: today's dynamic sampling. Draw ``gen_batch_prompts`` prompts, wait for the longest
   response, keep usable groups in batch order, draw again until ``prompts_per_step`` are kept; usable groups beyond that
-  are surplus. With ``adaptive`` each round is sized from a usable-fraction estimate instead (adaptive over-sampling).
-- :func:`streaming_step`: prompts stream into the engines, each group is scored when its last response ends, and the
+  are surplus. With ``adaptive`` each round is sized from a usable-fraction estimate instead (adaptive over-sampling);
+  with ``chunk`` each round is generated in chunks (today's streaming switch over several engine groups). A batch is
+  split over the engines as ``rollout.gather.plan_shares`` does (:func:`spread`).
+- :func:`streaming_step`: prompts stream into the engines, each group is scored when its last response ends (or, with
+  ``order="prompt"``, once every earlier prompt's group has ended too, as the trainer's scheduler decides), and the
   step stops once enough usable groups are kept; everything in flight is aborted. With ``partial=True`` the aborted
   groups are carried into the next step (queued first) and continue from the tokens they have, for at most
   ``max_staleness`` further steps.
@@ -263,39 +266,67 @@ def adaptive_round(missing: int, usable_estimate: float, margin: float, cap: int
     return max(1, min(cap, math.ceil(missing / max(usable_estimate, 1e-9) * margin - 1e-9)))  # 220.00000000000003 is 220
 
 
+def spread(sim: EngineSim, lengths: np.ndarray) -> None:
+    """Queue a batch of groups over the engines as ``rollout.gather.plan_shares`` splits it.
+
+    With at least as many groups as engines, group i goes whole to engine i mod N; with fewer, the engines
+    g = p, p + k, ... share group p's responses (engine g takes responses g // k, g // k + helpers, ...).
+    """
+    k, engines = len(lengths), sim.model.engines
+    if k >= engines:
+        for i in range(k):
+            sim.add_group(i % engines, lengths[i])
+        return
+    for g in range(engines):
+        p = g % k
+        part = lengths[p][g // k::len(range(p, engines, k))]
+        if len(part):
+            sim.add_group(g, part)
+
+
 def batch_and_filter_step(pool: PromptPool, recipe: Recipe, model: EngineModel,
-                          adaptive: tuple[float, float, int] | None = None) -> StepResult:
+                          adaptive: tuple[float, float, int] | None = None, chunk: int = 0) -> StepResult:
     """Today's dynamic sampling: whole generation batches, each waiting for its longest response.
 
     ``adaptive=(usable_estimate, margin, cap)`` sizes each round with :func:`adaptive_round` (adaptive over-sampling)
     instead of ``gen_batch_prompts``; the estimate is the caller's (e.g. the previous step's usable fraction).
+    ``chunk > 0``: the trainer's streaming switch with several engine groups (no stream, so chunks): each round is
+    generated ``chunk`` prompts at a time over all engines, each chunk waiting for its longest response, and the
+    step stops after the chunk that fills it.
     """
     sim, res = EngineSim(model), StepResult()
     while res.groups_kept < recipe.prompts_per_step and res.gen_batches < recipe.max_gen_batches:
         size = recipe.gen_batch_prompts
         if adaptive is not None:
             size = adaptive_round(recipe.prompts_per_step - res.groups_kept, *adaptive)
-        lengths, usable = pool.take(size)
-        for i in range(len(usable)):
-            sim.add_group(i % model.engines, lengths[i])
-        while sim.advance() is not None:
-            pass
         res.gen_batches += 1
-        res.prompts_drawn += len(usable)
-        res.usable_seen += int(usable.sum())
-        res.groups_done += len(usable)
-        for i in range(len(usable)):
-            tok = float(lengths[i].sum())
-            if not usable[i]:
-                res.rejected += tok
-            elif res.groups_kept < recipe.prompts_per_step:
-                res.groups_kept += 1
-                res.kept += tok
-                res.kept_lengths.append(tok / recipe.group_size)
-            else:
-                res.surplus += tok
+        drawn = 0
+        while drawn < size and res.groups_kept < recipe.prompts_per_step:
+            lengths, usable = pool.take(min(size - drawn, chunk or size))
+            drawn += len(usable)
+            spread(sim, lengths)
+            while sim.advance() is not None:
+                pass
+            _decide_batch(res, lengths, usable, recipe)
     res.wall_s = sim.now
     return res
+
+
+def _decide_batch(res: StepResult, lengths: np.ndarray, usable: np.ndarray, recipe: Recipe) -> None:
+    """Count a generated batch's groups in batch order: kept until the step is full, then surplus; or rejected."""
+    res.prompts_drawn += len(usable)
+    res.usable_seen += int(usable.sum())
+    res.groups_done += len(usable)
+    for i in range(len(usable)):
+        tok = float(lengths[i].sum())
+        if not usable[i]:
+            res.rejected += tok
+        elif res.groups_kept < recipe.prompts_per_step:
+            res.groups_kept += 1
+            res.kept += tok
+            res.kept_lengths.append(tok / recipe.group_size)
+        else:
+            res.surplus += tok
 
 
 @dataclass
@@ -340,14 +371,20 @@ def _abort(res: StepResult, sim: EngineSim, groups: list[tuple[int, bool, int]],
 
 
 def streaming_step(pool: PromptPool, recipe: Recipe, model: EngineModel, carry: list[Carried], partial: bool,
-                   max_staleness: int = 1, admit: tuple[float, float, int] | None = None
+                   max_staleness: int = 1, admit: tuple[float, float, int] | None = None, order: str = "completion"
                    ) -> tuple[StepResult, list[Carried]]:
     """Streaming dynamic sampling with abort; with ``partial`` the aborted groups carry over. Returns the new carry.
 
     ``admit=(usable_estimate, margin, cap)`` bounds the fresh prompts (adaptive over-sampling of a stream): enough
     for the missing groups by :func:`adaptive_round`, counting in-flight groups at the estimate, topped up whenever
     that expectation falls below the target; without it the engines pull prompts until the step is full.
+    ``order``: ``completion`` decides each group as it finishes; ``prompt`` decides groups in admission (prompt)
+    order, each once every earlier one has finished, as the trainer's scheduler does (its kept batch is a pure
+    function of seed and data): the step is full when the first ``prompts_per_step`` usable groups in prompt order
+    and every group before them have finished; groups that finished out of order are then surplus or rejected.
     """
+    if order not in ("completion", "prompt"):
+        raise ValueError(f"order={order!r}; use completion or prompt")
     sim, res = EngineSim(model), StepResult()
     meta: dict[int, tuple[bool, int]] = {}  # gid -> (usable, staleness)
     stream = deque(carry)
@@ -371,13 +408,22 @@ def streaming_step(pool: PromptPool, recipe: Recipe, model: EngineModel, carry: 
 
     sim.feeder = feed
     done: set[int] = set()
+    finished: set[int] = set()  # prompt order: finished, maybe not yet decided
+    head = 0  # prompt order: the next group to decide (group ids are admission order)
     while res.groups_kept < need:
         completed = sim.advance()
         if completed is None:
             break
-        for g in completed:
-            done.add(g)
-            _score(res, sim, meta[g][0], g, recipe)
+        if order == "completion":
+            for g in completed:
+                done.add(g)
+                _score(res, sim, meta[g][0], g, recipe)
+        else:
+            finished.update(completed)
+            while head in finished and res.groups_kept < need:
+                done.add(head)
+                _score(res, sim, meta[head][0], head, recipe)
+                head += 1
         if admit is None or not completed:
             continue
         pending = len(meta) - len(done) + len(stream) + budget - res.prompts_drawn
@@ -385,6 +431,9 @@ def streaming_step(pool: PromptPool, recipe: Recipe, model: EngineModel, carry: 
             budget += adaptive_round(need - res.groups_kept - pending * admit[0], *admit)
             budget = min(budget, recipe.max_gen_batches * recipe.gen_batch_prompts)
             sim.wake()
+    for g in sorted(finished - done):  # finished out of prompt order after the step filled: surplus or rejected
+        done.add(g)
+        _score(res, sim, meta[g][0], g, recipe)
     res.wall_s = sim.now
     res.gen_batches = math.ceil(res.prompts_drawn / recipe.gen_batch_prompts)
     new_carry = list(stream)  # carried groups this step never reached keep their tokens and age

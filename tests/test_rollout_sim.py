@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from benchmarks.rollout_sim import tiny_steps
+from benchmarks.rollout_sim import _trainer_phases, tiny_steps
 from benchmarks.rollout_sim_core import (
     Carried,
     EngineModel,
@@ -17,10 +17,13 @@ from benchmarks.rollout_sim_core import (
     PromptPool,
     Recipe,
     Stage,
+    StepResult,
     adaptive_round,
     batch_and_filter_step,
+    spread,
     streaming_step,
 )
+from benchmarks.rollout_sim_step import Phases, async_step, async_steps, mean_step, sync_step
 
 
 class ListPool:
@@ -192,3 +195,102 @@ def test_tiny_steps_reads_a_run(tmp_path):
     [(step, stage, tokens, kept)] = tiny_steps(tmp_path)
     assert (step, tokens, kept) == (3, 2048.0, 16)
     assert (stage.mean_len, stage.all_correct, stage.all_wrong) == (4.0, 0.5, 0.25)
+
+
+# --- issue 26: several engine groups, prompt-order decisions, the whole step -----------------------------------
+
+
+def test_spread_splits_a_group_over_engines_like_plan_shares():
+    # One group of 4 responses over 2 engines: engine 0 takes responses 0 and 2 (3, 2), engine 1 takes 1 and 3 (1, 2).
+    sim = EngineSim(EngineModel(engines=2, max_seqs=1, t0=1.0, t1=0.0))
+    spread(sim, np.array([[3, 1, 2, 2]]))
+    assert [[sim.seq_len[s] for s in q] for q in sim.queues] == [[3, 2], [1, 2]]
+    while sim.advance() is not None:
+        pass
+    assert sim.now == pytest.approx(5.0)  # one slot each: engine 0 runs 3 then 2
+
+
+def test_chunked_rounds_wait_for_each_chunk_over_two_engines():
+    # Need 2 groups, G=2, a round of 4 prompts in chunks of 2 over 2 engines (2 slots each, 1 s per token).
+    # Chunk 1: g0 [1,3] usable on engine 0, g1 [2,2] rejected on engine 1: lasts 3 s. Chunk 2: g2 [4,1] usable
+    # (engine 0, 4 s), g3 [1,1] usable (engine 1, 1 s): lasts 4 s, g3 is surplus. Wall 3 + 4.
+    groups, usable = [[1, 3], [2, 2], [4, 1], [1, 1]], [True, False, True, True]
+    model, recipe = EngineModel(2, 2, 1.0, 0.0), Recipe(2, 2, 4, 5)
+    res = batch_and_filter_step(ListPool(groups, usable), recipe, model, chunk=2)
+    assert (res.wall_s, res.prompts_drawn, res.gen_batches) == (pytest.approx(7.0), 4, 1)
+    assert (res.kept, res.rejected, res.surplus) == (9.0, 4.0, 2.0)
+    # The whole round at once: engine 0 runs g0 and g2 (slot 0: 1 then 4 -> t=5), engine 1 g1 and g3 (t=3): 5 s.
+    whole = batch_and_filter_step(ListPool(groups, usable), recipe, model)
+    assert (whole.wall_s, whole.kept, whole.surplus) == (pytest.approx(5.0), 9.0, 2.0)
+    # A chunk that fills the step ends it: the second chunk is never drawn.
+    early = batch_and_filter_step(ListPool(groups, [True, True, True, True]), recipe, model, chunk=2)
+    assert (early.wall_s, early.prompts_drawn, early.kept) == (pytest.approx(3.0), 2, 8.0)
+
+
+def test_prompt_order_streaming_waits_for_earlier_groups_two_engines():
+    # Two engines with one slot each, G=1, need 2. t=0: g0 (4) on engine 0, g1 (1) on engine 1; t=1: g1 ends,
+    # g2 (1) starts on engine 1; t=2: g2 ends, g3 (5) starts. In completion order g1 and g2 fill the step at t=2
+    # (g0 aborted at 2 tokens, g3 at 0). In prompt order g0 must finish first: at t=4 g0 and g1 are kept, g2 (done
+    # out of order) is surplus, and g3 is aborted at 2 tokens.
+    groups, usable = [[4], [1], [1], [5], [9], [9]], [True, True, True, True, True, True]
+    model, recipe = EngineModel(2, 1, 1.0, 0.0), Recipe(2, 1, 3, 10)
+    done, _ = streaming_step(ListPool(groups, usable), recipe, model, [], partial=False)
+    assert (done.wall_s, done.kept, done.surplus, done.aborted) == (pytest.approx(2.0), 2.0, 0.0, pytest.approx(2.0))
+    ordered, _ = streaming_step(ListPool(groups, usable), recipe, model, [], partial=False, order="prompt")
+    assert (ordered.wall_s, ordered.kept, ordered.surplus) == (pytest.approx(4.0), 5.0, 1.0)
+    assert ordered.aborted == pytest.approx(2.0) and ordered.prompts_drawn == 4
+    assert ordered.kept_lengths == [4.0, 1.0]  # prompt order keeps the long first group: no length bias
+    with pytest.raises(ValueError, match="order="):
+        streaming_step(ListPool(groups, usable), recipe, model, [], partial=False, order="random")
+
+
+def test_prompt_order_rejects_earlier_unusable_groups_before_keeping():
+    # One engine, two slots, G=1, need 1: g0 (3, unusable) and g1 (1, usable) start; g1 ends at t=1 but waits for g0
+    # (t=3, rejected); then g1 is kept. g2 (1) started at t=1 and ended at t=2, out of order: surplus.
+    pool = ListPool([[3], [1], [1], [7]], [False, True, True, True])
+    res, _ = streaming_step(pool, Recipe(1, 1, 3, 10), EngineModel(1, 2, 1.0, 0.0), [], partial=False, order="prompt")
+    assert (res.wall_s, res.rejected, res.kept, res.surplus) == (pytest.approx(3.0), 3.0, 1.0, 1.0)
+    assert res.aborted == pytest.approx(1.0)  # g3 started at t=2
+
+
+def test_sync_step_is_the_sum_of_its_phases():
+    st = sync_step(Phases(generation=600.0, old_logprobs=60.0, train=180.0, weight_sync=2.0))
+    assert (st.step, st.trainer_wait, st.engine_wait) == (842.0, 0.0, 0.0)
+
+
+def test_async_step_trainer_slower_than_generation():
+    # Engines generate batch k+1 in 10 s while the trainer needs 5 + 10 s on batch k: the engines wait 5 s.
+    st = async_step(10.0, Phases(99.0, 5.0, 10.0, 0.0), transfer=1.0)
+    assert (st.step, st.trainer_wait, st.engine_wait) == (16.0, 0.0, 5.0)
+    assert (st.phases.generation, st.phases.weight_sync) == (10.0, 1.0)  # the next batch's generation, the transfer
+
+
+def test_async_step_generation_slower_than_trainer():
+    st = async_step(20.0, Phases(99.0, 5.0, 10.0, 0.0), transfer=1.0)
+    assert (st.step, st.trainer_wait, st.engine_wait) == (21.0, 5.0, 0.0)
+
+
+def test_async_steps_pair_each_batch_with_the_next_generation():
+    trainer = [Phases(10.0, 2.0, 8.0, 0.0), Phases(30.0, 5.0, 20.0, 0.0)]
+    steps = async_steps([10.0, 30.0], trainer, transfer=0.5)
+    # Period 0: trainer on batch 0 (10 s) beside batch 1's generation (30 s); period 1: 25 s beside batch 0's 10 s.
+    assert [s.step for s in steps] == [30.5, 25.5]
+    assert mean_step(steps).step == pytest.approx(28.0) and mean_step(steps).trainer_wait == pytest.approx(10.0)
+    with pytest.raises(ValueError, match="one generation time"):
+        async_steps([1.0], trainer, 0.0)
+
+
+def test_trainer_phases_follow_the_kept_length():
+    from dapo_mcore.model.presets import preset_config
+    from dapo_mcore.planner import PlanInput
+    from dapo_mcore.telemetry.flops import ModelShape, sequence_forward_flops
+
+    p = PlanInput(model=preset_config("qwen2.5-32b"), tensor_parallel=8, pipeline_parallel=2, data_parallel=8,
+                  recompute="selective")
+    short, long = StepResult(kept_lengths=[900.0, 1100.0]), StepResult(kept_lengths=[5000.0])
+    (lp_s, tr_s), (lp_l, tr_l) = _trainer_phases(p, [short, long], prompt_len=256)
+    # Naive reference: 512 x 16 sequences of 256 + 1000 tokens, one forward each, on 128 GPUs at 35% of 989.4 TFLOP/s.
+    fwd = sequence_forward_flops(ModelShape.from_hf(p.model), 256 + 1000) * 512 * 16
+    assert lp_s == pytest.approx(fwd / (128 * 989.4e12 * 0.35))
+    assert 3.0 < tr_s / lp_s < 3.2  # forward + backward (3x) plus selective recompute of core attention
+    assert lp_l / lp_s > (256 + 5000) / (256 + 1000)  # attention grows faster than linearly
