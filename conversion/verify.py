@@ -127,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vpp", type=int, default=1)
     p.add_argument("--layer-spec", default="local", choices=("local", "transformer_engine"))
     p.add_argument("--vocab-divisible-by", type=int, default=128)
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="compute dtype of both models (default: the checkpoint's own: --mcore's, else --hf's weights)")
     p.add_argument("--prompt", action="append", help="prompt text (repeatable; needs tokenizer files in --hf)")
     p.add_argument("--batch", type=int, default=2, help="random prompts when no --prompt is given")
     p.add_argument("--seq-len", type=int, default=16)
@@ -137,6 +138,32 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{', '.join(f'{k} {v:g}' for k, v in DEFAULT_ATOL.items())}, times max(1, max |logit|))")
     p.add_argument("--json", default=None, help="also write the numbers to this file (rank 0)")
     return add_debug_flag(p)
+
+
+def check_world(world_size: int, tp: int, pp: int) -> None:
+    """Refuse, before any process group exists, a launch that cannot hold --tp x --pp (naming the torchrun line)."""
+    from dapo_mcore.weights.errors import WeightsError
+
+    if tp < 1 or pp < 1:
+        raise WeightsError(f"--tp {tp} --pp {pp}: both must be >= 1.")
+    if world_size % (tp * pp):
+        raise WeightsError(f"--tp {tp} --pp {pp} needs a multiple of {tp * pp} processes, this launch has {world_size}: "
+                           f"run under torchrun --nproc_per_node {tp * pp} -m conversion.verify ...")
+
+
+def checkpoint_dtype(hf_dir: Path, mcore: str | None) -> str:
+    """The dtype the checkpoint under test holds: the Megatron checkpoint's (``--mcore``), else the HF weights'
+    (their common floating dtype; float32 when they mix dtypes)."""
+    if mcore:
+        from dapo_mcore.weights import checkpoint as ckpt
+
+        return ckpt.read_meta(ckpt.resolve_checkpoint_dir(mcore)).dtype
+    from dapo_mcore.weights.safetensors_io import SafetensorsDirSource
+
+    dtypes = {d for d, _ in SafetensorsDirSource(hf_dir).meta.values() if d.is_floating_point}
+    if len(dtypes) == 1 and str(next(iter(dtypes))).removeprefix("torch.") in DEFAULT_ATOL:
+        return str(next(iter(dtypes))).removeprefix("torch.")
+    return "float32"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,9 +179,14 @@ def _main(args) -> int:
     from dapo_mcore.weights.live import load_hf_into_model, load_megatron_checkpoint_into_model
     from dapo_mcore.weights.safetensors_io import parse_dtype
 
-    hf_dir, dtype = Path(args.hf), parse_dtype(args.dtype)
+    hf_dir = Path(args.hf)
     hf_config = read_hf_config(hf_dir)
-    init_distributed(read_launch_env(), "auto")
+    launch = read_launch_env()
+    check_world(launch.world_size, args.tp, args.pp)
+    args.dtype = args.dtype or checkpoint_dtype(hf_dir, args.mcore)
+    dtype = parse_dtype(args.dtype)
+    logging.getLogger(__name__).info("comparing logits in %s", args.dtype)
+    init_distributed(launch, "auto")
     try:
         init_model_parallel(args.tp, args.pp, args.vpp if args.vpp > 1 else None, seed=1)
         tconfig = transformer_config(hf_config, tensor_parallel=args.tp, pipeline_parallel=args.pp,

@@ -375,6 +375,13 @@ def _validate_layout(cfg: Config, world_size: int) -> None:
         raise ConfigError("parallel.virtual_pipeline needs parallel.pipeline_parallel >= 2; unset it or raise pipeline_parallel.")
     if p.sequence_parallel and p.tensor_parallel < 2:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tensor_parallel >= 2.")
+    if p.sequence_parallel and cfg.model.layer_spec == "local":
+        raise ConfigError("parallel.sequence_parallel=true needs model.layer_spec=transformer_engine: the local spec's "
+                          "torch RMSNorm has no sequence parallelism (Megatron asserts on every rank); set "
+                          "parallel.sequence_parallel=false or model.layer_spec=transformer_engine.")
+    if p.distributed_optimizer and p.backend == "gloo":
+        raise ConfigError("parallel.distributed_optimizer=true needs NCCL (gloo has no reduce-scatter); with "
+                          "parallel.backend=gloo set parallel.distributed_optimizer=false.")
     model_parallel = p.tensor_parallel * p.pipeline_parallel
     if world_size % model_parallel:
         raise ConfigError(f"world size {world_size} is not a multiple of tensor_parallel x pipeline_parallel = "

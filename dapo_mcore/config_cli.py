@@ -110,12 +110,41 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=10")
     parser.add_argument("--world-size", type=int, default=None,
                         help="processes to validate the layout for (default: from torchrun/Slurm variables, else 1)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may follow --world-size
     world = args.world_size or world_size_from_env()
     cfg = precheck(args.config, args.overrides, world)
+    check_run_dir(cfg)
     sys.stdout.write(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     sys.stdout.write("# derived\n" + "".join(f"# {line}\n" for line in describe_layout(cfg, world)))
+    refusal = hardware_refusal(cfg)
+    if refusal:
+        sys.stderr.write(f"warning: on this machine train would refuse: {refusal}\n")
     return 0
+
+
+def check_run_dir(cfg: Config) -> None:
+    """The run-directory refusals of ``train`` (another run's directory, resume=never, not writable), writing
+    nothing."""
+    from dapo_mcore.runtime import check_writable, refuse_other_run
+
+    run_dir = Path(cfg.run.dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"run.dir={str(run_dir)!r} exists and is not a directory; choose another run.dir.")
+    check_writable(run_dir, "run.dir")
+    refuse_other_run(cfg)
+
+
+def hardware_refusal(cfg: Config) -> str | None:
+    """What ``runtime.check_hardware`` would refuse on this machine (GPU-only settings without the GPU stack), or
+    None. A warning, not an error: cluster configs are checked on laptops."""
+    from dapo_mcore.model.fp8 import MissingGPUExtra
+    from dapo_mcore.runtime import check_hardware
+
+    try:
+        check_hardware(cfg)
+    except (MissingGPUExtra, ConfigError, ImportError) as err:
+        return str(err)
+    return None
 
 
 if __name__ == "__main__":

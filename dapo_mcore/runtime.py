@@ -84,20 +84,27 @@ def prepare_run_dir(cfg: Config, launch: LaunchEnv) -> None:
     run lock comes first (``claim_run_dir``, in ``build_components``), then run.overwrite's deletion, and
     ``write_resolved`` runs once every input has been checked."""
     run_dir = Path(cfg.run.dir)
-    existing = run_dir / "config.yaml"
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run.dir={str(run_dir)!r} exists and is not a directory; choose another run.dir.")
     check_writable(run_dir, "run.dir")
-    if launch.rank == 0 and not cfg.run.overwrite:
-        if existing.is_file():
-            changed = identity_diff(yaml.safe_load(existing.read_text()) or {}, to_dict(cfg))
-            if changed:
-                shown = "; ".join(changed[:8]) + (f"; and {len(changed) - 8} more" if len(changed) > 8 else "")
-                raise ConfigError(f"run directory {run_dir} holds another run ({shown}). Use a new run.dir, "
-                                  "or run.overwrite=true to delete it.")
-            if cfg.run.resume == "never":
-                raise ConfigError(f"run directory {run_dir} already holds this run and run.resume=never; use "
-                                  "run.resume=auto to continue it or run.overwrite=true to start over.")
+    if launch.rank == 0:
+        refuse_other_run(cfg)
+
+
+def refuse_other_run(cfg: Config) -> None:
+    """Raise ConfigError if run.dir holds another run, or this run with run.resume=never (unless run.overwrite)."""
+    run_dir = Path(cfg.run.dir)
+    existing = run_dir / "config.yaml"
+    if cfg.run.overwrite or not existing.is_file():
+        return
+    changed = identity_diff(yaml.safe_load(existing.read_text()) or {}, to_dict(cfg))
+    if changed:
+        shown = "; ".join(changed[:8]) + (f"; and {len(changed) - 8} more" if len(changed) > 8 else "")
+        raise ConfigError(f"run directory {run_dir} holds another run ({shown}). Use a new run.dir, "
+                          "or run.overwrite=true to delete it.")
+    if cfg.run.resume == "never":
+        raise ConfigError(f"run directory {run_dir} already holds this run and run.resume=never; use "
+                          "run.resume=auto to continue it or run.overwrite=true to start over.")
 
 
 def claim_run_dir(cfg: Config, launch: LaunchEnv) -> Any:
@@ -448,6 +455,32 @@ def run_stop_tokens(cfg: Config, hf_dir: Path | None, hf_config: dict[str, Any],
     return stops
 
 
+def checkpoint_dtype(cfg: Config, hf_dir: Path | None) -> str | None:
+    """The dtype of the weights the run starts from (model.mcore_path's metadata, else the HF weights' common floating
+    dtype), or None (random init, mixed dtypes)."""
+    if cfg.model.mcore_path:
+        from dapo_mcore.weights import checkpoint as ckpt
+
+        return ckpt.read_meta(ckpt.resolve_checkpoint_dir(cfg.model.mcore_path)).dtype
+    if hf_dir is None or not any(hf_dir.glob("*.safetensors")):
+        return None
+    from dapo_mcore.weights.safetensors_io import SafetensorsDirSource
+
+    dtypes = {str(d).removeprefix("torch.") for d, _ in SafetensorsDirSource(hf_dir).meta.values() if d.is_floating_point}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
+def log_dtype_rule(cfg: Config, hf_dir: Path | None) -> None:
+    """The one dtype rule: the model is built in model.params_dtype and the starting weights (HF or Megatron) are cast
+    to it on load; said once when they differ."""
+    held = checkpoint_dtype(cfg, hf_dir)
+    if held is not None and held != cfg.model.params_dtype:
+        source = f"model.mcore_path={cfg.model.mcore_path}" if cfg.model.mcore_path else f"{hf_dir}"
+        log.warning("%s holds %s weights: they are cast to model.params_dtype=%s on load (set "
+                    "model.params_dtype=%s to train in the checkpoint's dtype)", source, held, cfg.model.params_dtype,
+                    held)
+
+
 def _build_engine(cfg: Config, hf_dir: Path | None, hf_config: dict[str, Any], tokenizer, stops):
     if cfg.rollout.engine == "vllm":
         from dapo_mcore.rollout.vllm_engine import VLLMEngine, VLLMEngineOptions
@@ -519,6 +552,7 @@ def _build_parts(cfg: Config, launch: LaunchEnv, *, resume: bool, checkpoint: st
     stops = run_stop_tokens(cfg, hf_dir, hf_config, tokenizer)
     train_records = _drop_long(train_records, tokenizer, cfg, "train", filter_by_length)
     eval_records = _drop_long(eval_records, tokenizer, cfg, "eval", filter_by_length)
+    log_dtype_rule(cfg, hf_dir)
     actor = MegatronActor(_actor_settings(cfg, hf_config, tokenizer.pad_token_id))
     if cfg.model.mcore_path:
         actor.load_megatron(cfg.model.mcore_path)

@@ -79,3 +79,21 @@ def test_config_errors_and_bad_eval_paths_come_before_heavy_imports(tmp_path):
     bad_ckpt = _cli("eval", "examples/tiny_cpu.yaml", "--checkpoint", str(tmp_path / "nope"))
     assert bad_ckpt.returncode == 2 and "no such directory" in bad_ckpt.stderr
     assert "heavy: []" in bad_ckpt.stdout
+
+
+def test_config_refuses_what_train_refuses(tmp_path, capsys):
+    """Issue 30 item 3: overrides after --world-size; sequence parallel on the local spec, the distributed optimizer
+    on gloo and another run's directory are refused by `config`, as `train` refuses them, before anything starts."""
+    tiny = str(ROOT / "examples/tiny_cpu.yaml")
+    assert main([tiny, "--world-size", "2", "parallel.tensor_parallel=2", f"run.dir={tmp_path / 'r'}"]) == 0
+    assert "tensor parallel 2" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="sequence_parallel=true needs model.layer_spec=transformer_engine"):
+        main([tiny, "--world-size", "2", "parallel.tensor_parallel=2", "parallel.sequence_parallel=true"])
+    with pytest.raises(ConfigError, match="with parallel.backend=gloo set parallel.distributed_optimizer=false"):
+        main([tiny, "parallel.backend=gloo", "parallel.distributed_optimizer=true"])
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("algo:\n  clip_high: 0.5\n")
+    with pytest.raises(ConfigError, match="holds another run"):
+        main([tiny, f"run.dir={run}"])
+    assert main([tiny, f"run.dir={run}", "run.overwrite=true"]) == 0

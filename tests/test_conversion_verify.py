@@ -47,3 +47,22 @@ def test_transformers5_theta_and_bf16_mcore_verify(tmp_path):
 
     rc, _, err = _verify(tmp_path, "--hf", str(hf), "--mcore", str(tmp_path / "m16"), "--dtype", "float32")
     assert rc == 2 and "verify --dtype bfloat16" in err and "Traceback" not in err
+
+
+def test_verify_defaults_to_the_checkpoints_dtype_and_names_torchrun(tmp_path):
+    """Issue 30 items 3-4: no --dtype = the checkpoint's (a bf16 --mcore verifies in bf16 instead of failing after
+    start-up); --tp 2 --pp 2 in one process says which torchrun line to use, before any process group."""
+    from conversion.verify import check_world, checkpoint_dtype
+    from dapo_mcore.weights.errors import WeightsError
+
+    hf = tmp_path / "hf"
+    save_tiny_hf_model(hf, seed=3)
+    convert_hf_to_mcore(hf, tmp_path / "m16", ParallelLayout(), dtype=__import__("torch").bfloat16)
+    assert checkpoint_dtype(hf, None) == "float32" and checkpoint_dtype(hf, str(tmp_path / "m16")) == "bfloat16"
+    rc, stats, err = _verify(tmp_path, "--hf", str(hf), "--mcore", str(tmp_path / "m16"))
+    assert rc == 0 and "comparing logits in bfloat16" in err and stats["top1_agreement"] >= 0.95, err
+    with pytest.raises(WeightsError, match="run under torchrun --nproc_per_node 4 -m conversion.verify"):
+        check_world(1, 2, 2)
+    check_world(8, 2, 2)
+    rc, _, err = _verify(tmp_path, "--hf", str(hf), "--tp", "2", "--pp", "2")
+    assert rc == 2 and "torchrun --nproc_per_node 4" in err and "Traceback" not in err

