@@ -66,7 +66,8 @@ def test_healthy_run_has_no_findings():
     d = diagnose(Run(healthy(), CFG))
     assert d.findings == []
     assert d.skipped == []
-    assert set(d.ok) == {"usable-groups", "entropy", "clip-high", "length-limit", "mismatch", "reward-vs-heldout",
+    assert set(d.ok) == {"cannot-learn", "usable-groups", "entropy", "clip-high", "length-limit", "mismatch",
+                         "reward-vs-heldout",
                          "spikes", "warmup"}
 
 
@@ -149,9 +150,33 @@ def test_lr_still_in_warmup():
     assert "warmup" not in findings(with_series(healthy(), keys.TRAIN_LR, lambda s, f: 5e-4 * min(1, s / 10)), cfg)
 
 
-def test_too_few_steps_skips_every_rule():
+def test_too_few_steps_skips_the_trend_rules_only():
     d = diagnose(Run(healthy(2), CFG))
-    assert d.findings == [] and d.ok == [] and len(d.skipped) == 8
+    assert d.findings == [] and d.skipped == []
+    assert sorted(d.ok) == ["cannot-learn", "length-limit", "spikes", "usable-groups", "warmup"]
+    assert sorted(d.too_short) == ["clip-high", "entropy", "mismatch", "reward-vs-heldout"]
+
+
+def test_a_short_dead_run_says_why_it_cannot_learn(tmp_path, capsys):
+    """Issue 30 item 7: 3 steps, 100% truncation, 0 usable groups, loss 0 got '0 warning(s)' and 'metrics not
+    logged'."""
+    dead = [{keys.STEP: s, keys.ROLLOUT_USABLE_GROUP_FRAC: 0.0, keys.ROLLOUT_TRUNCATED_FRAC: 1.0,
+             keys.ROLLOUT_ACC_MEAN: 0.0, keys.ROLLOUT_REWARD_MEAN: -2.0, keys.TRAIN_LOSS: 0.0,
+             keys.TRAIN_GRAD_NORM: 0.0, keys.TRAIN_LR: 5e-4, keys.ROLLOUT_RESP_LEN_MEAN: 6.0} for s in (1, 2, 3)]
+    d = diagnose(Run(dead, CFG))
+    by = {f.rule: f for f in d.findings}
+    assert {"cannot-learn", "usable-groups", "length-limit"} <= set(by) and all(f.level == "warn" for f in by.values())
+    assert "ran to the length limit" in by["cannot-learn"].message
+    assert "rollout.stop_token_ids" in by["cannot-learn"].advice and "loss exactly 0" in by["cannot-learn"].evidence
+    assert by["length-limit"].steps == "1-3"
+    for name in ("metrics.jsonl",):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in dead))
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "3 warning(s)" in out and "not judged (trends need >= 4 logged training steps): reward-vs-heldout" in out
+    wrong = [dict(r, **{keys.ROLLOUT_TRUNCATED_FRAC: 0.0}) for r in dead]
+    assert "every answer was wrong" in {f.rule: f for f in diagnose(Run(wrong, CFG)).findings}["cannot-learn"].message
+    assert "cannot-learn" not in {f.rule for f in diagnose(Run(healthy(3), CFG)).findings}
 
 
 def test_tiny_default_run_raises_no_warning():

@@ -3,7 +3,9 @@
 Each rule reads a few series and returns findings in plain words, with the steps and the numbers that support
 them and what to try next. ``warn`` marks something that is likely holding the run back; ``info`` marks
 something worth knowing that is not a fault (e.g. the policy solved its training data and groups stopped being
-mixed). A rule whose metrics were not logged is listed as skipped; a rule that found nothing as ok.
+mixed). A rule whose metrics were not logged is listed as skipped; a rule that found nothing as ok. Rules on levels
+(cannot-learn, usable-groups, length-limit, non-finite values, warm-up) judge runs of any length; trend rules need
+MIN_STEPS logged training steps and are listed as not judged before that.
 
 Windows: "start" and "end" are the first and last ``max(3, n // 5)`` steps of the ``n`` logged training steps.
 No Megatron, torch or matplotlib import: diagnosing a run is instant on a login node.
@@ -16,7 +18,7 @@ import json
 import math
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -154,8 +156,12 @@ def _dynamic_sampling_cost(run: Run) -> str:
 def rule_usable_groups(run: Run) -> list[Finding]:
     """Usable-group fraction low or collapsing: saturated (all-correct groups) or hopeless (all-wrong)."""
     se = run.start_end(keys.ROLLOUT_USABLE_GROUP_FRAC)
-    if se is None:
-        return []
+    if se is None:  # a short run: no trend, but a level
+        steps_all, values = run.series(keys.ROLLOUT_USABLE_GROUP_FRAC)
+        if not values:
+            return []
+        rng = f"{steps_all[0]}-{steps_all[-1]}"
+        se = (_mean(values), _mean(values), rng, rng)
     start, end, s_rng, e_rng = se
     if end >= USABLE_LOW:
         return []
@@ -237,7 +243,7 @@ def rule_clip_high(run: Run) -> list[Finding]:
 def rule_length_limit(run: Run) -> list[Finding]:
     """Responses hitting the generation length limit."""
     steps, values = run.series(keys.ROLLOUT_TRUNCATED_FRAC)
-    if len(values) < MIN_STEPS:
+    if not values:
         return []
     end = run.end_mean(keys.ROLLOUT_TRUNCATED_FRAC)
     assert end is not None
@@ -352,7 +358,44 @@ def rule_warmup(run: Run) -> list[Finding]:
                     "the run never trained at full lr: lower optim.warmup_steps below train.steps, or train longer")]
 
 
+def rule_cannot_learn(run: Run) -> list[Finding]:
+    """A run that cannot learn whatever its length: no step had a usable group (every group all-right or all-wrong,
+    so every advantage is 0), or the loss and gradient were exactly 0 in every step. Says which cause fits."""
+    steps, usable = run.series(keys.ROLLOUT_USABLE_GROUP_FRAC)
+    _, loss = run.series(keys.TRAIN_LOSS)
+    _, grad = run.series(keys.TRAIN_GRAD_NORM)
+    no_groups = bool(usable) and max(usable) == 0.0
+    no_signal = bool(loss) and all(v == 0.0 for v in loss) and (not grad or all(v == 0.0 for v in grad))
+    if not (no_groups or no_signal):
+        return []
+    rng = f"{(steps or run.train_steps)[0]}-{(steps or run.train_steps)[-1]}"
+    trunc, acc = run.end_mean(keys.ROLLOUT_TRUNCATED_FRAC), run.end_mean(keys.ROLLOUT_ACC_MEAN)
+    parts = [f"usable-group fraction {max(usable):.2f} at best" if usable else "",
+             f"loss {'exactly 0' if no_signal else f'{loss[-1]:.3g}'} in every step" if loss else "",
+             f"truncated fraction {trunc:.3f}" if trunc is not None else "",
+             f"rollout accuracy {acc:.3f}" if acc is not None else ""]
+    limit = run.cfg("rollout", "max_new_tokens")
+    if trunc is not None and trunc >= 0.99:
+        why = "every response ran to the length limit, so every answer scores the same"
+        advice = (f"check how responses end (`dapo-mcore rollouts RUN` shows finish and the stop id): a model whose "
+                  f"EOS is not among the stop tokens never stops (add it to rollout.stop_token_ids); else raise "
+                  f"rollout.max_new_tokens{f'={limit}' if limit is not None else ''}")
+    elif acc is not None and acc == 0.0:
+        why = "every answer was wrong, so every group is all-wrong"
+        advice = ("the data is too hard for the model or the answers are in a format the reward cannot read: run "
+                  "`dapo-mcore audit-reward` and read `dapo-mcore rollouts RUN`; easier data or a larger rollout.n")
+    elif acc is not None and acc == 1.0:
+        why = "every answer was right, so every group is all-correct"
+        advice = "the model already solves this data: train on harder prompts"
+    else:
+        why = "every advantage was 0"
+        advice = "a larger rollout.n gives mixed groups more often; check the reward gives different scores"
+    return [Finding("cannot-learn", "warn", rng, f"this run cannot learn: {why}",
+                    "; ".join(p for p in parts if p), advice)]
+
+
 RULES: tuple[tuple[str, tuple[str, ...], Callable[[Run], list[Finding]]], ...] = (
+    ("cannot-learn", (keys.ROLLOUT_USABLE_GROUP_FRAC, keys.TRAIN_LOSS), rule_cannot_learn),
     ("usable-groups", (keys.ROLLOUT_USABLE_GROUP_FRAC,), rule_usable_groups),
     ("entropy", (keys.TRAIN_ENTROPY,), rule_entropy),
     ("clip-high", (keys.TRAIN_CLIPFRAC_HIGH,), rule_clip_high),
@@ -363,6 +406,8 @@ RULES: tuple[tuple[str, tuple[str, ...], Callable[[Run], list[Finding]]], ...] =
     ("warmup", (keys.TRAIN_LR,), rule_warmup),
 )
 """(name, metrics it needs, rule). A rule runs when at least one of its metrics was logged."""
+LEVEL_RULES = frozenset({"cannot-learn", "usable-groups", "length-limit", "spikes", "warmup"})
+"""Rules that judge levels (or non-finite values), not trends: they run on a run of any length."""
 
 
 @dataclass(frozen=True)
@@ -370,21 +415,27 @@ class Diagnosis:
     findings: list[Finding]
     ok: list[str]
     skipped: list[str]
+    """Rules none of whose metrics were logged."""
     summary: str
+    too_short: list[str] = field(default_factory=list)
+    """Trend rules not judged: fewer than MIN_STEPS logged training steps."""
 
 
 def diagnose(run: Run) -> Diagnosis:
-    """Apply every rule; rules with none of their metrics logged are skipped."""
-    findings, ok, skipped = [], [], []
+    """Apply every rule; rules with none of their metrics logged are skipped; trend rules need MIN_STEPS steps."""
+    findings, ok, skipped, too_short = [], [], [], []
     for name, needs, rule in RULES:
-        if not any(run.has(k) for k in needs) or len(run.train_steps) < MIN_STEPS:
+        if not any(run.has(k) for k in needs):
             skipped.append(name)
+            continue
+        if len(run.train_steps) < MIN_STEPS and name not in LEVEL_RULES:
+            too_short.append(name)
             continue
         out = rule(run)
         findings.extend(out)
         if not out:
             ok.append(name)
-    return Diagnosis(findings, ok, skipped, _summary(run))
+    return Diagnosis(findings, ok, skipped, _summary(run), too_short)
 
 
 def _summary(run: Run) -> str:
@@ -401,8 +452,7 @@ def _summary(run: Run) -> str:
 
 def render(run_dir: Path, d: Diagnosis) -> str:
     lines = [f"diagnose {run_dir}: {d.summary}"]
-    if len(d.ok) + len(d.findings) == 0:
-        lines.append(f"too few logged training steps (< {MIN_STEPS}) to judge trends")
+
     for f in sorted(d.findings, key=lambda f: f.level != "warn"):
         lines.append(f"[{f.level}] {f.rule} (steps {f.steps}): {f.message}")
         lines.append(f"    evidence: {f.evidence}")
@@ -411,6 +461,8 @@ def render(run_dir: Path, d: Diagnosis) -> str:
         lines.append("ok: " + ", ".join(d.ok))
     if d.skipped:
         lines.append("skipped (metrics not logged): " + ", ".join(d.skipped))
+    if d.too_short:
+        lines.append(f"not judged (trends need >= {MIN_STEPS} logged training steps): " + ", ".join(d.too_short))
     warns = sum(f.level == "warn" for f in d.findings)
     lines.append(f"{warns} warning(s), {len(d.findings) - warns} note(s)")
     return "\n".join(lines)
@@ -439,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     d = diagnose(run)
     if args.json:
         print(json.dumps({"summary": d.summary, "findings": [asdict(f) for f in d.findings], "ok": d.ok,
-                          "skipped": d.skipped}, indent=1))
+                          "skipped": d.skipped, "too_short": d.too_short}, indent=1))
     else:
         print(render(args.run_dir, d))
     return 1 if args.fail_on_warn and any(f.level == "warn" for f in d.findings) else 0
