@@ -21,7 +21,7 @@ import torch
 from dapo_mcore.algo.dynamic_sampling import Group
 from dapo_mcore.algo.overlong import overlong_penalty
 from dapo_mcore.data.records import PromptRecord
-from dapo_mcore.rollout.engine_groups import EngineGroups, EngineGroupStream, round_robin
+from dapo_mcore.rollout.engine_groups import EngineGroups, EngineGroupStream, ExchangeTally, round_robin
 from dapo_mcore.rollout.gather import apply_once, broadcast_shares, merge_shares, plan_shares
 from dapo_mcore.rollout.groups import GroupData, as_group
 from dapo_mcore.rollout.partial import Buffered, join, stale_response
@@ -62,6 +62,8 @@ class ColocatedRollouts:
         self.score, self.encode_prompt, self.timer = score, encode_prompt, timer
         self.groups = groups or EngineGroups()
         self.streams = streams
+        self.exchanges = ExchangeTally()
+        """Exchanges between engine groups while streaming (several groups) since start, and their wall seconds."""
 
     # ---- the interface ------------------------------------------------------------------------------------
     @property
@@ -172,7 +174,7 @@ class ColocatedRollouts:
         mine = round_robin(len(records), self.groups)
         local = (self.engine.stream([prompt_ids[i] for i in mine],
                                     dataclasses.replace(params, seed=self.groups.seed(params.seed))) if mine else None)
-        stream = EngineGroupStream(local, mine, self.groups, self.cfg.rollout.schedule.exchange_every)
+        stream = EngineGroupStream(local, mine, self.groups, self.cfg.rollout.schedule.exchange_every, self.exchanges)
 
         def scored() -> Iterator[tuple[int, Group]]:
             with self.timer.phase("generate"):

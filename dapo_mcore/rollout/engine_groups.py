@@ -15,6 +15,7 @@ every rank buffers the same ones.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from dapo_mcore.rollout.gather import broadcast_shares
 from dapo_mcore.rollout.protocol import PartialGroup, Response
 
-__all__ = ["EngineGroups", "EngineGroupStream", "round_robin"]
+__all__ = ["EngineGroups", "EngineGroupStream", "ExchangeTally", "round_robin"]
 
 
 @dataclass
@@ -41,6 +42,14 @@ class EngineGroups:
     def seed(self, seed: int | None) -> int:
         """This group's share of a call seeded ``seed``: each group draws its own samples."""
         return (seed or 0) + 1_000_003 * self.index
+
+
+@dataclass
+class ExchangeTally:
+    """Exchanges between engine groups, and the wall seconds they took (waiting for the slowest group included)."""
+
+    count: int = 0
+    seconds: float = 0.0
 
 
 def round_robin(num_items: int, groups: EngineGroups) -> list[int]:
@@ -66,16 +75,18 @@ class EngineGroupStream:
         positions: the chunk position of each of ``local``'s prompts.
         groups: the engine-group layout.
         exchange_every: decode steps between two exchanges.
+        tally: where the exchanges are counted (the caller's running total).
     """
 
-    def __init__(self, local: Any, positions: list[int], groups: EngineGroups, exchange_every: int) -> None:
+    def __init__(self, local: Any, positions: list[int], groups: EngineGroups, exchange_every: int,
+                 tally: ExchangeTally | None = None) -> None:
         self.local, self.positions, self.groups, self.every = local, positions, groups, exchange_every
         self._ticks = local.ticks() if local is not None else iter(())
         self._exhausted = local is None
         self._unclaimed: dict[int, list[Response]] = {}
         self._partials: list[PartialGroup] = []
-        self.exchanges = 0
-        """Exchanges made so far (each: one size all-gather, the leaders' broadcasts, one all-reduce)."""
+        self.tally = tally if tally is not None else ExchangeTally()
+        """Each exchange: one size all-gather, the leaders' broadcasts, one all-reduce."""
 
     def ticks(self) -> Iterator[list[tuple[int, list[Response]]]]:
         """Per exchange, the groups that ended on any engine since the last one, in prompt order (the same list on
@@ -89,10 +100,12 @@ class EngineGroupStream:
                     mine.extend(next(self._ticks))
                 except StopIteration:
                     self._exhausted = True
+            start = time.perf_counter()
             shares = broadcast_shares([self.positions[i] for i, _ in mine], [r for _, r in mine],
                                       sender=self.groups.leader)
             running = _sum_over_ranks([int(not self._exhausted)])[0]
-            self.exchanges += 1
+            self.tally.count += 1
+            self.tally.seconds += time.perf_counter() - start
             ended = sorted((pos, rs) for share in shares for pos, rs in share.items())
             self._unclaimed.update(ended)
             if ended:
