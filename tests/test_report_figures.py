@@ -56,3 +56,43 @@ def test_compare_cli_x_axes(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         report.main([str(a), "--compare", str(b), "--x", "tokens"])
     assert exc.value.code == 2
+
+
+def test_pngs_are_written_atomically_with_integer_steps_and_a_length_line(tmp_path, monkeypatch):
+    """#29 item 6: a kill mid-savefig leaves the previous figure (or none), never a 0-byte one; #30 item 10: a 3-step
+    run gets integer step ticks, and response_length.png a line at rollout.max_new_tokens."""
+    from matplotlib.figure import Figure
+
+    run = tmp_path / "run"
+    with MetricsWriter(run) as w:
+        for s in (1, 2, 3):
+            w.log(s, {keys.ROLLOUT_ACC_MEAN: 0.1 * s, keys.ROLLOUT_RESP_LEN_MEAN: 3.0 + s})
+    (run / "config.yaml").write_text("rollout:\n  max_new_tokens: 6\n")
+    drawn = {}
+    real_save = report._save
+
+    def spy(fig, path, layout=True):
+        out = real_save(fig, path, layout)
+        drawn[path.name] = fig
+        return out
+
+    monkeypatch.setattr(report, "_save", spy)
+    report.write_report(run)
+    fig = drawn["response_length.png"]
+    ax = fig.axes[0]
+    assert any(list(line.get_ydata()) == [6, 6] for line in ax.get_lines())
+    ticks = [t for t in ax.get_xticks() if 1 <= t <= 3]
+    assert ticks and all(float(t).is_integer() for t in ticks)
+    good = (run / "figures" / "accuracy.png").read_bytes()
+    monkeypatch.setattr(report, "_save", real_save)
+
+    def killed(self, fname, **kw):
+        with open(fname, "wb") as f:
+            f.write(b"\x89PNG half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Figure, "savefig", killed)
+    with pytest.raises(KeyboardInterrupt):
+        report.write_report(run)
+    assert (run / "figures" / "accuracy.png").read_bytes() == good
+    assert not list((run / "figures").glob(".*partial"))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ import numpy as np
 # never switches the process-wide matplotlib backend (report runs on login nodes and in CI).
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
+from matplotlib.ticker import MaxNLocator
 
 from dapo_mcore.errors import naming
 from dapo_mcore.telemetry import keys
@@ -99,10 +101,21 @@ def _figure(ncols: int, width: float, height: float) -> tuple[Figure, Any]:
     return fig, fig.subplots(1, ncols)
 
 
-def _save(fig: Figure, path: Path) -> Path:
-    fig.tight_layout()
+def _save(fig: Figure, path: Path, layout: bool = True) -> Path:
+    """Integer step ticks (a 3-step run shows 1, 2, 3, not 1.0, 1.5, ...), then an atomic write: the PNG goes to a
+    temporary name and is renamed into place, so a kill mid-savefig never leaves a 0-byte or half figure."""
+    for ax in fig.axes:
+        if ax.get_xlabel() == "step":
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if layout:
+        fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
     with naming(path):  # matplotlib's write errors name no file
-        fig.savefig(path, dpi=110)
+        try:
+            fig.savefig(tmp, dpi=110, format="png")
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
     return path
 
 
@@ -125,7 +138,8 @@ def _draw(ax: Any, records: Sequence[dict[str, Any]], key: str, label: str, smoo
     return y
 
 
-def _line_figure(records: Sequence[dict[str, Any]], panel: Panel, out: Path, smooth: int) -> Path | None:
+def _line_figure(records: Sequence[dict[str, Any]], panel: Panel, out: Path, smooth: int,
+                 max_len: int | None = None) -> Path | None:
     present = [(k, _k_label(records, lbl)) for k, lbl in panel.series if any(k in r for r in records)]
     missing = [k for k, _ in panel.series if not any(k in r for r in records)]
     if not present:
@@ -147,6 +161,8 @@ def _line_figure(records: Sequence[dict[str, Any]], panel: Panel, out: Path, smo
     fig, ax = _figure(1, 7, 4)
     for key, label in present:
         _draw(ax, records, key, label, smooth)
+    if panel.name == "response_length" and max_len is not None:
+        ax.axhline(max_len, color="gray", linestyle="--", linewidth=1, label=f"rollout.max_new_tokens={max_len}")
     ax.set(title=panel.title, xlabel="step", ylabel=panel.ylabel)
     ax.grid(alpha=0.3)
     ax.legend(loc="best")
@@ -214,9 +230,24 @@ def write_report(run_dir: Path, out: Path | None = None, smooth: int = 1) -> lis
     records = load_run(run_dir)
     out = Path(out) if out is not None else Path(run_dir) / "figures"
     out.mkdir(parents=True, exist_ok=True)
-    written = [_line_figure(records, panel, out, smooth) for panel in PANELS]
+    max_len = _max_new_tokens(Path(run_dir))
+    written = [_line_figure(records, panel, out, smooth, max_len) for panel in PANELS]
     written.append(cost_figure(records, out))
     return [p for p in written if p is not None]
+
+
+def _max_new_tokens(run_dir: Path) -> int | None:
+    """rollout.max_new_tokens of the run's resolved config (the response-length limit line), if readable."""
+    import yaml
+
+    path = run_dir / "config.yaml"
+    try:
+        cfg = yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else None
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        logger.warning("%s is unreadable (%s): response_length.png has no max-length line", path, err)
+        return None
+    value = cfg.get("rollout", {}).get("max_new_tokens") if isinstance(cfg, dict) else None
+    return value if isinstance(value, int) else None
 
 
 def run_labels(run_dirs: Sequence[Path]) -> list[str]:
@@ -268,8 +299,7 @@ def compare_figure(run_dirs: Sequence[Path], out_path: Path, smooth: int = 1, x:
     fig.legend(handles=handles, loc="lower center", ncol=min(len(labels), 4), frameon=False)
     fig.tight_layout(rect=(0, 0.05 + 0.03 * ((len(labels) - 1) // 4), 1, 1))
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_path, dpi=110)
-    return out_path
+    return _save(fig, out_path, layout=False)
 
 
 def main(argv: list[str] | None = None) -> int:
