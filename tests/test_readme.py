@@ -2,7 +2,8 @@
 
 The shells run in a scratch directory that looks like a fresh clone after the set-up line (``examples/`` and an
 installed ``.venv``; the venv is NOT activated and not on PATH). Only the run length is shortened, through
-``DAPO_MCORE_EXTRA_OVERRIDES`` (which the README does not need); every command is the README's own text.
+``DAPO_MCORE_EXTRA_OVERRIDES`` (which the README does not need): 6 steps for the main run the later commands
+inspect, 2 for the other training runs; every command is the README's own text.
 The set-up line's venv creation and install are what this test already runs in, so only its train command runs;
 the test command (which would run this test again) is checked verbatim but not run.
 """
@@ -25,6 +26,9 @@ SETUP = "python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e . && .v
 TEST_LINE = 'python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e ".[dev]" && .venv/bin/python -m pytest -q'
 INSTALL = re.compile(r"^(python3 -m venv \.venv|\.venv/bin/pip install .*)$")
 SHORT = "train.steps=6 eval.every=3 checkpoint.every=3"
+MAIN_RUN = ".venv/bin/dapo-mcore train examples/tiny_cpu.yaml"
+# The other training runs (GRPO baseline, TP=2, custom verifier) only have to run and log: 2 steps, no checkpoint.
+SHORT_OTHERS = "train.steps=2 eval.every=2 checkpoint.every=0"
 SERVERS = (".venv/bin/tensorboard",)
 """Commands that serve until stopped: they pass when they print their address."""
 
@@ -100,11 +104,16 @@ def test_readme_commands_run_in_order(tmp_path):
         if cmd.startswith(SERVERS):
             outputs[cmd] = _serve(cmd, tmp_path, env)
             continue
-        proc = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)
+        trains_other = " train " in f" {cmd} " and cmd != MAIN_RUN
+        cmd_env = dict(env, DAPO_MCORE_EXTRA_OVERRIDES=SHORT_OTHERS) if trains_other else env
+        proc = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, env=cmd_env, capture_output=True, text=True,
+                              timeout=1500)
         outputs[cmd] = proc.stdout + proc.stderr
         assert proc.returncode == 0, f"README command failed ({proc.returncode}): {cmd}\n{outputs[cmd][-4000:]}"
     runs = tmp_path / "runs"
-    assert "run finished: 6 steps" in outputs[".venv/bin/dapo-mcore train examples/tiny_cpu.yaml"]
+    assert "run finished: 6 steps" in outputs[MAIN_RUN]
+    others = [c for c in outputs if " train " in f" {c} " and c != MAIN_RUN]
+    assert len(others) == 3 and all("run finished: 2 steps" in outputs[c] for c in others), others
     assert (runs / "tiny_cpu" / "figures" / "compare.png").is_file()
     assert (runs / "tiny_cpu_tp2" / "metrics.jsonl").is_file() and (runs / "tiny_numeric_reward" / "metrics.jsonl").is_file()
     assert "diagnose runs/tiny_cpu: 6 training steps" in outputs[".venv/bin/dapo-mcore diagnose runs/tiny_cpu"]
