@@ -306,10 +306,13 @@ class Components:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
-    def log_base_eval(self, metrics: dict[str, Any]) -> None:
-        """Held-out scores of the starting model, logged as step 0."""
+    def log_base_eval(self, metrics: dict[str, Any], seconds: dict[str, float] | None = None) -> None:
+        """Held-out scores of the starting model, logged as step 0, with its time (``time/eval`` of step 0: before
+        the first step, so in no step's wall time; ``profile`` and the run summary show it on its own line)."""
         if self.is_main:
-            self.writer.log(0, metrics)
+            from dapo_mcore.telemetry.timers import PhaseTimer
+
+            self.writer.log(0, {**metrics, **PhaseTimer.as_metrics(seconds or {})})
             log.info("step 0 (base model): heldout avg@%d=%.3f pass@%d=%.3f", int(metrics["eval/k"]),
                      metrics["eval/avg_at_k"], int(metrics["eval/k"]), metrics["eval/pass_at_k"])
 

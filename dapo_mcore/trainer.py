@@ -242,8 +242,7 @@ class Trainer:
             if self.step == 0 and cfg.eval.at_start and cfg.train.steps > 0:
                 with p.timer.phase("eval"):
                     base = self.evaluate()
-                p.timer.pop_step()
-                p.log_base_eval(base)
+                p.log_base_eval(base, p.timer.pop_step())
             while self.step < cfg.train.steps:
                 rollouts_at_start = p.rollouts.snapshot()
                 p.profile_window(self.step + 1, starting=True)

@@ -48,7 +48,7 @@ def test_run_summary(tmp_path):
     text = run_summary(tmp_path, process_seconds=130.0).splitlines()
     assert text[0] == "run finished: 3 steps (1-3) in 1m40s of steps (2m10s in this process, setup included)"
     assert text[1] == "held-out avg@4: 0.250 (step 0) -> 0.750 (step 3)"
-    assert text[2] == "generated tokens: 1,000 (trained on 250 = 25%, rejected 750 = 75%)"
+    assert text[2] == "generated tokens: 1,000 = kept for training 250 (25%) + rejected by dynamic sampling 750 (75%)"
     assert text[3] == "time: generate 50%, train 30%, other 20%"   # checkpoint (0.1%) is below the noise line
     assert text[4] == f"run dir: {tmp_path}"
     assert text[5].startswith(f"next: dapo-mcore report {tmp_path}  |  dapo-mcore diagnose {tmp_path}")

@@ -124,3 +124,41 @@ def test_profile_cli_runs(tmp_path, capsys):
     assert "myrun: 5 steps (7..11)" in out
     assert "Where time went" in out and "generate" in out and "not logged" in out
     assert "generated tokens, rejected" in out
+
+
+def test_base_eval_time_is_shown_apart_and_token_parts_sum_to_the_whole(tmp_path, capsys):
+    """Issue 30 item 6: the step-0 base evaluation's time/eval is its own line in profile and the run summary, not
+    divided into the steps' mean; generated tokens split into kept + filtered + surplus + aborted = all; rates say
+    what they count over which time."""
+    from dapo_mcore.telemetry.progress import run_summary
+
+    run = tmp_path / "run"
+    ledger = CostLedger(run)
+    with MetricsWriter(run) as writer:
+        writer.log(0, {keys.EVAL_AVG_AT_K: 0.2, keys.EVAL_K: 4, keys.time_key("eval"): 50.0})
+        for step in (1, 2):
+            phases = {"generate": 3.0, "train": 1.0, "step": 5.0}
+            metrics = {keys.TRAIN_LOSS: 0.1, keys.TRAIN_LR: 1e-3, **{keys.time_key(p): s for p, s in phases.items()}}
+            metrics.update(ledger.record_step(
+                step, prompts_generated=8, prompts_kept=4, rollouts_generated=64, rollouts_kept=32,
+                tokens_generated=1000, tokens_generated_kept=400, tokens_trained=900, phase_seconds=phases,
+                num_devices=1, tokens_generated_surplus=100, tokens_generated_aborted=50))
+            writer.log(step, metrics)
+    ledger.close()
+    s = profile.summarize(report.load_run(run))
+    rows = {r.phase: r for r in s.phases}
+    assert s.steps == [1, 2] and s.base_eval_s == 50.0 and "eval" not in rows
+    assert rows["step (wall)"].per_step_s == pytest.approx(5.0)  # not (50 + 10) / 3
+    t = s.tokens
+    assert (t["tokens_generated_kept"], t["tokens_generated_filtered"], t["tokens_generated_surplus"],
+            t["tokens_generated_aborted"]) == (800, 900, 200, 100)
+    assert sum(t[k] for k in ("tokens_generated_kept", "tokens_generated_filtered", "tokens_generated_surplus",
+                              "tokens_generated_aborted")) == t["tokens_generated"] == 2000
+    assert profile.main([str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "base evaluation (step 0, before the first step" in out and "50.00 s" in out
+    assert "over generate time" in out and "tokens trained (prompt + response" in out
+    summary = run_summary(run)
+    assert "base evaluation (step 0, before the steps): 50" in summary
+    assert "= kept for training 800 (40%) + rejected by dynamic sampling 900 (45%) + surplus groups 200 (10%) + " \
+           "aborted 100 (5%)" in summary

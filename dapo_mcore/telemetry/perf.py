@@ -54,6 +54,8 @@ class StepWork:
         train_s, lp_s, step_s = seconds.get("train", 0.0), seconds.get("old_logprobs", 0.0), seconds.get("step", 0.0)
         if step_s > 0:
             out[keys.PERF_TOKENS_PER_S_PER_DEVICE] = generated_tokens / step_s / devices
+        if seconds.get("generate", 0.0) > 0:  # the decoding rate itself: over the generate phase only
+            out["perf/decode_tokens_per_s_per_device"] = generated_tokens / seconds["generate"] / devices
         if train_s > 0:
             out["perf/train_tokens_per_s_per_device"] = self.train_tokens / train_s / devices
             if peak:

@@ -20,19 +20,27 @@ from dapo_mcore.telemetry import keys
 from dapo_mcore.telemetry.report import load_run, phase_seconds
 
 PERF_KEYS: tuple[tuple[str, str, bool], ...] = (
-    # key, label, shown as percent
-    (keys.PERF_TOKENS_PER_S_PER_DEVICE, "generated tokens / s / device", False),
+    # key, label (what is counted, over which time), shown as percent
+    (keys.PERF_TOKENS_PER_S_PER_DEVICE, "generated tokens / s / device, over the whole step", False),
+    ("perf/decode_tokens_per_s_per_device", "generated tokens / s / device, over generate time", False),
+    ("perf/train_tokens_per_s_per_device", "trained tokens (prompt + response) / s / device, over train time", False),
+    ("perf/logprob_tokens_per_s_per_device", "log-prob tokens (prompt + response) / s / device, over old_logprobs "
+                                             "time", False),
     (keys.PERF_MFU_TRAIN, "MFU, train", True),
     (keys.PERF_MFU_LOGPROB, "MFU, old log-probs", True),
 )
 TOKEN_KEYS: tuple[tuple[str, str], ...] = (
-    ("tokens_generated_kept", "generated tokens, kept"),
-    ("tokens_generated_rejected", "generated tokens, rejected"),
+    ("tokens_generated_kept", "generated tokens, kept (trained on)"),
+    ("tokens_generated_filtered", "generated tokens, rejected by dynamic sampling (groups not mixed)"),
+    ("tokens_generated_surplus", "generated tokens, surplus groups (the step was already full)"),
+    ("tokens_generated_aborted", "generated tokens, aborted in flight"),
+    ("tokens_generated_rejected", "generated tokens, not kept (filtered + surplus)"),
     ("tokens_generated", "generated tokens, all"),
     ("rollouts_kept", "rollouts, kept"),
-    ("rollouts_rejected", "rollouts, rejected"),
-    ("tokens_trained", "tokens trained"),
+    ("rollouts_rejected", "rollouts, not kept (filtered + surplus)"),
+    ("tokens_trained", "tokens trained (prompt + response, every epoch)"),
 )
+"""Kept + filtered + surplus + aborted = all generated tokens (``tokens_generated_rejected`` is filtered + surplus)."""
 
 
 @dataclass
@@ -49,14 +57,22 @@ class ProfileSummary:
     """Numbers behind the tables; ``tokens`` sums the per-step ``cost/step/*`` counters of the window."""
 
     steps: list[int]
+    """The training steps of the window (the step-0 base evaluation is not one)."""
     phases: list[PhaseRow] = field(default_factory=list)
+    base_eval_s: float | None = None
+    """Seconds of the step-0 base evaluation (before the first step: in no step's wall time), when in the window."""
     perf: dict[str, tuple[float, float]] = field(default_factory=dict)  # key -> (mean, last)
     tokens: dict[str, float] = field(default_factory=dict)
 
 
 def summarize(records: Sequence[dict[str, Any]]) -> ProfileSummary:
     """Per-phase time shares, mean/last perf numbers and token totals over ``records``."""
+    # The step-0 base evaluation is no training step: its time is shown apart, and per-step means leave it out.
+    base = [r for r in records if r[keys.STEP] == 0 and keys.TIME_STEP not in r]
+    records = [r for r in records if not (r[keys.STEP] == 0 and keys.TIME_STEP not in r)]
     summary = ProfileSummary(steps=[r[keys.STEP] for r in records])
+    if base and keys.time_key("eval") in base[0]:
+        summary.base_eval_s = float(base[0][keys.time_key("eval")])
     if not records:
         return summary
     phases = phase_seconds(records)
@@ -80,11 +96,16 @@ def summarize(records: Sequence[dict[str, Any]]) -> ProfileSummary:
         key = keys.cost_key(name, cumulative=False)
         if any(key in r for r in records):
             summary.tokens[name] = float(sum(r.get(key, 0) for r in records))
+    if "tokens_generated_rejected" in summary.tokens and "tokens_generated_surplus" in summary.tokens:
+        summary.tokens["tokens_generated_filtered"] = (summary.tokens["tokens_generated_rejected"]
+                                                       - summary.tokens["tokens_generated_surplus"])
     return summary
 
 
 def _share(tokens: dict[str, float], name: str) -> str:
     """``name`` as a share of everything generated of its kind ("" for tokens trained)."""
+    if name == "tokens_generated_rejected" and "tokens_generated_filtered" in tokens:
+        return "= filtered + surplus"
     if name.startswith("tokens_generated"):
         total = tokens.get("tokens_generated", 0.0)
     elif name.startswith("rollouts_"):
@@ -107,6 +128,9 @@ def render(summary: ProfileSummary, console: Console, run_name: str) -> None:
         time_table.add_row(row.phase, f"{row.total_s:.2f}", f"{100 * row.share:.1f}%",
                            f"{row.per_step_s:.3f}", f"{row.last_s:.3f}")
     console.print(time_table if summary.phases else "no time/* metrics logged")
+    if summary.base_eval_s is not None:
+        console.print(f"base evaluation (step 0, before the first step; not in the table): "
+                      f"{summary.base_eval_s:.2f} s")
     perf_table = Table(title="Throughput")
     for col in ("metric", "mean", "last"):
         perf_table.add_column(col, justify="left" if col == "metric" else "right")
@@ -124,7 +148,7 @@ def render(summary: ProfileSummary, console: Console, run_name: str) -> None:
         tok_table.add_column("total", justify="right")
         tok_table.add_column("share of generated", justify="right")
         for name, label in TOKEN_KEYS:
-            if name in summary.tokens:
+            if name in summary.tokens and (name != "tokens_generated_rejected" or summary.tokens[name]):
                 share = _share(summary.tokens, name)
                 tok_table.add_row(label, f"{summary.tokens[name]:,.0f}", share)
         console.print(tok_table)

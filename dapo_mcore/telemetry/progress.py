@@ -93,8 +93,13 @@ def run_summary(run_dir: Path, process_seconds: float | None = None) -> str:
     kept = last.get(keys.cost_key("tokens_generated_kept", cumulative=True))
     rej = last.get(keys.cost_key("tokens_generated_rejected", cumulative=True))
     if gen:
-        lines.append(f"generated tokens: {int(gen):,} (trained on {int(kept or 0):,} = {(kept or 0) / gen:.0%}, "
-                     f"rejected {int(rej or 0):,} = {(rej or 0) / gen:.0%})")
+        surplus = last.get(keys.cost_key("tokens_generated_surplus", cumulative=True)) or 0
+        aborted = last.get(keys.cost_key("tokens_generated_aborted", cumulative=True)) or 0
+        filtered = (rej or 0) - surplus
+        lines.append(f"generated tokens: {int(gen):,} = kept for training {int(kept or 0):,} ({(kept or 0) / gen:.0%}) "
+                     f"+ rejected by dynamic sampling {int(filtered):,} ({filtered / gen:.0%})"
+                     + (f" + surplus groups {int(surplus):,} ({surplus / gen:.0%})" if surplus else "")
+                     + (f" + aborted {int(aborted):,} ({aborted / gen:.0%})" if aborted else ""))
         buffered = int(last.get("sampling/tokens_partial_buffered", 0) or 0)
         if buffered:  # partial rollouts: counted when their group ends, and the run ended first
             lines[-1] += f", and {buffered:,} in partial groups left unfinished"
@@ -112,6 +117,9 @@ def run_summary(run_dir: Path, process_seconds: float | None = None) -> str:
         if other > 0.005 * wall:
             parts.append(f"other {other / wall:.0%}")
         lines.append("time: " + ", ".join(parts))
+    base = next((r for r in records if r[keys.STEP] == 0 and keys.time_key("eval") in r), None)
+    if base is not None:
+        lines.append(f"base evaluation (step 0, before the steps): {format_seconds(float(base[keys.time_key('eval')]))}")
     lines.append(f"run dir: {run_dir}")
     exe = _command_name()
     lines.append(f"next: {exe} report {run_dir}  |  {exe} diagnose {run_dir}  |  {exe} rollouts {run_dir}  |  "

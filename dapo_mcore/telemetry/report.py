@@ -202,14 +202,26 @@ def cost_figure(records: Sequence[dict[str, Any]], out: Path) -> Path | None:
     if has_tokens:
         kept = np.array([float(r.get(kept_key, 0)) for r in records])
         rejected = np.array([float(r.get(rej_key, 0)) for r in records])
-        axes[1].bar(steps, kept, label="kept", color="tab:green")
-        axes[1].bar(steps, rejected, bottom=kept, label="rejected", color="tab:red")
+        surplus = np.array([float(r.get(keys.cost_key("tokens_generated_surplus", cumulative=False), 0))
+                            for r in records])
+        aborted = np.array([float(r.get(keys.cost_key("tokens_generated_aborted", cumulative=False), 0))
+                            for r in records])
+        filtered = rejected - surplus  # kept + filtered + surplus + aborted = generated
+        bottom = np.zeros_like(kept)
+        for part, label, color in ((kept, "kept (trained on)", "tab:green"),
+                                   (filtered, "rejected by dynamic sampling", "tab:red"),
+                                   (surplus, "surplus groups", "tab:orange"), (aborted, "aborted", "tab:gray")):
+            if part.any() or label.startswith("kept"):
+                axes[1].bar(steps, part, bottom=bottom, label=label, color=color)
+                bottom = bottom + part
         axes[1].legend(fontsize=7)
         axes[2].plot(steps, np.cumsum(kept), label="generated, kept", color="tab:green")
-        axes[2].plot(steps, np.cumsum(rejected), label="generated, rejected", color="tab:red")
+        axes[2].plot(steps, np.cumsum(filtered), label="generated, rejected by dynamic sampling", color="tab:red")
+        if surplus.any():
+            axes[2].plot(steps, np.cumsum(surplus), label="generated, surplus groups", color="tab:orange")
         _, trained = series(records, keys.cost_key("tokens_trained", cumulative=True))
         if len(trained) == len(steps):
-            axes[2].plot(steps, trained, label="trained", color="tab:blue")
+            axes[2].plot(steps, trained, label="trained (prompt + response)", color="tab:blue")
         axes[2].legend(fontsize=7, loc="upper left")
         _, hours = series(records, keys.COST_TOTAL_DEVICE_HOURS)
         if len(hours) == len(steps):
