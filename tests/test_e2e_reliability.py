@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import sys
 
 import pytest
 
-from tests.test_e2e_tiny import ROOT, TIMEOUT, _cmd, _logged_steps, _run, _wait_for, env  # noqa: F401
+from tests.test_e2e_tiny import ROOT, TIMEOUT, _cmd, _logged_steps, _metrics, _run, _wait_for, env  # noqa: F401
 
 pytestmark = pytest.mark.e2e
 
@@ -65,3 +66,26 @@ def test_a_failing_reward_stops_the_run_in_one_line_quoting_its_error(env, tmp_p
     assert done.returncode == 2, done.stderr[-3000:]
     line = _error_line(done.stderr)
     assert "reward broken_reward:score failed on" in line and "KeyError: 'no grader for" in line, line
+
+
+@pytest.mark.parametrize("store", ["true", "false"])
+def test_a_damaged_rollout_store_never_blocks_a_resume(env, tmp_path, store):  # noqa: F811
+    run_dir = tmp_path / "run"
+    first = _run(_cmd(run_dir, "train.steps=2", *FAST), env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    zarr_dir = run_dir / "rollouts.zarr"
+    chunk = zarr_dir / "response_ids" / "c" / "0"
+    chunk.write_bytes(chunk.read_bytes()[:20])  # truncated: the Zstd error that blocked resumes
+    (zarr_dir / "zarr.json").write_text((zarr_dir / "zarr.json").read_text()[:50])  # half-written root
+    rep = _run([sys.executable, "-m", "dapo_mcore.cli", "report", str(run_dir)], env)
+    assert rep.returncode == 0 and "rollout store" in rep.stderr and "damaged" in rep.stderr, rep.stderr[-2000:]
+    done = _run(_cmd(run_dir, "train.steps=3", f"run.rollout_store={store}", *FAST), env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    warned = [ln for ln in done.stderr.splitlines() if "rollout store" in ln and "is damaged" in ln]
+    assert len(warned) == 1 and "moved aside" in warned[0], done.stderr[-3000:]
+    assert (run_dir / "rollouts.zarr.damaged-1" / "response_ids").is_dir()  # nothing deleted
+    if store == "true":
+        from dapo_mcore.telemetry.rollout_store import RolloutReader
+
+        assert RolloutReader(zarr_dir).steps() == [3]
+    assert [r["step"] for r in _metrics(run_dir)] == [1, 2, 3]

@@ -330,6 +330,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--smooth {args.smooth}: use a window of 1 (raw) or more")
     # Missing runs and unwritable outputs are OSErrors: the CLI reports them on stderr and exits 2.
     written = write_report(args.run_dir, args.out, args.smooth)
+    from dapo_mcore.telemetry.rollout_store import store_problem
+
+    damaged = store_problem(args.run_dir)  # the figures do not read it; the run's user should still know
+    if damaged:
+        logging.getLogger(__name__).warning("%s", damaged)
     if args.compare:
         out = args.out if args.out is not None else args.run_dir / "figures"
         written.append(compare_figure([args.run_dir, *args.compare], out / "compare.png", args.smooth, args.x))

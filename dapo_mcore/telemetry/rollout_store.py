@@ -18,6 +18,14 @@ LocalStore replaces files atomically, so a reader in another process that reads 
 first sees only complete steps, even while the writer appends. After a crash, uncommitted tail
 data is cut off when the store is reopened; ``resume_step`` also drops committed steps >= it, so
 the resumed run rewrites them instead of duplicating them.
+
+Integrity: the commit record also holds each step's CRC-32 over all its columns as written (``step_crc32``), so a
+deleted chunk (zarr reads it as zeros), a changed or truncated one is caught: reading a step verifies it
+(``StoreDamagedError``, one line naming the step; ``dapo-mcore rollouts RUN --check`` verifies every step). The
+writer, opening a store to continue it, checks the metadata and the step it continues after (the chunks it will
+append into); a damaged store is renamed aside (``rollouts.zarr.damaged-N``, nothing deleted) with one warning and
+a new store is started, so it never blocks training. Damage the open did not look at (an older step) stays where
+it is: appends never read it, and reading that step says so.
 """
 
 from __future__ import annotations
@@ -25,15 +33,27 @@ from __future__ import annotations
 import logging
 import os
 import uuid
+import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import zarr
 
+from dapo_mcore.errors import UserError, naming
+
 logger = logging.getLogger(__name__)
+
+_DAMAGE = (ValueError, KeyError, TypeError, RuntimeError, IndexError)
+"""What zarr raises on a damaged store: bad JSON or metadata (ValueError, zarr's errors included), a chunk its codec
+cannot decode (RuntimeError: "Zstd decompression error"), a commit record missing keys. OSErrors (a full disk, a
+permission) are not damage and propagate."""
+
+
+class StoreDamagedError(UserError):
+    """A rollout store (or one of its steps) does not hold what was written to it."""
 
 ROLLOUTS_DIR = "rollouts.zarr"
 FORMAT = "dapo-mcore-rollouts"
@@ -96,15 +116,21 @@ class _Committed:
     rows: list[int]
     prompt_tokens: list[int]
     response_tokens: list[int]
+    crc32: list[int | None] = field(default_factory=list)
+    """CRC-32 of each step's data as written (``step_crc32``); None for steps stored before checksums existed."""
 
     @classmethod
     def from_attrs(cls, attrs: dict[str, Any]) -> _Committed:
         c = attrs["committed"]
-        return cls(list(c["steps"]), list(c["rows"]), list(c["prompt_tokens"]), list(c["response_tokens"]))
+        steps = list(c["steps"])
+        crc = list(c.get("crc32", []))
+        crc = [None] * (len(steps) - len(crc)) + crc  # checksums start with the first step written with them
+        return cls(steps, list(c["rows"]), list(c["prompt_tokens"]), list(c["response_tokens"]), crc)
 
     def to_attrs(self) -> dict[str, Any]:
-        return {"committed": {"steps": self.steps, "rows": self.rows,
-                              "prompt_tokens": self.prompt_tokens, "response_tokens": self.response_tokens}}
+        return {"committed": {"steps": self.steps, "rows": self.rows, "prompt_tokens": self.prompt_tokens,
+                              "response_tokens": self.response_tokens,
+                              "crc32": [c for c in self.crc32 if c is not None]}}
 
     def ends(self) -> tuple[int, int, int]:
         """(rows, prompt tokens, response tokens) committed so far."""
@@ -114,7 +140,8 @@ class _Committed:
 
     def keep_before(self, step: int) -> _Committed:
         n = sum(1 for s in self.steps if s < step)
-        return _Committed(self.steps[:n], self.rows[:n], self.prompt_tokens[:n], self.response_tokens[:n])
+        return _Committed(self.steps[:n], self.rows[:n], self.prompt_tokens[:n], self.response_tokens[:n],
+                          self.crc32[:n])
 
     def ranges(self, step: int) -> tuple[slice, slice, slice]:
         """Row, prompt-token and response-token slices of committed ``step``."""
@@ -156,16 +183,46 @@ class RolloutStore:
         if row_chunk < 1 or token_chunk < 1:
             raise ValueError(f"row_chunk={row_chunk}, token_chunk={token_chunk}: chunk sizes must be >= 1")
         self.path = Path(path)
-        if (self.path / "zarr.json").exists():
+        self._chunks = (row_chunk, token_chunk)
+        self.set_aside: Path | None = None
+        """Where a damaged store found at open was moved (None if there was none)."""
+        if self.path.is_dir() and any(self.path.iterdir()):
+            try:
+                self._open_existing(resume_step)
+                return
+            except StoreDamagedError as exc:
+                self._set_aside(str(exc), resume_step)
+        self._create(row_chunk, token_chunk)
+
+    def _open_existing(self, resume_step: int | None) -> None:
+        """Open to continue: metadata readable, the step to continue after intact; else StoreDamagedError."""
+        if not (self.path / "zarr.json").is_file():
+            raise StoreDamagedError(f"{self.path / 'zarr.json'} is missing")
+        try:
             self._group = zarr.open_group(str(self.path), mode="r+")
             _check_format(self._group, self.path)
             self._committed = _Committed.from_attrs(dict(self._group.attrs))
+            kept = self._committed if resume_step is None else self._committed.keep_before(resume_step)
+            if kept.steps:
+                problem = verify_step(self._group, kept, kept.steps[-1])
+                if problem:
+                    raise StoreDamagedError(problem)
             self._add_missing_columns()
             if resume_step is not None:
-                self._truncate(self._committed.keep_before(resume_step))
+                self._truncate(kept)
             self._shrink_to_committed()
-        else:
-            self._create(row_chunk, token_chunk)
+        except _DAMAGE as exc:
+            raise StoreDamagedError(f"{type(exc).__name__}: {exc}") from exc
+
+    def _set_aside(self, problem: str, resume_step: int | None) -> None:
+        n = 1
+        while (aside := self.path.with_name(f"{self.path.name}.damaged-{n}")).exists():
+            n += 1
+        os.rename(self.path, aside)
+        self.set_aside = aside
+        since = f" from step {resume_step}" if resume_step else ""
+        logger.warning("rollout store %s is damaged (%s); moved aside to %s (nothing deleted) and a new store starts"
+                       "%s", self.path, problem.replace("\n", " ")[:300], aside, since)
 
     def _create(self, row_chunk: int, token_chunk: int) -> None:
         """Build the empty store beside ``path`` and rename it into place: readers never see half of it."""
@@ -230,9 +287,14 @@ class RolloutStore:
                 f"when resuming, open RolloutStore(path, resume_step={step})"
             )
         columns = _columns(step, records)
+        with naming(self.path):  # a full disk inside zarr's writes names the store
+            self._append(step, columns)
+
+    def _append(self, step: int, columns: dict[str, np.ndarray]) -> None:
+        columns = dict(columns)
         rows0, ptok0, rtok0 = self._committed.ends()
-        columns["prompt_start"] += ptok0
-        columns["response_start"] += rtok0
+        columns["prompt_start"] = columns["prompt_start"] + ptok0
+        columns["response_start"] = columns["response_start"] + rtok0
         starts = {"row": rows0, "prompt": ptok0, "response": rtok0}
         for name in ROW_COLUMNS:
             self._write(name, starts["row"], columns[name])
@@ -240,9 +302,9 @@ class RolloutStore:
             self._write(name, starts[stream], columns[name])
         c = self._committed
         self._committed = _Committed(
-            c.steps + [step], c.rows + [rows0 + len(records)],
+            c.steps + [step], c.rows + [rows0 + len(columns["step"])],
             c.prompt_tokens + [ptok0 + len(columns["prompt_ids"])],
-            c.response_tokens + [rtok0 + len(columns["response_ids"])],
+            c.response_tokens + [rtok0 + len(columns["response_ids"])], c.crc32 + [step_crc32(columns)],
         )
         self._group.update_attributes(self._committed.to_attrs())
 
@@ -252,6 +314,35 @@ class RolloutStore:
         array.resize((end,))
         if len(data):
             array[start:end] = data
+
+
+def step_crc32(columns: dict[str, np.ndarray]) -> int:
+    """CRC-32 of one step's columns as stored (absolute offsets), in a fixed column order."""
+    crc = 0
+    for name, dtype in (*ROW_COLUMNS.items(), *((n, d) for n, (d, _) in TOKEN_COLUMNS.items())):
+        crc = zlib.crc32(np.ascontiguousarray(columns[name], dtype=dtype).tobytes(), crc)
+    return crc
+
+
+def _raw_step(group: zarr.Group, committed: _Committed, step: int) -> dict[str, np.ndarray]:
+    rows, ptok, rtok = committed.ranges(step)
+    out = {name: _row_column(group, name, rows) for name in ROW_COLUMNS}
+    for name, (_, stream) in TOKEN_COLUMNS.items():
+        out[name] = group[name][ptok if stream == "prompt" else rtok]
+    return out
+
+
+def verify_step(group: zarr.Group, committed: _Committed, step: int) -> str | None:
+    """What is wrong with committed ``step`` (a chunk that cannot be decoded, data that differs from its checksum),
+    or None when it is intact (or was stored before checksums existed)."""
+    want = committed.crc32[committed.steps.index(step)]
+    try:
+        raw = _raw_step(group, committed, step)
+    except _DAMAGE as exc:
+        return f"step {step}: unreadable ({type(exc).__name__}: {exc})"
+    if want is not None and step_crc32(raw) != want:
+        return f"step {step}: its data differs from the checksum written with it (a chunk deleted or changed)"
+    return None
 
 
 def _columns(step: int, records: Sequence[Rollout]) -> dict[str, np.ndarray]:
@@ -307,10 +398,24 @@ class RolloutReader:
             raise FileNotFoundError(f"no rollout store at {self.path}; a run writes it to RUN_DIR/{ROLLOUTS_DIR}")
 
     def _open(self) -> tuple[zarr.Group, _Committed]:
-        group = zarr.open_group(str(self.path), mode="r")
-        _check_format(group, self.path)
-        # Read the commit record before touching any array: arrays are at least that long.
-        return group, _Committed.from_attrs(dict(group.attrs))
+        def damaged(exc: BaseException) -> StoreDamagedError:
+            return StoreDamagedError(f"rollout store {self.path} is damaged ({type(exc).__name__}: {exc}); move it "
+                                     "aside (a resumed run sets it aside itself and starts a new one)")
+
+        try:
+            group = zarr.open_group(str(self.path), mode="r")
+        except _DAMAGE as exc:
+            raise damaged(exc) from exc
+        _check_format(group, self.path)  # another kind of directory: not damage, a wrong path
+        try:  # the commit record before any array: arrays are at least that long
+            return group, _Committed.from_attrs(dict(group.attrs))
+        except _DAMAGE as exc:
+            raise damaged(exc) from exc
+
+    def check(self) -> list[str]:
+        """Every committed step verified: one problem per damaged step ([] when all are intact)."""
+        group, committed = self._open()
+        return [p for step in committed.steps if (p := verify_step(group, committed, step))]
 
     def steps(self) -> list[int]:
         """Committed steps, ascending (re-read on every call)."""
@@ -320,9 +425,11 @@ class RolloutReader:
         """The step's columns (see module docstring); starts are relative to the step's token arrays."""
         group, committed = self._open()
         rows, ptok, rtok = committed.ranges(step)
-        out = {name: _row_column(group, name, rows) for name in ROW_COLUMNS}
-        for name, (_, stream) in TOKEN_COLUMNS.items():
-            out[name] = group[name][ptok if stream == "prompt" else rtok]
+        problem = verify_step(group, committed, step)
+        if problem:
+            raise StoreDamagedError(f"rollout store {self.path}: {problem}; other steps may still be read (dapo-mcore "
+                                    "rollouts RUN --check lists every damaged step)")
+        out = _raw_step(group, committed, step)
         out["prompt_start"] = out["prompt_start"] - ptok.start
         out["response_start"] = out["response_start"] - rtok.start
         return out
@@ -350,6 +457,25 @@ class RolloutReader:
             raise ValueError(f"unknown column {name!r}; per-rollout columns are {sorted(ROW_COLUMNS)}")
         group, committed = self._open()
         return _row_column(group, name, slice(0, committed.ends()[0]))
+
+
+def store_problem(run_dir: Path) -> str | None:
+    """One line on a run's rollout store if its metadata or last step is damaged (cheap: what ``report`` and
+    ``diagnose`` show); None when it is absent or looks intact (``--check`` verifies every step)."""
+    path = Path(run_dir) / ROLLOUTS_DIR
+    if not path.exists():
+        return None
+    if not (path / "zarr.json").is_file():
+        return f"rollout store {path} is damaged ({path / 'zarr.json'} is missing)"
+    try:
+        reader = RolloutReader(path)
+        group, committed = reader._open()
+    except (StoreDamagedError, ValueError) as exc:
+        return str(exc)
+    problem = verify_step(group, committed, committed.steps[-1]) if committed.steps else None
+    if problem:
+        return f"rollout store {path}: {problem} (dapo-mcore rollouts {run_dir} --check verifies every step)"
+    return None
 
 
 def _row_column(group: zarr.Group, name: str, rows: slice) -> np.ndarray:
@@ -395,14 +521,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--which", choices=("all", "kept", "rejected"), default="all", help="filter by dynamic sampling")
     parser.add_argument("--tokenizer", type=Path, default=None, help="tokenizer directory (default RUN_DIR/tokenizer)")
     parser.add_argument("--raw", action="store_true", help="print token ids instead of decoding")
+    parser.add_argument("--check", action="store_true", help="verify every stored step against its checksum")
     args = parser.parse_args(argv)
-    from dapo_mcore.errors import UserError
-
     try:
         reader = RolloutReader(args.run_dir / ROLLOUTS_DIR)
     except ValueError as err:  # a missing store is an OSError: the CLI reports it on stderr and exits 2
         raise UserError(str(err)) from err
     steps = reader.steps()
+    if args.check:
+        problems = reader.check()
+        if problems:
+            raise StoreDamagedError(f"rollout store {reader.path}: {len(problems)} of {len(steps)} steps damaged: "
+                                    f"{'; '.join(problems[:5])}{' ...' if len(problems) > 5 else ''}")
+        print(f"rollout store {reader.path}: {_summarize(steps)}, all intact")
+        return 0
     step = args.step if args.step is not None else (steps[-1] if steps else None)
     if step is None or step not in steps:
         raise UserError(f"step {step} is not stored in {args.run_dir / ROLLOUTS_DIR}; stored: {_summarize(steps)}")
