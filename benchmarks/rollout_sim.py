@@ -6,7 +6,8 @@ GPUs (default ``examples/qwen2.5-32b-fp8.yaml`` at 128 GPUs):
 (a') ``today_chunked``: today's ``rollout.schedule.streaming`` with several engine groups (no stream: chunks of
 ``--chunk-prompts`` over all engines, each waiting for its longest response, stop after the chunk that fills);
 (b) ``sync_stream``: streaming + abort over all engines at once, decisions in prompt order (``--order``);
-(b') ``sync_partial``: the same with partial rollouts;
+(b') ``sync_partial``: the same with partial rollouts; (b*) / (b'*) ``sync_stream_rr`` / ``sync_partial_rr``: the same as
+``rollout/engine_groups.py`` builds it (prompts round robin per chunk of ``--stream-chunk``, drained between chunks);
 (c) ``async``: engines on their own GPUs, the trainer on the others, one policy version behind, batch-and-filter;
 (d) ``async_stream``: async + streaming/abort; (e) ``async_partial``: async + partial rollouts.
 Generation is simulated (``rollout_sim_core.py``); old log-probs, updates and the memory of each side are the
@@ -176,13 +177,15 @@ def run_32b(args: argparse.Namespace) -> list[str]:
     return lines
 
 
-SYNC_VARIANTS = ("today", "today_chunked", "sync_stream", "sync_partial")
+SYNC_VARIANTS = ("today", "today_chunked", "sync_stream", "sync_partial", "sync_stream_rr", "sync_partial_rr")
 ASYNC_VARIANTS = ("async", "async_stream", "async_partial")
 VARIANT_TEXT = {
     "today": "(a) today: colocated batch-and-filter",
     "today_chunked": "(a') today + schedule.streaming (chunks)",
     "sync_stream": "(b) sync + streaming/abort, all engines",
     "sync_partial": "(b') sync + partial rollouts, all engines",
+    "sync_stream_rr": "(b*) (b) as built: round robin per chunk",
+    "sync_partial_rr": "(b'*) (b') as built: round robin per chunk",
     "async": "(c) async disaggregated, batch-and-filter",
     "async_stream": "(d) async + streaming/abort",
     "async_partial": "(e) async + partial rollouts",
@@ -199,8 +202,9 @@ def _generation(variant: str, pool: PromptPool, recipe: Recipe, model: EngineMod
         elif variant == "today_chunked":
             res = batch_and_filter_step(pool, recipe, model, chunk=args.chunk_prompts)
         else:
-            res, carry = streaming_step(pool, recipe, model, carry, partial=variant.endswith("partial"),
-                                        max_staleness=args.max_staleness or 1, order=args.order)
+            chunk = (args.stream_chunk or recipe.gen_batch_prompts) if variant.endswith("_rr") else 0
+            res, carry = streaming_step(pool, recipe, model, carry, partial="partial" in variant,
+                                        max_staleness=args.max_staleness or 1, order=args.order, chunk=chunk)
         out.append(res)
     return out[args.warmup:]
 
@@ -258,7 +262,7 @@ def run_step(args: argparse.Namespace) -> list[str]:
     base = EngineModel.from_throughput(args.gpus // vllm_tp, args.max_seqs, tokens_per_s, args.single_seq_tokens_per_s)
     lengths = LengthModel(sigma_group=args.sigma_group, sigma_resp=args.sigma_resp, cap=cap)
     lines = _assumption_lines(args, recipe, base, tokens_per_s, kv_colocated, kv_engine, sync_s, splits, p)
-    layouts = [("today", None), ("today_chunked", None), ("sync_stream", None), ("sync_partial", None)]
+    layouts = [(v, None) for v in SYNC_VARIANTS]
     layouts += [(v, s) for s in splits for v in ASYNC_VARIANTS]
     times: dict[tuple[str, int], list[StepTime]] = {}
     for k, stage in enumerate(STAGES_32B):
@@ -424,6 +428,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-prompts", type=int, default=256,
                     help="today_chunked: prompts per chunk (rollout.schedule.stream_chunk_prompts; 256 = 8 groups "
                          "of 16 per engine at 32 engines, one full engine's 128 sequences)")
+    ap.add_argument("--stream-chunk", type=int, default=0,
+                    help="(b*): prompts per streamed chunk of rollout/engine_groups.py (round robin over the engines, "
+                         "drained before the next; default 0 = a whole generation round, its best case)")
     ap.add_argument("--engine-gpus", type=int, nargs="*", default=None,
                     help="async: simulate only these engine-GPU counts (default: every split that fits)")
     ap.add_argument("--engine-memory-utilization", type=float, default=0.9,

@@ -371,8 +371,8 @@ def _abort(res: StepResult, sim: EngineSim, groups: list[tuple[int, bool, int]],
 
 
 def streaming_step(pool: PromptPool, recipe: Recipe, model: EngineModel, carry: list[Carried], partial: bool,
-                   max_staleness: int = 1, admit: tuple[float, float, int] | None = None, order: str = "completion"
-                   ) -> tuple[StepResult, list[Carried]]:
+                   max_staleness: int = 1, admit: tuple[float, float, int] | None = None, order: str = "completion",
+                   chunk: int = 0) -> tuple[StepResult, list[Carried]]:
     """Streaming dynamic sampling with abort; with ``partial`` the aborted groups carry over. Returns the new carry.
 
     ``admit=(usable_estimate, margin, cap)`` bounds the fresh prompts (adaptive over-sampling of a stream): enough
@@ -382,9 +382,15 @@ def streaming_step(pool: PromptPool, recipe: Recipe, model: EngineModel, carry: 
     order, each once every earlier one has finished, as the trainer's scheduler does (its kept batch is a pure
     function of seed and data): the step is full when the first ``prompts_per_step`` usable groups in prompt order
     and every group before them have finished; groups that finished out of order are then surplus or rejected.
+    ``chunk > 0``: streaming over engine groups as ``rollout/engine_groups.py`` does it: fresh prompts come in chunks
+    of at most ``chunk`` (never across a round of ``gen_batch_prompts``), prompt i of a chunk queued on engine
+    i mod N (round robin, no pulling by a free engine), and the next chunk starts once this one has drained; carried
+    groups are resumed first, round robin, as a chunk of their own. Without it a free engine pulls the next prompt.
     """
     if order not in ("completion", "prompt"):
         raise ValueError(f"order={order!r}; use completion or prompt")
+    if chunk:
+        return _chunked_stream(pool, recipe, model, carry, partial, max_staleness, order, chunk)
     sim, res = EngineSim(model), StepResult()
     meta: dict[int, tuple[bool, int]] = {}  # gid -> (usable, staleness)
     stream = deque(carry)
@@ -443,3 +449,53 @@ def streaming_step(pool: PromptPool, recipe: Recipe, model: EngineModel, carry: 
     if not partial:  # on-policy: nothing carries, not even the untouched prompts (they cost nothing)
         new_carry = []
     return res, new_carry
+
+
+def _chunked_stream(pool: PromptPool, recipe: Recipe, model: EngineModel, carry: list[Carried], partial: bool,
+                    max_staleness: int, order: str, chunk: int) -> tuple[StepResult, list[Carried]]:
+    """:func:`streaming_step` with ``chunk > 0`` (see there)."""
+    sim, res = EngineSim(model), StepResult()
+    meta: dict[int, tuple[bool, int]] = {}
+    res.carried_in = float(sum(c.progress.sum() for c in carry))
+    need, budget = recipe.prompts_per_step, recipe.max_gen_batches * recipe.gen_batch_prompts
+    for i, c in enumerate(carry):
+        meta[sim.add_group(i % model.engines, c.lengths, c.progress)] = (c.usable, c.staleness)
+
+    def next_chunk() -> bool:
+        k = min(chunk, recipe.gen_batch_prompts - res.prompts_drawn % recipe.gen_batch_prompts,
+                budget - res.prompts_drawn)
+        if k <= 0:
+            return False
+        lengths, usable = pool.take(k)
+        res.prompts_drawn += k
+        for i in range(k):
+            meta[sim.add_group(i % model.engines, lengths[i])] = (bool(usable[i]), 0)
+        return True
+
+    if not carry:
+        next_chunk()
+    done: set[int] = set()
+    finished: set[int] = set()
+    head = 0
+    while res.groups_kept < need:
+        completed = sim.advance()
+        if completed is None:
+            if next_chunk():
+                continue
+            break
+        for g in completed if order == "completion" else ():
+            done.add(g)
+            _score(res, sim, meta[g][0], g, recipe)
+        finished.update(completed if order == "prompt" else ())
+        while head in finished and res.groups_kept < need:
+            done.add(head)
+            _score(res, sim, meta[head][0], head, recipe)
+            head += 1
+    for g in sorted(finished - done):
+        done.add(g)
+        _score(res, sim, meta[g][0], g, recipe)
+    res.wall_s = sim.now
+    res.gen_batches = math.ceil(res.prompts_drawn / recipe.gen_batch_prompts)
+    in_flight = [(g, *meta[g]) for g in sorted(set(meta) - done)]
+    new_carry = _abort(res, sim, in_flight, partial, max_staleness)
+    return res, new_carry if partial else []

@@ -294,3 +294,31 @@ def test_trainer_phases_follow_the_kept_length():
     assert lp_s == pytest.approx(fwd / (128 * 989.4e12 * 0.35))
     assert 3.0 < tr_s / lp_s < 3.2  # forward + backward (3x) plus selective recompute of core attention
     assert lp_l / lp_s > (256 + 5000) / (256 + 1000)  # attention grows faster than linearly
+
+
+def test_chunked_stream_assigns_round_robin_and_drains_between_chunks():
+    # Two engines, one slot each, G=1, need 2, chunks of 2, prompt order. Chunk 1: g0 (3, rejected) on engine 0,
+    # g1 (1, usable) on engine 1, which then idles (no pulling): t=3 decides g0, g1. Chunk 2: g2 (2) on engine 0,
+    # g3 (1) on engine 1: g3 ends at t=4 out of order, g2 at t=5 fills the step; g3 is surplus. A pulling stream
+    # puts g2 on engine 1 at t=1 and is full at t=3.
+    groups, usable = [[3], [1], [2], [1], [9], [9]], [False, True, True, True, True, True]
+    model, recipe = EngineModel(2, 1, 1.0, 0.0), Recipe(2, 1, 4, 10)
+    rr, _ = streaming_step(ListPool(groups, usable), recipe, model, [], partial=False, order="prompt", chunk=2)
+    assert (rr.wall_s, rr.prompts_drawn, rr.kept, rr.rejected, rr.surplus) == (pytest.approx(5.0), 4, 3.0, 3.0, 1.0)
+    pull, _ = streaming_step(ListPool(groups, usable), recipe, model, [], partial=False, order="prompt")
+    assert pull.wall_s == pytest.approx(3.0) and pull.kept == 3.0
+
+
+def test_chunked_stream_resumes_carried_groups_first_and_carries_unstarted_ones():
+    # A carried group (2 of 5 tokens) resumes alone on engine 0 (3 s) before the first fresh chunk; need 1 is met by
+    # it. With a chunk of 3 on one engine and one slot: g0 (2) ends t=2 and fills a need of 1; g1 and g2 never
+    # started and carry with no tokens (staleness 0).
+    carried = Carried(np.array([5]), True, np.array([2.0]), staleness=1)
+    model, recipe = EngineModel(1, 1, 1.0, 0.0), Recipe(1, 1, 3, 10)
+    res, carry = streaming_step(ListPool([[9]] * 3, [True] * 3), recipe, model, [carried], partial=True,
+                                order="prompt", chunk=3)
+    assert (res.wall_s, res.kept, res.kept_stale, res.prompts_drawn, carry) == (pytest.approx(3.0), 5.0, 2.0, 0, [])
+    res, carry = streaming_step(ListPool([[2], [4], [4]], [True] * 3), recipe, model, [], partial=True,
+                                order="prompt", chunk=3)
+    assert (res.wall_s, res.kept, res.aborted) == (pytest.approx(2.0), 2.0, 0.0)
+    assert [(c.progress.tolist(), c.staleness) for c in carry] == [([0.0], 0), ([0.0], 0)]
