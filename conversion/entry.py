@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Callable
 
@@ -31,11 +32,32 @@ def debug_enabled(args: argparse.Namespace) -> bool:
 
 
 def run(body: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
-    """Call `body(args)`; a user error becomes one line on stderr and exit code 2 (unless debugging)."""
+    """Call `body(args)`; a user error becomes one line on stderr and exit code 2 (unless debugging).
+
+    SIGTERM and Ctrl-C end the command with one line and 143 / 130 wherever they arrive: inside an output's
+    ``atomic_directory`` it removes the partial output first (``weights.atomic``), elsewhere nothing was written.
+    """
+    from dapo_mcore.weights.atomic import stop_signal, terminating
+
     try:
-        return body(args)
+        with terminating():
+            return body(args)
     except USER_ERRORS as err:
         if debug_enabled(args):
             raise
         print(f"dapo-mcore convert: {err}", file=sys.stderr)
         return EXIT_USAGE
+    except BaseException as exc:
+        stop = None if isinstance(exc, SystemExit) else stop_signal(exc)
+        if stop is None:
+            raise
+        what = "terminated (SIGTERM)" if stop == signal.SIGTERM else "interrupted (SIGINT)"
+        print(f"dapo-mcore convert: {what}; no output was written", file=sys.stderr)
+        return 128 + stop
+
+
+def report_written(out: str) -> None:
+    """Print ``wrote OUT`` once OUT is complete; from then on a stop signal no longer changes the exit code (0)."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    print(f"wrote {out}", flush=True)

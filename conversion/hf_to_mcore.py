@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from conversion.entry import add_debug_flag, run
+from conversion.entry import add_debug_flag, report_written, run
 from dapo_mcore.weights import checkpoint as ckpt
 from dapo_mcore.weights.errors import WeightsError
 from dapo_mcore.weights.hf_checkpoint import (
@@ -146,14 +146,14 @@ def _main(args) -> int:
         run_collective(args.tp, args.pp, "hf_to_torch_dist", args.hf, args.out, dtype=dtype,
                        divisible_by=args.vocab_divisible_by)
         if os.environ.get("RANK", "0") == "0":
-            print(f"wrote {args.out}")
+            report_written(args.out)
         return 0
     layout = ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp, layer_spec=args.layer_spec,
                             make_vocab_size_divisible_by=args.vocab_divisible_by)
     dtype = parse_dtype(args.dtype) if args.dtype else None
     convert_hf_to_mcore(args.hf, args.out, layout, dtype=dtype, progress=not args.no_progress,
                         direct=io_mode(args.io))
-    print(f"wrote {args.out}")
+    report_written(args.out)
     return 0
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from conversion.entry import add_debug_flag, run
+from conversion.entry import add_debug_flag, report_written, run
 from conversion.hf_to_mcore import _progress
 from dapo_mcore.weights import checkpoint as ckpt
 from dapo_mcore.weights.errors import WeightsError
@@ -150,12 +150,12 @@ def _main(args) -> int:
 
         run_collective(1, 1, "torch_dist_to_hf", args.mcore, args.hf_config, args.out,
                        max_shard_bytes=parse_size(args.max_shard_size))
-        print(f"wrote {args.out}")
+        report_written(args.out)
         return 0
     tokenizer = args.tokenizer or _run_tokenizer(Path(args.mcore))
     convert_mcore_to_hf(args.mcore, args.out, max_shard_bytes=parse_size(args.max_shard_size),
                         tokenizer_dir=tokenizer, progress=not args.no_progress, direct=io_mode(args.io))
-    print(f"wrote {args.out}")
+    report_written(args.out)
     return 0
 
 

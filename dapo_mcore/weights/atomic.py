@@ -105,6 +105,12 @@ class _Terminated(BaseException):
     """Raised in the main thread by SIGTERM inside `atomic_directory`, so the cleanup runs."""
 
 
+def terminating() -> contextlib.AbstractContextManager[None]:
+    """Within: SIGTERM raises ``_Terminated`` in the main thread (unless a program installed its own handler), so
+    cleanups run and ``stop_signal`` can tell a termination from an error."""
+    return _sigterm_raises()
+
+
 @contextlib.contextmanager
 def _sigterm_raises() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread() or \
@@ -119,7 +125,8 @@ def _sigterm_raises() -> Iterator[None]:
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if signal.getsignal(signal.SIGTERM) is handler:  # unless the program set another meanwhile (SIG_IGN once done)
+            signal.signal(signal.SIGTERM, previous)
 
 
 last_fsync_seconds = 0.0  # of the latest atomic_directory (benchmarks report it)
@@ -127,8 +134,9 @@ last_fsync_seconds = 0.0  # of the latest atomic_directory (benchmarks report it
 
 @contextlib.contextmanager
 def atomic_directory(target: str | Path, *, fsync: bool = True) -> Iterator[Path]:
-    """Yield a temp dir next to `target`; fsync and rename it to `target` on success, delete it on any error
-    or SIGTERM (then exit with 128 + SIGTERM like the default action would). OSErrors become OutputPathError."""
+    """Yield a temp dir next to `target`; fsync and rename it to `target` on success, delete it on any error,
+    SIGTERM or Ctrl-C (then exit 143 or 130 with one line, like the default action would, even when the unwinding
+    raised something else on the way: ``stop_signal``). OSErrors become OutputPathError."""
     global last_fsync_seconds
     target = check_target_free(target)
     remove_stale_partials(target)
@@ -145,15 +153,28 @@ def atomic_directory(target: str | Path, *, fsync: bool = True) -> Iterator[Path
             os.rename(tmp, target)
         if fsync:
             fsync_dir(target.parent)
-    except _Terminated:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        log.error("terminated (SIGTERM): removed %s; %s was not written", tmp, target)
-        raise SystemExit(128 + signal.SIGTERM) from None
-    except OSError as err:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(err, OutputPathError) or not is_output_os_error(err):
+        stop = None if isinstance(err, SystemExit) else stop_signal(err)
+        if stop is not None:
+            what = "terminated (SIGTERM)" if stop == signal.SIGTERM else "interrupted (SIGINT)"
+            log.error("%s: removed %s; %s was not written", what, tmp, target)
+            raise SystemExit(128 + stop) from None
+        if not isinstance(err, OSError) or isinstance(err, OutputPathError) or not is_output_os_error(err):
             raise
         raise output_os_error(err, target) from err
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+
+def stop_signal(exc: BaseException | None) -> int | None:
+    """SIGTERM or SIGINT if ``exc`` is, or arose while unwinding from, a stop signal (``_Terminated``,
+    ``KeyboardInterrupt``): a buffer still exported by the write in progress raises ``BufferError: cannot close
+    exported pointers exist`` on its way out, which hides the signal that started it. None otherwise."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, _Terminated):
+            return signal.SIGTERM
+        if isinstance(exc, KeyboardInterrupt):
+            return signal.SIGINT
+        exc = exc.__context__ if exc.__context__ is not None else exc.__cause__
+    return None
