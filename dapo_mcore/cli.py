@@ -16,6 +16,7 @@ import sys
 import traceback
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 from dapo_mcore import __version__
 from dapo_mcore.configtree import ConfigError
@@ -114,9 +115,42 @@ def _run_training_command(args: argparse.Namespace) -> int:
     _quiet_cpu_warnings()
     from dapo_mcore import trainer
 
-    if args.command == "train":
-        return _requeue_exit(trainer.train_main(args.config, overrides), trainer.EXIT_REQUEUE)
-    return trainer.eval_main(args.config, overrides, checkpoint)
+    try:
+        if args.command == "train":
+            return _requeue_exit(trainer.train_main(args.config, overrides), trainer.EXIT_REQUEUE)
+        return trainer.eval_main(args.config, overrides, checkpoint)
+    except (RuntimeError, ConnectionError) as exc:
+        if not peer_lost(exc):
+            raise
+        from dapo_mcore.config import load_config
+
+        raise UserError(lost_peer_line(exc, Path(load_config(args.config, overrides).run.dir), args.command)) from exc
+
+
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused",
+              "NCCL communicator was aborted", "Socket Timeout", "DistNetworkError", "DistBackendError")
+"""What gloo, NCCL and the TCP store say when another rank of the job died (a RuntimeError, no errno)."""
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective failing because another rank is gone (not a bug of this rank)."""
+    text = f"{type(exc).__name__}: {exc}"
+    return any(s in text for s in _PEER_LOST)
+
+
+def lost_peer_line(exc: BaseException, run_dir: Path, command: str) -> str:
+    """One line: another rank died, what this rank saw, and the checkpoint the same command resumes from."""
+    from dapo_mcore.actor.checkpoint import latest_complete
+
+    seen = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    seen = seen.split("] ", 1)[-1][:160]  # gloo prefixes its source location
+    if command != "train":
+        return f"another rank of the job stopped ({seen}); this rank stops too. Check the other ranks' logs"
+    latest = latest_complete(run_dir / "checkpoints")
+    resume = (f"the run resumes from {latest} (its latest complete checkpoint, verified on resume)" if latest
+              else "the run has no checkpoint yet and starts over")
+    return (f"another rank of the job stopped ({seen}); this rank stops too. Check the other ranks' logs, then run "
+            f"the same command: {resume}")
 
 
 def _requeue_exit(code: int, requeue_code: int) -> int:

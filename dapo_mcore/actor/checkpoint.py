@@ -200,6 +200,19 @@ def remove_partials(root: Path) -> list[Path]:
     return removed
 
 
+def latest_complete(root: Path) -> Path | None:
+    """The checkpoint a resume would try first (``latest`` if complete, else the newest complete one), without
+    reading its files: for a message when the process group is gone and ``find_latest`` cannot run."""
+    root = Path(root)
+    candidates = _complete_steps(root)
+    marker = root / "latest"
+    if marker.is_file():
+        named = root / marker.read_bytes().decode("utf-8", errors="replace").strip()
+        if named in candidates:
+            return named
+    return candidates[-1] if candidates else None
+
+
 def find_latest(root: Path) -> Path | None:
     """The checkpoint to resume from: ``latest`` if intact, else the newest intact one; None if there is none.
 
