@@ -68,6 +68,23 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
 
 
+MARGIN = 0.1
+"""Share of GPU memory a fitting layout should leave free; less gets a warning (the memory model is an estimate)."""
+
+
+def headroom_warning(plan: PlanInput, est: Any, margin: float) -> str | None:
+    """A warning line when the worse phase peak leaves less than ``margin`` of ``plan.gpu_memory_gib`` free."""
+    peak = max(est.train_peak, est.rollout_peak) / GIB
+    free = plan.gpu_memory_gib - peak
+    if free >= margin * plan.gpu_memory_gib:
+        return None
+    phase = "training" if est.train_peak >= est.rollout_peak else "rollout"
+    return (f"warning: fits with only {free:.1f} GiB free of {plan.gpu_memory_gib:g} GiB ({free / plan.gpu_memory_gib:.1%}"
+            f" < the {margin:.0%} margin; {phase} peak {peak:.1f} GiB): the estimate leaves out allocator fragmentation "
+            f"and NCCL/CUDA-graph buffers, so this may run out of memory; prefer a layout with more headroom (more "
+            f"pipeline or tensor parallelism, parallel.offload_for_rollout, a smaller train.micro_batch_tokens)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dapo-mcore plan", description=__doc__.splitlines()[0],
@@ -80,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--nodes", type=int, default=None, help="nodes of the job (with CONFIG)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (= tasks) per node (with CONFIG; default 8)")
     parser.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    parser.add_argument("--margin", type=float, default=MARGIN,
+                        help=f"warn when a layout fits with less free GPU memory than this share (default {MARGIN:g}: "
+                             "the estimate leaves out allocator fragmentation, NCCL and CUDA-graph buffers)")
     for f in fields(PlanInput):
         if f.name == "model":
             continue
@@ -126,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = vars(parser.parse_intermixed_args(argv))
     as_json = args.pop("json")
+    margin = args.pop("margin")
     disaggregated = plan_disagg.pop_arguments(args)
     plan, names, max_tp = _plan_from_args(parser, args)
     if disaggregated is not None:
@@ -146,5 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     except LayoutDoesNotFit as err:
         print(err)
         return 1
+    warning = headroom_warning(plan, est, margin)
+    if warning:
+        print(warning)
     print("fits")
     return 0

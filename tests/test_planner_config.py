@@ -122,3 +122,16 @@ def test_command_line_mixups_are_usage_errors(capsys):
 def test_cli_turns_config_errors_into_exit_2(capsys):
     assert cli_main(["plan", CFG_32B, *PRESET_32B, "--nodes", "1"]) == 2
     assert "configuration error" in capsys.readouterr().err
+
+
+def test_plan_warns_when_a_layout_fits_with_little_headroom(capsys):
+    """Issue 30 item 9: the 32B recipe at PP=1 fits at 78.1/80 GiB and said only 'fits'."""
+    model = ["model.hf_path=null", "model.preset=qwen2.5-32b"]
+    assert main([CFG_32B, *model, "parallel.pipeline_parallel=1", "--nodes", "16"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1] == "fits" and out[-2].startswith("warning: fits with only 1.9 GiB free of 80 GiB")
+    assert "< the 10% margin" in out[-2]
+    assert main([CFG_32B, *model, "--nodes", "16"]) == 0  # the recipe's PP=2: ~19 GiB free, no warning
+    assert "warning" not in capsys.readouterr().out
+    assert main([CFG_32B, *model, "parallel.pipeline_parallel=1", "--nodes", "16", "--margin", "0.02"]) == 0
+    assert "warning" not in capsys.readouterr().out
