@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import asdict, fields
 from typing import Any
 
@@ -72,6 +73,20 @@ MARGIN = 0.1
 """Share of GPU memory a fitting layout should leave free; less gets a warning (the memory model is an estimate)."""
 
 
+def requeue_line(steps: int, step_seconds: float, time_limit_h: float, lead_min: float) -> str:
+    """How many jobs of ``time_limit_h`` (the last ``lead_min`` minutes spent checkpointing) ``steps`` need at the
+    estimated step time, and the DAPO_MAX_REQUEUES that lets the run finish (slurm/env.sh defaults to 20)."""
+    usable_s = max(time_limit_h * 3600 - lead_min * 60, step_seconds)
+    per_job = max(1, int(usable_s // step_seconds))
+    jobs = math.ceil(steps / per_job)
+    need = jobs - 1
+    note = "" if need <= 20 else f": more than DAPO_MAX_REQUEUES=20 (the run would stop near step {21 * per_job})"
+    return (f"time: {steps} steps x ~{step_seconds / 60:.0f} min (estimate, one generation batch) = "
+            f"{steps * step_seconds / 3600:.0f} h = {jobs} jobs of {time_limit_h:g} h ({per_job} steps each), "
+            f"{need} requeues{note}; submit with DAPO_MAX_REQUEUES={math.ceil(need * 1.5)} (1.5x for dynamic "
+            f"sampling's extra batches and failures)")
+
+
 def headroom_warning(plan: PlanInput, est: Any, margin: float) -> str | None:
     """A warning line when the worse phase peak leaves less than ``margin`` of ``plan.gpu_memory_gib`` free."""
     peak = max(est.train_peak, est.rollout_peak) / GIB
@@ -97,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--nodes", type=int, default=None, help="nodes of the job (with CONFIG)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (= tasks) per node (with CONFIG; default 8)")
     parser.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    parser.add_argument("--time-limit-hours", type=float, default=12.0,
+                        help="the job's --time (with CONFIG: jobs and requeues the run needs; default 12)")
+    parser.add_argument("--signal-minutes", type=float, default=60.0,
+                        help="the --signal=B:USR1@ lead time in minutes (default 60, the 32B script's)")
     parser.add_argument("--margin", type=float, default=MARGIN,
                         help=f"warn when a layout fits with less free GPU memory than this share (default {MARGIN:g}: "
                              "the estimate leaves out allocator fragmentation, NCCL and CUDA-graph buffers)")
@@ -110,8 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _plan_from_args(parser: argparse.ArgumentParser, args: dict[str, Any]) -> tuple[PlanInput, Names | None, int]:
-    """(PlanInput, message names, max TP) from parsed arguments; parser.error on a mixed-up command line."""
+def _plan_from_args(parser: argparse.ArgumentParser,
+                    args: dict[str, Any]) -> tuple[PlanInput, Names | None, int, int | None]:
+    """(PlanInput, message names, max TP, train.steps of CONFIG) from parsed arguments; parser.error on a mixed-up
+    command line."""
     config, overrides, preset, path = args.pop("config"), args.pop("overrides"), args.pop("model"), args.pop("hf_config")
     nodes, gpus_per_node = args.pop("nodes"), args.pop("gpus_per_node")
     if config is None:
@@ -124,7 +145,7 @@ def _plan_from_args(parser: argparse.ArgumentParser, args: dict[str, Any]) -> tu
             from dapo_mcore.model.presets import preset_config
 
             model = preset_config(preset)
-        return PlanInput(model=model, **args), None, 8
+        return PlanInput(model=model, **args), None, 8, None
     if preset or path:
         parser.error("CONFIG names the model already; drop --model/--hf-config (override model.preset=... instead)")
     clashes = sorted(set(args) & (set(CONFIG_KEYS) | set(TRAINER_FIXED)))
@@ -138,7 +159,7 @@ def _plan_from_args(parser: argparse.ArgumentParser, args: dict[str, Any]) -> tu
     cfg = load_config(config, overrides)
     world = nodes * gpus_per_node
     validate_config_layout(cfg, world)
-    return plan_input_from_config(cfg, world, **args), CONFIG_KEYS, gpus_per_node
+    return plan_input_from_config(cfg, world, **args), CONFIG_KEYS, gpus_per_node, cfg.train.steps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     as_json = args.pop("json")
     margin = args.pop("margin")
     disaggregated = plan_disagg.pop_arguments(args)
-    plan, names, max_tp = _plan_from_args(parser, args)
+    time_limit_h, lead_min = args.pop("time_limit_hours"), args.pop("signal_minutes")
+    plan, names, max_tp, steps = _plan_from_args(parser, args)
     if disaggregated is not None:
         try:
             return plan_disagg.run(plan, disaggregated, as_json)
@@ -167,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     except LayoutDoesNotFit as err:
         print(err)
         return 1
+    if steps and not as_json:
+        print(requeue_line(steps, sum(estimate_step_seconds(plan, flops)), time_limit_h, lead_min))
     warning = headroom_warning(plan, est, margin)
     if warning:
         print(warning)

@@ -132,6 +132,10 @@ def test_plan_warns_when_a_layout_fits_with_little_headroom(capsys):
     assert out[-1] == "fits" and out[-2].startswith("warning: fits with only 1.9 GiB free of 80 GiB")
     assert "< the 10% margin" in out[-2]
     assert main([CFG_32B, *model, "--nodes", "16"]) == 0  # the recipe's PP=2: ~19 GiB free, no warning
-    assert "warning" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "warning" not in out
+    # 600 steps x ~26 min in 12 h jobs that checkpoint in their last hour: 24 jobs; 20 requeues stop near step 525
+    assert "= 24 jobs of 12 h (25 steps each), 23 requeues: more than DAPO_MAX_REQUEUES=20 (the run would stop near " \
+           "step 525); submit with DAPO_MAX_REQUEUES=35" in out
     assert main([CFG_32B, *model, "parallel.pipeline_parallel=1", "--nodes", "16", "--margin", "0.02"]) == 0
     assert "warning" not in capsys.readouterr().out
