@@ -58,6 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("overrides", nargs="*")
     ev.add_argument("--checkpoint", default=None,
                     help="a run dir (its latest checkpoint), a checkpoint dir, or 'base' (default: run.dir's latest)")
+    ev.add_argument("--json", action="store_true", help="print the scores as one JSON object")
     conv = sub.add_parser("convert", help="checkpoint conversion between Hugging Face and Megatron")
     conv.add_argument("direction", choices=sorted(_CONVERT), help="; ".join(f"{k}: {v[2]}" for k, v in _CONVERT.items()))
     conv.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the conversion (see --help of each)")
@@ -118,7 +119,7 @@ def _run_training_command(args: argparse.Namespace) -> int:
     try:
         if args.command == "train":
             return _requeue_exit(trainer.train_main(args.config, overrides), trainer.EXIT_REQUEUE)
-        return trainer.eval_main(args.config, overrides, checkpoint)
+        return trainer.eval_main(args.config, overrides, checkpoint, as_json=args.json)
     except (RuntimeError, ConnectionError) as exc:
         if not peer_lost(exc):
             raise

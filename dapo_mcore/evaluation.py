@@ -32,6 +32,20 @@ class EvalResult:
                 "eval/problems": float(self.problems), "eval/resp_len_mean": self.mean_response_len}
 
 
+COUNT_KEYS = ("eval/k", "eval/problems")
+"""Scores that are counts: printed as integers."""
+
+
+def format_scores(metrics: dict[str, float], as_json: bool = False) -> str:
+    """``dapo-mcore eval``'s output: ``key: value`` lines (counts as integers, scores to 4 places) or one JSON object."""
+    values = {k: int(v) if k in COUNT_KEYS else float(v) for k, v in metrics.items()}
+    if as_json:
+        import json
+
+        return json.dumps(values) + "\n"
+    return "".join(f"{k}: {v}\n" if isinstance(v, int) else f"{k}: {v:.4f}\n" for k, v in values.items())
+
+
 def summarize(acc: Sequence[Sequence[bool]], preds: Sequence[Sequence[str | None]],
               correct_pred: Sequence[Sequence[bool]], lengths: Sequence[Sequence[int]]) -> EvalResult:
     """Scores from per-problem lists of k sample outcomes.

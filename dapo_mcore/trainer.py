@@ -305,7 +305,7 @@ def train_main(config_path: str, overrides: list[str]) -> int:
     return Trainer(cfg, parts).run()
 
 
-def eval_main(config_path: str, overrides: list[str], checkpoint: str | None) -> int:
+def eval_main(config_path: str, overrides: list[str], checkpoint: str | None, as_json: bool = False) -> int:
     """``dapo-mcore eval``: held-out avg@k / pass@k / maj@k of a checkpoint (or the base model)."""
     _cpu_threads()
     cfg, launch = read_config(config_path, overrides)
@@ -316,8 +316,9 @@ def eval_main(config_path: str, overrides: list[str], checkpoint: str | None) ->
     finally:
         parts.close()
     if launch.rank == 0:
-        for k, v in metrics.items():
-            sys.stdout.write(f"{k}: {v:.4f}\n")
+        from dapo_mcore.evaluation import format_scores
+
+        sys.stdout.write(format_scores(metrics, as_json))
     return 0
 
 
