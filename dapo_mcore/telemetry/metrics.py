@@ -12,10 +12,12 @@ the orphaned events of the interrupted run.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from dapo_mcore.errors import naming
 from dapo_mcore.telemetry import keys
 from dapo_mcore.telemetry.jsonl import StepLogFile, read_jsonl
 
@@ -60,6 +62,7 @@ class MetricsWriter:
         from torch.utils.tensorboard import SummaryWriter
 
         self._tb = SummaryWriter(log_dir=str(self.run_dir / TENSORBOARD_DIR), purge_step=resume_step)
+        _quiet_tensorboard_thread_errors()
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Record ``metrics`` for ``step`` (must come after the last logged step)."""
@@ -72,23 +75,45 @@ class MetricsWriter:
         for key, value in metrics.items():
             if key != keys.STEP:
                 record[key] = _as_number(key, value)
-        self._jsonl.write(record)
-        for key, value in record.items():
-            if key != keys.STEP:
-                self._tb.add_scalar(key, value, global_step=step)
-        self._tb.flush()
+        with naming(self.run_dir / METRICS_FILE):
+            self._jsonl.write(record)
+        # TensorBoard writes in a thread and re-raises its OSError here without the path: name it.
+        with naming(self.run_dir / TENSORBOARD_DIR):
+            for key, value in record.items():
+                if key != keys.STEP:
+                    self._tb.add_scalar(key, value, global_step=step)
+            self._tb.flush()
 
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
         if self._tb is not None:
-            self._tb.close()
+            tb, self._tb = self._tb, None
+            with naming(self.run_dir / TENSORBOARD_DIR):
+                tb.close()
 
     def __enter__(self) -> MetricsWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _quiet_tensorboard_thread_errors() -> None:
+    """TensorBoard's writer thread dies on a full disk and prints its traceback, then re-raises the OSError in the
+    writing thread (where MetricsWriter names the path): keep only the one line that follows from that."""
+    if getattr(threading.excepthook, "_dapo_quiet_tb", False):
+        return
+    previous = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if isinstance(args.exc_value, OSError) and type(args.thread).__name__ == "_AsyncWriterThread":
+            logger.debug("TensorBoard writer thread: %s (re-raised by the next write)", args.exc_value)
+            return
+        previous(args)
+
+    hook._dapo_quiet_tb = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

@@ -192,7 +192,8 @@ class RolloutStore:
                 return
             except StoreDamagedError as exc:
                 self._set_aside(str(exc), resume_step)
-        self._create(row_chunk, token_chunk)
+        with naming(self.path):
+            self._create(row_chunk, token_chunk)
 
     def _open_existing(self, resume_step: int | None) -> None:
         """Open to continue: metadata readable, the step to continue after intact; else StoreDamagedError."""
