@@ -516,13 +516,15 @@ def build_components(cfg: Config, launch: LaunchEnv, *, resume: bool = True, che
                      for_eval: bool = False) -> Components:
     """Start process groups, lock the run directory (training), build actor, engine, data and telemetry (see module
     docstring for the order). The lock is released by ``Components.close``, or here if building fails."""
-    from dapo_mcore.actor.parallel import init_distributed
+    from dapo_mcore.actor.parallel import check_shared_dir, init_distributed
     from dapo_mcore.data.sources import load_prompt_records
 
     # Data first: a bad dataset path fails before any process group or model exists.
     train_records = [] if for_eval else load_prompt_records(cfg.data, "train")
     eval_records = load_prompt_records(cfg.data, "eval")
     init_distributed(launch, cfg.parallel.backend, cfg.parallel.timeout_minutes)
+    if not for_eval:  # every node must write into the same run.dir (lock, checkpoints, metrics)
+        check_shared_dir(Path(cfg.run.dir))
     lock = None if for_eval else claim_run_dir(cfg, launch)
     try:
         parts = _build_parts(cfg, launch, resume=resume, checkpoint=checkpoint,

@@ -1,7 +1,7 @@
 """Parallel start-up: rank/world from torchrun or Slurm, the process group, and Megatron's TP/PP/DP groups.
 
 NCCL on GPU, gloo on CPU (where the CPU compatibility layer is applied first). Collective timeouts turn a dead
-rank into an error instead of a hang.
+rank into an error instead of a hang. `check_shared_dir` refuses a run directory that the nodes do not share.
 """
 
 from __future__ import annotations
@@ -9,7 +9,10 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import socket
+import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -100,6 +103,38 @@ def init_distributed(launch: LaunchEnv, backend: str = "auto", timeout_minutes: 
         )
     log.info("process group ready: rank %d/%d (%s, %s)", launch.rank, launch.world_size, backend, launch.source)
     return backend
+
+
+def check_shared_dir(path: Path, key: str = "run.dir") -> None:
+    """Refuse (UserError, on every rank) a directory that not every rank sees: a node-local path on a cluster.
+
+    Rank 0 writes a token file named by a fresh random id; every rank looks for it. Without this check each node
+    would write its own half of every checkpoint and the run could never resume. A collective: call it on every
+    rank of the default process group, after the run directory was prepared and before anything is written to it.
+    """
+    from dapo_mcore.errors import UserError
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    rank, host = dist.get_rank(), socket.gethostname()
+    path.mkdir(parents=True, exist_ok=True)
+    name = [f".shared-check-{uuid.uuid4().hex}"]
+    dist.broadcast_object_list(name, src=0)
+    token = path / name[0]
+    if rank == 0:
+        token.write_text(host)
+    dist.barrier()
+    seen: list[tuple[bool, str]] = [(False, "")] * dist.get_world_size()
+    dist.all_gather_object(seen, (token.is_file(), host))
+    dist.barrier()
+    if rank == 0:
+        token.unlink()
+    blind = sorted({h for ok, h in seen if not ok})
+    if blind:
+        raise UserError(f"{key}={str(path)!r} is not shared between the nodes: {', '.join(blind)} cannot see the "
+                        f"file rank 0 wrote there on {seen[0][1]} (a node-local path?); put {key} on a file system "
+                        "that every node mounts at the same path (NFS, Lustre, GPFS).")
+    log.debug("%s=%s is shared by all %d ranks", key, path, len(seen))
 
 
 def init_model_parallel(tensor_parallel: int, pipeline_parallel: int, virtual_pipeline: int | None = None,
