@@ -41,3 +41,12 @@ def test_detector_fires_on_a_lenient_verifier(capsys):
 
     rows = audit.run_audit(num=30, seed=0, score=substring_verifier)
     assert audit.verdict("substring", rows).shortcuts
+
+
+def test_tables_carry_a_legend():
+    """Issue 30 item 10: what int gt / latex gt / distinct and each kind mean, under the table."""
+    from dapo_mcore.reward.audit import LEGEND, render
+
+    text = render([], markdown=False)
+    assert text.endswith(LEGEND) and "distinct: how many" in LEGEND and all(k in LEGEND for k in
+                                                                            ("format", "hedge", "window", "blind"))

@@ -215,6 +215,14 @@ def verdict(reward: str, rows: list[AuditRow]) -> Verdict:
                    honest[0].int_rate if honest else float("nan"))
 
 
+LEGEND = ("kind: format = the right answer in some format (0% = a false negative the policy must learn around); "
+          "hedge = the right answer next to a wrong one (a payout rewards hedging); window = the right answer where "
+          "the verifier should not look; blind = does not depend on the answer (any payout above chance is a hack). "
+          "int gt / latex gt: share of integer / LaTeX ground truths the probe is paid for; distinct: how many "
+          "different ground truths one fixed response is paid for (> 1 for a blind probe = a shortcut).")
+"""What the columns mean, printed under every table (issue 30 item 10)."""
+
+
 def render(rows: list[AuditRow], markdown: bool) -> str:
     """A table of one verifier: markdown or plain text."""
     if markdown:
@@ -225,7 +233,7 @@ def render(rows: list[AuditRow], markdown: bool) -> str:
         lines = [f"{'probe':<52} {'kind':<7} {'int gt':>7} {'latex gt':>9} {'distinct':>9}"]
         lines += [f"{r.probe.name:<52} {r.probe.kind:<7} {r.int_rate:>7.0%} {r.latex_rate:>9.0%} {r.distinct_paid:>9}"
                   for r in rows]
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n\n" + LEGEND
 
 
 def render_side_by_side(names: list[str], tables: list[list[AuditRow]], markdown: bool) -> str:
@@ -243,7 +251,7 @@ def render_side_by_side(names: list[str], tables: list[list[AuditRow]], markdown
         lines = [f"{'probe':<52} {'kind':<7} " + " ".join(f"{n[-24:]:>24}" for n in names)]
         lines += [f"{rs[0].probe.name:<52} {rs[0].probe.kind:<7} " + " ".join(f"{cell(r):>24}" for r in rs)
                   for rs in rows]
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n\nEach cell: integer gt % / LaTeX gt % (distinct gts paid). " + LEGEND
 
 
 def _parser() -> argparse.ArgumentParser:
