@@ -5,6 +5,7 @@ The last test (marked gpu) really generates with vLLM and is skipped without CUD
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import socket
 import sys
@@ -220,6 +221,50 @@ def test_sync_order_and_weight_stream():
     assert backend.calls[-1] == ("shutdown",)
 
 
+def _record_empty_cache(monkeypatch, backend: FakeBackend) -> None:
+    """torch.cuda.empty_cache appends to the backend's call log, so the order of releases and wakes is checkable."""
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: backend.calls.append(("empty_cache",)))
+
+
+def _wakes_follow_a_release(calls: list[tuple]) -> int:
+    wakes = [i for i, c in enumerate(calls) if c[0] == "wake_up"]
+    assert wakes and all(calls[i - 1] == ("empty_cache",) for i in wakes), calls
+    return len(wakes)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_every_wake_releases_the_allocator_cache_first(monkeypatch, level):
+    """vLLM's sleep mode maps its memory outside PyTorch's caching allocator: the trainer's freed blocks must be
+    emptied from the cache before each wake_up, on the sync path (weights) and the wake path (KV cache)."""
+    engine, backend = make_engine(sleep_level=level)
+    _record_empty_cache(monkeypatch, backend)
+    sd = hf_state_dict()
+    for _ in range(2):
+        engine.sleep()
+        engine.update_weights(buckets(sd, 9))  # wakes the weights (the resync path after a level-2 sleep)
+        engine.wake()                           # wakes the KV cache
+        engine.generate([[1, 2]], SamplingParams())
+    engine.sleep()
+    if level == 1:
+        engine.wake()                           # a level-1 wake without a sync: weights, then KV cache
+    assert _wakes_follow_a_release(backend.calls) == 4 + (2 if level == 1 else 0)
+
+
+def test_wake_logs_device_memory_before_and_after_the_release(monkeypatch, caplog):
+    engine, backend = make_engine()
+    reserved = itertools.cycle([30 << 30, 2 << 30])  # before and after each empty_cache
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: next(reserved))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 1 << 30)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (70 << 30, 80 << 30))
+    _record_empty_cache(monkeypatch, backend)
+    engine.sleep()
+    with caplog.at_level("INFO", logger="dapo_mcore.rollout.vllm_engine"):
+        engine.wake()
+    line = next(r.getMessage() for r in caplog.records if "wake_up(['weights'])" in r.getMessage())
+    assert "reserved 30.00 -> 2.00 GiB (allocated 1.00 GiB); device free 70.00 of 80.00 GiB" in line
+
+
 def test_state_checks_and_failed_syncs():
     engine, backend = make_engine(sleep_level=2)
     sd = hf_state_dict()
@@ -268,9 +313,9 @@ def test_dummy_load_needs_a_sync_first():
 
 
 def test_version_checks():
-    for ok in ("0.11.0", "0.20.1", "0.33.1+cu128", "0.12.0rc1.dev5"):
+    for ok in ("0.20.1", "0.33.1+cu128", "0.21.0rc1.dev5"):
         check_vllm_version(ok)
-    for bad in ("0.10.2", "0.34.0", "1.0.0"):
+    for bad in ("0.11.0", "0.20.0", "0.34.0", "1.0.0"):  # before 0.20.1 sleep mode asserts on expandable segments
         with pytest.raises(EngineError, match="not supported"):
             check_vllm_version(bad)
     with pytest.raises(EngineError, match="cannot parse"):

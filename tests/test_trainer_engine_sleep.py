@@ -56,3 +56,42 @@ def test_a_discarded_engine_is_resynced_before_it_wakes_and_a_valid_one_is_not()
     with trainer._engine_awake():  # e.g. the next step's generation after an evaluation's level-2 sleep
         assert engine.awake
     assert engine.events == ["wake", "sleep", "sync", "wake", "sleep"]
+
+
+class _ExportingActor(_Actor):
+    """Exports the tiny model's full HF state dict, as a sync must."""
+
+    def __init__(self, state: dict) -> None:
+        self.state = state
+
+    def export_hf_weights(self):
+        items = list(self.state.items())
+        yield from (items[i:i + 8] for i in range(0, len(items), 8))
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_every_wake_the_trainer_causes_is_preceded_by_releasing_the_allocator_cache(monkeypatch, level):
+    """The trainer's phases wake the real VLLMEngine (a recording fake backend under it): a step's generation, an
+    evaluation (the same ``_engine_awake``) and, at level 2, the resync its sleep forces. Each wake_up must come
+    right after torch.cuda.empty_cache, so the trainer's freed activations are free for vLLM's own allocator."""
+    import torch
+
+    from dapo_mcore.rollout.vllm_engine import VLLMEngine, VLLMEngineOptions
+    from tests.test_rollout_vllm import TINY, FakeBackend, hf_state_dict
+
+    backend = FakeBackend()
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: backend.calls.append(("empty_cache",)))
+    engine = VLLMEngine(VLLMEngineOptions(model_path="/m", sleep_level=level, load_format="dummy"), TINY,
+                        backend=backend, world_size=1)
+    trainer = Trainer(Config(), SimpleNamespace(engine=engine, actor=_ExportingActor(hf_state_dict())))
+    engine.sleep()
+    trainer.sync_weights()  # start-up sync of the dummy weights
+    for _ in range(3):  # generation, evaluation, the next step's generation
+        with trainer._engine_awake():
+            assert engine.state == "awake"
+    wakes = [i for i, c in enumerate(backend.calls) if c[0] == "wake_up"]
+    assert all(backend.calls[i - 1] == ("empty_cache",) for i in wakes), backend.calls
+    syncs = sum(c == ("begin_weight_update",) for c in backend.calls)
+    # the start-up sync wakes the weights, the first phase the KV cache, each later phase both; level 1 keeps the
+    # weights (one sync), level 2 discards them at every sleep (a resync before each later phase)
+    assert (len(wakes), syncs) == (1 + 1 + 2 * 2, 1 if level == 1 else 3)

