@@ -19,15 +19,25 @@ Memory model (bytes per GPU; ``P`` = parameters held by this rank's pipeline sta
   stored (flash attention), so there is no ``s^2`` term. No dropout masks (Qwen2 uses none).
 * 1F1B keeps ``min(PP, micro-batches)`` micro-batches in flight on the first stage (each with
   its ``L/PP`` layers); interleaving (VPP > 1) multiplies that by ``1 + (PP-1)/(PP*VPP)``
-  (Korthikanti et al. 2022). The last stage holds one micro-batch plus the logits:
-  ``tokens * V/TP * (a + 8)`` bytes, the stored logits (``a`` bytes per element) plus fp32 softmax
-  and its gradient, the transient peak of the log-prob/entropy computation.
+  (Korthikanti et al. 2022). The last stage holds one micro-batch plus the logits and the training loss's
+  temporaries (:func:`loss_logits_bytes`): the stored logits (``a`` bytes per element) plus, at the peak (the
+  log-prob's backward), 8 fp32 bytes per element at TP > 1 (Megatron's vocab-parallel cross entropy keeps the
+  softmax, which becomes the gradient, plus one masked/scaled copy) and 16 at TP = 1 (logsumexp's saved fp32 input
+  and its backward's exp, product and gather gradient). The entropy metric runs without a graph, in chunks of
+  ``actor.logprobs.ENTROPY_CHUNK_BYTES`` (three fp32 chunks beside the held copy, in the forward): it adds nothing
+  to the backward peak. ``tests/test_planner_memory.py`` runs the actor's loss function (``dapo_loss``) at TP=1 and
+  on two gloo TP ranks and checks these counts against the live bytes it allocates.
 * vLLM colocated with sleep mode: the two never peak together. During rollout vLLM is awake and
   holds ``gpu_memory_utilization * GPU`` (its weights at vLLM-TP, a workspace, and the KV cache in
   the rest) beside the trainer's persistent state (activations are gone; optionally the
   optimizer state and gradients are offloaded). During training vLLM sleeps (level 1: weights to
   host memory, KV cache freed), leaving ``vllm_sleep_residue_gib`` (context, CUDA-graph pool).
-  The peak of a GPU is the larger of the two phases.
+  The peak of a GPU is the larger of the two phases. What this assumes is released: before every vLLM wake
+  (``VLLMEngine`` calls ``torch.cuda.empty_cache()`` there, for a step, an evaluation and a resync alike) the
+  caching allocator hands back the training phase's activations, logits and loss temporaries, which vLLM's
+  ``cuMemCreate`` mappings could not otherwise use; with ``offload_train_state_in_rollout`` Megatron's offload hooks
+  also move the gradient buffers and optimizer state out. Weights and FP8 copies stay, and so does ``overhead_gib``
+  (context, NCCL buffers, fragmentation the release cannot undo).
 """
 
 from __future__ import annotations
@@ -255,8 +265,22 @@ def _stage_activation_bytes(p: PlanInput, shape: ModelShape, stage: int) -> tupl
         acts += activation_bytes_per_token_layer(shape, "none", act_bytes) / p.tensor_parallel * p.micro_batch_tokens
     logits = 0.0
     if stage == pp - 1:
-        logits = p.micro_batch_tokens * shape.vocab / p.tensor_parallel * (act_bytes + 8)
+        logits = loss_logits_bytes(p.micro_batch_tokens, shape.vocab / p.tensor_parallel, p.tensor_parallel, act_bytes)
     return acts, logits
+
+
+def loss_logits_bytes(tokens: int, local_vocab: float, tensor_parallel: int, act_bytes: int) -> float:
+    """Peak bytes of a micro-batch's logits and the training loss's temporaries on the last stage (module docstring).
+
+    The larger of the log-prob backward (``a + 8`` or, at TP = 1, ``a + 16`` bytes per logit) and the forward with
+    the entropy metric (the logits, one held fp32 copy and three fp32 entropy chunks).
+    """
+    from dapo_mcore.actor import logprobs
+
+    elements = tokens * local_vocab
+    backward = elements * (act_bytes + (16 if tensor_parallel == 1 else 8))
+    forward = elements * (act_bytes + 4) + 3 * logprobs.ENTROPY_CHUNK_BYTES
+    return max(backward, forward)
 
 
 def _vllm_bytes(p: PlanInput, shape: ModelShape) -> tuple[float, float, float, int]:
@@ -531,6 +555,11 @@ def format_report(p: PlanInput, est: MemoryEstimate, flops: FlopsEstimate) -> st
     rows.append(f"  {'TRAIN PEAK':<18}{est.train_peak / GIB:8.2f}   of {p.gpu_memory_gib}")
     if p.colocate_vllm:
         rows.append(f"  {'ROLLOUT PEAK':<18}{est.rollout_peak / GIB:8.2f}   of {p.gpu_memory_gib}")
+        kept = "weights + FP8 copies" if p.offload_train_state_in_rollout else "weights, grads, optimizer state"
+        rows.append(f"assumes released before each vLLM wake (torch.cuda.empty_cache): activations + logits "
+                    f"{(est.activations + est.logits) / GIB:.2f} GiB"
+                    + (", grads + optimizer (offloaded)" if p.offload_train_state_in_rollout else "")
+                    + f"; kept through rollout: {kept} + overhead")
     rows.append(f"FLOPs per step (PFLOP): generation {flops.generation / 1e15:.0f} ({p.gen_batch_prompts} prompts x "
                 f"{p.responses_per_prompt} x {p.generation_batches:g} batches), old log-probs "
                 f"{flops.old_logprobs / 1e15:.0f}, train {flops.train / 1e15:.0f} (model {flops.train_model / 1e15:.0f}), "

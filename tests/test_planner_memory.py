@@ -118,3 +118,81 @@ def test_engine_sleep_start_up_and_checkpoint_host_memory_are_priced():
     assert 170 < lvl2.checkpoint_host_bytes / GIB < 200
     with pytest.raises(LayoutDoesNotFit, match="host_memory_gib=128"):
         check(PlanInput(**base, host_memory_gib=128))
+
+
+# ---- the actor's training loss against the planner's logits term -------------------------------------------------
+LOSS_TOKENS, LOSS_VOCAB, LOSS_PROMPT = 1024, 4096, 128
+
+
+def measure_loss_peak(dtype: torch.dtype, temperature: float, local_vocab: int) -> int:
+    """Peak live bytes of ``dapo_loss`` forward + backward on one micro-batch of random logits (the logits included)."""
+    from dapo_mcore.actor.batch import build_micro_batch
+    from dapo_mcore.actor.megatron_actor import dapo_loss
+    from dapo_mcore.algo.config import AlgoConfig
+
+    gen = torch.Generator().manual_seed(0)
+    n = LOSS_TOKENS - LOSS_PROMPT
+    mb = build_micro_batch([list(range(1, LOSS_PROMPT + 1))],
+                           [torch.randint(0, LOSS_VOCAB, (n,), generator=gen).tolist()], layout="rows")
+    mb.old_logp, mb.loss_mask, mb.adv = -torch.rand(1, n, generator=gen), torch.ones(1, n), torch.tensor([0.5])
+    meter = LiveTensorBytes()
+    with meter:
+        logits = (torch.randn(1, LOSS_TOKENS, local_vocab, generator=gen) * 2).to(dtype).requires_grad_(True)
+        loss, _ = dapo_loss(mb, logits, algo=AlgoConfig(), temperature=temperature, vocab_size=LOSS_VOCAB,
+                            global_tokens=float(n), global_seqs=1.0, max_response_len=None, scale=1.0)
+        loss.backward()
+    return meter.peak  # logits, the loss's temporaries and the logits' gradient (consumed by the output layer)
+
+
+def planned_logits(dtype: torch.dtype, tp: int) -> float:
+    cfg = preset_config("tiny", vocab_size=LOSS_VOCAB, num_attention_heads=4, num_key_value_heads=2)
+    precision = "fp32" if dtype == torch.float32 else "bf16"
+    return estimate_memory(PlanInput(model=cfg, tensor_parallel=tp, micro_batch_tokens=LOSS_TOKENS, precision=precision,
+                                     distributed_optimizer=False, colocate_vllm=False)).logits
+
+
+LOSS_CASES = [(torch.float32, 1.0), (torch.float32, 0.7), (torch.bfloat16, 1.0), (torch.bfloat16, 0.7)]
+
+
+def _small_entropy_chunks(monkeypatch) -> None:
+    """At production sizes the entropy's chunks are a sliver of the logits; shrink them so they are here too."""
+    from dapo_mcore.actor import logprobs
+
+    monkeypatch.setattr(logprobs, "ENTROPY_CHUNK_BYTES", 1 << 18)
+
+
+@pytest.mark.parametrize(("dtype", "temperature"), LOSS_CASES)
+def test_the_actor_loss_peak_is_the_planners_logits_term_at_tp1(monkeypatch, dtype, temperature):
+    _small_entropy_chunks(monkeypatch)
+    measured, planned = measure_loss_peak(dtype, temperature, LOSS_VOCAB), planned_logits(dtype, 1)
+    print(f"TP=1 {dtype} T={temperature}: measured {measured / 2**20:.1f} MiB, planned {planned / 2**20:.1f} MiB")
+    # never above the plan (1% for the per-token vectors it leaves out); one count serves every dtype and T
+    assert 0.6 * planned <= measured <= 1.01 * planned
+
+
+def _loss_peak_worker(rank: int, world: int, port: int, queue) -> None:
+    from dapo_mcore.actor import logprobs
+    from dapo_mcore.actor.parallel import LaunchEnv, init_distributed, init_model_parallel
+
+    init_distributed(LaunchEnv(rank=rank, local_rank=rank, world_size=world, master_addr="127.0.0.1",
+                               master_port=port, source="test"), "gloo")
+    init_model_parallel(world, 1)
+    logprobs.ENTROPY_CHUNK_BYTES = 1 << 18
+    peaks = [measure_loss_peak(dtype, t, LOSS_VOCAB // world) for dtype, t in LOSS_CASES]
+    torch.distributed.destroy_process_group()
+    queue.put((rank, peaks))
+
+
+@pytest.mark.distributed
+def test_the_actor_loss_peak_is_the_planners_logits_term_at_tp2(monkeypatch):
+    from tests.gloo_workers import run_gloo_workers
+
+    _small_entropy_chunks(monkeypatch)
+    results = run_gloo_workers(_loss_peak_worker, 2)
+    for i, (dtype, temperature) in enumerate(LOSS_CASES):
+        planned = planned_logits(dtype, 2)
+        for rank in (0, 1):
+            measured = results[rank][i]
+            print(f"TP=2 rank {rank} {dtype} T={temperature}: measured {measured / 2**20:.1f} MiB, "
+                  f"planned {planned / 2**20:.1f} MiB")
+            assert 0.6 * planned <= measured <= 1.01 * planned, (rank, dtype, temperature)

@@ -69,30 +69,50 @@ def token_logprobs(vocab_parallel_logits: torch.Tensor, targets: torch.Tensor, t
         # logits view itself is all it saves.
         logits = scaled_logits(vocab_parallel_logits, temperature, true_vocab_size)
         return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    # Megatron's kernel wants [S, B, V]; it subtracts the max in place, so it gets its own tensor.
-    logits = _masked_full_width(vocab_parallel_logits, temperature, true_vocab_size)
-    nll = tensor_parallel.vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(), targets.transpose(0, 1).contiguous())
+    # Megatron's kernel wants [S, B, V] and turns it into the softmax in place, so it gets its own tensor: fp32 logits
+    # at T=1 on a rank without padding columns in a one-row micro-batch (THD) are neither scaled, masked nor moved by
+    # the transpose, and the kernel would overwrite the caller's logits (which the entropy metric reads next).
+    logits = _masked_full_width(vocab_parallel_logits, temperature, true_vocab_size).transpose(0, 1).contiguous()
+    if logits.data_ptr() == vocab_parallel_logits.data_ptr():
+        logits = logits.clone()
+    nll = tensor_parallel.vocab_parallel_cross_entropy(logits, targets.transpose(0, 1).contiguous())
     return -nll.transpose(0, 1)
 
 
+ENTROPY_CHUNK_BYTES = 32 << 20
+"""fp32 bytes of one chunk of positions in :func:`token_entropy`; its temporaries are a few such chunks, however many
+positions and vocabulary columns the micro-batch has (the planner counts them: ``planner.ENTROPY_TEMP_BYTES``)."""
+
+
 @torch.no_grad()
-def token_entropy(vocab_parallel_logits: torch.Tensor, temperature: float, true_vocab_size: int) -> torch.Tensor:
-    """Entropy of softmax(logits / T) per position, reduced over the TP group. [B, S, V_local] -> [B, S]."""
-    logits = scaled_logits(vocab_parallel_logits, temperature, true_vocab_size)
-    group, _, tp_size = _tp_group_info()
-    if logits.shape[-1]:
-        local_max = logits.amax(dim=-1)
+def token_entropy(vocab_parallel_logits: torch.Tensor, temperature: float, true_vocab_size: int,
+                  chunk_bytes: int | None = None) -> torch.Tensor:
+    """Entropy of softmax(logits / T) per position, reduced over the TP group. [B, S, V_local] -> [B, S].
+
+    A metric, not a loss term: no graph, and computed over chunks of positions, so the fp32 temporaries (the scaled
+    logits, their shift by the max, its exponential and their product) hold ``chunk_bytes`` each instead of four
+    [B*S, V_local] copies beside the logits the backward still needs. The max (exact in the logits' own dtype, and
+    dividing by T > 0 keeps the order) is taken on the logits as they are; the TP group reduces the max and the two
+    sums once each, as before. ``chunk_bytes`` defaults to :data:`ENTROPY_CHUNK_BYTES`.
+    """
+    group, tp_rank, tp_size = _tp_group_info()
+    n_real = real_columns(vocab_parallel_logits.shape[-1], true_vocab_size, tp_rank)
+    rows = vocab_parallel_logits[..., :n_real].flatten(0, -2)  # a view for Megatron's contiguous [B, S, V] output
+    if n_real:
+        local_max = _scaled(rows.amax(dim=-1), temperature)
     else:  # a rank that holds only padding columns
-        local_max = logits.new_full(logits.shape[:-1], _MASKED_LOGIT)
+        local_max = rows.new_full(rows.shape[:-1], _MASKED_LOGIT, dtype=torch.float32)
     if group is not None and tp_size > 1:
         dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
-    shifted = logits - local_max.unsqueeze(-1)
-    exp = shifted.exp()
-    sum_exp = exp.sum(dim=-1)
-    sum_exp_x = (exp * shifted).sum(dim=-1)
+    sums = torch.zeros(2, rows.shape[0], dtype=torch.float32, device=rows.device)  # sum exp, sum exp * x
+    step = max(1, (chunk_bytes or ENTROPY_CHUNK_BYTES) // (4 * max(n_real, 1)))
+    for start in range(0, rows.shape[0], step):
+        shifted = _scaled(rows[start:start + step], temperature) - local_max[start:start + step].unsqueeze(-1)
+        exp = shifted.exp()
+        sums[0, start:start + step] = exp.sum(dim=-1)
+        sums[1, start:start + step] = (exp * shifted).sum(dim=-1)
+        del shifted, exp
     if group is not None and tp_size > 1:
-        stacked = torch.stack([sum_exp, sum_exp_x])
-        dist.all_reduce(stacked, group=group)
-        sum_exp, sum_exp_x = stacked[0], stacked[1]
+        dist.all_reduce(sums, group=group)
     # H = log Z - E[x] with x shifted by the max: log(sum_exp) - sum(exp * x) / sum_exp.
-    return torch.log(sum_exp) - sum_exp_x / sum_exp
+    return (torch.log(sums[0]) - sums[1] / sums[0]).view(vocab_parallel_logits.shape[:-1])

@@ -85,6 +85,27 @@ def _pad_stack(values: Sequence[torch.Tensor], width: int) -> torch.Tensor:
     return out
 
 
+def dapo_loss(mb: MicroBatch, logits: torch.Tensor, *, algo: Any, temperature: float, vocab_size: int,
+              global_tokens: float, global_seqs: float, max_response_len: int | None,
+              scale: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The training loss of one micro-batch from its (vocab-parallel) logits, as Megatron's schedule calls it.
+
+    Returns the DAPO loss contribution times ``scale`` (Megatron divides by the micro-batch count and averages over
+    DP: see the module docstring) and the metrics. Beside the logits it holds what the log-prob's backward needs;
+    the entropy metric is computed without a graph, chunk by chunk (``token_entropy``), so it adds no
+    [tokens, V/TP] fp32 copies to the training peak (``tests/test_planner_memory.py`` compares with the planner).
+    """
+    logp = mb.gather_responses(token_logprobs(logits, mb.targets, temperature, vocab_size))
+    loss, metrics = policy_loss(
+        logp, mb.old_logp, mb.adv, mb.loss_mask, clip_low=algo.clip_low, clip_high=algo.clip_high,
+        dual_clip_c=algo.dual_clip_c, agg=algo.loss_agg, global_tokens=global_tokens,
+        global_seqs=global_seqs, max_response_len=max_response_len, tis_weights=mb.tis)
+    ent = mb.gather_responses(token_entropy(logits, temperature, vocab_size))
+    metrics["entropy"] = masked_entropy_contrib(ent, mb.loss_mask, global_tokens)
+    metrics["loss"] = loss.detach()
+    return loss * scale, {k: v.detach().float().cpu() for k, v in metrics.items()}
+
+
 class MegatronActor:
     """Builds and trains this rank's model chunks. Parallel state must be initialized first."""
 
@@ -307,20 +328,9 @@ class MegatronActor:
         self.set_lr(lr)
         groups = self._my_micro_batches(samples)
         mbs = [self._make_mb(samples, idx, with_loss_inputs=True) for idx in groups]
-        scale = float(len(mbs) * self.dp_size)
-        vocab, temp = self.shape.vocab_size, self.s.temperature
-
-        def loss_fn(mb, logits):
-            logp = mb.gather_responses(token_logprobs(logits, mb.targets, temp, vocab))
-            loss, metrics = policy_loss(
-                logp, mb.old_logp, mb.adv, mb.loss_mask, clip_low=algo.clip_low, clip_high=algo.clip_high,
-                dual_clip_c=algo.dual_clip_c, agg=algo.loss_agg, global_tokens=global_tokens,
-                global_seqs=global_seqs, max_response_len=self.s.max_response_len, tis_weights=mb.tis)
-            ent = mb.gather_responses(token_entropy(logits, temp, vocab))
-            metrics["entropy"] = masked_entropy_contrib(ent, mb.loss_mask, global_tokens)
-            metrics["loss"] = loss.detach()
-            return loss * scale, {k: v.detach().float().cpu() for k, v in metrics.items()}
-
+        loss_fn = partial(dapo_loss, algo=algo, temperature=self.s.temperature, vocab_size=self.shape.vocab_size,
+                          global_tokens=global_tokens, global_seqs=global_seqs,
+                          max_response_len=self.s.max_response_len, scale=float(len(mbs) * self.dp_size))
         results = self._run(mbs, loss_fn, forward_only=False)
         sums: dict[str, float] = {}
         for res in results:
