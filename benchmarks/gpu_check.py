@@ -189,6 +189,13 @@ def section_env(plan: Plan) -> dict[str, Any]:
     cache = cache_root() / "tiny_base"
     info["tiny_base_cache"] = sorted(p.name for p in cache.glob("*")) if cache.is_dir() else []
     problems = [f"{k} is not installed" for k in ("megatron-core", "transformers", "zarr") if info[k] is None]
+    from dapo_mcore.gpu_stack import check_gpu_stack
+    from dapo_mcore.model.fp8 import MissingGPUExtra
+
+    try:  # the start-up gate every section meets again (dapo-mcore train, gpu_measure's workers)
+        check_gpu_stack(transformer_engine=False, vllm=False)
+    except MissingGPUExtra as exc:
+        problems.append(str(exc))
     if not plan.smoke and not info["cuda_available"]:
         problems.append("CUDA is not available (run with --smoke on a CPU machine)")
     if problems:

@@ -45,9 +45,13 @@ def synchronize() -> None:
 
 
 def start_single_process_world(seed: int = 1234) -> str:
-    """A world of one (NCCL on GPU, gloo + the CPU compatibility layer on CPU) with TP=PP=1 groups."""
+    """A world of one (NCCL on GPU, gloo + the CPU compatibility layer on CPU) with TP=PP=1 groups, after the same
+    GPU-stack gate as ``dapo-mcore``'s start-up (the parity and throughput sections build the local-spec actor:
+    megatron-core only)."""
     from dapo_mcore.actor.parallel import LaunchEnv, init_distributed, init_model_parallel
+    from dapo_mcore.gpu_stack import check_gpu_stack
 
+    check_gpu_stack(transformer_engine=False, vllm=False)
     backend = init_distributed(LaunchEnv(0, 1, 0, "127.0.0.1", free_port(), "single"), "auto")
     init_model_parallel(1, 1, seed=seed)
     return backend
