@@ -83,7 +83,9 @@ def test_every_wake_the_trainer_causes_is_preceded_by_releasing_the_allocator_ca
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: backend.calls.append(("empty_cache",)))
     engine = VLLMEngine(VLLMEngineOptions(model_path="/m", sleep_level=level, load_format="dummy"), TINY,
                         backend=backend, world_size=1)
-    trainer = Trainer(Config(), SimpleNamespace(engine=engine, actor=_ExportingActor(hf_state_dict())))
+    rollouts = ColocatedRollouts(Config(), engine=engine, scheduler=None, tokenizer=None, score=None,
+                                 encode_prompt=None, timer=None)
+    trainer = Trainer(Config(), SimpleNamespace(rollouts=rollouts, actor=_ExportingActor(hf_state_dict())))
     engine.sleep()
     trainer.sync_weights()  # start-up sync of the dummy weights
     for _ in range(3):  # generation, evaluation, the next step's generation
