@@ -12,22 +12,33 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# What the device image lacks (its package list: .library/device/KINDS.md). megatron-core 0.16.1 is the version
-# the CPU machines run; its cp312 wheel needs only torch, numpy, packaging (all in the image). zarr 3 (the rollout
-# store, imported by every training run) needs numcodecs, donfig and google-crc32c; pyyaml, numpy and
-# typing-extensions are in the image.
-WHEELS=(megatron-core==0.16.1 zarr==3.1.6 numcodecs==0.16.6 donfig==0.8.1.post1 google-crc32c==1.9.0)
-WHEEL_GLOBS=(megatron_core-0.16.1-* zarr-3.1.6-* numcodecs-0.16.6-* donfig-0.8.1.post1-* google_crc32c-1.9.0-*)
+# What the device image lacks (its package list: .library/device/KINDS.md). The megatron-core release follows the
+# Python the wheels are for: 0.17+ declare Requires-Python >= 3.12, so Python 3.12 (the device image, clusters)
+# gets 0.17.1 and Python 3.11 (the CPU machines) 0.16.1; MCORE_VERSION overrides it (the start-up gate accepts
+# 0.16.1-0.19.x). Its wheel needs only torch, numpy, packaging (all in the image). zarr 3 (the rollout store,
+# imported by every training run) needs numcodecs, donfig and google-crc32c; pyyaml, numpy and typing-extensions
+# are in the image.
+mcore_for() {  # the megatron-core release for Python major.minor $1
+    if [[ -n "${MCORE_VERSION:-}" ]]; then echo "$MCORE_VERSION"
+    elif [[ "$(printf '%s\n3.12\n' "$1" | sort -V | head -1)" == "3.12" ]]; then echo 0.17.1
+    else echo 0.16.1; fi
+}
+OTHER_WHEELS=(zarr==3.1.6 numcodecs==0.16.6 donfig==0.8.1.post1 google-crc32c==1.9.0)
+OTHER_GLOBS=(zarr-3.1.6-* numcodecs-0.16.6-* donfig-0.8.1.post1-* google_crc32c-1.9.0-*)
 CACHE=.cache/dapo-mcore
 LIMIT_S=${GPU_CHECK_LIMIT_S:-270}   # the check budgets 240 s; with install + copy-back one call stays < 300 s
 
 prepare() {
-    local py=${PYTHON:-/work/venv/bin/python}
+    local py=${PYTHON:-python3}
+    local pyver mcore
+    pyver=$("$py" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+    mcore=$(mcore_for "$pyver")
+    echo "prepare: wheels for Python $pyver ($py): megatron-core==$mcore"
     mkdir -p .whl
-    "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    "$py" -m pip download -q --no-deps --only-binary=:all: --python-version "$pyver" --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
-        --platform any -d .whl "${WHEELS[@]}"
+        --platform any -d .whl "megatron-core==$mcore" "${OTHER_WHEELS[@]}"
     # The tiny DAPO job starts from a pre-trained tiny base (minutes of CPU to build): carry it, keyed as the
     # runtime keys it, so the device machine gets a cache hit.
     DAPO_MCORE_TARGET="$CACHE" "$py" - <<'EOF'
@@ -57,8 +68,10 @@ run_check() {
     local py=${PYTHON:-python3}
     local out=${OUT:-gpu_check_out}
     mkdir -p "$out"
-    local wheels=()
-    for g in "${WHEEL_GLOBS[@]}"; do
+    local wheels=() pyver
+    pyver=$("$py" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+    # The megatron-core wheel for the Python this runs under (prepare fetched it for that Python).
+    for g in "megatron_core-$(mcore_for "$pyver")-*" "${OTHER_GLOBS[@]}"; do
         local found=()
         mapfile -t found < <(compgen -G ".whl/$g.whl" || true)
         if [[ ${#found[@]} -ne 1 ]]; then

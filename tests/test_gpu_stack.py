@@ -130,3 +130,16 @@ def test_the_gpu_checks_parity_and_throughput_workers_meet_the_same_gate(monkeyp
             gpu_measure.start_single_process_world()
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.17.1" if name.startswith("megatron") else real(name))
     check_gpu_stack(transformer_engine=False, vllm=False)
+
+
+def test_the_gpu_checks_wheel_choice_follows_the_python_and_passes_the_gate():
+    """benchmarks/gpu_check.sh picks megatron-core by the Python the wheels are for (0.17+ require 3.12)."""
+    import subprocess
+
+    func = subprocess.run(["sed", "-n", "/^mcore_for()/,/^}/p", str(ROOT / "benchmarks" / "gpu_check.sh")],
+                          capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(["bash", "-c", func + "\nfor v in 3.11 3.12 3.13; do mcore_for $v; done"],
+                         capture_output=True, text=True, check=True, env={"PATH": "/usr/bin:/bin"}).stdout.split()
+    assert out == ["0.16.1", "0.17.1", "0.17.1"]
+    lo, hi, _ = SUPPORTED["megatron-core"]
+    assert all(lo <= release(v) < hi for v in out)
