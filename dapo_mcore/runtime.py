@@ -97,7 +97,7 @@ def refuse_other_run(cfg: Config) -> None:
     existing = run_dir / "config.yaml"
     if cfg.run.overwrite or not existing.is_file():
         return
-    changed = identity_diff(yaml.safe_load(existing.read_text()) or {}, to_dict(cfg))
+    changed = identity_diff(yaml.safe_load(existing.read_text()) or {}, to_dict(cfg), defaults=to_dict(Config()))
     if changed:
         shown = "; ".join(changed[:8]) + (f"; and {len(changed) - 8} more" if len(changed) > 8 else "")
         raise ConfigError(f"run directory {run_dir} holds another run ({shown}). Use a new run.dir, "
@@ -158,9 +158,17 @@ def _read_only(path: Path) -> bool:
     return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
 
 
-def identity_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """The keys that define a run and differ: ``"algo.clip_high: 0.28 -> 0.3"`` (run dir's value first)."""
+def identity_diff(old: dict[str, Any], new: dict[str, Any], defaults: dict[str, Any] | None = None) -> list[str]:
+    """The keys that define a run and differ: ``"algo.clip_high: 0.28 -> 0.3"`` (run dir's value first).
+
+    With ``defaults`` (the default config), a key the run directory's config does not have, because the setting was
+    added after that run started, is no change while the new config leaves it at its default: new settings default
+    to the behaviour from before they existed, so a run started by an older version resumes."""
     a, b = _flatten({k: old.get(k) for k in _IDENTITY_SECTIONS}), _flatten({k: new.get(k) for k in _IDENTITY_SECTIONS})
+    if defaults is not None:
+        d = _flatten({k: defaults.get(k) for k in _IDENTITY_SECTIONS})
+        for k in [k for k in b if k not in a and k in d and d[k] == b[k]]:
+            a[k] = b[k]
     keys = sorted(k for k in set(a) | set(b) if not any(k == x or k.startswith(x + ".") for x in _NOT_IDENTITY))
 
     def show(tree: dict[str, Any], key: str) -> str:

@@ -50,3 +50,19 @@ def test_identity_diff_against_a_naive_walk():
            "parallel": {"tp": 2}}
     assert identity_diff(old, new) == ["algo.nested.a: [1, 2] -> [1, 3]", "algo.nested.b: (unset) -> True",
                                        "train.seed: 1 -> 2"]
+
+
+def test_a_setting_added_after_the_run_started_is_no_change_at_its_default(tmp_path):
+    """A run directory written by an older version lacks newer keys: at their defaults the run resumes; set to
+    anything else it is another run."""
+    import yaml
+
+    run_dir = _existing_run(tmp_path)
+    written = yaml.safe_load((run_dir / "config.yaml").read_text())
+    del written["rollout"]["schedule"]["exchange_every"]
+    del written["rollout"]["stop_token_ids"]
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(written))
+    prepare_run_dir(load_config(str(CONFIG), [f"run.dir={run_dir}"]), RANK0)  # resumes
+    cfg = load_config(str(CONFIG), [f"run.dir={run_dir}", "rollout.schedule.exchange_every=2"])
+    with pytest.raises(ConfigError, match=r"rollout.schedule.exchange_every: \(unset\) -> 2"):
+        prepare_run_dir(cfg, RANK0)
