@@ -5,13 +5,16 @@ Shares the tiny-run setup (and base-model cache) of test_e2e_tiny.py.
 
 from __future__ import annotations
 
+import os
+import random
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
-from tests.test_e2e_tiny import ROOT, TIMEOUT, _cmd, _logged_steps, _metrics, _run, _wait_for, env  # noqa: F401
+from tests.test_e2e_tiny import ROOT, TIMEOUT, _by_step, _cmd, _logged_steps, _metrics, _run, _wait_for, env  # noqa: F401
 
 pytestmark = pytest.mark.e2e
 
@@ -89,3 +92,49 @@ def test_a_damaged_rollout_store_never_blocks_a_resume(env, tmp_path, store):  #
 
         assert RolloutReader(zarr_dir).steps() == [3]
     assert [r["step"] for r in _metrics(run_dir)] == [1, 2, 3]
+
+
+SOAK_CYCLES = 3
+SOAK = ("train.steps=5", "eval.every=0", "eval.at_start=false", "checkpoint.every=1")
+
+
+def test_soak_two_starts_at_a_time_killed_at_random_moments_end_as_an_uninterrupted_run(env, tmp_path):  # noqa: F811
+    """Bounded (3 cycles, one deadline): each cycle starts two runs on one directory a random 0-2 s apart (one is
+    refused in one line), then kill -9s the holder at a random moment; a last start finishes the run. Its record
+    must equal the uninterrupted run's exactly. DAPO_MCORE_SOAK_SEED picks other moments."""
+    rng = random.Random(int(os.environ.get("DAPO_MCORE_SOAK_SEED", "29")))
+    reference = tmp_path / "reference"
+    assert _run(_cmd(reference, *SOAK), env).returncode == 0
+    run_dir = tmp_path / "soak"
+    deadline = time.monotonic() + TIMEOUT
+    refused = 0
+    for _ in range(SOAK_CYCLES):
+        procs = [subprocess.Popen(_cmd(run_dir, *SOAK), env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True)]
+        time.sleep(rng.uniform(0, 2))
+        procs.append(subprocess.Popen(_cmd(run_dir, *SOAK), env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, text=True))
+        while all(p.poll() is None for p in procs):  # the loser stops at the lock (or one finished the run)
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        first = next(p for p in procs if p.poll() is not None)
+        other = procs[1 - procs.index(first)]
+        err = first.stderr.read()
+        if first.returncode == 2:
+            assert "is in use by another run" in _error_line(err), err[-2000:]
+            refused += 1
+        else:
+            assert first.returncode == 0, err[-3000:]
+        time.sleep(rng.uniform(0, 8))  # the holder's random moment: start-up, a step, a checkpoint save
+        if other.poll() is None:
+            other.kill()
+        other.wait(timeout=TIMEOUT)
+        other.stderr.read()
+    done = _run(_cmd(run_dir, *SOAK), env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert refused >= 1  # two runs did overlap on the directory
+    a, b = _metrics(reference), _metrics(run_dir)
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5], "every step logged exactly once"
+    for key in ("train/loss", "train/grad_norm", "rollout/reward_mean", "rollout/acc_mean", "train/entropy"):
+        assert _by_step(a, key) == _by_step(b, key), key
+    assert len((run_dir / "ledger.jsonl").read_text().splitlines()) == 5
