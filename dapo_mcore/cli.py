@@ -155,17 +155,31 @@ def lost_peer_line(exc: BaseException, run_dir: Path, command: str) -> str:
 
 
 def _requeue_exit(code: int, requeue_code: int) -> int:
-    """The run checkpointed and asks for a requeue: from here on, SIGTERM/SIGUSR1 are ignored.
-
-    The first rank to exit with the requeue code makes srun (--kill-on-bad-exit) send SIGTERM to its peers, which
-    may be shutting down the interpreter by then: Python puts the default handlers back for that, so the SIGTERM
-    would kill the process (status 143, not ``requeue_code``) and slurm/launch.sh would not requeue the job."""
+    """The run checkpointed and asks for a requeue: from here on, SIGTERM/SIGUSR1 are ignored (`_shield_exit`)."""
     if code == requeue_code:
-        import signal
-
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, signal.SIG_IGN)  # SIG_IGN survives interpreter shutdown; a Python handler does not
+        _shield_exit()
     return code
+
+
+def _shield_exit() -> None:
+    """Ignore SIGTERM/SIGUSR1 for the rest of this process: its exit code is decided.
+
+    The first rank to exit (75 after a checkpoint, 2 after a refused config, which every rank refuses) makes srun
+    (--kill-on-bad-exit) send SIGTERM to its peers, which may be shutting down the interpreter by then: Python puts
+    the default handlers back for that, so the SIGTERM would kill the process (status 143) and slurm/launch.sh would
+    see 143 instead of the code (no requeue for 75). SIG_IGN survives interpreter shutdown; a Python handler does not.
+    """
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def entry() -> None:
+    """The ``dapo-mcore`` console script and ``python -m dapo_mcore.cli``: `main`, then exit with its code."""
+    code = main()
+    _shield_exit()
+    sys.exit(code)
 
 
 def _quiet_cpu_warnings() -> None:
@@ -228,4 +242,4 @@ def _guard(fn: Callable[[], int], debug: bool = False) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

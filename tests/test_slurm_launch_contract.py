@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -151,3 +152,12 @@ def test_a_requeue_exit_ignores_the_peers_sigterm_from_then_on():
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
+
+
+def test_the_cli_exit_code_survives_a_sigterm_during_shutdown():
+    """Every rank refuses a bad config with exit 2; the first one's exit makes srun SIGTERM the others, maybe while
+    their interpreter shuts down. The job must still end with 2, not 143 (seen on the two-node cluster)."""
+    code = ("import atexit, os, signal, time\nimport dapo_mcore.cli as cli\ncli.main = lambda: 2\n"
+            "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(0.2)))\ncli.entry()\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
