@@ -401,7 +401,7 @@ def fake_vllm_module(version: str, log: list, monkeypatch, device_type: str = "c
 
 def test_real_adapter_against_fake_vllm_module(monkeypatch):
     log: list = []
-    fake_vllm_module("0.20.0", log, monkeypatch)
+    fake_vllm_module("0.33.0", log, monkeypatch)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     options = VLLMEngineOptions(model_path="/m", tensor_parallel=2)
     with pytest.raises(EngineError, match="VLLM_ENABLE_V1_MULTIPROCESSING=1"):
