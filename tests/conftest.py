@@ -4,12 +4,26 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored():
+    """Each test starts with the handlers the session had and leaves them so: code run in-process may set handlers
+    meant for a process about to exit (``convert`` ignores SIGTERM once its output is written, ``cli.entry`` after
+    main), and a later test that signals itself would then see its signal ignored."""
+    sigs = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+    saved = {sig: signal.getsignal(sig) for sig in sigs}
+    yield
+    for sig, handler in saved.items():
+        if signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)
 
 
 @pytest.fixture(scope="session")

@@ -58,8 +58,8 @@ def _tensorboard_steps(run_dir: Path) -> list[int]:
 
 def _resume(run_dir: Path, state: dict, rollout_store: bool) -> SimpleNamespace:
     cfg = SimpleNamespace(run=SimpleNamespace(dir=str(run_dir), rollout_store=rollout_store))
-    parts = SimpleNamespace(cfg=cfg, is_main=True, _resume_state=state, _closers=[],
-                            tokenizer=SimpleNamespace(save_pretrained=lambda path: None))
+    parts = SimpleNamespace(cfg=cfg, is_main=True, _resume_state=state, _closers=[], model_files=(None, None),
+                            tokenizer=SimpleNamespace(save_pretrained=lambda path: Path(path).mkdir(parents=True)))
     _open_telemetry(parts, state["step"])
     return parts
 
