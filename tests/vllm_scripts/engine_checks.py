@@ -5,7 +5,8 @@
     torchrun --nproc_per_node 2 engine_checks.py OUT_DIR --tp 1              # DP=2 (each rank its own prompts,
                                                                               # then one group with no prompt)
 
-The engine is built the way a run builds it (``runtime.check_hardware`` + ``runtime._build_engine`` from
+The engine is built the way a run builds it (``runtime.check_hardware`` + ``runtime._build_engine`` with the run's
+stop set, ``runtime.run_stop_tokens``, from
 examples/tiny_cpu_vllm.yaml) except in raw log-prob mode, which the trainer never asks for. Two Hugging Face models
 A and B (same shape, different weights) are the references: after each sync the engine must match the model it was
 given (greedy tokens exactly, log-probs within TOL of a plain forward), and a sync back to A must reproduce the
@@ -33,7 +34,7 @@ from dapo_mcore.config import load_config  # noqa: E402
 from dapo_mcore.data.tokenizer import build_tiny_tokenizer  # noqa: E402
 from dapo_mcore.model.presets import preset_config  # noqa: E402
 from dapo_mcore.rollout import SamplingParams, VLLMEngine, VLLMEngineOptions  # noqa: E402
-from dapo_mcore.runtime import _build_engine, check_hardware  # noqa: E402
+from dapo_mcore.runtime import _build_engine, check_hardware, run_stop_tokens  # noqa: E402
 
 TOL = 1e-4
 EOS = 2
@@ -101,7 +102,8 @@ def build(args, model_dir: Path, cfg: dict, world: int) -> VLLMEngine:
     run = load_config(str(ROOT / "examples" / "tiny_cpu_vllm.yaml"), [f"rollout.vllm.tensor_parallel={args.tp}"])
     run.validate(world)
     check_hardware(run)  # refused rollout.engine=vllm on CPU before vLLM's CPU build was supported
-    return _build_engine(run, model_dir, cfg, build_tiny_tokenizer())
+    tokenizer = build_tiny_tokenizer()
+    return _build_engine(run, model_dir, cfg, tokenizer, run_stop_tokens(run, model_dir, cfg, tokenizer))
 
 
 def sync(engine: VLLMEngine, model, bucket: int) -> None:
