@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from multinode import ClusterUnavailable, TwoNodeCluster, preflight
 
 pytestmark = pytest.mark.multinode
