@@ -12,7 +12,6 @@ import math
 import os
 import random
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -49,24 +48,16 @@ def free_port_base(span: int = 32) -> int:
 
 
 @pytest.fixture(scope="module")
-def slurm_env(tmp_path_factory, tiny_cache):
-    missing = [exe for exe in ("munged", "slurmctld", "slurmd", "sbatch") if shutil.which(exe) is None]
-    if missing:
-        pytest.skip(f"slurm packages not installed ({', '.join(missing)}): run slurm/local/install.sh")
-    if os.geteuid() != 0:
-        pytest.skip("the local Slurm runs slurmd as root; run the e2e tests as root")
-    state = tmp_path_factory.mktemp("slurm")
-    subprocess.run([str(REPO / "slurm/local/start.sh"), str(state)], check=True, capture_output=True, text=True)
-    env = dict(os.environ, SLURM_CONF=str(state / "slurm.conf"), DAPO_REPO=str(REPO), OMP_NUM_THREADS="1",
+def slurm_env(local_slurm, tiny_cache):
+    """The local Slurm (conftest's ``local_slurm``) with what a job of this checkout needs: its python first on
+    PATH and in PYTHONPATH, the session's tiny-base cache, a private master-port range, no inherited rank variables."""
+    env = dict(local_slurm, DAPO_REPO=str(REPO), OMP_NUM_THREADS="1",
                PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
                PYTHONPATH=f"{REPO}:{os.environ.get('PYTHONPATH', '')}".rstrip(":"),
                DAPO_MCORE_CACHE=tiny_cache, DAPO_MASTER_PORT_BASE=str(free_port_base()))
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
-    try:
-        yield env
-    finally:
-        subprocess.run([str(REPO / "slurm/local/stop.sh"), str(state)], check=True)
+    return env
 
 
 def sbatch(env, out: Path, *cmd: str, wait: bool = True) -> subprocess.CompletedProcess:
