@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dapo_mcore.rollout.gather import broadcast_shares
+from dapo_mcore.rollout.gather import broadcast_shares, collective_device
 from dapo_mcore.rollout.protocol import PartialGroup, Response
 
 __all__ = ["EngineGroups", "EngineGroupStream", "ExchangeTally", "round_robin"]
@@ -57,12 +57,8 @@ def round_robin(num_items: int, groups: EngineGroups) -> list[int]:
     return list(range(groups.index, num_items, groups.count))
 
 
-def _collective_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
 def _sum_over_ranks(values: list[int]) -> list[int]:
-    t = torch.tensor(values, dtype=torch.int64, device=_collective_device())
+    t = torch.tensor(values, dtype=torch.int64, device=collective_device())
     dist.all_reduce(t)
     return [int(x) for x in t.tolist()]
 

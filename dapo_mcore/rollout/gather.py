@@ -131,7 +131,8 @@ def all_gather_responses(indices: Sequence[int], results: Sequence[Sequence[Resp
     return merged
 
 
-def _collective_device() -> torch.device:
+def collective_device() -> torch.device:
+    """Where a collective's tensors must live: the current GPU under NCCL, else the CPU."""
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -159,7 +160,7 @@ def broadcast_shares(indices: Sequence[int], results: Sequence[Sequence[Response
     Only ranks with ``sender=True`` contribute (one per engine group): a non-sender's share is not sent at all, so
     the TP peers of an engine group add no copies. Data reaches the host in chunks of ``chunk_elems`` elements.
     """
-    device = _collective_device()
+    device = collective_device()
     if sender:
         ints, floats = pack_responses(indices, results)
     else:
