@@ -92,3 +92,32 @@ def test_all_tiers_passing_exit_zero_and_ci_tiers_selects(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "20-b" not in proc.stdout
     assert _ci(repo, CI_TIERS="nope").returncode == 1  # a selection that matches nothing is not a pass
+
+
+def _module_level_skips(source: str) -> list[int]:
+    """Line numbers of ``pytest.skip(...)`` / ``pytest.importorskip(...)`` run at import time (module level)."""
+    import ast
+
+    lines = []
+    for node in ast.parse(source).body:
+        for call in ast.walk(node) if isinstance(node, (ast.Expr, ast.Assign, ast.If)) else ():
+            if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+                    and call.func.attr in ("skip", "importorskip")
+                    and isinstance(call.func.value, ast.Name) and call.func.value.id == "pytest"):
+                lines.append(call.lineno)
+    return lines
+
+
+def test_module_level_skip_detector_sees_both_forms():
+    assert _module_level_skips("import pytest\npytest.importorskip('x')\n") == [2]
+    assert _module_level_skips("import pytest\nif True:\n    pytest.skip('no', allow_module_level=True)\n") == [3]
+    assert _module_level_skips("import pytest\ndef test_a():\n    pytest.importorskip('x')\n") == []
+
+
+def test_no_test_module_skips_at_import_time():
+    """A module-level skip is reported even when a tier's ``-m`` deselects every test in that module, so a tier that
+    fails on skips (DAPO_MCORE_CI_NO_SKIPS=1) fails on another tier's package check: the vLLM tier did, on the nemo-run
+    module's ``importorskip``. Use ``pytestmark = pytest.mark.skipif(...)`` instead."""
+    found = {path.name: lines for path in sorted((ROOT / "tests").rglob("test_*.py"))
+             if (lines := _module_level_skips(path.read_text()))}
+    assert not found, found
