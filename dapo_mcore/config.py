@@ -184,6 +184,23 @@ class VLLMConfig:
 
 
 @dataclass
+class PipelineConfig:
+    """Where the engines run and whether generation overlaps training (see docs/rollout.md, "Async mode")."""
+
+    mode: Literal["sync", "async"] = "sync"
+    """sync: the engines share the trainer's ranks and generate between training phases (colocated). async: the last
+    ``engine_ranks`` ranks of the job run only the engines and generate step n+1's batch while the other ranks train
+    step n; weights go trainer -> engines over their own process group after every step."""
+    engine_ranks: int = 1
+    """async: ranks (processes, one GPU each) given to the engines; the trainer gets the others. With vLLM, a multiple
+    of rollout.vllm.tensor_parallel (each engine is one TP group)."""
+    max_staleness: int = 1
+    """async: the most policy versions any trained token may lag the policy that trains on it. Generation runs one
+    version ahead (the batch of step n+1 is sampled by the weights after step n-1), so 1 is the minimum; partial
+    rollouts continue prefixes sampled one more version back and need 2."""
+
+
+@dataclass
 class RolloutConfig:
     """How responses are sampled."""
 
@@ -207,6 +224,8 @@ class RolloutConfig:
     rollout store records the id that ended each response."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """vLLM settings."""
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    """Colocated and synchronous (default), or disaggregated and asynchronous."""
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     """Rollout scheduling (streaming, partial rollouts, adaptive rounds, staged groups, prompt history); all off = DAPO's
     batch-and-filter loop exactly."""
@@ -337,9 +356,15 @@ class Config:
 
     def validate_layout(self, world_size: int) -> None:
         """The layout, batch and rollout rules alone (no dataset files or reward registry needed): what a
-        cluster config can be checked against on a laptop, e.g. by ``dapo-mcore plan``."""
-        _validate_layout(self, world_size)
-        _validate_batches(self, world_size)
+        cluster config can be checked against on a laptop, e.g. by ``dapo-mcore plan``. In async mode the layout
+        rules apply to the ranks that train (``trainer_world``)."""
+        pipe = self.rollout.pipeline
+        if pipe.mode == "async" and not 0 < pipe.engine_ranks < world_size:
+            raise ConfigError(f"rollout.pipeline.engine_ranks={pipe.engine_ranks} leaves no rank to train on "
+                              f"{world_size} ranks: the async mode needs at least one trainer rank and one engine rank "
+                              "(launch more processes, or set rollout.pipeline.mode=sync).")
+        _validate_layout(self, trainer_world(self, world_size))
+        _validate_batches(self, trainer_world(self, world_size))
         _validate_rollout(self)
 
 
@@ -448,6 +473,7 @@ def _validate_rollout(cfg: Config) -> None:
     if r.schedule.partial and cfg.algo.tis_cap is None:
         raise ConfigError("rollout.schedule.partial trains on tokens an older policy sampled; they need the truncated "
                           "importance correction: set algo.tis_cap (e.g. 2.0)")
+    _validate_pipeline(cfg)
     if r.engine == "vllm" and not 0.0 < r.vllm.gpu_memory_utilization < 1.0:
         raise ConfigError("rollout.vllm.gpu_memory_utilization must lie in (0, 1).")
     if cfg.algo.overlong_shaping and cfg.algo.overlong_max_len > r.max_new_tokens:
@@ -461,6 +487,29 @@ def _validate_rollout(cfg: Config) -> None:
     ps = cfg.run.profile_steps
     if ps and (len(ps) != 2 or ps[0] < 1 or ps[1] < ps[0]):
         raise ConfigError(f"run.profile_steps={ps} must be [first, last] with 1 <= first <= last (e.g. [3, 4]), or [].")
+
+
+def trainer_world(cfg: Config, world_size: int) -> int:
+    """Ranks that train: all of them, or those the async mode does not give to the engines."""
+    return world_size - cfg.rollout.pipeline.engine_ranks if cfg.rollout.pipeline.mode == "async" else world_size
+
+
+def _validate_pipeline(cfg: Config) -> None:
+    pipe, r = cfg.rollout.pipeline, cfg.rollout
+    if pipe.mode != "async":
+        return
+    if cfg.algo.tis_cap is None:
+        raise ConfigError("rollout.pipeline.mode=async trains on responses the previous policy sampled; it needs the "
+                          "truncated importance correction: set algo.tis_cap (e.g. 2.0)")
+    _at_least(("rollout.pipeline.engine_ranks", pipe.engine_ranks, 1), ("rollout.pipeline.max_staleness",
+                                                                         pipe.max_staleness, 1))
+    if r.schedule.partial and pipe.max_staleness < 2:
+        raise ConfigError("rollout.schedule.partial in async mode continues prefixes sampled two policy versions "
+                          "before the step that trains on them: set rollout.pipeline.max_staleness=2 (or turn "
+                          "rollout.schedule.partial off)")
+    if r.engine == "vllm" and pipe.engine_ranks % r.vllm.tensor_parallel:
+        raise ConfigError(f"rollout.pipeline.engine_ranks={pipe.engine_ranks} is not a multiple of "
+                          f"rollout.vllm.tensor_parallel={r.vllm.tensor_parallel}: each vLLM engine is one TP group.")
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:

@@ -232,10 +232,15 @@ class Components:
     def is_main(self) -> bool:
         return self.launch.rank == 0
 
-    def trainer_state(self, step: int) -> dict[str, Any]:
-        state = {"step": step, "sampler": self.sampler.state_dict()}
-        if self.cfg.rollout.schedule.enabled:
-            state["schedule"] = self.scheduler.state_dict()
+    def trainer_state(self, step: int, rollout_state: dict[str, Any] | None = None) -> dict[str, Any]:
+        """What a checkpoint after ``step`` steps resumes from; ``rollout_state`` is the async engines' sampler and
+        schedule state after the pending batch (``rollout.async_source``), else the trainer's own."""
+        if rollout_state is not None:
+            state = {"step": step, **rollout_state}
+        else:
+            state = {"step": step, "sampler": self.sampler.state_dict()}
+            if self.cfg.rollout.schedule.enabled:
+                state["schedule"] = self.scheduler.state_dict()
         if self.ledger is not None:
             state["ledger"] = self.ledger.state_dict()
         return state
@@ -243,8 +248,16 @@ class Components:
     def save(self, step: int) -> Path:
         from dapo_mcore.actor.checkpoint import save_checkpoint
 
-        return save_checkpoint(Path(self.cfg.run.dir) / "checkpoints", step, self.actor, self.trainer_state(step),
-                               self.cfg.checkpoint.keep_last)
+        rollout_state, extra = None, {}
+        if not getattr(self.rollouts, "colocated", True):
+            from dapo_mcore.rollout.async_source import PENDING_FILE
+
+            rollout_state, pending = self.rollouts.checkpoint_payload(step)
+            if pending is not None:
+                extra[PENDING_FILE] = pending
+        return save_checkpoint(Path(self.cfg.run.dir) / "checkpoints", step, self.actor,
+                               self.trainer_state(step, rollout_state), self.cfg.checkpoint.keep_last,
+                               extra_files=extra)
 
     def log_step(self, step: int, metrics: dict[str, Any], generated: list) -> None:
         """Per-phase seconds and the cost ledger join the step's metrics; rank 0 writes everything."""
@@ -521,9 +534,10 @@ def _build_engine(cfg: Config, hf_dir: Path | None, hf_config: dict[str, Any], t
 
 
 def build_components(cfg: Config, launch: LaunchEnv, *, resume: bool = True, checkpoint: str | None = None,
-                     for_eval: bool = False) -> Components:
+                     for_eval: bool = False, bridge: Any = None) -> Components:
     """Start process groups, lock the run directory (training), build actor, engine, data and telemetry (see module
-    docstring for the order). The lock is released by ``Components.close``, or here if building fails."""
+    docstring for the order). The lock is released by ``Components.close``, or here if building fails. ``bridge``:
+    the async mode's trainer ranks (``rollout.bridge``): no engine here, batches come from the engine ranks."""
     from dapo_mcore.actor.parallel import check_shared_dir, init_distributed
     from dapo_mcore.data.sources import load_prompt_records
 
@@ -536,7 +550,7 @@ def build_components(cfg: Config, launch: LaunchEnv, *, resume: bool = True, che
     lock = None if for_eval else claim_run_dir(cfg, launch)
     try:
         parts = _build_parts(cfg, launch, resume=resume, checkpoint=checkpoint,
-                             for_eval=for_eval, records=(train_records, eval_records))
+                             for_eval=for_eval, records=(train_records, eval_records), bridge=bridge)
     except BaseException:
         if lock is not None:
             lock.release()
@@ -547,7 +561,7 @@ def build_components(cfg: Config, launch: LaunchEnv, *, resume: bool = True, che
 
 
 def _build_parts(cfg: Config, launch: LaunchEnv, *, resume: bool, checkpoint: str | None,
-                 for_eval: bool, records: tuple[list, list]) -> Components:
+                 for_eval: bool, records: tuple[list, list], bridge: Any = None) -> Components:
     from dapo_mcore.actor.megatron_actor import MegatronActor
     from dapo_mcore.actor.parallel import init_model_parallel
     from dapo_mcore.data.sources import filter_by_length, prompt_encoder
@@ -560,6 +574,8 @@ def _build_parts(cfg: Config, launch: LaunchEnv, *, resume: bool, checkpoint: st
     init_model_parallel(cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel, cfg.parallel.virtual_pipeline,
                         seed=cfg.train.seed, timeout_minutes=cfg.parallel.timeout_minutes)
     hf_dir = resolve_base_model(cfg, launch)
+    if bridge is not None:
+        bridge.barrier()  # the engine ranks read the base model's config and tokenizer once it exists
     hf_config = cfg.model.hf_config(cfg.tiny_base.preset) if hf_dir is None else read_hf_config(hf_dir)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or hf_dir)
     stops = run_stop_tokens(cfg, hf_dir, hf_config, tokenizer)
@@ -571,7 +587,7 @@ def _build_parts(cfg: Config, launch: LaunchEnv, *, resume: bool, checkpoint: st
         actor.load_megatron(cfg.model.mcore_path)
     elif hf_dir is not None:
         actor.load_hf(str(hf_dir))
-    engine = _build_engine(cfg, hf_dir, hf_config, tokenizer, stops)
+    engine = None if bridge is not None else _build_engine(cfg, hf_dir, hf_config, tokenizer, stops)
     sampler = _build_sampler(cfg, train_records)
     parts_closers: list[Callable[[], None]] = []
     scorer = make_scorer(cfg.reward, parts_closers)
@@ -587,17 +603,22 @@ def _build_parts(cfg: Config, launch: LaunchEnv, *, resume: bool, checkpoint: st
     engine_tp = cfg.rollout.vllm.tensor_parallel if cfg.rollout.engine == "vllm" else 1
     parts.gen_groups, parts.gen_group_index = launch.world_size // engine_tp, launch.rank // engine_tp
     parts.gen_group_leader = launch.rank % engine_tp == 0
-    parts.engine_streams = _engine_streams(cfg, parts.gen_groups, engine)
-    parts.rollouts = _build_rollouts(parts)
+    if bridge is None:
+        parts.engine_streams = _engine_streams(cfg, parts.gen_groups, engine)
+        parts.rollouts = _build_rollouts(parts)
+    else:
+        from dapo_mcore.rollout.async_source import AsyncRollouts
+
+        parts.rollouts = AsyncRollouts(cfg, bridge, parts.timer)
     parts._closers.extend(parts_closers)
-    parts._closers.append(engine.close)
+    parts._closers.append(engine.close if engine is not None else parts.rollouts.close)
     start = _restore(parts, resume=resume and not for_eval, checkpoint=checkpoint)
     parts.start_step = start
     if not for_eval:
         if launch.rank == 0:
             write_resolved(cfg, cfg.run.dir)
         _open_telemetry(parts, start)
-    engine.update_weights(actor.export_hf_weights())  # the engine serves exactly the actor's weights
+    parts.rollouts.publish(actor.export_hf_weights())  # the engines serve exactly the actor's weights
     return parts
 
 
@@ -692,11 +713,17 @@ def _restore(parts: Components, *, resume: bool, checkpoint: str | None) -> int:
     if parts.scheduler is not None and "schedule" in state:
         parts.scheduler.load_state_dict(state["schedule"])
         buffered = parts.scheduler.partials
-        if buffered.items and not (parts.engine_streams and parts.cfg.rollout.schedule.partial):
+        if (buffered.items and getattr(parts.rollouts, "colocated", True)  # async: the engine ranks stream
+                and not (parts.engine_streams and parts.cfg.rollout.schedule.partial)):
             log.warning("the checkpoint holds %d partial groups (%d tokens) for the next step, but this run does not "
                         "stream (rollout.schedule.streaming/partial off, or an engine that cannot stream here): they are dropped",
                         len(buffered.items), buffered.num_tokens())
             buffered.take()
+    if not getattr(parts.rollouts, "colocated", True):
+        from dapo_mcore.rollout.async_source import PENDING_FILE
+
+        pending = target / PENDING_FILE
+        parts.rollouts.resume_from(int(state["step"]), state, pending.read_bytes() if pending.is_file() else None)
     parts._resume_state = state
     log.info("loaded checkpoint %s (step %d)", target, state["step"])
     return int(state["step"])

@@ -95,7 +95,10 @@ class Trainer:
     @contextlib.contextmanager
     def _engine_awake(self) -> Iterator[None]:
         """Colocated phases: the actor's grads and optimizer state leave the GPU (if configured) while the
-        engine holds its KV cache; everything returns before training."""
+        engine holds its KV cache; everything returns before training. Async mode: the engines have their own ranks."""
+        if not self.p.rollouts.colocated:
+            yield
+            return
         if not self.p.rollouts.weights_valid:
             # vLLM sleep level 2 discards the weights (e.g. an evaluation's sleep after the step's sync): resync
             # first. Every rank's engine follows the same states, so all ranks take this collective together.
@@ -192,6 +195,8 @@ class Trainer:
         with p.timer.phase("sync_weights"):
             self.sync_weights()
         metrics = self._step_metrics(groups, generated, stats, samples, train_metrics, mismatch)
+        if batch.policy_version is not None:
+            metrics.update(self._pipeline_metrics(batch, samples))
         from dapo_mcore.telemetry.perf import StepWork
 
         work = StepWork.of(self.p.actor.s.hf_config, [len(s.prompt_ids) + len(s.response_ids) for s in samples],
@@ -199,6 +204,26 @@ class Trainer:
         metrics["train/tokens"] = float(work.train_tokens)
         self.p.step_work = work
         return metrics, generated
+
+    def _pipeline_metrics(self, batch: StepBatch, samples: list[TrainSample]) -> dict[str, float]:
+        """Async mode: how many policy versions the trained tokens lag (a response's first ``stale_tokens`` were
+        sampled by ``prefix_version``, the rest by ``policy_version``), and who waited for whom."""
+        lags, counts = [], []
+        for s in samples:
+            stale = int(s.extra.get("stale_tokens", 0))
+            fresh = len(s.response_ids) - stale
+            lags += [self.step - batch.policy_version, self.step - batch.prefix_version]
+            counts += [fresh, stale]
+        tokens = sum(counts)
+        lag_max = max((lag for lag, c in zip(lags, counts, strict=True) if c), default=0)
+        limit = self.cfg.rollout.pipeline.max_staleness
+        assert lag_max <= limit, f"a trained token lags {lag_max} policy versions > max_staleness={limit}"
+        seconds = dict(self.p.rollouts.last)
+        generation = seconds.get("engine_generate_s", 0.0) + seconds.get("engine_reward_s", 0.0)
+        hidden = 0.0 if generation <= 0 else min(1.0, max(0.0, 1.0 - seconds.get("trainer_wait_s", 0.0) / generation))
+        return {"async/lag_mean": sum(lag * c for lag, c in zip(lags, counts, strict=True)) / max(tokens, 1),
+                "async/lag_max": float(lag_max), "async/policy_version": float(batch.policy_version),
+                "async/overlap_frac": hidden, **{f"async/{k}": float(v) for k, v in seconds.items()}}
 
     def _step_metrics(self, groups, generated, stats, samples, tm, mismatch) -> dict[str, Any]:
         from dapo_mcore.algo.metrics import response_length_stats
@@ -300,15 +325,26 @@ def train_main(config_path: str, overrides: list[str]) -> int:
     """``dapo-mcore train``: validate, prepare the run directory, build everything, run the loop."""
     _cpu_threads()
     cfg, launch = read_config(config_path, overrides)
+    bridge = None
+    if cfg.rollout.pipeline.mode == "async":  # the last rollout.pipeline.engine_ranks ranks run the engines only
+        from dapo_mcore.rollout.bridge import init_split_world
+
+        role, bridge = init_split_world(launch, cfg.parallel.backend, cfg.parallel.timeout_minutes,
+                                        cfg.rollout.pipeline.engine_ranks)
+        if not role.trainer:
+            from dapo_mcore.async_runtime import run_engine_ranks
+
+            return run_engine_ranks(cfg, launch, bridge)
     prepare_run_dir(cfg, launch)
-    parts = build_components(cfg, launch)
+    parts = build_components(cfg, launch, bridge=bridge)
     return Trainer(cfg, parts).run()
 
 
 def eval_main(config_path: str, overrides: list[str], checkpoint: str | None, as_json: bool = False) -> int:
     """``dapo-mcore eval``: held-out avg@k / pass@k / maj@k of a checkpoint (or the base model)."""
     _cpu_threads()
-    cfg, launch = read_config(config_path, overrides)
+    # An async run's checkpoints evaluate like any other: the engines share the evaluating ranks.
+    cfg, launch = read_config(config_path, [*overrides, "rollout.pipeline.mode=sync"])
     parts = build_components(cfg, launch, resume=False, checkpoint=checkpoint, for_eval=True)
     trainer = Trainer(cfg, parts)
     try:

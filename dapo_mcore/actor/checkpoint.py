@@ -92,8 +92,10 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def save_checkpoint(root: Path, step: int, actor, trainer_state: dict[str, Any], keep_last: int) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint directory."""
+def save_checkpoint(root: Path, step: int, actor, trainer_state: dict[str, Any], keep_last: int,
+                    extra_files: dict[str, bytes] | None = None) -> Path:
+    """Collective: every rank calls it. Returns the final checkpoint directory. ``extra_files``: name -> bytes that
+    rank 0 writes into it too (covered by its manifest, like every other file)."""
     root = Path(root)
     final = root / f"step_{step:06d}"
     partial = root / f"step_{step:06d}.partial"
@@ -118,6 +120,8 @@ def save_checkpoint(root: Path, step: int, actor, trainer_state: dict[str, Any],
     wckpt.torch_save(_rng_state(), partial / "rng" / f"rank_{_rank():05d}.pt")
     if _rank() == 0:
         (partial / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1, default=_json_default))
+        for name, data in (extra_files or {}).items():
+            (partial / name).write_bytes(data)
     _barrier()
     _write_manifest(partial)
     if _rank() == 0:

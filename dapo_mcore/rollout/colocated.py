@@ -40,7 +40,7 @@ def step_seed(base: int, step: int, batch: int) -> int:
 
 
 class ColocatedRollouts:
-    """The synchronous RolloutSource (``rollout.source``).
+    """The synchronous RolloutSource (``rollout.source``); in async mode the engine ranks' rollout side.
 
     Args:
         cfg: the run's config (``rollout``, ``eval``, ``algo``'s overlong shaping, ``train.seed``).
@@ -64,6 +64,9 @@ class ColocatedRollouts:
         self.streams = streams
         self.exchanges = ExchangeTally()
         """Exchanges between engine groups while streaming (several groups) since start, and their wall seconds."""
+
+    colocated = True
+    """The engines share the trainer's devices (``Trainer`` offloads the actor around generation)."""
 
     # ---- the interface ------------------------------------------------------------------------------------
     @property

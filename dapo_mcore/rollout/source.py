@@ -38,6 +38,10 @@ class StepBatch:
     """Every group generated for the step (kept, rejected, surplus, staged out), in decision order; ``kept`` is set."""
     stats: SamplingStats
     """Dynamic sampling's counters for the step (usable groups, batches drawn, tokens aborted, ...)."""
+    policy_version: int | None = None
+    """Async mode: the policy version (steps trained) that sampled the batch; None when it is the trainer's own."""
+    prefix_version: int | None = None
+    """Async mode: the version that sampled the prefixes partial rollouts continued (the previous batch's)."""
 
 
 @runtime_checkable

@@ -1,0 +1,162 @@
+"""The engine ranks of the async mode: generate batch k with version max(0, k - 1) while the trainer trains.
+
+The engine ranks run the synchronous rollout side (``rollout.colocated.ColocatedRollouts``: engine groups, scoring
+once over the engine ranks, overlong shaping, dynamic sampling, streaming, partial rollouts) over their own default
+process group, and talk to the trainer in the order ``rollout.async_source`` fixes:
+
+    receive version s (weights + start step + sampler/schedule state); evaluate it if flagged
+    for k = start ...: generate batch k; receive version k (unless it is the start's); send batch k; evaluate if
+                       flagged
+    receive the last version (evaluate it if flagged), then "stop"
+
+Signals are the trainer's business (it checkpoints and tells the engines to stop): SIGTERM/SIGUSR1/SIGINT are
+logged and otherwise ignored here, and the engines leave when the trainer says stop.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from dapo_mcore.rollout.async_source import unflatten_bucket
+from dapo_mcore.rollout.bridge import Bridge
+from dapo_mcore.rollout.protocol import EngineError, WeightBucket
+
+log = logging.getLogger(__name__)
+
+__all__ = ["EngineLoop"]
+
+
+class _Stop(Exception):
+    """The trainer said stop."""
+
+
+class EngineLoop:
+    """Drives one engine rank (module docstring).
+
+    Args:
+        cfg: the run's config.
+        rollouts: the engine side's ColocatedRollouts (over the engine ranks' process group).
+        engine: the rollout engine (weights land here).
+        bridge: the groups to the trainer.
+        eval_records: the held-out prompts.
+        timer: the engine side's PhaseTimer (``generate``/``reward`` seconds of each batch).
+    """
+
+    def __init__(self, cfg: Any, rollouts: Any, engine: Any, bridge: Bridge, eval_records: list, timer: Any):
+        self.cfg, self.rollouts, self.engine, self.bridge = cfg, rollouts, engine, bridge
+        self.eval_records, self.timer = eval_records, timer
+        self.version = -1
+        self.prefix_version = 0
+        self.wait_s = self.transfer_s = 0.0
+
+    def run(self) -> int:
+        previous = {sig: signal.signal(sig, self._ignore) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+        try:
+            self._loop()
+        except _Stop:
+            pass
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        self.bridge.barrier()  # the trainer's shutdown barrier
+        log.info("engine rank %d: stopped after version %d", self.bridge.role.rank, self.version)
+        return 0
+
+    @staticmethod
+    def _ignore(signum: int, frame: Any) -> None:
+        log.info("engine rank: %s received; the trainer checkpoints and tells the engines to stop",
+                 signal.Signals(signum).name)
+
+    def _loop(self) -> None:
+        header = self._receive()
+        self._load_state(header.get("state"))
+        start_version = self.version
+        steps = self.cfg.train.steps
+        # A fresh start generates batch 0; a resume after s steps has batch s in the checkpoint, so s + 1.
+        k = 0 if start_version == 0 else start_version + 1
+        self.prefix_version = max(0, start_version - 1)
+        while k < steps:
+            try:
+                batch = self.rollouts.step_batch(k, stop=lambda: False)
+            except Exception as exc:  # noqa: BLE001 - sent to the trainer, which reports it and stops the run
+                self._fail(exc)
+                raise _Stop from exc
+            seconds = self.timer.pop_step()
+            if k > start_version:
+                self._receive()  # version k: the trainer finished step k - 1
+            self._send({"kind": "batch", "step": k, "batch": batch, "state": self._state(),
+                        "version": max(0, k - 1), "prefix_version": self.prefix_version,
+                        "transfer_s": self.transfer_s,
+                        "seconds": {"engine_generate_s": seconds.get("generate", 0.0),
+                                    "engine_reward_s": seconds.get("reward", 0.0),
+                                    "engine_wait_weights_s": self.wait_s, "weights_transfer_s": self.transfer_s}})
+            self.prefix_version = max(0, k - 1)
+            k += 1
+        while True:  # the last version (and its evaluation), then stop
+            self._receive()
+
+    # ---- weights ------------------------------------------------------------------------------------------------
+    def _receive(self) -> dict[str, Any]:
+        """The next version from the trainer, into the engine (bucket by bucket); evaluate it if flagged."""
+        t0 = time.monotonic()
+        header = self.bridge.broadcast_header(None)
+        if header.get("stop"):
+            raise _Stop
+        t1 = time.monotonic()
+        self.engine.update_weights(self._buckets())
+        self.version = int(header["version"])
+        self.wait_s, self.transfer_s = t1 - t0, time.monotonic() - t1
+        if header.get("eval"):
+            self._evaluate()
+        return header
+
+    def _buckets(self) -> Iterator[WeightBucket]:
+        import torch
+
+        while True:
+            head = self.bridge.broadcast_header(None)
+            if head.get("end"):
+                return
+            flat = torch.empty(int(head["bytes"]), dtype=torch.uint8, device=self.bridge.device)
+            yield unflatten_bucket(head["bucket"], self.bridge.broadcast_flat(flat))
+
+    def _evaluate(self) -> None:
+        groups = self.rollouts.eval_groups(self.eval_records, self.version)
+        self._send({"kind": "eval", "version": self.version, "groups": groups})
+
+    # ---- state and messages -------------------------------------------------------------------------------------
+    def _state(self) -> dict[str, Any]:
+        sched = self.rollouts.scheduler
+        state: dict[str, Any] = {"sampler": sched.sampler.state_dict()}
+        if self.cfg.rollout.schedule.enabled:
+            state["schedule"] = sched.state_dict()
+        return state
+
+    def _load_state(self, state: dict[str, Any] | None) -> None:
+        if not state or state.get("sampler") is None:
+            return
+        sched = self.rollouts.scheduler
+        sched.sampler.load_state_dict(state["sampler"])
+        if state.get("schedule") is not None:
+            sched.load_state_dict(state["schedule"])
+
+    def _send(self, message: dict[str, Any]) -> None:
+        if self.bridge.sends_batches:
+            self.bridge.send_object(message)
+
+    def _fail(self, exc: Exception) -> None:
+        from dapo_mcore.algo.dynamic_sampling import DynamicSamplingExhausted
+
+        if isinstance(exc, DynamicSamplingExhausted):
+            self._send({"kind": "error", "error": "exhausted", "message": str(exc), "stats": exc.stats})
+        elif isinstance(exc, EngineError):
+            self._send({"kind": "error", "error": "engine", "message": str(exc)})
+        else:
+            self._send({"kind": "error", "error": "engine", "message": f"{type(exc).__name__}: {exc}"})
+            raise exc
+        while True:  # the trainer reports it and says stop
+            self._receive()

@@ -1,0 +1,214 @@
+"""The async mode's RolloutSource on the trainer ranks: batches arrive from engine ranks that generate ahead.
+
+The protocol (one order, fixed, so a run is a pure function of its seed; ``rollout.async_engines`` is the other side):
+
+    trainer rank 0 --weights--> engines   version s (the start: weights, the step to generate from, the sampler and
+                                          schedule state), then one version after every training step, then "stop"
+    engine rank 0  --batches--> trainer   batch k, sampled by version max(0, k - 1); an evaluation of version v when
+                                          the trainer flags it (eval.at_start, eval.every, the last step)
+
+The engines send batch k only after they hold version k, so the trainer's publish of version k returns when batch k
+is ready: while the trainer trains step k on batch k, the engines generate batch k + 1 with version k. Every trained
+token is one version old (two for the prefixes partial rollouts continue), counted in ``async/lag_*``.
+
+A checkpoint after step k holds batch k + 1 (already generated, by version k) and the sampler/schedule state after
+it: a resumed run trains on exactly that batch and the engines go on from exactly that state, so kill -9, SIGTERM and
+requeue resume the uninterrupted trajectory. Trainer rank 0 talks to the engines and broadcasts what it receives to
+the other trainer ranks (gloo objects over the trainer's default group).
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dapo_mcore.rollout.bridge import Bridge
+from dapo_mcore.rollout.groups import GroupData
+from dapo_mcore.rollout.protocol import EngineError, WeightBucket
+from dapo_mcore.rollout.source import StepBatch
+
+log = logging.getLogger(__name__)
+
+__all__ = ["AsyncRollouts", "PENDING_FILE", "eval_after", "flatten_bucket", "unflatten_bucket"]
+
+PENDING_FILE = "rollouts_pending.pkl"
+"""In an async run's checkpoint: the batch the engines generated for the step after it (and their state after it)."""
+
+
+def eval_after(cfg: Any, step: int, fresh_start: bool) -> bool:
+    """Whether the trainer evaluates the policy after ``step`` steps (the same rule as Trainer.run's)."""
+    if step == 0:
+        return fresh_start and cfg.eval.at_start and cfg.train.steps > 0
+    return bool(cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.train.steps
+
+
+def flatten_bucket(bucket: WeightBucket) -> tuple[list[tuple[str, tuple[int, ...], str]], torch.Tensor]:
+    """A bucket's tensors as one byte buffer (any mix of dtypes) and what it takes to cut it up again."""
+    meta = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in bucket]
+    flat = torch.cat([t.detach().contiguous().view(-1).view(torch.uint8) for _, t in bucket])
+    return meta, flat
+
+
+def unflatten_bucket(meta: list[tuple[str, tuple[int, ...], str]], flat: torch.Tensor) -> WeightBucket:
+    out, start = [], 0
+    for name, shape, dtype in meta:
+        dt = getattr(torch, dtype)
+        size = dt.itemsize * (int(torch.Size(shape).numel()))
+        out.append((name, flat[start:start + size].view(dt).view(shape)))
+        start += size
+    if start != flat.numel():
+        raise EngineError(f"weight transfer: a bucket of {flat.numel()} bytes holds {start} bytes of tensors")
+    return out
+
+
+class AsyncRollouts:
+    """The trainer ranks' RolloutSource in async mode (module docstring)."""
+
+    colocated = False
+
+    def __init__(self, cfg: Any, bridge: Bridge, timer: Any) -> None:
+        self.cfg, self.bridge, self.timer = cfg, bridge, timer
+        self.is_root = bridge.role.rank == 0
+        self.version: int | None = None
+        """The last version published (None before the first)."""
+        self.fresh_start = True
+        self.resume_state: dict[str, Any] | None = None
+        self._batches: dict[int, dict[str, Any]] = {}
+        self._evals: dict[int, list[GroupData]] = {}
+        self.engine_state: dict[str, Any] = {}
+        """The sampler/schedule state after the latest batch received (what a checkpoint stores)."""
+        self.last: dict[str, float] = {}
+        """The latest step's pipeline seconds (trainer waits, engine waits, transfers)."""
+        self._publish_s = 0.0
+        self._stopped = False
+
+    # ---- start and checkpoints -------------------------------------------------------------------------------
+    def resume_from(self, step: int, state: dict[str, Any], pending: bytes | None) -> None:
+        """A checkpoint after ``step`` steps: the engines start from its state, the trainer trains on its batch."""
+        self.fresh_start = step == 0
+        if pending is not None:
+            message = pickle.loads(pending)
+            self._batches[message["step"]] = message
+            self.engine_state = message["state"]
+        self.resume_state = {"sampler": state.get("sampler"), "schedule": state.get("schedule")}
+        self.version = None
+        self._start = step
+
+    def checkpoint_payload(self, step: int) -> tuple[dict[str, Any], bytes | None]:
+        """Collective over the trainer ranks, after ``step`` steps: the state after the next batch and that batch
+        (trainer rank 0 receives it now: the engines have it ready once version ``step`` was published; the other
+        ranks get nothing). Nothing is pending after the last step."""
+        if step >= self.cfg.train.steps:
+            return self.engine_state, None
+
+        def receive() -> Any:
+            got = self._read(lambda: self._batches.get(step))
+            return got if "error" in got and len(got) == 1 else True
+
+        self._shared(receive)  # raises on every rank if the engines failed
+        if not self.is_root:
+            return {}, None
+        message = self._batches[step]
+        return message["state"], pickle.dumps(message)
+
+    # ---- the interface --------------------------------------------------------------------------------------
+    @property
+    def weights_valid(self) -> bool:
+        return True
+
+    def wake(self) -> None:
+        """The engines have their own devices: nothing to wake."""
+
+    def sleep(self) -> None:
+        """The engines have their own devices: nothing to put to sleep."""
+
+    def snapshot(self) -> Any:
+        return None
+
+    def rollback(self, snap: Any) -> None:
+        """Never needed: the trainer does not abandon a step in async mode (the engines' work is regenerated from
+        the checkpoint's state)."""
+
+    def publish(self, weights: Iterable[WeightBucket]) -> None:
+        """Every trainer rank iterates the export (a collective for TP/PP); trainer rank 0 sends each bucket. Returns
+        once the engines hold the version, i.e. once they finished the batch this version follows."""
+        start = getattr(self, "_start", 0)
+        version = start if self.version is None else self.version + 1
+        t0 = time.monotonic()
+        if not self.is_root:
+            for _ in weights:
+                pass
+            self.version = version
+            return
+        header = {"version": version, "eval": eval_after(self.cfg, version, self.fresh_start)}
+        if self.version is None:
+            header.update(start=start, state=self.resume_state)
+        self.bridge.broadcast_header(header)
+        for bucket in weights:
+            meta, flat = flatten_bucket(bucket)
+            self.bridge.broadcast_header({"bucket": meta, "bytes": flat.numel()})
+            self.bridge.broadcast_flat(flat.to(self.bridge.device))
+        self.bridge.broadcast_header({"end": True})
+        self.version = version
+        self._publish_s = time.monotonic() - t0
+
+    def step_batch(self, step: int, stop: Callable[[], bool]) -> StepBatch:
+        """Batch ``step`` from the engines (rank 0 receives it, the other trainer ranks get it from rank 0)."""
+        t0 = time.monotonic()
+        with self.timer.phase("wait_rollouts"):
+            message = self._shared(lambda: self._read(lambda: self._batches.pop(step, None)))
+        self.engine_state = message["state"]
+        waited = time.monotonic() - t0 + self._publish_s - message.get("transfer_s", 0.0)
+        self.last = {"trainer_wait_s": max(waited, 0.0), **message["seconds"]}
+        batch: StepBatch = message["batch"]
+        batch.policy_version, batch.prefix_version = message["version"], message["prefix_version"]
+        return batch
+
+    def eval_groups(self, records: list[Any], step: int) -> list[GroupData]:
+        return self._shared(lambda: self._read(lambda: self._evals.pop(step, None)))
+
+    def close(self) -> None:
+        """Tell the engines to stop (trainer rank 0), then wait for every rank at the shutdown barrier."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.is_root:
+            self.bridge.broadcast_header({"stop": True})
+        self.bridge.barrier()
+
+    # ---- the batches channel ---------------------------------------------------------------------------------
+    def _read(self, found: Callable[[], Any]) -> Any:
+        """Trainer rank 0: receive messages (batches, evaluations, errors, in the engines' order) until ``found``."""
+        while (hit := found()) is None:
+            message = self.bridge.recv_object()
+            kind = message["kind"]
+            if kind == "batch":
+                self._batches[message["step"]] = message
+            elif kind == "eval":
+                self._evals[message["version"]] = message["groups"]
+            else:
+                return {"error": message}
+        return hit
+
+    def _shared(self, read: Callable[[], Any]) -> Any:
+        """``read()`` on trainer rank 0, its result on every trainer rank; an engine-side failure raises on all."""
+        box = [read() if self.is_root else None]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], dict) and set(box[0]) == {"error"}:
+            self._raise(box[0]["error"])
+        return box[0]
+
+    @staticmethod
+    def _raise(message: dict[str, Any]) -> None:
+        from dapo_mcore.algo.dynamic_sampling import DynamicSamplingExhausted, SamplingStats
+
+        if message["error"] == "exhausted":
+            raise DynamicSamplingExhausted(message["message"], message.get("stats") or SamplingStats())
+        raise EngineError(f"on the engine ranks: {message['message']}")

@@ -1,0 +1,148 @@
+"""The async mode's split job: trainer ranks and engine ranks, each with its own default process group, and the
+bridge between them.
+
+One torchrun/srun job of N ranks. The last ``engine_ranks`` ranks are the engines, the others the trainer. All of
+them rendezvous once on the job's store (``torch.distributed.rendezvous``, the same ``tcp://MASTER_ADDR:MASTER_PORT``
+the synchronous mode uses), then each side creates its default process group over its own ranks under its own
+store prefix, so Megatron-Core on the trainer side sees a world of trainer ranks only, and the engines' collectives
+(sharing responses, scoring once) stay among the engines. Three more groups, under their own prefixes:
+
+    all      every rank: start-up and shutdown barriers
+    weights  trainer rank 0 + every engine rank: each policy version, broadcast from trainer rank 0 (NCCL on GPU)
+    batches  trainer rank 0 + engine rank 0: each step's batch and each evaluation, sent by the engines (gloo)
+
+Everything is torch.distributed process groups inside the one job: no service, no RPC, no broker.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dapo_mcore.actor.parallel import LaunchEnv, choose_backend
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Bridge", "Role", "init_split_world", "role_of"]
+
+
+@dataclass(frozen=True)
+class Role:
+    """Where a rank of the async job sits."""
+
+    trainer: bool
+    rank: int
+    """Rank within its side (the default process group's rank)."""
+    size: int
+    """Ranks on its side."""
+    engine_ranks: int
+
+
+def role_of(launch: LaunchEnv, engine_ranks: int) -> Role:
+    trainers = launch.world_size - engine_ranks
+    if launch.rank < trainers:
+        return Role(True, launch.rank, trainers, engine_ranks)
+    return Role(False, launch.rank - trainers, engine_ranks, engine_ranks)
+
+
+def _group(backend: str, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
+    if backend == "nccl":  # GPU only; not run in this project's CI (docs/rollout.md says what has run)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+class Bridge:
+    """The groups between the two sides (module docstring) and the few verbs the async mode needs."""
+
+    def __init__(self, role: Role, all_pg: Any, weights_pg: Any | None, batches_pg: Any | None, device: str):
+        self.role, self.all_pg, self.weights_pg, self.batches_pg = role, all_pg, weights_pg, batches_pg
+        self.device = device
+        """Where weight buckets travel: cuda with NCCL, cpu with gloo."""
+
+    @property
+    def sends_batches(self) -> bool:
+        """Engine rank 0: the engines' voice on the batches group."""
+        return not self.role.trainer and self.role.rank == 0
+
+    @property
+    def on_weights(self) -> bool:
+        return self.weights_pg is not None
+
+    # ---- batches: engine rank 0 -> trainer rank 0 ---------------------------------------------------------------
+    def send_object(self, obj: Any) -> None:
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        self.batches_pg.send([torch.tensor([data.numel()], dtype=torch.int64)], 0, 0).wait()
+        self.batches_pg.send([data], 0, 1).wait()
+
+    def recv_object(self) -> Any:
+        size = torch.zeros(1, dtype=torch.int64)
+        self.batches_pg.recv([size], 1, 0).wait()
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        self.batches_pg.recv([data], 1, 1).wait()
+        return pickle.loads(data.numpy().tobytes())
+
+    # ---- weights: trainer rank 0 -> every engine rank -----------------------------------------------------------
+    def broadcast_header(self, header: dict[str, Any] | None) -> dict[str, Any]:
+        """Trainer rank 0 passes the header; every engine rank gets it."""
+        root = self.role.trainer
+        payload = pickle.dumps(header) if root else b""
+        size = torch.tensor([len(payload)], dtype=torch.int64)
+        self.weights_pg.broadcast([size], _root()).wait()
+        data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if root
+                else torch.empty(int(size.item()), dtype=torch.uint8))
+        self.weights_pg.broadcast([data], _root()).wait()
+        return header if root else pickle.loads(data.numpy().tobytes())
+
+    def broadcast_flat(self, flat: torch.Tensor) -> torch.Tensor:
+        """One bucket's tensors flattened into one buffer (the sender's), filled in on the receivers."""
+        self.weights_pg.broadcast([flat], _root()).wait()
+        return flat
+
+    def barrier(self) -> None:
+        self.all_pg.barrier().wait()
+
+
+def _root() -> dist.BroadcastOptions:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0  # trainer rank 0 is rank 0 of the weights group
+    opts.rootTensor = 0
+    return opts
+
+
+def init_split_world(launch: LaunchEnv, backend: str, timeout_minutes: float, engine_ranks: int) -> tuple[Role, Bridge]:
+    """Rendezvous all ranks, create this side's default process group and the bridge groups (module docstring)."""
+    role = role_of(launch, engine_ranks)
+    backend = choose_backend(backend)
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    if backend == "gloo":
+        from dapo_mcore.model import cpu_compat
+
+        cpu_compat.apply()
+    elif torch.cuda.is_available():
+        torch.cuda.set_device(launch.local_rank)
+    url = f"tcp://{launch.master_addr}:{launch.master_port}?rank={launch.rank}&world_size={launch.world_size}"
+    store, _, _ = next(dist.rendezvous(url, timeout=timeout))
+    side = "trainer" if role.trainer else "engines"
+    dist.init_process_group(backend=backend, store=dist.PrefixStore(f"dapo/{side}/", store), rank=role.rank,
+                            world_size=role.size, timeout=timeout)
+    all_pg = dist.ProcessGroupGloo(dist.PrefixStore("dapo/all/", store), launch.rank, launch.world_size, timeout)
+    trainers = launch.world_size - engine_ranks
+    weights_pg = batches_pg = None
+    if not role.trainer or role.rank == 0:  # weights: trainer rank 0 is rank 0, engine rank i is i + 1
+        rank = 0 if role.trainer else role.rank + 1
+        weights_pg = _group(backend, dist.PrefixStore("dapo/weights/", store), rank, engine_ranks + 1, timeout)
+    if (role.trainer and role.rank == 0) or (not role.trainer and role.rank == 0):
+        batches_pg = dist.ProcessGroupGloo(dist.PrefixStore("dapo/batches/", store), 0 if role.trainer else 1, 2,
+                                           timeout)
+    device = "cuda" if backend == "nccl" else "cpu"
+    log.info("async layout: rank %d is %s rank %d/%d (%d trainer ranks, %d engine ranks, %s)", launch.rank, side,
+             role.rank, role.size, trainers, engine_ranks, backend)
+    return role, Bridge(role, all_pg, weights_pg, batches_pg, device)
