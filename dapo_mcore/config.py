@@ -198,6 +198,8 @@ class PipelineConfig:
     """async: the most policy versions any trained token may lag the policy that trains on it. Generation runs one
     version ahead (the batch of step n+1 is sampled by the weights after step n-1), so 1 is the minimum; partial
     rollouts continue prefixes sampled one more version back and need 2."""
+    bucket_mb: float = 256.0
+    """async: the weight transfer's bucket size (MiB): each bucket is one broadcast, tensors are never split."""
 
 
 @dataclass
@@ -501,8 +503,8 @@ def _validate_pipeline(cfg: Config) -> None:
     if cfg.algo.tis_cap is None:
         raise ConfigError("rollout.pipeline.mode=async trains on responses the previous policy sampled; it needs the "
                           "truncated importance correction: set algo.tis_cap (e.g. 2.0)")
-    _at_least(("rollout.pipeline.engine_ranks", pipe.engine_ranks, 1), ("rollout.pipeline.max_staleness",
-                                                                         pipe.max_staleness, 1))
+    _at_least(("rollout.pipeline.engine_ranks", pipe.engine_ranks, 1),
+              ("rollout.pipeline.max_staleness", pipe.max_staleness, 1), ("rollout.pipeline.bucket_mb", pipe.bucket_mb, 1e-3))
     if r.schedule.partial and pipe.max_staleness < 2:
         raise ConfigError("rollout.schedule.partial in async mode continues prefixes sampled two policy versions "
                           "before the step that trains on them: set rollout.pipeline.max_staleness=2 (or turn "

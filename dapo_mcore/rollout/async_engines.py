@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from dapo_mcore import faults
 from dapo_mcore.rollout.async_source import unflatten_bucket
 from dapo_mcore.rollout.bridge import Bridge
 from dapo_mcore.rollout.protocol import EngineError, WeightBucket
@@ -80,6 +81,7 @@ class EngineLoop:
         k = 0 if start_version == 0 else start_version + 1
         self.prefix_version = max(0, start_version - 1)
         while k < steps:
+            faults.point("generate", k)
             try:
                 batch = self.rollouts.step_batch(k, stop=lambda: False)
             except Exception as exc:  # noqa: BLE001 - sent to the trainer, which reports it and stops the run

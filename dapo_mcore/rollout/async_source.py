@@ -22,12 +22,13 @@ from __future__ import annotations
 import logging
 import pickle
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from dapo_mcore import faults
 from dapo_mcore.rollout.bridge import Bridge
 from dapo_mcore.rollout.groups import GroupData
 from dapo_mcore.rollout.protocol import EngineError, WeightBucket
@@ -35,7 +36,7 @@ from dapo_mcore.rollout.source import StepBatch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AsyncRollouts", "PENDING_FILE", "eval_after", "flatten_bucket", "unflatten_bucket"]
+__all__ = ["AsyncRollouts", "PENDING_FILE", "eval_after", "flatten_bucket", "rebucket", "unflatten_bucket"]
 
 PENDING_FILE = "rollouts_pending.pkl"
 """In an async run's checkpoint: the batch the engines generated for the step after it (and their state after it)."""
@@ -46,6 +47,21 @@ def eval_after(cfg: Any, step: int, fresh_start: bool) -> bool:
     if step == 0:
         return fresh_start and cfg.eval.at_start and cfg.train.steps > 0
     return bool(cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.train.steps
+
+
+def rebucket(buckets: Iterable[WeightBucket], limit: int) -> Iterator[WeightBucket]:
+    """The same tensors in the same order, in buckets of at most ``limit`` bytes (one tensor may exceed it alone)."""
+    out, size = [], 0
+    for bucket in buckets:
+        for name, t in bucket:
+            nbytes = t.numel() * t.element_size()
+            if out and size + nbytes > limit:
+                yield out
+                out, size = [], 0
+            out.append((name, t))
+            size += nbytes
+    if out:
+        yield out
 
 
 def flatten_bucket(bucket: WeightBucket) -> tuple[list[tuple[str, tuple[int, ...], str]], torch.Tensor]:
@@ -150,13 +166,14 @@ class AsyncRollouts:
         if self.version is None:
             header.update(start=start, state=self.resume_state)
         self.bridge.broadcast_header(header)
-        for bucket in weights:
+        for index, bucket in enumerate(rebucket(weights, int(self.cfg.rollout.pipeline.bucket_mb * (1 << 20)))):
             meta, flat = flatten_bucket(bucket)
             self.bridge.broadcast_header({"bucket": meta, "bytes": flat.numel()})
             self.bridge.broadcast_flat(flat.to(self.bridge.device))
+            faults.point("publish", version, index)
         self.bridge.broadcast_header({"end": True})
         self.version = version
-        self._publish_s = time.monotonic() - t0
+        self._publish_s = 0.0 if self.version == start else time.monotonic() - t0  # the start's is set-up time
 
     def step_batch(self, step: int, stop: Callable[[], bool]) -> StepBatch:
         """Batch ``step`` from the engines (rank 0 receives it, the other trainer ranks get it from rank 0)."""

@@ -1,0 +1,169 @@
+"""The async disaggregated mode (#26 items 3-4) in real runs: gloo ranks, the transformers engine, the tiny base.
+
+One reference run (1 trainer rank + 1 engine rank) and the same run interrupted by kill -9 during a weight transfer,
+kill -9 of an engine rank mid-generation, and SIGTERM (checkpoint, exit 75): each resumed run's record equals the
+reference's at every step, so the steps before the interruption (a repeat of the reference) and after it (the
+resume) are both exact. Trainer DP=2 and TP=2 (3 ranks) train on the same batches; two engine ranks stream with
+partial rollouts, whose prefixes lag two versions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dapo_mcore.config import ConfigError, load_config
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT = 1800  # bounds a hang only; ~20 s a run on 2 idle cores
+ASYNC = ("rollout.pipeline.mode=async", "algo.tis_cap=2.0", "rollout.pipeline.bucket_mb=0.02",
+         "eval.every=0", "eval.at_start=false", "checkpoint.every=1")
+EXACT = ("train/loss", "train/grad_norm", "train/entropy", "rollout/acc_mean", "sampling/tokens_generated",
+         "mismatch/kl", "async/lag_mean", "async/policy_version")
+
+
+def _cmd(run_dir: Path, steps: int, nproc: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "-m", "dapo_mcore.cli",
+            "train", str(ROOT / "examples" / "tiny_cpu.yaml"), f"run.dir={run_dir}", f"train.steps={steps}",
+            *ASYNC, *extra]
+
+
+def _train(run_dir: Path, env: dict[str, str], steps: int = 3, nproc: int = 2, *extra: str,
+           fault: str | None = None) -> subprocess.CompletedProcess:
+    full = dict(env, DAPO_MCORE_FAULT=fault) if fault else env
+    return subprocess.run(_cmd(run_dir, steps, nproc, *extra), env=full, cwd=ROOT, capture_output=True, text=True,
+                          timeout=TIMEOUT)
+
+
+def _rows(run_dir: Path) -> dict[int, dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in (json.loads(line) for line in lines if line.strip())}
+
+
+def _same(a: Path, b: Path, keys=EXACT) -> None:
+    ra, rb = _rows(a), _rows(b)
+    assert sorted(ra) == sorted(rb), (sorted(ra), sorted(rb))
+    for step in ra:
+        for key in keys:
+            assert ra[step].get(key) == rb[step].get(key), (step, key, ra[step].get(key), rb[step].get(key))
+
+
+def _charges_devices(run: Path, devices: int) -> None:
+    """The cost ledger charges every rank of the job, trainer and engines: device-seconds = ranks x step seconds."""
+    ledger = [json.loads(x) for x in (run / "ledger.jsonl").read_text().splitlines() if x.strip()]
+    assert ledger
+    for r in ledger:
+        assert r["cost/step/device_seconds"] == pytest.approx(devices * r["cost/step/seconds_step"], rel=1e-6), r
+
+
+@pytest.fixture(scope="module")
+def reference(cli_env, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("async") / "reference"
+    proc = _train(run, cli_env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run
+
+
+def test_the_reference_trains_every_token_one_version_behind_and_overlaps(reference):
+    rows = _rows(reference)
+    assert sorted(rows) == [1, 2, 3]
+    assert [rows[s]["async/policy_version"] for s in (1, 2, 3)] == [0.0, 0.0, 1.0]  # batch k by version max(0, k-1)
+    assert [rows[s]["async/lag_max"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    assert rows[3]["async/lag_mean"] == 1.0
+    for key in ("async/trainer_wait_s", "async/engine_wait_weights_s", "async/weights_transfer_s",
+                "async/engine_generate_s"):
+        assert all(rows[s][key] >= 0 for s in rows), key
+    assert all(0.0 <= rows[s]["async/overlap_frac"] <= 1.0 for s in rows)
+    # The cost ledger charges both sides: two ranks' device-seconds.
+    _charges_devices(reference, 2)
+    # Each checkpoint before the last holds the batch the engines generated for the next step.
+    assert (reference / "checkpoints" / "step_000002" / "rollouts_pending.pkl").is_file()
+    assert not (reference / "checkpoints" / "step_000003" / "rollouts_pending.pkl").exists()
+
+
+@pytest.mark.parametrize("fault", ["publish:2:1", "generate:2"])
+def test_kill9_during_a_weight_transfer_or_a_generation_resumes_exactly(reference, cli_env, tmp_path, fault):
+    run = tmp_path / "run"
+    killed = _train(run, cli_env, fault=fault)
+    assert killed.returncode != 0 and "killing this process (SIGKILL)" in killed.stderr, killed.stderr[-3000:]
+    assert len(_rows(run)) < 3
+    resumed = _train(run, cli_env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "loaded checkpoint" in resumed.stderr
+    _same(reference, run)
+
+
+def test_sigterm_checkpoints_exits_75_and_resumes_exactly(reference, cli_env, tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen(_cmd(run, 3, 2), env=cli_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + TIMEOUT
+    while not (metrics.is_file() and metrics.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    import psutil
+
+    for child in psutil.Process(proc.pid).children():  # Slurm signals every task of the step
+        os.kill(child.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=TIMEOUT)
+    assert "exiting 75" in err, err[-3000:]
+    assert len(_rows(run)) < 3
+    resumed = _train(run, cli_env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    _same(reference, run)
+
+
+@pytest.mark.parametrize("layout", ["parallel.tensor_parallel=1", "parallel.tensor_parallel=2"])
+def test_two_trainer_ranks_train_on_the_same_batches(reference, cli_env, tmp_path, layout):
+    """DP=2 or TP=2 on the trainer side, one engine rank: the engines' batches are the reference's, and the
+    training matches it within float noise (the sums run in another order)."""
+    run = tmp_path / "run"
+    proc = _train(run, cli_env, 3, 3, layout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ra, rb = _rows(reference), _rows(run)
+    assert sorted(ra) == sorted(rb)
+    for step in ra:
+        assert ra[step]["sampling/tokens_generated"] == rb[step]["sampling/tokens_generated"], step
+        assert ra[step]["async/lag_mean"] == rb[step]["async/lag_mean"]
+        assert ra[step]["train/loss"] == pytest.approx(rb[step]["train/loss"], rel=1e-3, abs=1e-5), step
+    _charges_devices(run, 3)
+
+
+def test_two_engine_ranks_stream_with_partial_rollouts_two_versions_behind(cli_env, tmp_path):
+    run = tmp_path / "run"
+    proc = _train(run, cli_env, 3, 3, "rollout.pipeline.engine_ranks=2", "rollout.pipeline.max_staleness=2",
+                  "rollout.schedule.streaming=true", "rollout.schedule.stream_chunk_prompts=16",
+                  "rollout.schedule.partial=true", "rollout.schedule.exchange_every=2", "train.prompts_per_step=4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "chunk by chunk" not in proc.stderr, "two engine ranks fell back to chunked generation"
+    rows = _rows(run)
+    stale = {s: r["sampling/tokens_stale_kept"] for s, r in rows.items()}
+    assert any(stale.values()), stale
+    for step, r in rows.items():
+        k = step - 1  # steps done before it
+        fresh, prefix = k - max(0, k - 1), k - max(0, k - 2)  # batch k by version k-1, its prefixes by k-2's batch
+        assert r["async/lag_max"] == (max(fresh, prefix) if stale[step] else fresh), (step, r["async/lag_max"])
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["rollout.pipeline.mode=async"], "rollout.pipeline.mode=async trains on responses the previous policy sampled"
+                                      "; it needs the truncated importance correction: set algo.tis_cap"),
+    (["rollout.pipeline.mode=async", "algo.tis_cap=2", "rollout.schedule.streaming=true",
+      "rollout.schedule.partial=true"], "set rollout.pipeline.max_staleness=2"),
+    (["rollout.pipeline.mode=async", "algo.tis_cap=2", "rollout.pipeline.engine_ranks=2"],
+     "rollout.pipeline.engine_ranks=2 leaves no rank to train on 2 ranks"),
+])
+def test_async_configs_that_cannot_work_are_refused_naming_the_key(overrides, message):
+    cfg = load_config(ROOT / "examples" / "tiny_cpu.yaml", overrides)
+    with pytest.raises(ConfigError) as info:
+        cfg.validate(2)
+    assert message in str(info.value)
