@@ -65,7 +65,7 @@ def findings(records: list[dict], cfg: dict | None = None) -> dict[str, list]:
 def test_healthy_run_has_no_findings():
     d = diagnose(Run(healthy(), CFG))
     assert d.findings == []
-    assert d.skipped == []
+    assert d.skipped == ["pipeline"]  # the async mode's rule: a sync run logs none of its metrics
     assert set(d.ok) == {"cannot-learn", "usable-groups", "entropy", "clip-high", "length-limit", "mismatch",
                          "reward-vs-heldout",
                          "spikes", "warmup"}
@@ -152,7 +152,7 @@ def test_lr_still_in_warmup():
 
 def test_too_few_steps_skips_the_trend_rules_only():
     d = diagnose(Run(healthy(2), CFG))
-    assert d.findings == [] and d.skipped == []
+    assert d.findings == [] and d.skipped == ["pipeline"]
     assert sorted(d.ok) == ["cannot-learn", "length-limit", "spikes", "usable-groups", "warmup"]
     assert sorted(d.too_short) == ["clip-high", "entropy", "mismatch", "reward-vs-heldout"]
 
@@ -208,3 +208,29 @@ def test_rule_without_its_metric_is_skipped(key, rule):
     records = [{k: v for k, v in r.items() if k != key} for r in healthy()]
     d = diagnose(Run(records, CFG))
     assert rule in d.skipped and rule not in d.ok
+
+
+def _async(trainer_wait: float, engine_wait: float, n: int = 10) -> list[dict]:
+    """An async run: 1 s steps, 0.6 s of generation per batch, the given waits on each side."""
+    out = healthy(n)
+    for r in out[1:]:
+        r.update({"time/step": 1.0, "async/trainer_wait_s": trainer_wait, "async/engine_wait_weights_s": engine_wait,
+                  "async/engine_generate_s": 0.5, "async/engine_reward_s": 0.1, "async/overlap_frac": 0.5})
+    return out
+
+
+@pytest.mark.parametrize(("trainer_wait", "engine_wait", "finding"), [
+    (0.5, 0.0, "the trainer starves"), (0.0, 0.6, "the engines idle"), (0.05, 0.05, None)])
+def test_pipeline_rule_names_the_slower_side_and_the_key_to_change(trainer_wait, engine_wait, finding):
+    d = diagnose(Run(_async(trainer_wait, engine_wait), CFG))
+    found = [f for f in d.findings if f.rule == "pipeline"]
+    if finding is None:
+        assert not found and "pipeline" in d.ok
+        return
+    assert len(found) == 1 and found[0].message.startswith(finding), found
+    assert "rollout.pipeline.engine_ranks" in found[0].advice
+    assert f"{trainer_wait:.0%}" in found[0].evidence
+
+
+def test_pipeline_rule_is_skipped_for_a_sync_run():
+    assert "pipeline" in diagnose(Run(healthy(), CFG)).skipped

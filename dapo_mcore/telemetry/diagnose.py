@@ -394,6 +394,35 @@ def rule_cannot_learn(run: Run) -> list[Finding]:
                     "; ".join(p for p in parts if p), advice)]
 
 
+PIPELINE_WAIT_FRAC = 0.25
+"""Async mode: a side that waits more than this share of its time for the other is the one to shrink."""
+
+
+def rule_pipeline(run: Run) -> list[Finding]:
+    """Async mode: the trainer starving (waiting for rollouts) or the engines idling (waiting for weights)."""
+    rows = [r for r in run.records if isinstance(r.get("async/trainer_wait_s"), int | float)][1:]  # step 1: no overlap
+    if not rows:
+        return []
+    steps = f"{rows[0][keys.STEP]}-{rows[-1][keys.STEP]}"
+    step_s = sum(float(r.get("time/step", 0.0)) - float(r.get("time/eval", 0.0)) for r in rows)
+    starve = sum(float(r["async/trainer_wait_s"]) for r in rows) / max(step_s, 1e-9)
+    idle_s = sum(float(r.get("async/engine_wait_weights_s", 0.0)) for r in rows)
+    busy_s = sum(float(r.get("async/engine_generate_s", 0.0)) + float(r.get("async/engine_reward_s", 0.0))
+                 for r in rows)
+    idle = idle_s / max(idle_s + busy_s, 1e-9)
+    evidence = (f"the trainer waited {starve:.0%} of its step time for rollouts; the engines waited {idle:.0%} of "
+                f"theirs for weights (overlap {_mean([float(r.get('async/overlap_frac', 0.0)) for r in rows]):.2f})")
+    if starve > PIPELINE_WAIT_FRAC and starve >= idle:
+        return [Finding("pipeline", "warn", steps, "the trainer starves: generation is the slower side", evidence,
+                        "give the engines more ranks (raise rollout.pipeline.engine_ranks; `dapo-mcore plan "
+                        "--disaggregated` prices the split) or generate less per step (rollout.schedule.streaming)")]
+    if idle > PIPELINE_WAIT_FRAC:
+        return [Finding("pipeline", "warn", steps, "the engines idle: training is the slower side", evidence,
+                        "give the trainer more ranks (lower rollout.pipeline.engine_ranks), or run sync mode "
+                        "(rollout.pipeline.mode=sync) if the engines would idle at any split")]
+    return []
+
+
 RULES: tuple[tuple[str, tuple[str, ...], Callable[[Run], list[Finding]]], ...] = (
     ("cannot-learn", (keys.ROLLOUT_USABLE_GROUP_FRAC, keys.TRAIN_LOSS), rule_cannot_learn),
     ("usable-groups", (keys.ROLLOUT_USABLE_GROUP_FRAC,), rule_usable_groups),
@@ -404,9 +433,10 @@ RULES: tuple[tuple[str, tuple[str, ...], Callable[[Run], list[Finding]]], ...] =
     ("reward-vs-heldout", (keys.ROLLOUT_REWARD_MEAN, keys.EVAL_AVG_AT_K), rule_reward_vs_heldout),
     ("spikes", (keys.TRAIN_LOSS, keys.TRAIN_GRAD_NORM), rule_spikes),
     ("warmup", (keys.TRAIN_LR,), rule_warmup),
+    ("pipeline", ("async/trainer_wait_s",), rule_pipeline),
 )
 """(name, metrics it needs, rule). A rule runs when at least one of its metrics was logged."""
-LEVEL_RULES = frozenset({"cannot-learn", "usable-groups", "length-limit", "spikes", "warmup"})
+LEVEL_RULES = frozenset({"cannot-learn", "usable-groups", "length-limit", "spikes", "warmup", "pipeline"})
 """Rules that judge levels (or non-finite values), not trends: they run on a run of any length."""
 
 
