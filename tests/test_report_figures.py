@@ -96,3 +96,19 @@ def test_pngs_are_written_atomically_with_integer_steps_and_a_length_line(tmp_pa
         report.write_report(run)
     assert (run / "figures" / "accuracy.png").read_bytes() == good
     assert not list((run / "figures").glob(".*partial"))
+
+
+def test_the_async_timeline_draws_both_sides_only_for_an_async_run(tmp_path):
+    sync = [{keys.STEP: s, keys.TIME_STEP: 1.0, keys.time_key("train"): 0.5} for s in range(1, 4)]
+    assert report.pipeline_figure(sync, tmp_path) is None
+    rows = [{**r, "async/trainer_wait_s": 0.2, "async/engine_generate_s": 0.6, "async/engine_reward_s": 0.1,
+             "async/engine_wait_weights_s": 0.05, "async/weights_transfer_s": 0.01} for r in sync]
+    path = report.pipeline_figure(rows, tmp_path)
+    assert path == tmp_path / "pipeline.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from PIL import Image
+
+    with Image.open(path) as im:
+        pixels = np.asarray(im.convert("RGB"))
+    # Both lanes are drawn: matplotlib's tab:green (generation, engines) and tab:blue (compute, trainer) appear.
+    for rgb in ((44, 160, 44), (31, 119, 180)):
+        assert (np.abs(pixels.astype(int) - rgb).sum(axis=2) < 8).any(), rgb

@@ -162,3 +162,11 @@ def test_base_eval_time_is_shown_apart_and_token_parts_sum_to_the_whole(tmp_path
     assert "base evaluation (step 0, before the steps): 50" in summary
     assert "= kept for training 800 (40%) + rejected by dynamic sampling 900 (45%) + surplus groups 200 (10%) + " \
            "aborted 100 (5%)" in summary
+
+
+def test_profile_shows_the_async_pipeline_means_only_for_an_async_run():
+    rows = [{keys.STEP: s, keys.TIME_STEP: 1.0, "async/lag_mean": float(s > 1), "async/trainer_wait_s": 0.1 * s}
+            for s in range(1, 4)]
+    summary = profile.summarize(rows)
+    assert summary.pipeline == {"lag_mean": pytest.approx(2 / 3), "trainer_wait_s": pytest.approx(0.2)}
+    assert profile.summarize([{keys.STEP: 1, keys.TIME_STEP: 1.0}]).pipeline == {}

@@ -63,6 +63,8 @@ class ProfileSummary:
     """Seconds of the step-0 base evaluation (before the first step: in no step's wall time), when in the window."""
     perf: dict[str, tuple[float, float]] = field(default_factory=dict)  # key -> (mean, last)
     tokens: dict[str, float] = field(default_factory=dict)
+    pipeline: dict[str, float] = field(default_factory=dict)
+    """Async mode: the window's means of ``async/*`` (lag, waits on both sides, overlap)."""
 
 
 def summarize(records: Sequence[dict[str, Any]]) -> ProfileSummary:
@@ -96,6 +98,9 @@ def summarize(records: Sequence[dict[str, Any]]) -> ProfileSummary:
         key = keys.cost_key(name, cumulative=False)
         if any(key in r for r in records):
             summary.tokens[name] = float(sum(r.get(key, 0) for r in records))
+    for key in sorted({k for r in records for k in r if k.startswith("async/")}):
+        values = [float(r[key]) for r in records if key in r]
+        summary.pipeline[key.removeprefix("async/")] = sum(values) / len(values)
     if "tokens_generated_rejected" in summary.tokens and "tokens_generated_surplus" in summary.tokens:
         summary.tokens["tokens_generated_filtered"] = (summary.tokens["tokens_generated_rejected"]
                                                        - summary.tokens["tokens_generated_surplus"])
@@ -154,6 +159,13 @@ def render(summary: ProfileSummary, console: Console, run_name: str) -> None:
         console.print(tok_table)
     else:
         console.print("no cost/* token counters logged")
+    if summary.pipeline:
+        pipe = Table(title="Async pipeline (means per step)")
+        pipe.add_column("metric")
+        pipe.add_column("mean", justify="right")
+        for name, value in summary.pipeline.items():
+            pipe.add_row(name, f"{value:.3f}")
+        console.print(pipe)
 
 
 def main(argv: list[str] | None = None) -> int:

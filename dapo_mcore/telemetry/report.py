@@ -237,6 +237,56 @@ def cost_figure(records: Sequence[dict[str, Any]], out: Path) -> Path | None:
     return _save(fig, out / "cost.png")
 
 
+PIPELINE_STEPS = 6
+"""Steps the async timeline shows (the last ones)."""
+
+
+def pipeline_figure(records: Sequence[dict[str, Any]], out: Path) -> Path | None:
+    """Async mode: both sides over the last steps, laid out from each step's seconds (one lane per side).
+
+    Trainer step k: it waits for batch k, computes (old log-probs, train), publishes version k+1 (which returns once
+    the engines finished batch k+1), evaluates if due. The engines' cycle for batch k ends when the trainer's wait
+    for it ends: generate + score, wait for the weights, receive them. Reconstructed from per-step seconds (no clock
+    is shared between the ranks), so it shows the shares and the order, not exact instants."""
+    rows = [r for r in records if "async/trainer_wait_s" in r][-PIPELINE_STEPS:]
+    if not rows:
+        return None
+    fig, ax = _figure(1, 14, 3.2)
+    colours = {"wait": "tab:red", "compute": "tab:blue", "publish": "tab:cyan", "eval": "tab:gray",
+               "generate": "tab:green", "wait weights": "tab:orange", "transfer": "tab:purple"}
+    t, used = 0.0, set()
+
+    def bar(lane: float, start: float, width: float, what: str) -> None:
+        if width > 0:
+            ax.broken_barh([(start, width)], (lane, 0.8), color=colours[what],
+                           label=None if what in used else what)
+            used.add(what)
+
+    for r in rows:
+        wait = float(r["async/trainer_wait_s"])
+        gen = float(r.get("async/engine_generate_s", 0.0)) + float(r.get("async/engine_reward_s", 0.0))
+        idle, copy = float(r.get("async/engine_wait_weights_s", 0.0)), float(r.get("async/weights_transfer_s", 0.0))
+        end_wait = t + wait
+        start = end_wait - copy - idle - gen
+        bar(0, start, gen, "generate")
+        bar(0, start + gen, idle, "wait weights")
+        bar(0, start + gen + idle, copy, "transfer")
+        compute = sum(float(r.get(keys.time_key(p), 0.0)) for p in ("old_logprobs", "train"))
+        publish = float(r.get(keys.time_key("sync_weights"), 0.0))
+        bar(1, t, wait, "wait")
+        bar(1, end_wait, compute, "compute")
+        bar(1, end_wait + compute, publish, "publish")
+        evaluation = float(r.get(keys.time_key("eval"), 0.0))
+        bar(1, end_wait + compute + publish, evaluation, "eval")
+        ax.text(t, 1.85, f"step {r[keys.STEP]}", fontsize=7)
+        t = max(t + float(r.get(keys.TIME_STEP, wait + compute + publish + evaluation)), end_wait + compute)
+    ax.set(yticks=[0.4, 1.4], yticklabels=["engines", "trainer"], xlabel="seconds (from the per-step times)",
+           title=f"Async pipeline, steps {rows[0][keys.STEP]}-{rows[-1][keys.STEP]}")
+    ax.legend(fontsize=7, ncol=7, loc="upper right")
+    ax.set_ylim(-0.2, 2.3)
+    return _save(fig, out / "pipeline.png")
+
+
 def write_report(run_dir: Path, out: Path | None = None, smooth: int = 1) -> list[Path]:
     """Write every figure of one run; returns the files written."""
     records = load_run(run_dir)
@@ -245,6 +295,7 @@ def write_report(run_dir: Path, out: Path | None = None, smooth: int = 1) -> lis
     max_len = _max_new_tokens(Path(run_dir))
     written = [_line_figure(records, panel, out, smooth, max_len) for panel in PANELS]
     written.append(cost_figure(records, out))
+    written.append(pipeline_figure(records, out))
     return [p for p in written if p is not None]
 
 
