@@ -130,9 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _plan_from_args(parser: argparse.ArgumentParser,
-                    args: dict[str, Any]) -> tuple[PlanInput, Names | None, int, int | None]:
-    """(PlanInput, message names, max TP, train.steps of CONFIG) from parsed arguments; parser.error on a mixed-up
-    command line."""
+                    args: dict[str, Any]) -> tuple[PlanInput, Names | None, int, int | None, int | None]:
+    """(PlanInput, message names, max TP, train.steps of CONFIG, the engine ranks of an async CONFIG) from parsed
+    arguments; parser.error on a mixed-up command line."""
     config, overrides, preset, path = args.pop("config"), args.pop("overrides"), args.pop("model"), args.pop("hf_config")
     nodes, gpus_per_node = args.pop("nodes"), args.pop("gpus_per_node")
     if config is None:
@@ -145,7 +145,7 @@ def _plan_from_args(parser: argparse.ArgumentParser,
             from dapo_mcore.model.presets import preset_config
 
             model = preset_config(preset)
-        return PlanInput(model=model, **args), None, 8, None
+        return PlanInput(model=model, **args), None, 8, None, None
     if preset or path:
         parser.error("CONFIG names the model already; drop --model/--hf-config (override model.preset=... instead)")
     clashes = sorted(set(args) & (set(CONFIG_KEYS) | set(TRAINER_FIXED)))
@@ -159,7 +159,9 @@ def _plan_from_args(parser: argparse.ArgumentParser,
     cfg = load_config(config, overrides)
     world = nodes * gpus_per_node
     validate_config_layout(cfg, world)
-    return plan_input_from_config(cfg, world, **args), CONFIG_KEYS, gpus_per_node, cfg.train.steps
+    pipe = cfg.rollout.pipeline
+    engines = pipe.engine_ranks if pipe.mode == "async" else None
+    return plan_input_from_config(cfg, world, **args), CONFIG_KEYS, gpus_per_node, cfg.train.steps, engines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,9 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     args = vars(parser.parse_intermixed_args(argv))
     as_json = args.pop("json")
     margin = args.pop("margin")
+    split_opts = {k: args[k] for k in plan_disagg.OPTIONS}
     disaggregated = plan_disagg.pop_arguments(args)
     time_limit_h, lead_min = args.pop("time_limit_hours"), args.pop("signal_minutes")
-    plan, names, max_tp, steps = _plan_from_args(parser, args)
+    plan, names, max_tp, steps, engine_ranks = _plan_from_args(parser, args)
+    if disaggregated is None and engine_ranks is not None:
+        # An async config prices its own split (rollout.pipeline.engine_ranks): the colocated estimate is not its.
+        disaggregated = {**split_opts, "engine_gpus": engine_ranks}
     if disaggregated is not None:
         try:
             return plan_disagg.run(plan, disaggregated, as_json)

@@ -18,8 +18,9 @@ trainer GPUs with the planner's own models (``planner.py``), and proposes the on
 
 One policy version behind, a step takes ``max(generation, trainer) + transfer``; the proposed split minimises that.
 This is a throughput model (the planner's FLOPs at assumed MFUs): it cannot see the long tail of a generation batch,
-which is what the asynchronous mode hides (``benchmarks/rollout_sim.py`` simulates it). The trainer's asynchronous
-mode itself is in progress (issue 26); its config keys do not exist yet, so the split is a command-line option.
+which is what the asynchronous mode hides (``benchmarks/rollout_sim.py`` simulates it). The split a run uses is
+``rollout.pipeline.engine_ranks`` of an async config (``rollout.pipeline.mode=async``), which ``plan`` then prices
+on its own; ``--engine-gpus`` prices another.
 """
 
 from __future__ import annotations
@@ -191,7 +192,7 @@ def format_splits(p: PlanInput, splits: list[Split], utilization: float, rates: 
     rows = [f"disaggregated layouts of {world} GPUs (a throughput model: the planner's FLOPs at train {p.train_mfu:.0%} / "
             f"decode {p.decode_mfu:.0%} MFU, {p.generation_batches:g} generation batches of {p.gen_batch_prompts} "
             f"prompts x {p.responses_per_prompt} at mean {p.mean_response_len} tokens; no tails, see "
-            f"benchmarks/rollout_sim.py); the trainer's async mode is in progress (issue 26)",
+            f"benchmarks/rollout_sim.py); run one with rollout.pipeline.mode=async rollout.pipeline.engine_ranks=N",
             f"assumptions: engines at gpu_memory_utilization {utilization:g} with no trainer state; trainer "
             f"TP={p.tensor_parallel} PP={p.pipeline_parallel} without an engine; weights exported at "
             f"{rates.export_gbs:g} GB/s per rank and broadcast at {rates.network_gbs:g} GB/s per engine GPU, "
@@ -221,14 +222,14 @@ def format_splits(p: PlanInput, splits: list[Split], utilization: float, rates: 
 
 # --- the command line (hooked into ``dapo-mcore plan`` by plan_cli.py) ------------------------------------
 
-_OPTIONS = ("disaggregated", "engine_gpus", "engine_gpu_memory_utilization", "weight_export_gbs", "weight_network_gbs")
+OPTIONS = ("disaggregated", "engine_gpus", "engine_gpu_memory_utilization", "weight_export_gbs", "weight_network_gbs")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``plan`` options of a disaggregated layout."""
     group = parser.add_argument_group(
-        "disaggregated layout (engines on their own GPUs; the trainer's asynchronous mode is in progress, issue 26, "
-        "so these are options here, not config keys yet)")
+        "disaggregated layout (engines on their own GPUs: rollout.pipeline.mode=async; an async config is priced at "
+        "its rollout.pipeline.engine_ranks without these)")
     group.add_argument("--disaggregated", action="store_true",
                        help="price every split of the GPUs into engine and trainer GPUs and propose the balanced one")
     group.add_argument("--engine-gpus", type=int, default=None,
@@ -243,7 +244,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def pop_arguments(args: dict[str, Any]) -> dict[str, Any] | None:
     """Remove this module's options from the parsed ``args``; the disaggregated request, or None."""
-    opts = {k: args.pop(k) for k in _OPTIONS}
+    opts = {k: args.pop(k) for k in OPTIONS}
     return opts if opts["disaggregated"] or opts["engine_gpus"] is not None else None
 
 

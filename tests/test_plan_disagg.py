@@ -110,7 +110,7 @@ def test_plan_cli_proposes_the_split(capsys):
     assert main([CFG_32B, *PRESET_32B, "--nodes", "16", "--disaggregated"]) == 0
     out = capsys.readouterr().out
     assert "proposed split: 96 engine GPUs (24 engines) + 32 trainer GPUs (DP=2)" in out
-    assert "async mode is in progress" in out
+    assert "run one with rollout.pipeline.mode=async rollout.pipeline.engine_ranks=N" in out
     assert main([CFG_32B, *PRESET_32B, "--nodes", "16", "--engine-gpus", "64", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["proposed_engine_gpus"] == 64 and [s["trainer_gpus"] for s in doc["splits"]] == [64]
@@ -126,3 +126,13 @@ def test_plan_cli_bad_split_is_a_usage_error(capsys):
     with pytest.raises(SystemExit):
         main([CFG_32B, *PRESET_32B, "rollout.engine=hf", "--nodes", "16", "--disaggregated"])
     assert "rollout.engine=vllm" in capsys.readouterr().err
+
+
+def test_plan_prices_an_async_config_at_its_own_split(capsys):
+    """examples/qwen2.5-32b-fp8-async.yaml: plan prices its rollout.pipeline.engine_ranks=96 split, not the colocated
+    layout (whose vLLM at 0.9 of memory beside the trainer would not fit)."""
+    cfg = str(Path(CFG_32B).with_name("qwen2.5-32b-fp8-async.yaml"))
+    assert main([cfg, *PRESET_32B, "--nodes", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "proposed split: 96 engine GPUs (24 engines) + 32 trainer GPUs (DP=2)" in out
+    assert "ROLLOUT PEAK" not in out
