@@ -178,3 +178,16 @@ def test_dapo_run_with_vllm_streaming_and_partial_rollouts(env, tmp_path):
     assert stale, f"no stale token was trained: {steps}"
     for r in stale:
         assert r["partial/tokens"] == r["sampling/tokens_stale_kept"] and 0 < r["partial/tis_mean"] <= 2.0, r
+
+
+def test_async_run_with_a_vllm_engine_rank(env, tmp_path):
+    """rollout.pipeline.mode=async on 2 ranks: the trainer on one, a vLLM engine on the other, its weights from the
+    trainer's bucketed broadcast. Step 1 trains on version 0's batch with version 0 (engine and actor log-probs agree
+    as in sync mode); step 2 on version 0's batch with version 1 (one version behind: the lag, and TIS corrects it)."""
+    rows = _train(env, tmp_path / "run", 2, "rollout.pipeline.mode=async", "algo.tis_cap=2.0",
+                  "rollout.pipeline.bucket_mb=0.02")
+    steps = {r["step"]: r for r in rows if "async/lag_mean" in r}
+    assert sorted(steps) == [1, 2], rows
+    assert steps[1]["async/lag_max"] == 0.0 and steps[2]["async/lag_mean"] == 1.0
+    assert steps[1]["mismatch/logp_abs_diff_max"] < TOL, steps[1]
+    assert steps[2]["async/weights_transfer_s"] > 0
