@@ -167,3 +167,24 @@ def test_async_configs_that_cannot_work_are_refused_naming_the_key(overrides, me
     with pytest.raises(ConfigError) as info:
         cfg.validate(2)
     assert message in str(info.value)
+
+
+def test_a_finished_run_started_again_does_nothing_and_the_engines_stop(reference, cli_env, tmp_path):
+    import shutil
+
+    run = tmp_path / "again"
+    shutil.copytree(reference, run)
+    proc = _train(run, cli_env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "nothing to do" in proc.stderr and "engine rank 0: stopped" in proc.stderr
+    assert _rows(run) == _rows(reference)
+
+
+def test_dynamic_sampling_exhausted_on_the_engine_ranks_stops_the_run_in_one_line(cli_env, tmp_path):
+    """One generation round of as many prompts as the step needs cannot fill it (some groups are all right):
+    the engine rank's DynamicSamplingExhausted reaches the trainer, which says so and exits 1; nobody hangs."""
+    proc = _train(tmp_path / "run", cli_env, 2, 2, "algo.max_gen_batches=1", "rollout.gen_batch_prompts=16")
+    assert proc.returncode != 0
+    assert "dynamic sampling kept" in proc.stderr and "algo.max_gen_batches=1" in proc.stderr, proc.stderr[-3000:]
+    # torchrun prints its own ChildFailedError for any non-zero exit; no traceback comes from the project's code.
+    assert "dapo_mcore/" not in "".join(line for line in proc.stderr.splitlines() if line.lstrip().startswith("File"))

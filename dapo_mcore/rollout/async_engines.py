@@ -85,6 +85,10 @@ class EngineLoop:
             try:
                 batch = self.rollouts.step_batch(k, stop=lambda: False)
             except Exception as exc:  # noqa: BLE001 - sent to the trainer, which reports it and stops the run
+                if k > start_version:
+                    # The trainer is publishing version k and reads nothing until the engines hold it: take it
+                    # first, or both sides wait on each other.
+                    self._receive()
                 self._fail(exc)
                 raise _Stop from exc
             seconds = self.timer.pop_step()
@@ -123,6 +127,8 @@ class EngineLoop:
             head = self.bridge.broadcast_header(None)
             if head.get("end"):
                 return
+            if head.get("stop"):  # the trainer failed half way through a version and is shutting down
+                raise _Stop
             flat = torch.empty(int(head["bytes"]), dtype=torch.uint8, device=self.bridge.device)
             yield unflatten_bucket(head["bucket"], self.bridge.broadcast_flat(flat))
 

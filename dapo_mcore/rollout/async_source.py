@@ -162,7 +162,10 @@ class AsyncRollouts:
                 pass
             self.version = version
             return
-        header = {"version": version, "eval": eval_after(self.cfg, version, self.fresh_start)}
+        # The start's version is evaluated only at a fresh start (eval.at_start): a resume evaluated it before its
+        # checkpoint, and an evaluation nobody reads would block the engines' channel.
+        due = eval_after(self.cfg, version, self.fresh_start) and (self.version is not None or version == 0)
+        header = {"version": version, "eval": due}
         if self.version is None:
             header.update(start=start, state=self.resume_state)
         self.bridge.broadcast_header(header)
