@@ -26,6 +26,7 @@ def _existing_run(tmp_path: Path) -> Path:
     ["parallel.tensor_parallel=2"], ["parallel.pipeline_parallel=2", "parallel.virtual_pipeline=null"],
     ["train.steps=500", "train.micro_batch_tokens=512", "model.layer_spec=local", "model.recompute=full",
      "model.make_vocab_size_divisible_by=64", "rollout.vllm.tensor_parallel=2", "eval.every=5", "checkpoint.every=3"],
+    ["rollout.pipeline.engine_ranks=2", "rollout.pipeline.bucket_mb=64"],  # the async split and transfer: layout
 ])
 def test_layout_and_length_changes_resume_the_run(tmp_path, overrides):
     run_dir = _existing_run(tmp_path)
@@ -65,4 +66,12 @@ def test_a_setting_added_after_the_run_started_is_no_change_at_its_default(tmp_p
     prepare_run_dir(load_config(str(CONFIG), [f"run.dir={run_dir}"]), RANK0)  # resumes
     cfg = load_config(str(CONFIG), [f"run.dir={run_dir}", "rollout.schedule.exchange_every=2"])
     with pytest.raises(ConfigError, match=r"rollout.schedule.exchange_every: \(unset\) -> 2"):
+        prepare_run_dir(cfg, RANK0)
+
+
+def test_switching_between_sync_and_async_is_another_run(tmp_path):
+    """Async trains on tokens one policy version old: not the same run as the sync one it would continue."""
+    run_dir = _existing_run(tmp_path)
+    cfg = load_config(str(CONFIG), [f"run.dir={run_dir}", "rollout.pipeline.mode=async", "algo.tis_cap=2.0"])
+    with pytest.raises(ConfigError, match=r"rollout.pipeline.mode: 'sync' -> 'async'"):
         prepare_run_dir(cfg, RANK0)
