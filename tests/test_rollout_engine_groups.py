@@ -163,3 +163,37 @@ def test_partial_rollouts_over_groups_buffer_continue_and_repeat(results):
     assert a["second"]["stats"]["groups_resumed"] == len(a["buffered"])
     stale = [s for _, _, _, st in a["second"]["generated"][:len(a["buffered"])] for s in st]
     assert sum(stale) == sum(len(p) for _, ps, _ in a["buffered"] for p in ps)
+
+
+@pytest.mark.parametrize("together", [True, False])
+def test_a_group_with_nothing_to_resume_keeps_a_lockstep_engine_in_step(monkeypatch, together):
+    """One response to continue, two engine groups: group 1 has none. vLLM's data-parallel engines step together, so
+    its engine still runs a one-token placeholder (as an idle share of a generation call does); an engine without
+    that constraint is left alone. The tail comes from group 0's share (the exchange is stood in for here)."""
+    from dapo_mcore.config import Config
+    from dapo_mcore.rollout import colocated
+    from dapo_mcore.rollout.colocated import ColocatedRollouts, EngineGroups
+    from dapo_mcore.rollout.protocol import Response, SamplingParams
+
+    class Recorder:
+        groups_step_together = together
+
+        def __init__(self):
+            self.calls = []
+
+        def generate(self, prompts, params):
+            self.calls.append(("generate", len(prompts), params.n, params.max_new_tokens))
+            return [[Response([7], [-0.1], "length")] for _ in prompts]
+
+        def resume(self, prompts, prefixes, params):
+            self.calls.append(("resume", len(prompts)))
+            return [Response([8], [-0.2], "stop") for _ in prompts]
+
+    tail = Response([9, 2], [-0.3, -0.4], "stop")
+    monkeypatch.setattr(colocated, "broadcast_shares", lambda positions, shares, sender: [{0: [tail]}])
+    engine = Recorder()
+    source = ColocatedRollouts(Config(), engine=engine, scheduler=None, tokenizer=None, score=None,
+                               encode_prompt=None, timer=None, groups=EngineGroups(2, 1, True))
+    out = source._resume([(0, 0)], [[1, 5]], [[6]], SamplingParams(n=1, max_new_tokens=8, seed=3))
+    assert out == [tail]
+    assert engine.calls == ([("generate", 1, 1, 1)] if together else [])

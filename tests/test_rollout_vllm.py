@@ -691,3 +691,51 @@ def test_resume_maps_prefixes_budgets_and_seeds():
     engine.sleep()
     with pytest.raises(EngineError, match="resume\\(\\) needs the engine awake"):
         engine.resume([[1]], [[5]], params)
+
+
+class DPStreamingBackend(FakeStreamingBackend):
+    """One of two data-parallel vLLM engines: ``has_unfinished`` is true while either has requests (vLLM's DP
+    all-reduce), and a step of an engine with none left is a dummy batch (counted, returns nothing)."""
+
+    def __init__(self, peers: list[FakeStreamingBackend], rounds: dict[int, bool]):
+        super().__init__()
+        self.peers, self.rounds, self.calls_made, self.dummy_steps = peers, rounds, 0, 0
+
+    def has_unfinished(self):
+        """The k-th call's answer is the all-reduce over the engines' states when the first of them makes it (the
+        collective: both see the same value, before either steps)."""
+        self.calls_made += 1
+        return self.rounds.setdefault(self.calls_made, any(bool(p.queue) for p in self.peers))
+
+    def step(self):
+        if not self.queue:
+            self.dummy_steps += 1
+            return []
+        return super().step()
+
+
+def test_stream_ticks_yield_per_step_and_keep_data_parallel_engines_in_lockstep():
+    from dapo_mcore.rollout.protocol import TickingEngine
+
+    peers: list = []
+    rounds: dict[int, bool] = {}
+    a, b = DPStreamingBackend(peers, rounds), DPStreamingBackend(peers, rounds)
+    peers += [a, b]
+    options = VLLMEngineOptions(model_path="/models/tiny")
+    busy, idle = (VLLMEngine(options, TINY, backend=x, world_size=1) for x in (a, b))
+    assert isinstance(busy, TickingEngine) and busy.groups_step_together
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=3)
+    prompts = [[1, 5, 6], [1, 7], [1, 9, 3]]
+    want = busy.generate(prompts, params)
+    ticks_busy, ticks_idle = busy.stream(prompts, params).ticks(), idle.stream([], params).ticks()
+    got, n_ticks = [], 0
+    for ended_busy, ended_idle in zip(ticks_busy, ticks_idle, strict=True):  # the same number of ticks on both
+        n_ticks += 1
+        assert ended_idle == []
+        got += ended_busy
+    assert sorted(i for i, _ in got) == [0, 1, 2] and all(g == want[i] for i, g in got)
+    assert b.dummy_steps == n_ticks > 1  # the engine without prompts stepped (dummy batches) every tick
+    # Groups end in the tick of their last token, as __iter__ yields them: the same order over the ticks.
+    a.rounds = {}  # a stream on its own again: its own answers
+    a.peers = [a]
+    assert [i for i, _ in got] == [i for i, _ in busy.stream(prompts, params)]

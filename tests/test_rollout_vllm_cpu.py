@@ -180,6 +180,22 @@ def test_dapo_run_with_vllm_streaming_and_partial_rollouts(env, tmp_path):
         assert r["partial/tokens"] == r["sampling/tokens_stale_kept"] and 0 < r["partial/tis_mean"] <= 2.0, r
 
 
+def test_two_vllm_engine_groups_stream_in_lockstep_with_partial_rollouts(env, tmp_path):
+    """2 ranks, vLLM TP=1: two data-parallel engines stream together through ``ticks()`` (their steps are vLLM's DP
+    collectives; the group whose share ran out steps dummy batches), exchange what ended every 2 steps, abort at the
+    same tick and buffer the groups in flight. Without ticks this layout fell back to chunk-by-chunk generation,
+    which buffers nothing; a group that stopped stepping early would hang the other (the timeout)."""
+    rows = _train(env, tmp_path / "run", 2, "train.steps=3", "rollout.schedule.streaming=true",
+                  "rollout.schedule.stream_chunk_prompts=16", "rollout.schedule.partial=true", "algo.tis_cap=2.0",
+                  "rollout.schedule.exchange_every=2", "train.prompts_per_step=4", timeout=720)
+    _check_mismatch(rows, n_steps=3)
+    steps = {int(r["step"]): r for r in rows if "sampling/groups_kept" in r}
+    assert sorted(steps) == [1, 2, 3] and all(r["sampling/groups_kept"] == 4 for r in steps.values()), steps
+    buffered = [s for s in (1, 2) if steps[s]["sampling/tokens_partial_buffered"] > 0]
+    assert buffered, f"no step kept a group in flight (chunked fallback?): {steps}"
+    assert all(steps[s + 1]["sampling/groups_resumed"] > 0 for s in buffered), steps
+
+
 def test_async_run_with_a_vllm_engine_rank(env, tmp_path):
     """rollout.pipeline.mode=async on 2 ranks: the trainer on one, a vLLM engine on the other, its weights from the
     trainer's bucketed broadcast. Step 1 trains on version 0's batch with version 0 (engine and actor log-probs agree

@@ -175,8 +175,11 @@ class ColocatedRollouts:
     def _stream_over_groups(self, records: list[PromptRecord], prompt_ids: list[list[int]], params: SamplingParams,
                             gen_batch: int) -> _Stream:
         mine = round_robin(len(records), self.groups)
+        # vLLM's data-parallel engines step together: a group without a prompt still streams (nothing) and ticks.
+        lockstep = getattr(self.engine, "groups_step_together", False)
         local = (self.engine.stream([prompt_ids[i] for i in mine],
-                                    dataclasses.replace(params, seed=self.groups.seed(params.seed))) if mine else None)
+                                    dataclasses.replace(params, seed=self.groups.seed(params.seed)))
+                 if mine or lockstep else None)
         stream = EngineGroupStream(local, mine, self.groups, self.cfg.rollout.schedule.exchange_every, self.exchanges)
 
         def scored() -> Iterator[tuple[int, Group]]:
@@ -213,8 +216,14 @@ class ColocatedRollouts:
         if self.groups.count == 1:
             return self.engine.resume(prompts, prefixes, params)
         mine = round_robin(len(todo), self.groups)
-        local = (self.engine.resume([prompts[k] for k in mine], [prefixes[k] for k in mine],
-                                    dataclasses.replace(params, seed=self.groups.seed(params.seed))) if mine else [])
+        seed = self.groups.seed(params.seed)
+        if mine:
+            local = self.engine.resume([prompts[k] for k in mine], [prefixes[k] for k in mine],
+                                       dataclasses.replace(params, seed=seed))
+        else:
+            local = []
+            if getattr(self.engine, "groups_step_together", False):  # a one-token placeholder keeps vLLM's DP in step
+                self.engine.generate([prompts[0]], dataclasses.replace(params, n=1, max_new_tokens=1, seed=seed))
         shares = broadcast_shares(mine, [[tail] for tail in local], sender=self.groups.leader)
         merged = {k: rs[0] for share in shares for k, rs in share.items()}
         return [merged[k] for k in range(len(todo))]

@@ -432,6 +432,12 @@ class VLLMEngine:
         world_size: torch.distributed world size; None reads it from the initialised process group.
     """
 
+    stream_ticks = True
+    """``stream()``'s result has ``ticks()`` (protocol.TickingEngine): several engine groups stream in lockstep."""
+    groups_step_together = True
+    """vLLM's data-parallel engines (one per engine group) run every step together: each group calls every stream,
+    one without prompts too (its steps are vLLM's dummy batches)."""
+
     def __init__(self, options: VLLMEngineOptions, hf_config: dict[str, Any], *,
                  backend: VLLMBackend | None = None, world_size: int | None = None):
         self.options = options
@@ -504,8 +510,9 @@ class VLLMEngine:
     def stream(self, prompts: list[list[int]], params: SamplingParams) -> VLLMGroupStream:
         """Like ``generate`` (same requests and seeds, so the same samples), but iterating the result yields
         ``(prompt index, responses)`` as each prompt's n samples have finished; ``abort()`` drops what is still in
-        flight, ``abort(keep_partial=True)`` keeps it for ``partials()`` (continued later by ``resume``). One engine
-        group only: vLLM's data-parallel engines step together."""
+        flight, ``abort(keep_partial=True)`` keeps it for ``partials()`` (continued later by ``resume``). Iterating
+        serves one engine group; with several, every group calls ``stream`` (an empty one too) and advances
+        ``ticks()``, since vLLM's data-parallel engines step together."""
         self._ready("stream", prompts)
         params = self._with_run_stops(params)
         inputs, sampling = build_requests(prompts, params, self.options.logprobs)

@@ -94,6 +94,21 @@ class VLLMGroupStream:
                 self.pending.discard(rid)
                 yield self.position[rid], self._group(rid)
 
+    def ticks(self) -> Iterator[list[tuple[int, list[Response]]]]:
+        """One list per engine step: the groups whose last sample ended in it (often none). The loop runs while any of
+        vLLM's data-parallel engines has requests (``has_unfinished`` is a collective over them there, and a step
+        of an engine with none left runs vLLM's dummy batch), so every engine group takes the same number of ticks
+        and the groups stream in lockstep (``rollout.engine_groups``), also one that serves no prompt."""
+        while self.backend.has_unfinished():
+            ended = []
+            for rid in self._take(self.backend.step()):
+                self.pending.discard(rid)
+                ended.append((self.position[rid], self._group(rid)))
+            yield ended
+        if self.pending:
+            raise EngineError(f"vLLM has no unfinished requests but {len(self.pending)} streamed requests never "
+                              "finished")
+
     def _take(self, outputs: list[Any]) -> list[str]:
         """Add one step's deltas to their samples; the requests that finished in it, in output order."""
         finished = []
