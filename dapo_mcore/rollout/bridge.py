@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import logging
 import pickle
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,6 +144,6 @@ def init_split_world(launch: LaunchEnv, backend: str, timeout_minutes: float, en
         batches_pg = dist.ProcessGroupGloo(dist.PrefixStore("dapo/batches/", store), 0 if role.trainer else 1, 2,
                                            timeout)
     device = "cuda" if backend == "nccl" else "cpu"
-    log.info("async layout: rank %d is %s rank %d/%d (%d trainer ranks, %d engine ranks, %s)", launch.rank, side,
-             role.rank, role.size, trainers, engine_ranks, backend)
+    log.info("async layout: rank %d on %s is %s rank %d/%d (%d trainer ranks, %d engine ranks, %s)", launch.rank,
+             socket.gethostname(), side, role.rank, role.size, trainers, engine_ranks, backend)
     return role, Bridge(role, all_pg, weights_pg, batches_pg, device)
