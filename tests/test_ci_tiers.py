@@ -63,6 +63,12 @@ def _summary(proc: subprocess.CompletedProcess) -> list[str]:
     return lines[lines.index(next(ln for ln in lines if "CI summary" in ln)) + 1:]
 
 
+def _status(summary: list[str]) -> dict[str, str]:
+    """Each tier's and the total's pass/FAIL (the total's budget note, in parentheses, left out)."""
+    return {ln.split()[0]: ln.split(None, 3)[3].split("  (")[0] for ln in summary
+            if ln[:1].isdigit() or ln.startswith("total")}
+
+
 def test_tiers_run_in_order_and_the_summary_names_times_failures_and_skip_reasons(tmp_path):
     py = sys.executable
     repo = _fake_checkout(tmp_path, {
@@ -77,7 +83,7 @@ def test_tiers_run_in_order_and_the_summary_names_times_failures_and_skip_reason
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert proc.stdout.index("tier20 ran") > proc.stdout.index("10-installs")  # lexical order
     summary = _summary(proc)
-    status = {ln.split()[0]: ln.split(None, 3)[3] for ln in summary if ln[:1].isdigit() or ln.startswith("total")}
+    status = _status(summary)
     assert status == {"10-installs": "pass", "20-fails": "FAIL (exit 3)", "30-forbids-skips": "FAIL (exit 1)",
                       "40-no-tests": "FAIL (exit 5)", "50-passes": "pass", "total": "FAIL"}
     text = "\n".join(summary)
@@ -121,3 +127,60 @@ def test_no_test_module_skips_at_import_time():
     found = {path.name: lines for path in sorted((ROOT / "tests").rglob("test_*.py"))
              if (lines := _module_level_skips(path.read_text()))}
     assert not found, found
+
+
+
+
+def test_the_summary_puts_the_total_against_the_budget(tmp_path):
+    repo = _fake_checkout(tmp_path, {"10-a.sh": "sleep 1\n"})
+    total = _summary(_ci(repo, CI_TIERS="10-*"))[-1]
+    assert total.startswith("total") and " s  pass  (0.0 min of 50; margin 50.0 min)" in total, total
+    total = _summary(_ci(repo, CI_TIERS="10-*", CI_BUDGET_MIN="0"))[-1]
+    assert "min of 0; OVER by 0.0 min)" in total, total
+
+
+INSTALLS = ("install() {\n    ci_step 'install stand-in' bash -c 'echo \"$0\" >>installs.txt' \"$(basename \"$0\")\"\n}\n"
+            "ci_install install\n")
+
+
+def test_tier_installs_run_once_ahead_and_the_tier_then_finds_them_done(tmp_path):
+    repo = _fake_checkout(tmp_path, {
+        "10-venv.sh": INSTALLS + "[[ $(grep -c 10-venv.sh installs.txt) == 1 ]]\n",  # installed, and only once
+        "20-none.sh": "true\n",  # a tier without installs: left out of install-tiers
+        "30-venv.sh": INSTALLS + "grep -q 30-venv.sh installs.txt\n",
+    })
+    proc = _ci(repo, CI_EARLY_INSTALL="1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (repo / "installs.txt").read_text().splitlines() == ["10-venv.sh", "30-venv.sh"]
+    assert proc.stdout.count("installed earlier in this run by .ci/run's install-tiers step") == 2
+    summary = _summary(proc)
+    assert _status(summary) == {"10-venv": "pass", "20-none": "pass", "30-venv": "pass", "total": "pass"}
+    text = "\n".join(summary)
+    installs = summary[next(i for i, ln in enumerate(summary) if ln.startswith("install-tiers"))]
+    assert installs.split()[3] == "pass", summary
+    assert "  10-venv: all its installs" in text and "  30-venv: all its installs" in text
+    assert "20-none: all" not in text
+    assert text.index("install-tiers") < text.index("10-venv ")  # collected before the first tier runs
+
+    # Run alone (no early install, or by hand outside .ci/run), a tier installs itself.
+    (repo / "installs.txt").unlink()
+    proc = _ci(repo, CI_TIERS="10-*")
+    assert proc.returncode == 0 and "install-tiers" not in proc.stdout, proc.stdout + proc.stderr
+    assert (repo / "installs.txt").read_text().splitlines() == ["10-venv.sh"]
+    direct = subprocess.run([str(repo / ".ci" / "tiers" / "30-venv.sh")], cwd=repo, capture_output=True, text=True,
+                            env={k: v for k, v in os.environ.items() if k != "CI_INSTALLED"}, timeout=60)
+    assert direct.returncode == 0 and "installed earlier" not in direct.stdout, direct.stdout + direct.stderr
+
+
+def test_a_failing_early_install_fails_the_run_and_the_tier_tries_again(tmp_path):
+    flaky = ("install() {\n    ci_step 'install once' bash -c '[[ -f tried ]] || { touch tried; exit 4; }'\n}\n"
+             "ci_install install\n")
+    repo = _fake_checkout(tmp_path, {"10-flaky.sh": flaky})
+    proc = _ci(repo, CI_EARLY_INSTALL="1")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    summary = _summary(proc)
+    status = _status(summary)
+    assert status["10-flaky"] == "pass" and status["total"].startswith("FAIL"), summary  # the tier's own try passed
+    line = next(ln for ln in summary if ln.startswith("install-tiers"))
+    assert line.split(None, 3)[3] == "FAIL (exit 1)", summary
+    assert any("10-flaky: all its installs" in ln and "FAIL (exit 4)" in ln for ln in summary), summary

