@@ -6,6 +6,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,30 @@ def cli_env(tiny_cache) -> dict[str, str]:
     e.pop("RANK", None)
     e.pop("WORLD_SIZE", None)
     return e
+
+
+# The overrides of the finished 2-step run below: no evaluation, a checkpoint after each step (keep_last 2, the
+# default), so step_000001 and step_000002 are both there.
+TWO_STEPS = ("train.steps=2", "eval.every=0", "eval.at_start=false", "checkpoint.every=1")
+
+
+@pytest.fixture(scope="session")
+def finished_two_steps(cli_env, tmp_path_factory) -> Path:
+    """One finished tiny run of 2 steps (examples/tiny_cpu.yaml + TWO_STEPS), made once per session for the tests
+    that damage a finished run and resume it. Read only: a test copies it (``copy_run``) before it changes anything."""
+    run_dir = tmp_path_factory.mktemp("two_steps") / "run"
+    proc = subprocess.run([sys.executable, "-m", "dapo_mcore.cli", "train", str(ROOT / "examples" / "tiny_cpu.yaml"),
+                           f"run.dir={run_dir}", *TWO_STEPS], env=cli_env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=3600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step_000001", "step_000002"]
+    return run_dir
+
+
+def copy_run(run_dir: Path, to: Path) -> Path:
+    """A copy of a finished run directory at ``to`` (a run's files name no absolute path of it: it resumes there)."""
+    shutil.copytree(run_dir, to, symlinks=True)
+    return to
 
 
 @pytest.fixture(scope="module")

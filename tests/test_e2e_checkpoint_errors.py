@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import TWO_STEPS, copy_run
 
 from tests.test_e2e_tiny import ROOT, _cmd, _run, env  # noqa: F401  (env is a fixture)
 
@@ -35,10 +36,10 @@ def _flip_4k(path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_checkpoints(env, tmp_path_factory) -> Path:  # noqa: F811
-    run_dir = tmp_path_factory.mktemp("integrity") / "run"
-    done = _run(_cmd(run_dir, "train.steps=2", *FAST), env)
-    assert done.returncode == 0, done.stderr[-3000:]
+def two_checkpoints(finished_two_steps, tmp_path_factory) -> Path:
+    """The session's finished 2-step run (conftest; its overrides are FAST's), copied: this module damages it."""
+    assert set(TWO_STEPS[1:]) | {"checkpoint.keep_last=2"} == set(FAST)  # the same run as train.steps=2 + FAST
+    run_dir = copy_run(finished_two_steps, tmp_path_factory.mktemp("integrity") / "run")
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step_000001", "step_000002"]
     return run_dir
 
