@@ -26,6 +26,8 @@
 #   (SIGKILL after Slurm's KillWait). srun reports the highest exit code, but a task that died of a
 #   signal outranks every exit code; so each task's wrapper shell outlives that SIGTERM (the command
 #   gets it too, from slurmstepd) and exits with the command's own status: 75, not 128+15.
+#   A rank that hangs: its peers' collectives time out (parallel.timeout_minutes), they name it and exit 75;
+#   srun's SIGTERM cannot end it, so its wrapper kills it after DAPO_TASK_KILL_GRACE s and exits 1 (below 75).
 #   DAPO_MAX_REQUEUES bounds the restarts.
 #   SIGTERM (scancel, or the time limit without a USR1 warning) is forwarded too, so the trainer can
 #   checkpoint, but never leads to a requeue: the job is being ended on purpose, and requeueing it
@@ -95,16 +97,57 @@ if [[ -n "$missing" ]]; then
     exit 2
 fi
 
+# A task that does not exit within DAPO_TASK_KILL_GRACE s of the step's SIGTERM (a hung rank: stopped, frozen,
+# stuck in a kernel) is killed by its wrapper, which then exits 1: left to Slurm, it would be SIGKILLed after
+# KillWait and srun would report the signal (137), which outranks the 75 of the peers that detected the hang.
+# Default: KillWait - 2 s (Slurm's SIGKILL comes at KillWait).
+if [[ -z "${DAPO_TASK_KILL_GRACE:-}" ]]; then
+    kill_wait=$(scontrol show config 2>/dev/null | awk '$1 == "KillWait" {print $3}') || true
+    [[ "$kill_wait" =~ ^[0-9]+$ ]] || kill_wait=30
+    DAPO_TASK_KILL_GRACE=$(( kill_wait > 3 ? kill_wait - 2 : 1 ))
+fi
+export DAPO_TASK_KILL_GRACE
+
 # One task per allocated task slot (the sbatch scripts ask for one per GPU). The bash wrapper exports
-# torch's env names and runs the command in the foreground; its no-op traps keep it alive through the
-# SIGTERM/SIGUSR1 that slurmstepd sends every process of the step (the command receives them itself), so
-# the task's status is the command's exit code (see "Signals and requeue" above).
-# shellcheck disable=SC2016  # the $SLURM_* variables are expanded per task, not here
-srun --kill-on-bad-exit=1 "${extra_srun_args[@]}" \
-    bash -c 'export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS
-             export LOCAL_WORLD_SIZE=${SLURM_NTASKS_PER_NODE:-$SLURM_NTASKS}
-             trap : TERM USR1
-             "$@"' dapo-task "$@" &
+# torch's env names and runs the command (in the background, so that its traps run at once); its traps
+# keep it alive through the SIGTERM/SIGUSR1 that slurmstepd sends every process of the step (the command
+# receives them itself), so the task's status is the command's exit code (see "Signals and requeue" above).
+# The first SIGTERM starts the kill timer above.
+# shellcheck disable=SC2016  # the $SLURM_* and $child variables are expanded per task, not here
+read -r -d '' task_wrapper <<'WRAPPER' || true
+export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS
+export LOCAL_WORLD_SIZE=${SLURM_NTASKS_PER_NODE:-$SLURM_NTASKS}
+killer=""
+on_term() {
+    [[ -n "$killer" ]] && return 0
+    ( trap '' TERM USR1
+      sleep "$DAPO_TASK_KILL_GRACE" &
+      timer=$!
+      trap 'kill -KILL "$timer" 2>/dev/null; exit 0' USR2
+      wait "$timer"
+      kill -0 "$child" 2>/dev/null || exit 0
+      echo "[launch.sh $(date '+%F %T')] rank $RANK on $(hostname) did not exit within" \
+          "${DAPO_TASK_KILL_GRACE}s of SIGTERM (hung?): killing it (SIGKILL); its task exits 1" >&2
+      kill -KILL "$child" ) &
+    killer=$!
+}
+trap 'early=1' TERM  # until $child is known (on_term's own `&` would change $! before it is read)
+trap : USR1
+( trap - INT QUIT; exec "$@" ) <&0 &
+child=$!
+trap on_term TERM
+[[ -n "${early:-}" ]] && on_term
+while true; do
+    wait "$child" && rc=0 || rc=$?
+    kill -0 "$child" 2>/dev/null || break
+done
+if [[ -n "$killer" ]]; then
+    kill -USR2 "$killer" 2>/dev/null || true  # the command ended: stop the timer
+    (( rc == 137 )) && exit 1
+fi
+exit "$rc"
+WRAPPER
+srun --kill-on-bad-exit=1 "${extra_srun_args[@]}" bash -c "$task_wrapper" dapo-task "$@" &
 srun_pid=$!
 
 # A trapped signal makes `wait` return early (status > 128) while srun still runs: wait again.

@@ -161,3 +161,22 @@ def test_the_cli_exit_code_survives_a_sigterm_during_shutdown():
             "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(0.2)))\ncli.entry()\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+
+
+def test_a_task_that_ignores_sigterm_is_killed_by_its_wrapper_and_does_not_outrank_the_requeue(fake_slurm):
+    """A hung rank: srun's SIGTERM (sent when a peer exits 75 after its collective timed out) cannot end it. Its
+    wrapper kills it after DAPO_TASK_KILL_GRACE seconds and exits 1, below the peers' 75: left to Slurm's SIGKILL
+    (after KillWait) the task would die of a signal, which srun reports above every exit code (137: no requeue)."""
+    proc = launch(fake_slurm, "bash", "-c", "trap '' TERM; kill -TERM $PPID; exec sleep 60",
+                  DAPO_TASK_KILL_GRACE="1")
+    assert "step exited with 1" in proc.stderr, proc.stderr
+    assert "rank 0 on " in proc.stderr and "did not exit within 1s of SIGTERM (hung?): killing it" in proc.stderr
+    assert proc.returncode == 1 and requeues(fake_slurm) == []
+
+
+def test_the_kill_grace_is_below_slurms_kill_wait(fake_slurm):
+    """Default grace: KillWait (from `scontrol show config`) less 2 s, so the wrapper acts before Slurm's SIGKILL."""
+    _exe(fake_slurm / "bin" / "scontrol", FAKE_SCONTROL.replace("show) echo n1 ;;", 'show) [[ "$2" == config ]] '
+                                                                 '&& echo "KillWait                = 5 sec" || echo n1 ;;'))
+    proc = launch(fake_slurm, "bash", "-c", "echo grace=$DAPO_TASK_KILL_GRACE >&2")
+    assert proc.returncode == 0 and "grace=3" in proc.stderr, proc.stderr
