@@ -121,11 +121,60 @@ def _run_training_command(args: argparse.Namespace) -> int:
             return _requeue_exit(trainer.train_main(args.config, overrides), trainer.EXIT_REQUEUE)
         return trainer.eval_main(args.config, overrides, checkpoint, as_json=args.json)
     except (RuntimeError, ConnectionError) as exc:
+        if collective_timed_out(exc):
+            return _hung_peer_exit(args.config, overrides, args.command, trainer.EXIT_REQUEUE)
         if not peer_lost(exc):
             raise
         from dapo_mcore.config import load_config
 
         raise UserError(lost_peer_line(exc, Path(load_config(args.config, overrides).run.dir), args.command)) from exc
+
+
+_TIMED_OUT = ("ms for recv operation to complete", "ms for send operation to complete",
+              "Application timeout caused pair closure")
+"""What gloo says when a collective got no answer within the process-group timeout (``Timed out waiting 600000ms
+for recv operation to complete``), and, for any later collective of that group, ``Application timeout caused pair
+closure``. (NCCL's watchdog aborts the process on a timeout instead: docs/cluster.md "A rank hangs".)"""
+
+
+def collective_timed_out(exc: BaseException) -> bool:
+    """Whether ``exc``, or an exception it arose from, is a collective that timed out waiting for a peer."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, RuntimeError) and any(s in str(seen) for s in _TIMED_OUT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _hung_peer_exit(config: str, overrides: list[str], command: str, requeue_code: int) -> int:
+    """A collective timed out: one line naming the rank(s) that stopped answering (a roll call), then exit
+    ``requeue_code`` (train: slurm/launch.sh requeues the job, which resumes from its latest complete checkpoint;
+    the hung rank is killed by srun) or 2 (eval)."""
+    import socket
+
+    import torch.distributed as dist
+
+    from dapo_mcore.actor import rollcall
+    from dapo_mcore.actor.checkpoint import latest_complete
+    from dapo_mcore.config import load_config
+
+    cfg = load_config(config, overrides)
+    minutes = cfg.parallel.timeout_minutes
+    me = f"rank {dist.get_rank() if dist.is_initialized() else '?'} on {socket.gethostname()}"
+    silent = rollcall.call()
+    who = silent.describe() if silent is not None else "another rank stopped answering (hung?)"
+    head = (f"{me}: a collective got no answer within parallel.timeout_minutes={minutes:g} ({minutes * 60:g} s): "
+            f"{who}")
+    if command != "train":
+        print(f"dapo-mcore: {head}; this rank stops too", file=sys.stderr)
+        return EXIT_USAGE
+    latest = latest_complete(Path(cfg.run.dir) / "checkpoints")
+    resume = (f"the requeued job resumes from {latest}, the latest complete checkpoint" if latest
+              else "the requeued run starts over: it has no checkpoint yet")
+    print(f"dapo-mcore: {head}; exiting {requeue_code} so that slurm/launch.sh requeues the job ({resume})",
+          file=sys.stderr)
+    return _requeue_exit(requeue_code, requeue_code)
 
 
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused",

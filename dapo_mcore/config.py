@@ -122,8 +122,10 @@ class ParallelConfig:
     before training (Megatron's RL offload hooks). Frees GPU memory for the KV cache at the cost of two copies a step."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """torch.distributed backend: auto = nccl with CUDA, gloo without."""
-    timeout_minutes: int = 10
-    """Collective timeout: a dead rank ends the job with an error after this long instead of hanging."""
+    timeout_minutes: float = 10
+    """Collective timeout: a collective that waits this long for a rank that hangs fails instead (then the job exits
+    75 and is requeued: docs/cluster.md "A rank hangs"); also how far apart the ranks may reach the rendezvous.
+    Longer than the longest wait of a healthy rank (a checkpoint save, rank-0 work); fractions for tests."""
 
 
 @dataclass
@@ -413,8 +415,8 @@ def _validate_layout(cfg: Config, world_size: int) -> None:
     if world_size % model_parallel:
         raise ConfigError(f"world size {world_size} is not a multiple of tensor_parallel x pipeline_parallel = "
                           f"{model_parallel}; launch a multiple of {model_parallel} processes or change the layout.")
-    if p.timeout_minutes < 1:
-        raise ConfigError("parallel.timeout_minutes must be >= 1.")
+    if p.timeout_minutes <= 0:
+        raise ConfigError("parallel.timeout_minutes must be > 0 (minutes; 10 by default, 30 in the 7B/32B configs).")
 
 
 def _validate_batches(cfg: Config, world_size: int) -> None:

@@ -52,3 +52,58 @@ def test_no_checkpoint_yet_says_it_starts_over_and_other_errors_keep_their_trace
     monkeypatch.setattr(trainer, "train_main", lambda c, o: (_ for _ in ()).throw(RuntimeError("a bug")))
     with pytest.raises(RuntimeError, match="a bug"):
         cli.main(["train", CONFIG, f"run.dir={tmp_path / 'run'}"])
+
+
+GLOO_TIMEOUT = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+                "30000ms for recv operation to complete")
+
+
+@pytest.fixture
+def handlers():
+    """The test's SIGTERM/SIGUSR1 handlers come back after it (a requeue exit ignores both from then on)."""
+    import signal
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    yield
+    for sig, handler in before.items():
+        signal.signal(sig, handler)
+
+
+def test_a_collective_timeout_names_the_hung_rank_and_exits_for_a_requeue(tmp_path, monkeypatch, capsys, handlers):
+    """A rank hangs: the collective of this rank times out; the roll call names the silent rank; exit 75 (what
+    slurm/launch.sh requeues on), one line, no traceback. Before: a traceback and exit 1, so the job ended FAILED."""
+    from dapo_mcore import trainer
+    from dapo_mcore.actor import rollcall
+
+    run_dir = tmp_path / "run"
+    _checkpoint(run_dir / "checkpoints", 2)
+    monkeypatch.setattr(trainer, "train_main", lambda c, o: (_ for _ in ()).throw(RuntimeError(GLOO_TIMEOUT)))
+    monkeypatch.setattr(rollcall, "call", lambda: rollcall.Silent(((1, "n2"),)))
+    assert cli.main(["train", CONFIG, f"run.dir={run_dir}", "parallel.timeout_minutes=0.5"]) == 75
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert ": a collective got no answer within parallel.timeout_minutes=0.5 (30 s): rank 1 on n2 stopped " \
+           "answering" in err[0]
+    assert f"exiting 75 so that slurm/launch.sh requeues the job (the requeued job resumes from " \
+           f"{run_dir / 'checkpoints' / 'step_000002'}" in err[0]
+    import signal
+
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN, "srun's SIGTERM must not turn 75 into 143"
+    monkeypatch.setattr(trainer, "eval_main", lambda *a, **k: (_ for _ in ()).throw(RuntimeError(GLOO_TIMEOUT)))
+    assert cli.main(["eval", CONFIG, f"run.dir={run_dir}"]) == 2  # nothing to resume: no requeue
+    assert "this rank stops too" in capsys.readouterr().err
+
+
+def test_what_counts_as_a_collective_timeout():
+    assert cli.collective_timed_out(RuntimeError(GLOO_TIMEOUT))
+    assert cli.collective_timed_out(RuntimeError("Timed out waiting 5ms for send operation to complete"))
+    later = RuntimeError("Application timeout caused pair closure")  # a later collective of the same group
+    assert cli.collective_timed_out(later)
+    try:  # the timeout, then a collective while unwinding: the chain still says timeout
+        try:
+            raise RuntimeError(GLOO_TIMEOUT)
+        finally:
+            raise ConnectionError("Connection closed by peer")
+    except ConnectionError as exc:
+        assert cli.collective_timed_out(exc)
+    assert not cli.collective_timed_out(RuntimeError(GLOO)) and not cli.collective_timed_out(RuntimeError("a bug"))

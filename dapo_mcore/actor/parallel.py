@@ -1,7 +1,8 @@
 """Parallel start-up: rank/world from torchrun or Slurm, the process group, and Megatron's TP/PP/DP groups.
 
-NCCL on GPU, gloo on CPU (where the CPU compatibility layer is applied first). Collective timeouts turn a dead
-rank into an error instead of a hang. `check_shared_dir` refuses a run directory that the nodes do not share.
+NCCL on GPU, gloo on CPU (where the CPU compatibility layer is applied first). Collective timeouts
+(``parallel.timeout_minutes``) turn a dead or hung rank into an error instead of a hang; `rollcall` then names the
+rank that stopped answering. `check_shared_dir` refuses a run directory that the nodes do not share.
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ def choose_backend(requested: str) -> str:
 
 
 def init_distributed(launch: LaunchEnv, backend: str = "auto", timeout_minutes: float = 10) -> str:
-    """Create the default process group (if not already there). Returns the backend used."""
+    """Create the default process group (if not already there) and start the roll-call responder. Returns the
+    backend used."""
     backend = choose_backend(backend)
     if backend == "gloo":
         from dapo_mcore.model import cpu_compat
@@ -101,6 +103,10 @@ def init_distributed(launch: LaunchEnv, backend: str = "auto", timeout_minutes: 
             init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
             timeout=datetime.timedelta(minutes=timeout_minutes),
         )
+    from dapo_mcore.actor import rollcall
+
+    rollcall.start(launch.master_addr, launch.master_port, launch.rank, launch.world_size,
+                   datetime.timedelta(minutes=timeout_minutes))
     log.info("process group ready: rank %d/%d (%s, %s)", launch.rank, launch.world_size, backend, launch.source)
     return backend
 
@@ -138,7 +144,7 @@ def check_shared_dir(path: Path, key: str = "run.dir") -> None:
 
 
 def init_model_parallel(tensor_parallel: int, pipeline_parallel: int, virtual_pipeline: int | None = None,
-                        seed: int = 1234, timeout_minutes: int = 10) -> None:
+                        seed: int = 1234, timeout_minutes: float = 10) -> None:
     """Create Megatron's TP/PP/DP groups and seed its RNG tracker."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel as tp
@@ -160,7 +166,10 @@ def shutdown() -> None:
     """Tear down Megatron's groups and the process group (safe to call twice)."""
     from megatron.core import parallel_state as ps
 
+    from dapo_mcore.actor import rollcall
+
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
+    rollcall.end()
     if dist.is_initialized():
         dist.destroy_process_group()
