@@ -200,6 +200,17 @@ class TwoNodeCluster:
             _kill(pid, signal.SIGKILL)
         return pids
 
+    def trainer_pid(self, node: str) -> int | None:
+        """The trainer process (``python -m dapo_mcore.cli``, not its wrapper shell) of the job on ``node``."""
+        for pid in self.node_pids(node):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:  # exited meanwhile
+                continue
+            if argv[1:3] == [b"-m", b"dapo_mcore.cli"]:
+                return pid
+        return None
+
     # ------------------------------------------------------------------------------------------ stop
     def stop(self) -> None:
         self._cancel_jobs()
@@ -240,6 +251,52 @@ class TwoNodeCluster:
             # `ip netns add` leaves /run/netns as a bind mount of itself
             _run("umount", str(run_netns), check=False)
             _run("rmdir", str(run_netns), check=False)
+
+
+def freezer_root() -> Path:
+    """A cgroup v2 hierarchy with the freezer (``cgroup.freeze``); ClusterUnavailable with the reason if none."""
+    for line in Path("/proc/mounts").read_text().splitlines():
+        _, mount, fstype, *_ = line.split()
+        if fstype == "cgroup2" and (Path(mount) / "cgroup.procs").exists():
+            probe = Path(mount) / "dapo-mn-probe"
+            try:
+                probe.mkdir(exist_ok=True)
+                ok = (probe / "cgroup.freeze").exists()
+            except OSError as exc:
+                raise ClusterUnavailable(f"cannot create a cgroup under {mount}: {exc}") from exc
+            finally:
+                if probe.is_dir():
+                    probe.rmdir()
+            if ok:
+                return Path(mount)
+    raise ClusterUnavailable("no cgroup v2 hierarchy with cgroup.freeze (needed to freeze a rank)")
+
+
+class Frozen:
+    """A process hung for real: moved into a frozen cgroup v2, it runs nothing, handles no signal (SIGCONT does not
+    thaw it; Slurm sends SIGCONT before SIGTERM, which undoes a SIGSTOP), and only SIGKILL ends it."""
+
+    def __init__(self, pid: int) -> None:
+        self.group = freezer_root() / f"dapo-mn-frozen-{pid}"
+        self.group.mkdir()
+        (self.group / "cgroup.procs").write_text(str(pid))
+        (self.group / "cgroup.freeze").write_text("1")
+        deadline = time.monotonic() + 10
+        while "frozen 1" not in (self.group / "cgroup.events").read_text():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.group} did not freeze")
+            time.sleep(0.05)
+
+    def remove(self) -> None:
+        """Kill whatever is left in the group and remove it (every exit path of a test)."""
+        if not self.group.is_dir():
+            return
+        for pid in (self.group / "cgroup.procs").read_text().split():
+            _kill(int(pid), signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while (self.group / "cgroup.procs").read_text().strip() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.group.rmdir()
 
 
 def _kill(pid: int, sig: int) -> None:

@@ -2,7 +2,7 @@
 
 The cluster (tests/multinode.py) puts each node in its own network namespace with its own hostname and address, so
 MASTER_ADDR, the node rank and gloo's interface are derived by slurm/launch.sh and torch as on a real cluster.
-Each job is compared with the same layout on one node (torchrun on this host). Run by .ci/tiers/30-multinode.sh
+Each job is compared with the same layout on one node (torchrun on this host). Run by .ci/tiers/40-multinode.sh
 (DAPO_MCORE_MULTINODE=1); skipped elsewhere, and where the machine lacks root, CAP_NET_ADMIN or CAP_SYS_ADMIN (with
 that reason). One node has one CPU: every job is 2 tasks, one per node.
 """
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from multinode import ClusterUnavailable, TwoNodeCluster, preflight
+from multinode import ClusterUnavailable, Frozen, TwoNodeCluster, freezer_root, preflight
 
 pytestmark = pytest.mark.multinode
 
@@ -29,12 +29,13 @@ ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEM
 COMPARED = ("train/loss", "train/grad_norm", "train/entropy", "rollout/reward_mean", "rollout/acc_mean")
 TP_RUN = ("train.steps=2", "eval.every=0", "checkpoint.every=2")
 DP_RUN = ("parallel.tensor_parallel=1", "train.steps=4", "eval.every=0", "checkpoint.every=1")
+HANG_TIMEOUT = "parallel.timeout_minutes=0.5"  # 30 s: a tiny step's collectives are seconds apart
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_cache):
     if os.environ.get("DAPO_MCORE_MULTINODE") != "1":
-        pytest.skip("the two-node cluster tests run in .ci/tiers/30-multinode.sh (set DAPO_MCORE_MULTINODE=1)")
+        pytest.skip("the two-node cluster tests run in .ci/tiers/40-multinode.sh (set DAPO_MCORE_MULTINODE=1)")
     try:
         preflight()
     except ClusterUnavailable as exc:
@@ -108,6 +109,12 @@ def one_node_reference(tmp: Path, env: dict[str, str], overrides: tuple[str, ...
     return run_dir
 
 
+@pytest.fixture(scope="module")
+def dp_reference(cluster, tmp_path_factory) -> dict[int, dict]:
+    """The uninterrupted DP=2 run on one node (torchrun on this host), once for every interrupted run here."""
+    return rows(one_node_reference(tmp_path_factory.mktemp("dp-ref"), cluster.job_env, DP_RUN, tp=1))
+
+
 def assert_same_trajectory(got: dict[int, dict], want: dict[int, dict]) -> None:
     assert sorted(got) == sorted(want)
     for step in want:
@@ -171,7 +178,7 @@ RESUMES_FROM = {"mid_step": 2, "mid_checkpoint": 1}
 
 
 @pytest.mark.parametrize("phase", list(KILL_AT))
-def test_node_dies_job_is_requeued_and_resumes_the_same_trajectory(cluster, tmp_path, phase):
+def test_node_dies_job_is_requeued_and_resumes_the_same_trajectory(cluster, tmp_path, phase, dp_reference):
     """Data parallel over the nodes (TP=1, DP=2, a checkpoint every step). n2 dies (SIGKILL to its slurmd,
     slurmstepd and task) in step 3, or while step 2's checkpoint is written. n1's rank leaves at once (gloo:
     connection closed/reset by peer); Slurm sets n2 DOWN after SlurmdTimeout (10 s here), cancels the job "due to
@@ -203,10 +210,58 @@ def test_node_dies_job_is_requeued_and_resumes_the_same_trajectory(cluster, tmp_
     assert "restart 1: 2 tasks on 2 node(s)" in log
     step = RESUMES_FROM[phase]
     assert resumed.count(f"loaded checkpoint {ckpts}/step_{step:06d} (step {step})") == 2, resumed[-3000:]
-    reference = one_node_reference(tmp_path, cluster.job_env, DP_RUN, tp=1)
-    assert_same_trajectory(rows(run_dir), rows(reference))
+    assert_same_trajectory(rows(run_dir), dp_reference)
     assert (ckpts / "latest").read_text().strip() == "step_000004"
     assert not list(ckpts.glob("*.partial"))
+
+
+def test_a_rank_that_hangs_is_named_killed_requeued_and_resumed(cluster, tmp_path, dp_reference):
+    """DP=2 over the nodes, a 30 s collective timeout. n2's trainer hangs in step 3 (frozen: it runs nothing and
+    handles no signal). n1's rank times out in its next collective, names rank 1 on n2 (a roll call over the
+    rendezvous store), exits 75; srun's SIGTERM cannot end the frozen rank, so its task wrapper kills it and exits 1
+    (below 75: srun reports 75, not the signal); launch.sh requeues the job, which resumes on both nodes from step 2's
+    checkpoint with exactly the trajectory of the uninterrupted one-node run."""
+    try:
+        freezer_root()
+    except ClusterUnavailable as exc:
+        pytest.skip(f"cannot hang a rank here: {exc}")
+    out, run_dir = tmp_path / "job.out", tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
+    job_id = submit(cluster, out, *DP_RUN, HANG_TIMEOUT, RUN_DIR=str(run_dir))
+    wait_for(lambda: KILL_AT["mid_step"](ckpts) or job(cluster, job_id)["JobState"] in ENDED, 1500, "step 2's "
+             "checkpoint", poll=0.01)
+    pid = cluster.trainer_pid("n2")
+    assert pid is not None and job(cluster, job_id)["JobState"] == "RUNNING", out.read_text()[-3000:]
+    frozen = Frozen(pid)
+    hung_at = time.monotonic()
+    try:
+        wait_for(lambda: job(cluster, job_id)["JobState"] in ("PENDING", *ENDED), 600, "the requeue")
+        requeued_after = time.monotonic() - hung_at
+        assert job(cluster, job_id)["JobState"] == "PENDING", out.read_text()[-4000:]
+        assert not (frozen.group / "cgroup.procs").read_text().strip(), "the hung rank was killed"
+    finally:
+        frozen.remove()
+    time.sleep(2.0)  # past the requeue's second: slurmd refuses a credential issued in it ("credential revoked")
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=cluster.env, check=True)
+    info = wait_end(cluster, job_id)
+    log = out.read_text()
+    first, resumed = log.split("restart 1:")
+    named = [line for line in first.splitlines() if "a collective got no answer" in line]
+    record = {"requeued_after_s": round(requeued_after, 1), "line": named[:1], "wrapper": [
+        line for line in first.splitlines() if "did not exit within" in line]}
+    (tmp_path / "record.json").write_text(json.dumps(record))
+    print(f"rank hang: {json.dumps(record)}")
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, log[-4000:])
+    assert len(named) == 1 and named[0].startswith("dapo-mcore: rank 0 on n1: a collective got no answer within "
+                                                   "parallel.timeout_minutes=0.5 (30 s): rank 1 on n2 stopped "
+                                                   "answering"), first[-4000:]
+    assert f"exiting 75 so that slurm/launch.sh requeues the job (the requeued job resumes from {ckpts}/step_000002" \
+        in named[0], named[0]
+    assert "rank 1 on n2 did not exit within" in first and "step exited with 75" in first, first[-4000:]
+    assert f"requeueing job {job_id} (restart 1)" in first and "Traceback" not in first, first[-4000:]
+    assert resumed.count(f"loaded checkpoint {ckpts}/step_000002 (step 2)") == 2, resumed[-3000:]
+    assert_same_trajectory(rows(run_dir), dp_reference)
+    assert (ckpts / "latest").read_text().strip() == "step_000004" and not list(ckpts.glob("*.partial"))
 
 
 def _watch_until_requeued(c: TwoNodeCluster, job_id: str, t0: float) -> list[tuple[float, str, str, str]]:

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The two-node tests: a real two-node Slurm cluster in network namespaces (tests/multinode.py) running the project's
 # own `sbatch -N 2 slurm/tiny_cpu.sbatch`: the gloo probe across the nodes, TP=2 across them vs one node, a
-# node-local run.dir refused at start-up, and a node killed mid-step (DP=2) that Slurm requeues and that resumes the
-# same trajectory. Needs root with CAP_NET_ADMIN and CAP_SYS_ADMIN (the CI machine has them); any skip fails the tier.
-# ~5-7 min on 2 cores (each job's start-up, mostly `import torch`, dominates; the requeued job waits out Slurm's
-# ~2 min hold). The mid-checkpoint kill (same assertions, another ~4 min) is left to a by-hand run:
+# node-local run.dir refused at start-up, a node killed mid-step (DP=2) that Slurm requeues and that resumes the
+# same trajectory, and a rank that hangs (frozen, cgroup v2 freezer) mid-step: named by its peer after the 30 s
+# collective timeout, killed, exit 75, requeued by launch.sh, same trajectory (~90 s more). Needs root with
+# CAP_NET_ADMIN and CAP_SYS_ADMIN (the CI machine has them); any skip fails the tier.
+# ~6-8 min on 2 cores (each job's start-up, mostly `import torch`, dominates; the node-failure requeue waits out
+# Slurm's ~2 min hold). The mid-checkpoint kill (same assertions, another ~4 min) is left to a by-hand run:
 #   DAPO_MCORE_MULTINODE=1 .venv/bin/python -m pytest -q tests/test_slurm_multinode.py
 set -euo pipefail
 source .ci/lib.sh
