@@ -32,8 +32,9 @@ export NVTE_ALLOW_NONDETERMINISTIC_ALGO=${NVTE_ALLOW_NONDETERMINISTIC_ALGO:-1}
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 
 # --- NCCL ------------------------------------------------------------------------------------------
-# Turn a hung collective into an error (then the job fails and can be requeued) instead of a
-# silent stall: PyTorch's watchdog aborts after the process-group timeout set by the trainer.
+# Turn a hung collective into an error instead of a silent stall: PyTorch's watchdog aborts the
+# process (SIGABRT) after the process-group timeout (parallel.timeout_minutes); the job ends FAILED,
+# not requeued (gloo's timeout exits 75 and is: docs/cluster.md "A rank hangs").
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
 export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-0}
 # Weight sync and checkpoints can keep ranks apart for minutes: heartbeat timeout above that.

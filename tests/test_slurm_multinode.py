@@ -247,8 +247,10 @@ def test_a_rank_that_hangs_is_named_killed_requeued_and_resumed(cluster, tmp_pat
     log = out.read_text()
     first, resumed = log.split("restart 1:")
     named = [line for line in first.splitlines() if "a collective got no answer" in line]
+    got = rows(run_dir)
     record = {"requeued_after_s": round(requeued_after, 1), "line": named[:1], "wrapper": [
-        line for line in first.splitlines() if "did not exit within" in line]}
+        line for line in first.splitlines() if "did not exit within" in line], "bit_identical": sorted(got) == sorted(
+        dp_reference) and all(got[s][k] == dp_reference[s][k] for s in dp_reference for k in COMPARED)}
     (tmp_path / "record.json").write_text(json.dumps(record))
     print(f"rank hang: {json.dumps(record)}")
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, log[-4000:])
