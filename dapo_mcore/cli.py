@@ -161,7 +161,8 @@ def _hung_peer_exit(config: str, overrides: list[str], command: str, requeue_cod
 
     cfg = load_config(config, overrides)
     minutes = cfg.parallel.timeout_minutes
-    me = f"rank {dist.get_rank() if dist.is_initialized() else '?'} on {socket.gethostname()}"
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", dist.get_rank() if dist.is_initialized() else "?"))
+    me = f"rank {rank} on {socket.gethostname()}"  # the job's rank (the async layout numbers each side apart)
     silent = rollcall.call()
     who = silent.describe() if silent is not None else "another rank stopped answering (hung?)"
     head = (f"{me}: a collective got no answer within parallel.timeout_minutes={minutes:g} ({minutes * 60:g} s): "
