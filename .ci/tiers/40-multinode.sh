@@ -5,8 +5,8 @@
 # same trajectory, and a rank that hangs (frozen, cgroup v2 freezer) mid-step: named by its peer after the 30 s
 # collective timeout, killed, exit 75, requeued by launch.sh, same trajectory (~90 s more). Needs root with
 # CAP_NET_ADMIN and CAP_SYS_ADMIN (the CI machine has them); any skip fails the tier.
-# ~6-8 min on 2 cores (each job's start-up, mostly `import torch`, dominates; the node-failure requeue waits out
-# Slurm's ~2 min hold). The mid-checkpoint kill (same assertions, another ~4 min) is left to a by-hand run:
+# ~6-8 min on 2 cores (361 s at load ~3.5; each job's start-up, mostly `import torch`, dominates; the
+# node-failure requeue waits out Slurm's ~2 min hold). The mid-checkpoint kill (same assertions, another ~4 min) is left to a by-hand run:
 #   DAPO_MCORE_MULTINODE=1 .venv/bin/python -m pytest -q tests/test_slurm_multinode.py
 set -euo pipefail
 source .ci/lib.sh
