@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -215,12 +216,22 @@ def test_node_dies_job_is_requeued_and_resumes_the_same_trajectory(cluster, tmp_
     assert not list(ckpts.glob("*.partial"))
 
 
-def test_a_rank_that_hangs_is_named_killed_requeued_and_resumed(cluster, tmp_path, dp_reference):
-    """DP=2 over the nodes, a 30 s collective timeout. n2's trainer hangs in step 3 (frozen: it runs nothing and
-    handles no signal). n1's rank times out in its next collective, names rank 1 on n2 (a roll call over the
+HUNG = {  # the node whose trainer hangs -> (the survivor, what the survivor's roll call says)
+    "rank1": ("n2", "rank 0 on n1", "rank 1 on n2 stopped answering"),
+    # rank 0's process serves the rendezvous store: the roll call finds the store silent (the tier runs rank1 only)
+    "rank0": ("n1", "rank 1 on n2", "the rendezvous store on n1:{port} does not answer either: the process serving "
+              "it (rank 0's) hangs"),
+}
+
+
+@pytest.mark.parametrize("hung", list(HUNG))
+def test_a_rank_that_hangs_is_named_killed_requeued_and_resumed(cluster, tmp_path, dp_reference, hung):
+    """DP=2 over the nodes, a 30 s collective timeout. One trainer hangs in step 3 (frozen: it runs nothing and
+    handles no signal). The other rank times out in its next collective, names the hung one (a roll call over the
     rendezvous store), exits 75; srun's SIGTERM cannot end the frozen rank, so its task wrapper kills it and exits 1
     (below 75: srun reports 75, not the signal); launch.sh requeues the job, which resumes on both nodes from step 2's
     checkpoint with exactly the trajectory of the uninterrupted one-node run."""
+    node, survivor, said = HUNG[hung]
     try:
         freezer_root()
     except ClusterUnavailable as exc:
@@ -230,7 +241,7 @@ def test_a_rank_that_hangs_is_named_killed_requeued_and_resumed(cluster, tmp_pat
     job_id = submit(cluster, out, *DP_RUN, HANG_TIMEOUT, RUN_DIR=str(run_dir))
     wait_for(lambda: KILL_AT["mid_step"](ckpts) or job(cluster, job_id)["JobState"] in ENDED, 1500, "step 2's "
              "checkpoint", poll=0.01)
-    pid = cluster.trainer_pid("n2")
+    pid = cluster.trainer_pid(node)
     assert pid is not None and job(cluster, job_id)["JobState"] == "RUNNING", out.read_text()[-3000:]
     frozen = Frozen(pid)
     hung_at = time.monotonic()
@@ -254,12 +265,13 @@ def test_a_rank_that_hangs_is_named_killed_requeued_and_resumed(cluster, tmp_pat
     (tmp_path / "record.json").write_text(json.dumps(record))
     print(f"rank hang: {json.dumps(record)}")
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, log[-4000:])
-    assert len(named) == 1 and named[0].startswith("dapo-mcore: rank 0 on n1: a collective got no answer within "
-                                                   "parallel.timeout_minutes=0.5 (30 s): rank 1 on n2 stopped "
-                                                   "answering"), first[-4000:]
+    said = said.format(port=re.search(r"rendezvous n1:(\d+)", first).group(1))  # launch.sh's MASTER_PORT
+    assert len(named) == 1 and named[0].startswith(f"dapo-mcore: {survivor}: a collective got no answer within "
+                                                   f"parallel.timeout_minutes=0.5 (30 s): {said}"), first[-4000:]
     assert f"exiting 75 so that slurm/launch.sh requeues the job (the requeued job resumes from {ckpts}/step_000002" \
         in named[0], named[0]
-    assert "rank 1 on n2 did not exit within" in first and "step exited with 75" in first, first[-4000:]
+    hung_rank = "rank 1 on n2" if hung == "rank1" else "rank 0 on n1"
+    assert f"{hung_rank} did not exit within" in first and "step exited with 75" in first, first[-4000:]
     assert f"requeueing job {job_id} (restart 1)" in first and "Traceback" not in first, first[-4000:]
     assert resumed.count(f"loaded checkpoint {ckpts}/step_000002 (step 2)") == 2, resumed[-3000:]
     assert_same_trajectory(rows(run_dir), dp_reference)
