@@ -278,6 +278,25 @@ def test_a_rank_that_hangs_is_named_killed_requeued_and_resumed(cluster, tmp_pat
     assert (ckpts / "latest").read_text().strip() == "step_000004" and not list(ckpts.glob("*.partial"))
 
 
+ASYNC_RUN = ("rollout.pipeline.mode=async", "algo.tis_cap=2.0", "train.steps=2", "eval.every=0", "checkpoint.every=2")
+
+
+def test_async_layout_engine_on_one_node_trainer_on_the_other(cluster, tmp_path):
+    """The async mode across nodes (#28 item 5): rank 0 on n1 trains, rank 1 on n2 runs the engine; the weights
+    cross the nodes over the bridge's broadcast group and the batches come back over its send/recv pair. The same
+    metrics as the same async layout on one node, and the same lag."""
+    out, run_dir = tmp_path / "job.out", tmp_path / "run"
+    info = wait_end(cluster, submit(cluster, out, *ASYNC_RUN, "parallel.tensor_parallel=1", RUN_DIR=str(run_dir)))
+    log = out.read_text()
+    assert info["JobState"] == "COMPLETED", log[-4000:]
+    assert "rank 0 on n1 is trainer rank 0/1" in log and "rank 1 on n2 is engines rank 0/1" in log, log[-4000:]
+    reference = rows(one_node_reference(tmp_path, cluster.job_env, ASYNC_RUN, tp=1))
+    got = rows(run_dir)
+    assert_same_trajectory(got, reference)
+    assert [got[s]["async/lag_mean"] for s in sorted(got)] == [reference[s]["async/lag_mean"] for s in sorted(got)]
+    assert [got[s]["async/policy_version"] for s in sorted(got)] == [0.0, 0.0]
+
+
 def _watch_until_requeued(c: TwoNodeCluster, job_id: str, t0: float) -> list[tuple[float, str, str, str]]:
     """(seconds after the kill, job state, node states) at each change, until the job is requeued (PENDING)."""
     timeline: list[tuple[float, str, str, str]] = []

@@ -135,6 +135,9 @@ def init_split_world(launch: LaunchEnv, backend: str, timeout_minutes: float, en
     dist.init_process_group(backend=backend, store=dist.PrefixStore(f"dapo/{side}/", store), rank=role.rank,
                             world_size=role.size, timeout=timeout)
     all_pg = dist.ProcessGroupGloo(dist.PrefixStore("dapo/all/", store), launch.rank, launch.world_size, timeout)
+    from dapo_mcore.actor import rollcall
+
+    rollcall.start(launch.master_addr, launch.master_port, launch.rank, launch.world_size, timeout)  # names a hung rank
     trainers = launch.world_size - engine_ranks
     weights_pg = batches_pg = None
     if not role.trainer or role.rank == 0:  # weights: trainer rank 0 is rank 0, engine rank i is i + 1
