@@ -188,3 +188,24 @@ def test_dynamic_sampling_exhausted_on_the_engine_ranks_stops_the_run_in_one_lin
     assert "dynamic sampling kept" in proc.stderr and "algo.max_gen_batches=1" in proc.stderr, proc.stderr[-3000:]
     # torchrun prints its own ChildFailedError for any non-zero exit; no traceback comes from the project's code.
     assert "dapo_mcore/" not in "".join(line for line in proc.stderr.splitlines() if line.lstrip().startswith("File"))
+
+
+def test_rebucket_and_flatten_round_trip_mixed_dtypes():
+    """The weight transfer's buckets: the same tensors in the same order, at most ``limit`` bytes each unless one
+    tensor alone exceeds it, and a flattened bucket (one byte buffer, any dtypes) cut back into equal tensors."""
+    import torch
+
+    from dapo_mcore.rollout.async_source import flatten_bucket, rebucket, unflatten_bucket
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [("a", torch.randn(3, 4, generator=g)), ("b", torch.randn(5, generator=g).to(torch.bfloat16)),
+               ("c", torch.arange(7, dtype=torch.int64)), ("d", torch.randn(40, generator=g))]
+    out = list(rebucket([tensors[:2], tensors[2:]], limit=64))
+    assert [n for b in out for n, _ in b] == ["a", "b", "c", "d"]
+    # a 48 B + b 10 B fit in 64; c (56 B) starts a bucket; d (160 B) exceeds the limit alone
+    assert [[n for n, _ in b] for b in out] == [["a", "b"], ["c"], ["d"]]
+    for bucket in out:
+        meta, flat = flatten_bucket(bucket)
+        assert flat.dtype == torch.uint8 and flat.numel() == sum(t.numel() * t.element_size() for _, t in bucket)
+        for (name, want), (got_name, got) in zip(bucket, unflatten_bucket(meta, flat.clone()), strict=True):
+            assert name == got_name and got.dtype == want.dtype and torch.equal(got, want)

@@ -51,17 +51,9 @@ def eval_after(cfg: Any, step: int, fresh_start: bool) -> bool:
 
 def rebucket(buckets: Iterable[WeightBucket], limit: int) -> Iterator[WeightBucket]:
     """The same tensors in the same order, in buckets of at most ``limit`` bytes (one tensor may exceed it alone)."""
-    out, size = [], 0
-    for bucket in buckets:
-        for name, t in bucket:
-            nbytes = t.numel() * t.element_size()
-            if out and size + nbytes > limit:
-                yield out
-                out, size = [], 0
-            out.append((name, t))
-            size += nbytes
-    if out:
-        yield out
+    from dapo_mcore.weights.export import bucketed
+
+    return bucketed((pair for bucket in buckets for pair in bucket), limit)
 
 
 def flatten_bucket(bucket: WeightBucket) -> tuple[list[tuple[str, tuple[int, ...], str]], torch.Tensor]:

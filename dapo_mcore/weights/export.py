@@ -10,7 +10,7 @@ Data-parallel replicas do the same independently. The rollout weight sync feeds 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -27,6 +27,21 @@ from dapo_mcore.weights.transforms import Geometry, Split
 log = logging.getLogger(__name__)
 
 Bucket = list[tuple[str, torch.Tensor]]
+
+
+def bucketed(tensors: Iterable[tuple[str, torch.Tensor]], limit: int) -> Iterator[Bucket]:
+    """``(name, tensor)`` pairs in order, in buckets of at most ``limit`` bytes (one tensor may exceed it alone)."""
+    bucket: Bucket = []
+    size = 0
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > limit:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
 
 
 def iter_hf_weights(model_chunks: list, hf_config: dict[str, Any], *, layer_spec: str = "local",
@@ -61,9 +76,9 @@ def iter_hf_weights(model_chunks: list, hf_config: dict[str, Any], *, layer_spec
     # One placement ahead: its TP transfers are in flight while this one is finished and while the consumer
     # sends or loads the bucket just yielded (the generator is suspended at ``yield``, the collectives are not).
     inflight = exporter.start(next(owned, None))
-    bucket: Bucket = []
-    size = 0
-    try:
+
+    def in_order() -> Iterator[tuple[str, torch.Tensor]]:
+        nonlocal inflight
         for pl in placements:
             if pl.pp_rank == pp_rank:
                 current, inflight = inflight, exporter.start(next(owned, None))
@@ -73,14 +88,10 @@ def iter_hf_weights(model_chunks: list, hf_config: dict[str, Any], *, layer_spec
             for name, tensor in tensors:
                 if layout.pp > 1:
                     dist.broadcast(tensor, src=pp_ranks[pl.pp_rank], group=pp_group)
-                nbytes = tensor.numel() * tensor.element_size()
-                if bucket and size + nbytes > bucket_bytes:
-                    yield bucket
-                    bucket, size = [], 0
-                bucket.append((name, tensor))
-                size += nbytes
-        if bucket:
-            yield bucket
+                yield name, tensor
+
+    try:
+        yield from bucketed(in_order(), bucket_bytes)
     finally:
         if inflight is not None:  # a consumer that stopped early: complete the collectives this rank started
             for work in inflight.works:
