@@ -235,7 +235,7 @@ def entry() -> None:
 
 
 def _exit_interrupted() -> None:
-    """Exit 130 after a handled Ctrl-C, for sure. CPython kills itself with SIGINT at exit (status -2, not 130)
+    """Exit 130 after a handled Ctrl-C, for sure. Under ``python -m`` CPython kills itself with SIGINT at exit (-2)
     when a KeyboardInterrupt once escaped code it ran through ``PyRun_*`` (C extensions do), even though Python
     code caught that KeyboardInterrupt later: the flag is never reset. Seen in ``convert`` interrupted at random
     moments (3 of 25 tries). The command's cleanup is done (partial output removed, the line printed): flush and

@@ -103,15 +103,19 @@ def test_hf_to_mcore_killed_at_random_moments_ends_in_one_line_or_a_complete_out
 
 
 @pytest.mark.unit
-def test_an_interrupted_command_exits_130_even_after_a_keyboard_interrupt_escaped_c_level_code():
-    """CPython kills itself with SIGINT at exit (-2) once a KeyboardInterrupt escaped code run through PyRun_*, even
-    if Python code caught it later; ``convert`` interrupted at random moments hit it (3 of 25 tries). ``entry``
-    leaves with 130 whatever that flag says."""
-    code = ("import ctypes, dapo_mcore.cli as cli\n"
-            "def main():\n"
-            "    ctypes.pythonapi.PyRun_SimpleString(b'raise KeyboardInterrupt')  # sets CPython's flag\n"
-            "    return 130\n"
-            "cli.main = main\n"
-            "cli.entry()\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+def test_an_interrupted_command_exits_130_even_after_a_keyboard_interrupt_escaped_c_level_code(tmp_path):
+    """Under ``python -m`` (how torchrun and the console script start the CLI), CPython kills itself with SIGINT at
+    exit (-2) once a KeyboardInterrupt escaped code run through PyRun_*, even if Python code caught it later;
+    ``convert`` interrupted at random moments hit it (3 of 25 tries). ``entry`` leaves with 130 whatever that flag
+    says."""
+    (tmp_path / "interrupted_cli.py").write_text(
+        "import ctypes\nimport dapo_mcore.cli as cli\n\n"
+        "def main():\n"
+        "    ctypes.pythonapi.PyRun_SimpleString(b'raise KeyboardInterrupt')  # sets CPython's flag\n"
+        "    return 130\n\n"
+        "cli.main = main\n"
+        "if __name__ == '__main__':\n    cli.entry()\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{ROOT}"}
+    proc = subprocess.run([sys.executable, "-m", "interrupted_cli"], capture_output=True, text=True, cwd=ROOT,
+                          env=env, timeout=120)
     assert proc.returncode == 130, (proc.returncode, proc.stderr[-2000:])
