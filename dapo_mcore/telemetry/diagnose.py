@@ -438,6 +438,8 @@ RULES: tuple[tuple[str, tuple[str, ...], Callable[[Run], list[Finding]]], ...] =
 """(name, metrics it needs, rule). A rule runs when at least one of its metrics was logged."""
 LEVEL_RULES = frozenset({"cannot-learn", "usable-groups", "length-limit", "spikes", "warmup", "pipeline"})
 """Rules that judge levels (or non-finite values), not trends: they run on a run of any length."""
+MODE_RULES = frozenset({"pipeline"})
+"""Rules of one mode (async): a run of the other is not told they were skipped."""
 
 
 @dataclass(frozen=True)
@@ -456,7 +458,8 @@ def diagnose(run: Run) -> Diagnosis:
     findings, ok, skipped, too_short = [], [], [], []
     for name, needs, rule in RULES:
         if not any(run.has(k) for k in needs):
-            skipped.append(name)
+            if name not in MODE_RULES:  # a rule of the other mode is not a metric that went missing
+                skipped.append(name)
             continue
         if len(run.train_steps) < MIN_STEPS and name not in LEVEL_RULES:
             too_short.append(name)
