@@ -367,8 +367,9 @@ class Config:
             raise ConfigError(f"rollout.pipeline.engine_ranks={pipe.engine_ranks} leaves no rank to train on "
                               f"{world_size} ranks: the async mode needs at least one trainer rank and one engine rank "
                               "(launch more processes, or set rollout.pipeline.mode=sync).")
-        _validate_layout(self, trainer_world(self, world_size))
-        _validate_batches(self, trainer_world(self, world_size))
+        trainers = trainer_world(self, world_size)
+        _validate_layout(self, trainers)
+        _validate_batches(self, trainers)
         _validate_rollout(self)
 
 

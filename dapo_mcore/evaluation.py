@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,14 @@ class EvalResult:
 
 COUNT_KEYS = ("eval/k", "eval/problems")
 """Scores that are counts: printed as integers."""
+
+
+def eval_after(cfg: Any, step: int, fresh_start: bool) -> bool:
+    """Whether a run evaluates the policy after ``step`` steps: before the first step of a fresh start
+    (``eval.at_start``), every ``eval.every`` steps, and after the last."""
+    if step == 0:
+        return fresh_start and cfg.eval.at_start and cfg.train.steps > 0
+    return bool(cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.train.steps
 
 
 def format_scores(metrics: dict[str, float], as_json: bool = False) -> str:

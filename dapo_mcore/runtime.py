@@ -236,12 +236,7 @@ class Components:
     def trainer_state(self, step: int, rollout_state: dict[str, Any] | None = None) -> dict[str, Any]:
         """What a checkpoint after ``step`` steps resumes from; ``rollout_state`` is the async engines' sampler and
         schedule state after the pending batch (``rollout.async_source``), else the trainer's own."""
-        if rollout_state is not None:
-            state = {"step": step, **rollout_state}
-        else:
-            state = {"step": step, "sampler": self.sampler.state_dict()}
-            if self.cfg.rollout.schedule.enabled:
-                state["schedule"] = self.scheduler.state_dict()
+        state = {"step": step, **(rollout_state if rollout_state is not None else self.scheduler.checkpoint_state())}
         if self.ledger is not None:
             state["ledger"] = self.ledger.state_dict()
         return state
@@ -250,7 +245,7 @@ class Components:
         from dapo_mcore.actor.checkpoint import save_checkpoint
 
         rollout_state, extra = None, {}
-        if not getattr(self.rollouts, "colocated", True):
+        if not self.rollouts.colocated:
             from dapo_mcore.rollout.async_source import PENDING_FILE
 
             rollout_state, pending = self.rollouts.checkpoint_payload(step)
@@ -709,18 +704,16 @@ def _restore(parts: Components, *, resume: bool, checkpoint: str | None) -> int:
     if target is None:
         return 0
     state = ckpt.load_checkpoint(target, parts.actor, weights_only=parts.cfg.run.resume_weights_only)
-    if parts.sampler is not None:
-        parts.sampler.load_state_dict(state["sampler"])
-    if parts.scheduler is not None and "schedule" in state:
-        parts.scheduler.load_state_dict(state["schedule"])
+    if parts.scheduler is not None:  # built exactly when there is a sampler (training data)
+        parts.scheduler.load_checkpoint_state(state)
         buffered = parts.scheduler.partials
-        if (buffered.items and getattr(parts.rollouts, "colocated", True)  # async: the engine ranks stream
+        if (buffered.items and parts.rollouts.colocated  # async: the engine ranks stream
                 and not (parts.engine_streams and parts.cfg.rollout.schedule.partial)):
             log.warning("the checkpoint holds %d partial groups (%d tokens) for the next step, but this run does not "
                         "stream (rollout.schedule.streaming/partial off, or an engine that cannot stream here): they are dropped",
                         len(buffered.items), buffered.num_tokens())
             buffered.take()
-    if not getattr(parts.rollouts, "colocated", True):
+    if not parts.rollouts.colocated:
         from dapo_mcore.rollout.async_source import PENDING_FILE
 
         pending = target / PENDING_FILE

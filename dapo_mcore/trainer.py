@@ -27,6 +27,7 @@ from dapo_mcore.algo.advantages import group_advantages
 from dapo_mcore.algo.dynamic_sampling import DynamicSamplingExhausted
 from dapo_mcore.algo.metrics import average_updates
 from dapo_mcore.config import Config
+from dapo_mcore.evaluation import eval_after
 from dapo_mcore.rollout.groups import GroupData
 from dapo_mcore.rollout.protocol import EngineError
 from dapo_mcore.rollout.source import RolloutInterrupted, StepBatch
@@ -264,7 +265,7 @@ class Trainer:
         if self.step >= cfg.train.steps:
             log.info("run already finished %d steps; nothing to do", self.step)
         try:
-            if self.step == 0 and cfg.eval.at_start and cfg.train.steps > 0:
+            if self.step == 0 and eval_after(cfg, 0, fresh_start=True):
                 with p.timer.phase("eval"):
                     base = self.evaluate()
                 p.log_base_eval(base, p.timer.pop_step())
@@ -275,7 +276,7 @@ class Trainer:
                     with p.timer.phase("step"):
                         metrics, generated = self.run_step()
                         self.step += 1
-                        if (cfg.eval.every and self.step % cfg.eval.every == 0) or self.step == cfg.train.steps:
+                        if eval_after(cfg, self.step, fresh_start=False):
                             with p.timer.phase("eval"):
                                 metrics.update(self.evaluate())
                 except RolloutInterrupted:

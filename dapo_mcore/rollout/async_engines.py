@@ -94,7 +94,7 @@ class EngineLoop:
             seconds = self.timer.pop_step()
             if k > start_version:
                 self._receive()  # version k: the trainer finished step k - 1
-            self._send({"kind": "batch", "step": k, "batch": batch, "state": self._state(),
+            self._send({"kind": "batch", "step": k, "batch": batch, "state": self.rollouts.scheduler.checkpoint_state(),
                         "version": max(0, k - 1), "prefix_version": self.prefix_version,
                         "transfer_s": self.transfer_s,
                         "seconds": {"engine_generate_s": seconds.get("generate", 0.0),
@@ -137,20 +137,10 @@ class EngineLoop:
         self._send({"kind": "eval", "version": self.version, "groups": groups})
 
     # ---- state and messages -------------------------------------------------------------------------------------
-    def _state(self) -> dict[str, Any]:
-        sched = self.rollouts.scheduler
-        state: dict[str, Any] = {"sampler": sched.sampler.state_dict()}
-        if self.cfg.rollout.schedule.enabled:
-            state["schedule"] = sched.state_dict()
-        return state
-
     def _load_state(self, state: dict[str, Any] | None) -> None:
-        if not state or state.get("sampler") is None:
-            return
-        sched = self.rollouts.scheduler
-        sched.sampler.load_state_dict(state["sampler"])
-        if state.get("schedule") is not None:
-            sched.load_state_dict(state["schedule"])
+        """A resume's sampler/schedule state (none at a fresh start)."""
+        if state and state.get("sampler") is not None:
+            self.rollouts.scheduler.load_checkpoint_state(state)
 
     def _send(self, message: dict[str, Any]) -> None:
         if self.bridge.sends_batches:

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from dapo_mcore import faults
+from dapo_mcore.evaluation import eval_after
 from dapo_mcore.rollout.bridge import Bridge
 from dapo_mcore.rollout.groups import GroupData
 from dapo_mcore.rollout.protocol import EngineError, WeightBucket
@@ -36,17 +37,10 @@ from dapo_mcore.rollout.source import StepBatch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AsyncRollouts", "PENDING_FILE", "eval_after", "flatten_bucket", "rebucket", "unflatten_bucket"]
+__all__ = ["AsyncRollouts", "PENDING_FILE", "flatten_bucket", "rebucket", "unflatten_bucket"]
 
 PENDING_FILE = "rollouts_pending.pkl"
 """In an async run's checkpoint: the batch the engines generated for the step after it (and their state after it)."""
-
-
-def eval_after(cfg: Any, step: int, fresh_start: bool) -> bool:
-    """Whether the trainer evaluates the policy after ``step`` steps (the same rule as Trainer.run's)."""
-    if step == 0:
-        return fresh_start and cfg.eval.at_start and cfg.train.steps > 0
-    return bool(cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.train.steps
 
 
 def rebucket(buckets: Iterable[WeightBucket], limit: int) -> Iterator[WeightBucket]:
@@ -75,6 +69,11 @@ def unflatten_bucket(meta: list[tuple[str, tuple[int, ...], str]], flat: torch.T
     return out
 
 
+def _is_failure(value: Any) -> bool:
+    """``_read``'s result when the engines reported a failure instead of what was waited for."""
+    return isinstance(value, dict) and set(value) == {"error"}
+
+
 class AsyncRollouts:
     """The trainer ranks' RolloutSource in async mode (module docstring)."""
 
@@ -93,6 +92,8 @@ class AsyncRollouts:
         """The sampler/schedule state after the latest batch received (what a checkpoint stores)."""
         self.last: dict[str, float] = {}
         """The latest step's pipeline seconds (trainer waits, engine waits, transfers)."""
+        self._start = 0
+        """The version of the first publish: the steps the run starts after."""
         self._publish_s = 0.0
         self._stopped = False
 
@@ -117,7 +118,7 @@ class AsyncRollouts:
 
         def receive() -> Any:
             got = self._read(lambda: self._batches.get(step))
-            return got if "error" in got and len(got) == 1 else True
+            return got if _is_failure(got) else True
 
         self._shared(receive)  # raises on every rank if the engines failed
         if not self.is_root:
@@ -146,7 +147,7 @@ class AsyncRollouts:
     def publish(self, weights: Iterable[WeightBucket]) -> None:
         """Every trainer rank iterates the export (a collective for TP/PP); trainer rank 0 sends each bucket. Returns
         once the engines hold the version, i.e. once they finished the batch this version follows."""
-        start = getattr(self, "_start", 0)
+        start = self._start
         version = start if self.version is None else self.version + 1
         t0 = time.monotonic()
         if not self.is_root:
@@ -213,7 +214,7 @@ class AsyncRollouts:
         box = [read() if self.is_root else None]
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(box, src=0)
-        if isinstance(box[0], dict) and set(box[0]) == {"error"}:
+        if _is_failure(box[0]):
             self._raise(box[0]["error"])
         return box[0]
 

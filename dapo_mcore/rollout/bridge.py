@@ -143,7 +143,7 @@ def init_split_world(launch: LaunchEnv, backend: str, timeout_minutes: float, en
     if not role.trainer or role.rank == 0:  # weights: trainer rank 0 is rank 0, engine rank i is i + 1
         rank = 0 if role.trainer else role.rank + 1
         weights_pg = _group(backend, dist.PrefixStore("dapo/weights/", store), rank, engine_ranks + 1, timeout)
-    if (role.trainer and role.rank == 0) or (not role.trainer and role.rank == 0):
+    if role.rank == 0:  # batches: trainer rank 0 and engine rank 0
         batches_pg = dist.ProcessGroupGloo(dist.PrefixStore("dapo/batches/", store), 0 if role.trainer else 1, 2,
                                            timeout)
     device = "cuda" if backend == "nccl" else "cpu"

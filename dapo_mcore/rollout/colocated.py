@@ -64,6 +64,9 @@ class ColocatedRollouts:
         self.streams = streams
         self.exchanges = ExchangeTally()
         """Exchanges between engine groups while streaming (several groups) since start, and their wall seconds."""
+        self.lockstep = getattr(engine, "groups_step_together", False)
+        """The engine groups step together (vLLM's data-parallel engines): a group with nothing to stream or resume
+        still streams (nothing) and ticks, or runs a one-token placeholder."""
 
     colocated = True
     """The engines share the trainer's devices (``Trainer`` offloads the actor around generation)."""
@@ -175,11 +178,9 @@ class ColocatedRollouts:
     def _stream_over_groups(self, records: list[PromptRecord], prompt_ids: list[list[int]], params: SamplingParams,
                             gen_batch: int) -> _Stream:
         mine = round_robin(len(records), self.groups)
-        # vLLM's data-parallel engines step together: a group without a prompt still streams (nothing) and ticks.
-        lockstep = getattr(self.engine, "groups_step_together", False)
         local = (self.engine.stream([prompt_ids[i] for i in mine],
                                     dataclasses.replace(params, seed=self.groups.seed(params.seed)))
-                 if mine or lockstep else None)
+                 if mine or self.lockstep else None)
         stream = EngineGroupStream(local, mine, self.groups, self.cfg.rollout.schedule.exchange_every, self.exchanges)
 
         def scored() -> Iterator[tuple[int, Group]]:
@@ -222,7 +223,7 @@ class ColocatedRollouts:
                                        dataclasses.replace(params, seed=seed))
         else:
             local = []
-            if getattr(self.engine, "groups_step_together", False):  # a one-token placeholder keeps vLLM's DP in step
+            if self.lockstep:  # a one-token placeholder keeps vLLM's DP in step
                 self.engine.generate([prompts[0]], dataclasses.replace(params, n=1, max_new_tokens=1, seed=seed))
         shares = broadcast_shares(mine, [[tail] for tail in local], sender=self.groups.leader)
         merged = {k: rs[0] for share in shares for k, rs in share.items()}

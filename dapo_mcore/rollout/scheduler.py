@@ -231,3 +231,17 @@ class RolloutScheduler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.usable_estimate = state["usable_estimate"]
         self.partials.load_state_dict(state.get("partials", []))
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The rollout side's part of a trainer checkpoint: the sampler's state, and the schedule's when a
+        ``rollout.schedule`` switch is on (``trainer_state.json``'s ``sampler`` and ``schedule``)."""
+        state: dict[str, Any] = {"sampler": self.sampler.state_dict()}
+        if self.cfg.enabled:
+            state["schedule"] = self.state_dict()
+        return state
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Undo ``checkpoint_state`` (a checkpoint without a ``schedule`` leaves the schedule as it is)."""
+        self.sampler.load_state_dict(state["sampler"])
+        if state.get("schedule") is not None:
+            self.load_state_dict(state["schedule"])

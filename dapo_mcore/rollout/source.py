@@ -48,6 +48,10 @@ class StepBatch:
 class RolloutSource(Protocol):
     """The rollout side of a run (see module docstring)."""
 
+    colocated: bool
+    """True: the engines share the trainer's devices (the trainer offloads around generation); False: they have
+    ranks of their own (the async mode, ``rollout.async_source``)."""
+
     @property
     def weights_valid(self) -> bool:
         """False when the engines no longer hold the last published weights (vLLM sleep level 2): publish first."""
