@@ -9,6 +9,7 @@ config and the layout it implies, and starts nothing.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 import sys
@@ -16,9 +17,10 @@ from pathlib import Path
 
 import yaml
 
-from dapo_mcore.config import Config, load_config, trainer_world
+from dapo_mcore.config import Config, ignored_async_keys, load_config, trainer_world
 from dapo_mcore.configtree import ConfigError, to_dict
 
+log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"step_(\d+)")
 
 
@@ -33,10 +35,15 @@ def world_size_from_env(environ: dict[str, str] | None = None) -> int:
     return 1
 
 
-def precheck(config_path: str, overrides: list[str], world_size: int | None = None) -> Config:
-    """Load and validate (raises ConfigError with the key and the fix); imports no torch model code."""
+def precheck(config_path: str, overrides: list[str], world_size: int | None = None, warn: bool = True) -> Config:
+    """Load and validate (raises ConfigError with the key and the fix); imports no torch model code. ``warn``: log
+    (once, on rank 0) the async-only settings a sync config sets and ignores."""
     cfg = load_config(config_path, overrides)
     cfg.validate(world_size or world_size_from_env())
+    ignored = ignored_async_keys(cfg)
+    if warn and ignored and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        log.warning("%s only apply to rollout.pipeline.mode=async; this config is sync, so they are ignored (set "
+                    "rollout.pipeline.mode=async, or remove them)", ", ".join(ignored))
     return cfg
 
 
