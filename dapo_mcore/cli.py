@@ -111,7 +111,9 @@ def _run_training_command(args: argparse.Namespace) -> int:
     if extra:
         logging.getLogger(__name__).warning("%s adds overrides: %s", ENV_OVERRIDES, " ".join(extra))
     overrides = [*args.overrides, *extra]
-    precheck(args.config, overrides)
+    if args.command == "eval":  # an async run's checkpoint evaluates colocated: the engines share the ranks
+        overrides.append("rollout.pipeline.mode=sync")
+    precheck(args.config, overrides, warn=args.command == "train")
     checkpoint = resolve_eval_checkpoint(args.checkpoint) if args.command == "eval" else None
     _quiet_cpu_warnings()
     from dapo_mcore import trainer

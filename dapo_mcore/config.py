@@ -8,7 +8,7 @@ cross-field rule before any process group or device is touched, with errors that
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -363,12 +363,10 @@ class Config:
         cluster config can be checked against on a laptop, e.g. by ``dapo-mcore plan``. In async mode the layout
         rules apply to the ranks that train (``trainer_world``)."""
         pipe = self.rollout.pipeline
-        if pipe.mode == "async" and not 0 < pipe.engine_ranks < world_size:
-            raise ConfigError(f"rollout.pipeline.engine_ranks={pipe.engine_ranks} leaves no rank to train on "
-                              f"{world_size} ranks: the async mode needs at least one trainer rank and one engine rank "
-                              "(launch more processes, or set rollout.pipeline.mode=sync).")
+        if pipe.mode == "async":
+            _validate_split(self, world_size)
         trainers = trainer_world(self, world_size)
-        _validate_layout(self, trainers)
+        _validate_layout(self, trainers, world_size)
         _validate_batches(self, trainers)
         _validate_rollout(self)
 
@@ -384,7 +382,36 @@ def _at_least(*checks: tuple[str, float, float]) -> None:
             raise ConfigError(f"{key}={value!r} must be >= {minimum}.")
 
 
-def _validate_layout(cfg: Config, world_size: int) -> None:
+def _validate_split(cfg: Config, world_size: int) -> None:
+    """Async mode: the engines get ``engine_ranks`` ranks of their own, the trainer at least one model replica."""
+    engines, p = cfg.rollout.pipeline.engine_ranks, cfg.parallel
+    model_parallel = max(p.tensor_parallel, 1) * max(p.pipeline_parallel, 1)
+    if engines < 1:
+        raise ConfigError(f"rollout.pipeline.engine_ranks={engines} must be >= 1: the async mode runs the engines on "
+                          f"ranks of their own; give them some of the {world_size} ranks (e.g. "
+                          f"rollout.pipeline.engine_ranks={max(1, world_size // 2)}), or set rollout.pipeline.mode=sync.")
+    if engines >= world_size:
+        raise ConfigError(f"rollout.pipeline.engine_ranks={engines} leaves no trainer rank of the {world_size} launched: "
+                          f"launch {engines + model_parallel} processes ({engines} engine ranks + {model_parallel} "
+                          f"trainer ranks, a multiple of tensor_parallel x pipeline_parallel), lower "
+                          "rollout.pipeline.engine_ranks, or set rollout.pipeline.mode=sync.")
+
+
+def _launch_hint(cfg: Config, trainers: int, world_size: int, model_parallel: int) -> str:
+    """What to launch when ``trainers`` ranks do not fit the model-parallel layout (sync: the world; async: the
+    world minus the engine ranks)."""
+    up = -(-trainers // model_parallel) * model_parallel
+    if trainers == world_size:
+        return f"launch a multiple of {model_parallel} processes"
+    engines = world_size - trainers
+    counts = sorted({c + engines for c in (up - model_parallel, up) if c > 0})
+    return (f"launch {' or '.join(str(c) for c in counts)} processes ({engines} engine ranks + a multiple of "
+            f"{model_parallel} trainer ranks), change rollout.pipeline.engine_ranks")
+
+
+def _validate_layout(cfg: Config, world_size: int, launched: int | None = None) -> None:
+    """The model-parallel rules over the ``world_size`` ranks that train (``launched``: the job's ranks, more in
+    async mode, where the engines have their own)."""
     hf = cfg.model.hf_config(cfg.tiny_base.preset)
     heads, kv = hf["num_attention_heads"], hf.get("num_key_value_heads", hf["num_attention_heads"])
     layers = hf["num_hidden_layers"]
@@ -414,8 +441,11 @@ def _validate_layout(cfg: Config, world_size: int) -> None:
                           "parallel.backend=gloo set parallel.distributed_optimizer=false.")
     model_parallel = p.tensor_parallel * p.pipeline_parallel
     if world_size % model_parallel:
-        raise ConfigError(f"world size {world_size} is not a multiple of tensor_parallel x pipeline_parallel = "
-                          f"{model_parallel}; launch a multiple of {model_parallel} processes or change the layout.")
+        launched = world_size if launched is None else launched
+        who = (f"world size {world_size}" if launched == world_size else
+               f"{world_size} trainer ranks ({launched} launched - rollout.pipeline.engine_ranks={launched - world_size})")
+        raise ConfigError(f"{who} is not a multiple of tensor_parallel x pipeline_parallel = {model_parallel}; "
+                          f"{_launch_hint(cfg, world_size, launched, model_parallel)} or change the layout.")
     if p.timeout_minutes <= 0:
         raise ConfigError("parallel.timeout_minutes must be > 0 (minutes; 10 by default, 30 in the 7B/32B configs).")
 
@@ -497,6 +527,17 @@ def _validate_rollout(cfg: Config) -> None:
 def trainer_world(cfg: Config, world_size: int) -> int:
     """Ranks that train: all of them, or those the async mode does not give to the engines."""
     return world_size - cfg.rollout.pipeline.engine_ranks if cfg.rollout.pipeline.mode == "async" else world_size
+
+
+def ignored_async_keys(cfg: Config) -> list[str]:
+    """``key=value`` of the async-only settings (``rollout.pipeline.*`` besides ``mode``) that differ from their
+    defaults in a sync config: set, and ignored."""
+    pipe = cfg.rollout.pipeline
+    if pipe.mode == "async":
+        return []
+    default = PipelineConfig()
+    return [f"rollout.pipeline.{f.name}={getattr(pipe, f.name)}" for f in fields(PipelineConfig)
+            if f.name != "mode" and getattr(pipe, f.name) != getattr(default, f.name)]
 
 
 def _validate_pipeline(cfg: Config) -> None:

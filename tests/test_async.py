@@ -165,7 +165,7 @@ def test_two_engine_ranks_stream_with_partial_rollouts_two_versions_behind(cli_e
     (["rollout.pipeline.mode=async", "algo.tis_cap=2", "rollout.schedule.streaming=true",
       "rollout.schedule.partial=true"], "set rollout.pipeline.max_staleness=2"),
     (["rollout.pipeline.mode=async", "algo.tis_cap=2", "rollout.pipeline.engine_ranks=2"],
-     "rollout.pipeline.engine_ranks=2 leaves no rank to train on 2 ranks"),
+     "rollout.pipeline.engine_ranks=2 leaves no trainer rank of the 2 launched: launch 3 processes"),
 ])
 def test_async_configs_that_cannot_work_are_refused_naming_the_key(overrides, message):
     cfg = load_config(ROOT / "examples" / "tiny_cpu.yaml", overrides)
