@@ -186,3 +186,53 @@ def test_preset_fields_can_be_overridden():
     for name, preset in PRESETS.items():
         preset.validate()
         assert RolloutCorrectionConfig(preset=name).resolved() == preset
+
+
+def test_config_tree_presets_short_form_and_refusals():
+    """algo.rollout_correction from YAML/overrides; algo.tis_cap stays the short form of token_tis."""
+    from pathlib import Path
+
+    from dapo_mcore.config import ConfigError, load_config
+
+    tiny = Path(__file__).resolve().parents[1] / "examples" / "tiny_cpu.yaml"
+    assert load_config(tiny, ["algo.tis_cap=2.0"]).algo.correction == PRESETS["token_tis"]
+    assert not load_config(tiny, []).algo.correction.active  # the default changes nothing
+    cfg = load_config(tiny, ["algo.rollout_correction.preset=seq_mis", "algo.rollout_correction.is_threshold=3.0"])
+    cfg.validate(2)
+    assert (cfg.algo.correction.is_threshold, cfg.algo.correction.rs) == (3.0, ["seq_sum_k1"])
+    # async accepts any correction, not only algo.tis_cap
+    load_config(tiny, ["rollout.pipeline.mode=async", "algo.rollout_correction.preset=icepop"]).validate(2)
+    for overrides, key in [
+        (["algo.rollout_correction.preset=icepop", "algo.rollout_correction.is_threshold=[3.0, 0.5]"],
+         "algo.rollout_correction.is_threshold"),
+        (["algo.rollout_correction.rs=[seq_mean_k1]", "algo.rollout_correction.rs_thresholds=[0.5]"],
+         "algo.rollout_correction.rs_thresholds[0]"),
+        (["algo.tis_cap=2.0", "algo.rollout_correction.preset=geo_rs"], "algo.tis_cap"),
+        (["algo.rollout_correction.preset=bypass_ppo_clip", "rollout.top_p=0.9"], "algo.rollout_correction bypass"),
+        (["rollout.pipeline.mode=async", "algo.rollout_correction.preset=disabled"], "rollout.pipeline.mode=async"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            load_config(tiny, overrides).validate(2)
+        assert str(err.value).startswith(key) and "\n" not in str(err.value), (overrides, str(err.value))
+
+
+def test_an_older_tis_cap_run_directory_resumes(tmp_path):
+    """A run directory written before algo.rollout_correction existed (algo.tis_cap=2.0) is the same run."""
+    from pathlib import Path
+
+    import yaml
+
+    from dapo_mcore.actor.parallel import LaunchEnv
+    from dapo_mcore.config import ConfigError, load_config, write_resolved
+    from dapo_mcore.runtime import prepare_run_dir
+
+    tiny = Path(__file__).resolve().parents[1] / "examples" / "tiny_cpu.yaml"
+    rank0 = LaunchEnv(rank=0, world_size=2, local_rank=0, master_addr="127.0.0.1", master_port=29500, source="test")
+    run_dir = tmp_path / "run"
+    write_resolved(load_config(tiny, [f"run.dir={run_dir}", "algo.tis_cap=2.0"]), run_dir)
+    written = yaml.safe_load((run_dir / "config.yaml").read_text())
+    del written["algo"]["rollout_correction"]
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(written))
+    prepare_run_dir(load_config(tiny, [f"run.dir={run_dir}", "algo.tis_cap=2.0"]), rank0)  # resumes
+    with pytest.raises(ConfigError, match=r"algo.rollout_correction.preset: \(unset\) -> 'icepop'"):
+        prepare_run_dir(load_config(tiny, [f"run.dir={run_dir}", "algo.rollout_correction.preset=icepop"]), rank0)
