@@ -505,9 +505,10 @@ def _validate_rollout(cfg: Config) -> None:
         r.schedule.validate(r.n, cfg.algo.dynamic_sampling)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    if r.schedule.partial and cfg.algo.tis_cap is None:
-        raise ConfigError("rollout.schedule.partial trains on tokens an older policy sampled; they need the truncated "
-                          "importance correction: set algo.tis_cap (e.g. 2.0)")
+    if r.schedule.partial and not cfg.algo.correction.active:
+        raise ConfigError("rollout.schedule.partial trains on tokens an older policy sampled; they need an off-policy "
+                          "correction: set algo.tis_cap (e.g. 2.0) or algo.rollout_correction.preset (e.g. token_tis)")
+    _validate_bypass(cfg)
     _validate_pipeline(cfg)
     if r.engine == "vllm" and not 0.0 < r.vllm.gpu_memory_utilization < 1.0:
         raise ConfigError("rollout.vllm.gpu_memory_utilization must lie in (0, 1).")
@@ -540,13 +541,27 @@ def ignored_async_keys(cfg: Config) -> list[str]:
             if f.name != "mode" and getattr(pipe, f.name) != getattr(default, f.name)]
 
 
+def _validate_bypass(cfg: Config) -> None:
+    """Bypass mode takes the engine's log-probs as pi_old: they must be the distribution the tokens were sampled from.
+    Both engines report log_softmax(logits / T) over the full vocabulary (SamplingParams.logprobs="processed"), which
+    is the sampling distribution only without top-k/top-p truncation."""
+    r = cfg.rollout
+    if not cfg.algo.correction.bypass or (r.top_p == 1.0 and r.top_k == -1):
+        return
+    raise ConfigError(f"algo.rollout_correction bypass needs the engine's log-probs to be the sampling distribution, "
+                      f"but rollout.top_p={r.top_p}, rollout.top_k={r.top_k} truncate it (the engines report "
+                      f"log_softmax(logits/T) over the full vocabulary); set rollout.top_p=1.0 and rollout.top_k=-1, "
+                      f"or use a decoupled preset (e.g. token_tis)")
+
+
 def _validate_pipeline(cfg: Config) -> None:
     pipe, r = cfg.rollout.pipeline, cfg.rollout
     if pipe.mode != "async":
         return
-    if cfg.algo.tis_cap is None:
-        raise ConfigError("rollout.pipeline.mode=async trains on responses the previous policy sampled; it needs the "
-                          "truncated importance correction: set algo.tis_cap (e.g. 2.0)")
+    if not cfg.algo.correction.active:
+        raise ConfigError("rollout.pipeline.mode=async trains on responses the previous policy sampled; it needs an "
+                          "off-policy correction: set algo.tis_cap (e.g. 2.0) or algo.rollout_correction.preset "
+                          "(token_tis, seq_mis, icepop, geo_rs, bypass_ppo_clip, ...; see docs/rollout.md)")
     _at_least(("rollout.pipeline.engine_ranks", pipe.engine_ranks, 1),
               ("rollout.pipeline.max_staleness", pipe.max_staleness, 1), ("rollout.pipeline.bucket_mb", pipe.bucket_mb, 1e-3))
     if r.schedule.partial and pipe.max_staleness < 2:

@@ -161,7 +161,7 @@ def test_two_engine_ranks_stream_with_partial_rollouts_two_versions_behind(cli_e
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (["rollout.pipeline.mode=async"], "rollout.pipeline.mode=async trains on responses the previous policy sampled"
-                                      "; it needs the truncated importance correction: set algo.tis_cap"),
+                                      "; it needs an off-policy correction: set algo.tis_cap"),
     (["rollout.pipeline.mode=async", "algo.tis_cap=2", "rollout.schedule.streaming=true",
       "rollout.schedule.partial=true"], "set rollout.pipeline.max_staleness=2"),
     (["rollout.pipeline.mode=async", "algo.tis_cap=2", "rollout.pipeline.engine_ranks=2"],
