@@ -19,6 +19,7 @@ from dapo_mcore.algo.schedule_config import ScheduleConfig
 from dapo_mcore.configtree import ConfigError, apply_overrides, from_dict, read_yaml, to_dict
 from dapo_mcore.data.config import DataConfig
 from dapo_mcore.data.tiny_base_settings import TinyBaseSettings
+from dapo_mcore.model.hf_config import HFConfigError, QwenShape
 from dapo_mcore.model.presets import PRESET_NAMES, preset_config
 
 __all__ = ["Config", "ConfigError", "load_config", "write_resolved"]
@@ -85,6 +86,16 @@ class ModelConfig:
         if self.tiny_base:
             return preset_config(tiny_preset)
         raise ConfigError("no model given: set model.hf_path, model.preset or model.tiny_base=true.")
+
+    def architecture(self, tiny_preset: str = "tiny") -> QwenShape:
+        """The model's architecture (``QwenShape``); ConfigError naming the source, the field and what is supported
+        for a model type or feature that dapo-mcore cannot build faithfully (checked before anything starts)."""
+        hf = self.hf_config(tiny_preset)
+        try:
+            return QwenShape.from_hf(hf)
+        except HFConfigError as exc:
+            source = f"model.hf_path={self.hf_path} (config.json)" if self.hf_path else f"model.preset={self.preset}"
+            raise ConfigError(f"{source}: {exc}") from exc
 
     def validate(self) -> None:
         sources = [s for s in (self.hf_path, self.preset, self.tiny_base or None) if s]
@@ -389,9 +400,8 @@ def _at_least(*checks: tuple[str, float, float]) -> None:
 
 
 def _validate_layout(cfg: Config, world_size: int) -> None:
-    hf = cfg.model.hf_config(cfg.tiny_base.preset)
-    heads, kv = hf["num_attention_heads"], hf.get("num_key_value_heads", hf["num_attention_heads"])
-    layers = hf["num_hidden_layers"]
+    shape = cfg.model.architecture(cfg.tiny_base.preset)
+    heads, kv, layers = shape.num_heads, shape.num_kv_heads, shape.num_layers
     p = cfg.parallel
     for name, value in (("tensor_parallel", p.tensor_parallel), ("pipeline_parallel", p.pipeline_parallel)):
         if value < 1:

@@ -23,7 +23,7 @@ from dapo_mcore.rollout import (
     SamplingParams,
     VLLMEngine,
     VLLMEngineOptions,
-    qwen2_param_shapes,
+    hf_param_shapes,
 )
 from dapo_mcore.rollout.vllm_engine import (
     GPU_TRAITS,
@@ -193,7 +193,7 @@ def test_responses_from_outputs():
 @pytest.mark.parametrize("tied", [True, False])
 def test_weight_names_match_hf_qwen2(tied):
     sd = hf_state_dict(tie_word_embeddings=tied)
-    shapes = qwen2_param_shapes(preset_config("tiny", tie_word_embeddings=tied))
+    shapes = hf_param_shapes(preset_config("tiny", tie_word_embeddings=tied))
     want = {k: tuple(v.shape) for k, v in sd.items() if not (tied and k == "lm_head.weight")}
     assert shapes == want
 

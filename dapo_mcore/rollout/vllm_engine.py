@@ -53,7 +53,7 @@ from dapo_mcore.rollout.protocol import (
     check_resume,
 )
 from dapo_mcore.rollout.vllm_outputs import VLLMGroupStream, completion_tokens, responses_from_outputs
-from dapo_mcore.rollout.weight_sync import SyncTracker, qwen2_param_shapes
+from dapo_mcore.rollout.weight_sync import SyncTracker, hf_param_shapes
 
 __all__ = [
     "SUPPORTED_VLLM",
@@ -444,7 +444,7 @@ class VLLMEngine:
         world = _world_size() if world_size is None else world_size
         options.validate(world)
         self.vocab_size = int(hf_config["vocab_size"])
-        shapes = qwen2_param_shapes(hf_config)
+        shapes = hf_param_shapes(hf_config)
         aliases = {"lm_head.weight": "model.embed_tokens.weight"} if hf_config["tie_word_embeddings"] else {}
         self._tracker = SyncTracker(shapes, aliases)
         if backend is None:

@@ -90,7 +90,7 @@ class ModelMapping:
         table = {
             "embed": (self.vocab_size, h), "norm": (h,), "o": (h, self.num_heads * hd), "down": (h, f),
             "q": (self.num_heads * hd, h), "kv": (self.num_kv_heads * hd, h), "gate_up": (f, h),
-            "q_bias": (self.num_heads * hd,), "kv_bias": (self.num_kv_heads * hd,),
+            "q_bias": (self.num_heads * hd,), "kv_bias": (self.num_kv_heads * hd,), "head_norm": (hd,),
         }
         return [table[k] for k in rule.kinds]
 
