@@ -126,6 +126,10 @@ class ParallelConfig:
     """Virtual pipeline stages per rank (interleaved 1F1B); needs pipeline_parallel > 1."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs tensor_parallel > 1)."""
+    expert_parallel: int = 1
+    """MoE models (qwen3_moe): split each layer's experts over this many ranks, taken inside the data-parallel group
+    (must divide num_experts and world / (tensor_parallel x pipeline_parallel)); tokens reach their experts by
+    all-to-all. 1 = every rank holds every expert."""
     distributed_optimizer: bool = False
     """Shard optimizer state over data-parallel ranks (needs NCCL: GPU only)."""
     offload_for_rollout: bool = False
@@ -446,6 +450,7 @@ def _validate_layout(cfg: Config, world_size: int, launched: int | None = None) 
         raise ConfigError("parallel.sequence_parallel=true needs model.layer_spec=transformer_engine: the local spec's "
                           "torch RMSNorm has no sequence parallelism (Megatron asserts on every rank); set "
                           "parallel.sequence_parallel=false or model.layer_spec=transformer_engine.")
+    _validate_experts(cfg, hf, world_size)
     if p.distributed_optimizer and p.backend == "gloo":
         raise ConfigError("parallel.distributed_optimizer=true needs NCCL (gloo has no reduce-scatter); with "
                           "parallel.backend=gloo set parallel.distributed_optimizer=false.")
@@ -458,6 +463,27 @@ def _validate_layout(cfg: Config, world_size: int, launched: int | None = None) 
                           f"{_launch_hint(cfg, world_size, launched, model_parallel)} or change the layout.")
     if p.timeout_minutes <= 0:
         raise ConfigError("parallel.timeout_minutes must be > 0 (minutes; 10 by default, 30 in the 7B/32B configs).")
+
+
+def _validate_experts(cfg: Config, hf: dict, world_size: int) -> None:
+    """Expert parallelism and the MoE layout (model/moe.py, actor/parallel.py name the fix)."""
+    from dapo_mcore.actor.parallel import expert_layout_error
+    from dapo_mcore.model.moe import MoEConfigError, MoEShape, check_expert_parallel
+
+    p = cfg.parallel
+    try:
+        shape = MoEShape.from_hf(hf)
+        check_expert_parallel(shape, p.expert_parallel)
+    except MoEConfigError as exc:
+        raise ConfigError(str(exc)) from None
+    problem = expert_layout_error(world_size, p.tensor_parallel, p.pipeline_parallel, p.expert_parallel)
+    if problem:
+        raise ConfigError(problem)
+    if shape is not None and p.tensor_parallel > 1 and not p.sequence_parallel:
+        raise ConfigError(f"parallel.tensor_parallel={p.tensor_parallel} with an MoE model needs "
+                          "parallel.sequence_parallel=true (Megatron requires it for MoE with TP), which needs "
+                          "model.layer_spec=transformer_engine; on CPU split the model with parallel.expert_parallel "
+                          "and parallel.pipeline_parallel instead.")
 
 
 def _validate_batches(cfg: Config, world_size: int) -> None:
