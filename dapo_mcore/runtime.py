@@ -568,7 +568,8 @@ def _build_parts(cfg: Config, launch: LaunchEnv, *, resume: bool, checkpoint: st
 
     train_records, eval_records = records
     init_model_parallel(cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel, cfg.parallel.virtual_pipeline,
-                        seed=cfg.train.seed, timeout_minutes=cfg.parallel.timeout_minutes)
+                        seed=cfg.train.seed, timeout_minutes=cfg.parallel.timeout_minutes,
+                        expert_parallel=cfg.parallel.expert_parallel)
     hf_dir = resolve_base_model(cfg, launch)
     if bridge is not None:
         bridge.barrier()  # the engine ranks read the base model's config and tokenizer once it exists

@@ -221,6 +221,23 @@ def test_sync_order_and_weight_stream():
     assert backend.calls[-1] == ("shutdown",)
 
 
+def test_a_weight_update_on_an_awake_engine_resets_the_prefix_cache_before_the_next_generation():
+    """The async engine loop updates an awake engine and never calls wake(): the prefix cache must be reset by the
+    update itself (vLLM keys it on token hashes only; #35 item 1). Failed before: no reset between the update and the
+    generation."""
+    engine, backend = make_engine()
+    engine.update_weights(buckets(hf_state_dict(), 4))
+    engine.generate([[1, 4]], SamplingParams(n=1, seed=0))
+    engine.update_weights(buckets(hf_state_dict(), 4))
+    engine.generate([[1, 4]], SamplingParams(n=1, seed=0))
+    kinds = [c[0] for c in backend.calls]
+    finishes = [i for i, k in enumerate(kinds) if k == "finish_weight_update"]
+    generates = [i for i, k in enumerate(kinds) if k == "generate"]
+    for done, gen in zip(finishes, generates, strict=True):
+        assert "reset_prefix_cache" in kinds[done:gen], kinds
+    assert "wake_up" not in kinds
+
+
 def _record_empty_cache(monkeypatch, backend: FakeBackend) -> None:
     """torch.cuda.empty_cache appends to the backend's call log, so the order of releases and wakes is checkable."""
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: backend.calls.append(("empty_cache",)))

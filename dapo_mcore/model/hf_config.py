@@ -38,6 +38,8 @@ class Family:
 FAMILIES: dict[str, Family] = {
     "qwen2": Family("Qwen2 / Qwen2.5", "Qwen2ForCausalLM", qkv_bias=True, qk_norm=False, default_head_dim=None),
     "qwen3": Family("Qwen3 dense", "Qwen3ForCausalLM", qkv_bias=None, qk_norm=True, default_head_dim=128),
+    # Qwen3 attention + MoE MLPs; the MoE half (experts, router, sparse layers) is read by model/moe.py
+    "qwen3_moe": Family("Qwen3-MoE", "Qwen3MoeForCausalLM", qkv_bias=None, qk_norm=True, default_head_dim=128),
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 

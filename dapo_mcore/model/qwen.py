@@ -23,6 +23,7 @@ from dapo_mcore.model.hf_config import (  # noqa: F401  (re-exported: the model'
     rope_parameters,
     sliding_window_layers,
 )
+from dapo_mcore.model.moe import MoEShape, moe_transformer_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +36,11 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) 
 def transformer_config(hf: dict[str, Any], *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
                        virtual_pipeline: int | None = None, sequence_parallel: bool = False,
                        params_dtype: torch.dtype = torch.float32, recompute: str = "none",
-                       fp8: Any = None, use_cpu_initialization: bool | None = None, deterministic: bool = True):
+                       fp8: Any = None, use_cpu_initialization: bool | None = None, deterministic: bool = True,
+                       expert_parallel: int = 1, routing_replay: bool = False):
     """Derive Megatron-Core's ``TransformerConfig`` from a Hugging Face Qwen2/Qwen3 config dict (Qwen3: q/k
-    RMSNorm per head = ``qk_layernorm``, no QKV bias, ``kv_channels`` = its own ``head_dim``)."""
+    RMSNorm per head = ``qk_layernorm``, no QKV bias, ``kv_channels`` = its own ``head_dim``; Qwen3-MoE: the
+    experts, router and dense/sparse layer pattern from model/moe.py)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     shape = QwenShape.from_hf(hf)
@@ -81,6 +84,7 @@ def transformer_config(hf: dict[str, Any], *, tensor_parallel: int = 1, pipeline
         deterministic_mode=deterministic and not torch.cuda.is_available(),
         **recompute_kwargs,
         **fp8_transformer_kwargs(fp8),
+        **moe_transformer_kwargs(hf, expert_parallel=expert_parallel, routing_replay=routing_replay),
     )
 
 
@@ -112,6 +116,15 @@ def layer_spec(kind: str, attention: str = "auto", qk_layernorm: bool = False):
     return spec
 
 
+def moe_spec(tconfig, kind: str, attention: str, vp_stage: int | None):
+    """The block spec of an MoE model's pipeline stage (model/moe.py), with the same attention as `layer_spec`."""
+    from dapo_mcore.model.attention import SDPAttention, resolve_attention
+    from dapo_mcore.model.moe import moe_block_spec
+
+    core = SDPAttention if resolve_attention(attention, kind) == "sdpa" else None
+    return moe_block_spec(tconfig, kind, core, vp_stage)
+
+
 def build_gpt_model(hf: dict[str, Any], tconfig, *, spec: str = "local", make_vocab_size_divisible_by: int = 128,
                     attention: str = "auto") -> list:
     """Build this rank's GPTModel chunks (one per virtual pipeline stage). Parallel state must be initialized."""
@@ -124,6 +137,8 @@ def build_gpt_model(hf: dict[str, Any], tconfig, *, spec: str = "local", make_vo
     vpp = tconfig.virtual_pipeline_model_parallel_size or 1
     chunks = []
     for vp_stage in range(vpp):
+        if MoEShape.from_hf(hf) is not None:  # MoE and dense layers: one spec per layer of this stage
+            spec_obj = moe_spec(tconfig, spec, attention, None if vpp == 1 else vp_stage)
         kwargs = {} if vpp == 1 else {"vp_stage": vp_stage}
         pre = ps.is_pipeline_first_stage(ignore_virtual=False, **kwargs) if vpp > 1 else ps.is_pipeline_first_stage()
         post = ps.is_pipeline_last_stage(ignore_virtual=False, **kwargs) if vpp > 1 else ps.is_pipeline_last_stage()
