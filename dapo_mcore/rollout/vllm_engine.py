@@ -29,6 +29,7 @@ read from and what the CPU tier cannot show.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import importlib
@@ -36,7 +37,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -169,6 +170,34 @@ def launcher_env_defaults(environ: dict[str, str], port: int) -> dict[str, str]:
     if any(k in environ for k in keys):
         return {}
     return dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+@contextlib.contextmanager
+def launcher_ranks(rank: int, world_size: int, local_rank: int) -> Iterator[None]:
+    """``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` as vLLM's ``external_launcher`` must see them while an engine is built
+    on a default process group that is not the job's (the async mode's engine ranks), then the job's again.
+
+    vLLM takes the worker's rank from ``RANK`` (``ExecutorWithExternalLauncher._distributed_args``) and derives its
+    data-parallel rank as ``RANK // (world_size // data_parallel_size)`` (``ParallelConfig.__post_init__``; the same
+    code in vLLM 0.20.1, 0.32 and 0.33), assuming the torch.distributed world is the job. On the engine ranks it is
+    the engine side's group (ranks 0..E-1) while the job's RANK counts the trainer ranks first: engine ranks past
+    the data-parallel size raise "data_parallel_rank (N) must be in the range", the others take a wrong rank.
+    ``LOCAL_RANK`` is the node-local index that picks the GPU. Read once, at construction; restored after so that
+    the job's messages name the job's rank."""
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank))
+    if saved["RANK"] != str(rank):
+        logger.info("vLLM external_launcher: RANK=%d WORLD_SIZE=%d (this side's process group; the job's RANK is %s)",
+                    rank, world_size, saved["RANK"])
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @dataclass
