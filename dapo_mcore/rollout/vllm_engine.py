@@ -172,6 +172,27 @@ def launcher_env_defaults(environ: dict[str, str], port: int) -> dict[str, str]:
     return dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
+_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def pin_model_runner(environ: dict[str, str], data_parallel: int) -> dict[str, str]:
+    """The environment that keeps vLLM's data-parallel engines in lockstep: with data-parallel > 1, vLLM's V1 model
+    runner (``VLLM_USE_V2_MODEL_RUNNER=0``). The engine groups step together (``VLLMEngine.groups_step_together``);
+    a group with nothing scheduled steps a dummy batch that joins the others' data-parallel sync, which the V1 runner
+    guards and vLLM 0.33's Model Runner V2 (its default where it applies) skips (read, not run: #35), so one group
+    would wait forever. Empty with data-parallel 1 or when already pinned; EngineError if V2 is asked for."""
+    if data_parallel <= 1:
+        return {}
+    value = environ.get(_RUNNER_ENV)
+    if value is None:
+        return {_RUNNER_ENV: "0"}
+    if value.strip().lower() in ("0", "false"):
+        return {}
+    raise EngineError(f"{_RUNNER_ENV}={value} with vLLM data-parallel {data_parallel}: Model Runner V2 skips the "
+                      f"data-parallel sync on a step with nothing scheduled and the engine groups' lockstep hangs; "
+                      f"unset {_RUNNER_ENV} (the engine pins the V1 runner) or use one engine group.")
+
+
 @contextlib.contextmanager
 def launcher_ranks(rank: int, world_size: int, local_rank: int) -> Iterator[None]:
     """``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` as vLLM's ``external_launcher`` must see them while an engine is built
@@ -507,6 +528,11 @@ class VLLMEngine:
                     logger.info("no torchrun launch env: running vLLM's external_launcher as a single process (%s)",
                                 env)
                     os.environ.update(env)
+        pinned = pin_model_runner(dict(os.environ), int(kwargs.get("data_parallel_size", 1)))
+        if pinned:
+            os.environ.update(pinned)
+            logger.info("vLLM data-parallel %d: the V1 model runner (%s=0), whose dummy steps keep the engine groups "
+                        "in lockstep", kwargs["data_parallel_size"], _RUNNER_ENV)
         if traits.cpu_kv_cache and not os.environ.get(_CPU_KVCACHE_ENV):
             # Unset, vLLM's CPU platform reserves gpu_memory_utilization x host RAM per process for the KV cache.
             os.environ[_CPU_KVCACHE_ENV] = _CPU_KVCACHE_DEFAULT_GIB
