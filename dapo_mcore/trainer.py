@@ -335,10 +335,17 @@ def train_main(config_path: str, overrides: list[str]) -> int:
         if not role.trainer:
             from dapo_mcore.async_runtime import run_engine_ranks
 
-            return run_engine_ranks(cfg, launch, bridge)
-    prepare_run_dir(cfg, launch)
-    parts = build_components(cfg, launch, bridge=bridge)
-    return Trainer(cfg, parts).run()
+            try:
+                return run_engine_ranks(cfg, launch, bridge)
+            finally:
+                bridge.close()
+    try:
+        prepare_run_dir(cfg, launch)
+        parts = build_components(cfg, launch, bridge=bridge)
+        return Trainer(cfg, parts).run()
+    finally:
+        if bridge is not None:
+            bridge.close()  # the weights group, also when the run failed
 
 
 def eval_main(config_path: str, overrides: list[str], checkpoint: str | None, as_json: bool = False) -> int:

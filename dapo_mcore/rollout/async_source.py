@@ -96,6 +96,8 @@ class AsyncRollouts:
         """The version of the first publish: the steps the run starts after."""
         self._publish_s = 0.0
         self._stopped = False
+        self._mid_version = False
+        """A publish failed between its first and last broadcast: the engines wait for a bucket, not a meeting."""
 
     # ---- start and checkpoints -------------------------------------------------------------------------------
     def resume_from(self, step: int, state: dict[str, Any], pending: bytes | None) -> None:
@@ -161,6 +163,8 @@ class AsyncRollouts:
         header = {"version": version, "eval": due}
         if self.version is None:
             header.update(start=start, state=self.resume_state)
+        self.bridge.meet()  # the engines finished the batch before this version (Bridge.meet)
+        self._mid_version = True
         self.bridge.broadcast_header(header)
         for index, bucket in enumerate(rebucket(weights, int(self.cfg.rollout.pipeline.bucket_mb * (1 << 20)))):
             meta, flat = flatten_bucket(bucket)
@@ -168,6 +172,7 @@ class AsyncRollouts:
             self.bridge.broadcast_flat(flat)
             faults.point("publish", version, index)
         self.bridge.broadcast_header({"end": True})
+        self._mid_version = False
         self.version = version
         self._publish_s = 0.0 if self.version == start else time.monotonic() - t0  # the start's is set-up time
 
@@ -192,8 +197,11 @@ class AsyncRollouts:
             return
         self._stopped = True
         if self.is_root:
+            if not self._mid_version:
+                self.bridge.meet()
             self.bridge.broadcast_header({"stop": True})
         self.bridge.barrier()
+        self.bridge.close()
 
     # ---- the batches channel ---------------------------------------------------------------------------------
     def _read(self, found: Callable[[], Any]) -> Any:
