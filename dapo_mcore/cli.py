@@ -50,12 +50,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true",
                    help="print the traceback of user errors too (or set DAPO_MCORE_DEBUG=1)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    train = sub.add_parser("train", help="run DAPO training (one process per rank: torchrun or srun)")
+    train = sub.add_parser("train", help="run DAPO training (--nproc-per-node N on one machine; or torchrun, srun)")
     train.add_argument("config", help="YAML config, e.g. examples/tiny_cpu.yaml")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.clip_high=0.28 run.dir=runs/x")
     ev = sub.add_parser("eval", help="held-out avg@k / pass@k / maj@k of a checkpoint")
     ev.add_argument("config")
     ev.add_argument("overrides", nargs="*")
+    for command in (train, ev):
+        command.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                             help="start N processes on this machine (torch.distributed.run underneath): the "
+                                  "config is checked once, a refusal is one line, the ranks' exit code is returned")
     ev.add_argument("--checkpoint", default=None,
                     help="a run dir (its latest checkpoint), a checkpoint dir, or 'base' (default: run.dir's latest)")
     ev.add_argument("--json", action="store_true", help="print the scores as one JSON object")
@@ -83,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                             datefmt="%H:%M:%S")
     # Megatron logs every config and parameter name at INFO; keep its warnings only.
     logging.getLogger("megatron").setLevel(logging.WARNING)
+    if _rank() != 0:  # progress and start-up lines once, from rank 0; every rank's warnings and errors stay
+        logging.getLogger().setLevel(logging.WARNING)
     parser = _parser()
     if argv and argv[0] in _DELEGATED:
         module, func, _ = _DELEGATED[argv[0]]
@@ -97,6 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     return _guard(lambda: _run_training_command(args), debug)
 
 
+def _rank() -> int:
+    """This process's rank in a torchrun/srun launch (0 for a lone process), read before torch is imported."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
 ENV_OVERRIDES = "DAPO_MCORE_EXTRA_OVERRIDES"
 """Overrides appended to every train/eval command line, e.g. ``train.steps=4`` to shorten documented commands in CI."""
 
@@ -108,8 +119,17 @@ def _run_training_command(args: argparse.Namespace) -> int:
     from dapo_mcore.config_cli import precheck, resolve_eval_checkpoint
 
     extra = shlex.split(os.environ.get(ENV_OVERRIDES, ""))
-    if extra:
+    if extra and _rank() == 0:
         logging.getLogger(__name__).warning("%s adds overrides: %s", ENV_OVERRIDES, " ".join(extra))
+    if args.nproc_per_node is not None:
+        if args.nproc_per_node < 1 or "RANK" in os.environ:
+            raise UserError(f"--nproc-per-node {args.nproc_per_node}: give N >= 1, and not under torchrun/srun "
+                            "(they start the processes themselves)")
+        from dapo_mcore import launcher
+
+        rest = ["--checkpoint", args.checkpoint] if args.command == "eval" and args.checkpoint else []
+        rest += ["--json"] if args.command == "eval" and args.json else []
+        return launcher.launch(args.command, args.nproc_per_node, args.config, [*args.overrides, *rest], extra)
     overrides = [*args.overrides, *extra]
     if args.command == "eval":  # an async run's checkpoint evaluates colocated: the engines share the ranks
         overrides.append("rollout.pipeline.mode=sync")
@@ -255,7 +275,9 @@ def _quiet_cpu_warnings() -> None:
 
     if not torch.cuda.is_available():
         for pattern in (r"Transformer Engine and Apex are not installed.*", r"Apex is not installed.*",
-                        r"full scope is deprecated.*"):
+                        r"full scope is deprecated.*",
+                        r"When using async grad allreduce it is recommended to set the environment variable "
+                        r"CUDA_DEVICE_MAX_CONNECTIONS.*"):  # a CUDA stream setting; no meaning on CPU
             warnings.filterwarnings("ignore", message=pattern)
 
 
@@ -303,8 +325,21 @@ def _guard(fn: Callable[[], int], debug: bool = False) -> int:
         error, message = exc, f"{prefix}{exc}"
     if debug:
         traceback.print_exception(error)
-    print(f"dapo-mcore: {message}", file=sys.stderr)
+    _report_line(f"dapo-mcore: {message}")
     return EXIT_USAGE
+
+
+def _report_line(line: str) -> None:
+    """Print a user error's one line; a rank under `dapo_mcore.launcher` hands it to the launcher instead, which
+    prints each distinct line once (not once per rank)."""
+    error_dir = os.environ.get("DAPO_MCORE_ERROR_DIR")
+    if error_dir and "RANK" in os.environ:
+        try:
+            Path(error_dir, f"rank{int(os.environ['RANK'])}").write_text(line + "\n")
+            return
+        except OSError:
+            pass  # the launcher's directory is gone: print it here instead, nothing is lost
+    print(line, file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -518,14 +518,14 @@ def _build_engine(cfg: Config, hf_dir: Path | None, hf_config: dict[str, Any], t
             dtype=cfg.model.params_dtype, seed=cfg.train.seed, max_prompt_len=cfg.data.max_prompt_len,
             stop_token_ids=stops.ids, load_format="dummy")  # build_components syncs every weight from the actor before the first generation
         return VLLMEngine(options, hf_config)
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from dapo_mcore.rollout.hf_engine import HFEngine
 
     dtype = torch.bfloat16 if cfg.model.params_dtype == "bfloat16" else torch.float32
     # Built from the config alone: build_components syncs every weight from the actor before the first
     # generation (the sync refuses to finish with a tensor missing), so reading the checkpoint again is wasted I/O.
-    model = AutoModelForCausalLM.from_config(Qwen2Config(**hf_config), dtype=dtype)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf_config), dtype=dtype)
     if torch.cuda.is_available():
         model = model.to(torch.device("cuda", torch.cuda.current_device()))
     return HFEngine(model, eos_token_ids=stops.ids, pad_token_id=tokenizer.pad_token_id,
@@ -571,7 +571,8 @@ def _build_parts(cfg: Config, launch: LaunchEnv, *, resume: bool, checkpoint: st
 
     train_records, eval_records = records
     init_model_parallel(cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel, cfg.parallel.virtual_pipeline,
-                        seed=cfg.train.seed, timeout_minutes=cfg.parallel.timeout_minutes)
+                        seed=cfg.train.seed, timeout_minutes=cfg.parallel.timeout_minutes,
+                        expert_parallel=cfg.parallel.expert_parallel)
     hf_dir = resolve_base_model(cfg, launch)
     if bridge is not None:
         bridge.barrier()  # the engine ranks read the base model's config and tokenizer once it exists

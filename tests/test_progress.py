@@ -36,7 +36,8 @@ def test_resumed_run_counts_only_its_own_steps(monkeypatch):
     assert rate == pytest.approx(1.0) and eta == pytest.approx(58.0)
 
 
-def test_run_summary(tmp_path):
+def test_run_summary(tmp_path, monkeypatch):
+    monkeypatch.setenv("DAPO_MCORE_COMMAND", "dapo-mcore")
     total = {keys.cost_key("tokens_generated", True): 1000, keys.cost_key("tokens_generated_kept", True): 250,
              keys.cost_key("tokens_generated_rejected", True): 750, keys.cost_seconds_key("step", True): 100.0,
              keys.cost_seconds_key("generate", True): 50.0, keys.cost_seconds_key("train", True): 30.0,

@@ -99,6 +99,15 @@ def test_engine_single_process(env, tmp_path, tied, logprobs):
     assert res["partial_greedy"]["unfinished"] > 0 and res["resume_lp_err"] < TOL, res
 
 
+def test_a_weight_update_between_generations_leaves_no_stale_prefix_cache(env, tmp_path):
+    """The async engine loop's order (an awake engine updated between generations, no wake()): after the update a
+    prompt sharing a cached 40-token prefix generates exactly as Hugging Face's model B, log-probs within TOL
+    (engine_checks.prefix_cache_check). Failed before #35: the prefix's KV blocks were model A's."""
+    _run([sys.executable, str(SCRIPT), str(tmp_path), "--check", "prefix_cache"], env)
+    res = _ranks(tmp_path, 1)[0]
+    assert res["greedy_b_same"] and res["err_b"] < TOL and res["err_a"] < TOL, res
+
+
 def test_engine_tp2_under_torchrun(env, tmp_path):
     _run([*_torchrun(2), str(SCRIPT), str(tmp_path), "--tp", "2"], env)
     r0, r1 = _ranks(tmp_path, 2)

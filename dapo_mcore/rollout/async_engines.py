@@ -121,15 +121,13 @@ class EngineLoop:
         return header
 
     def _buckets(self) -> Iterator[WeightBucket]:
-        import torch
-
         while True:
             head = self.bridge.broadcast_header(None)
             if head.get("end"):
                 return
             if head.get("stop"):  # the trainer failed half way through a version and is shutting down
                 raise _Stop
-            flat = torch.empty(int(head["bytes"]), dtype=torch.uint8, device=self.bridge.device)
+            flat = self.bridge.empty_flat(int(head["bytes"]))
             yield unflatten_bucket(head["bucket"], self.bridge.broadcast_flat(flat))
 
     def _evaluate(self) -> None:

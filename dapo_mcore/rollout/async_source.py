@@ -166,7 +166,7 @@ class AsyncRollouts:
         for index, bucket in enumerate(rebucket(weights, int(self.cfg.rollout.pipeline.bucket_mb * (1 << 20)))):
             meta, flat = flatten_bucket(bucket)
             self.bridge.broadcast_header({"bucket": meta, "bytes": flat.numel()})
-            self.bridge.broadcast_flat(flat.to(self.bridge.device))
+            self.bridge.broadcast_flat(flat)
             faults.point("publish", version, index)
         self.bridge.broadcast_header({"end": True})
         self.version = version

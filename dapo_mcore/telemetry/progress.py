@@ -139,8 +139,22 @@ def run_summary(run_dir: Path, process_seconds: float | None = None) -> str:
 
 
 def _command_name() -> str:
-    """How the user started us (``.venv/bin/dapo-mcore`` pastes without activating the venv), else ``dapo-mcore``."""
+    """How the user started us (``.venv/bin/dapo-mcore`` pastes without activating the venv): the launcher's
+    ``DAPO_MCORE_COMMAND``, this process's own ``dapo-mcore`` script, or (``torchrun -m dapo_mcore.cli``, srun) the
+    ``dapo-mcore`` next to this Python (relative to the working directory when under it); else ``dapo-mcore``."""
+    import os
     import sys
 
+    named = os.environ.get("DAPO_MCORE_COMMAND")
+    if named:
+        return named
     argv0 = sys.argv[0] if sys.argv else ""
-    return argv0 if Path(argv0).name == "dapo-mcore" else "dapo-mcore"
+    if Path(argv0).name == "dapo-mcore":
+        return argv0
+    script = Path(sys.executable).parent / "dapo-mcore"
+    if not script.is_file():
+        return "dapo-mcore"
+    try:
+        return str(script.relative_to(Path.cwd()))
+    except ValueError:
+        return str(script)
