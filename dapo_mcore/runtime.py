@@ -389,7 +389,10 @@ def _live_terminal() -> bool:
 
 def _print_progress(step: int, total: int, m: dict[str, Any], every: int, pace: str = "") -> None:
     if every and (step % every == 0 or step == total):
+        from dapo_mcore.telemetry.progress import async_fields
+
         evals = f" heldout_avg@k={m['eval/avg_at_k']:.3f}" if "eval/avg_at_k" in m else ""
+        evals = async_fields(m) + evals
         log.info("step %d/%d  acc=%.3f usable=%.2f batches=%d loss=%.4f ent=%.3f clip=%.3f len=%.1f %.2fs%s  %s",
                  step, total, m.get("rollout/acc_mean", float("nan")), m.get("rollout/usable_group_frac", float("nan")),
                  int(m.get("rollout/gen_batches", 0)), m.get("train/loss", float("nan")),

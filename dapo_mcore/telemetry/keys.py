@@ -60,9 +60,10 @@ EVAL_K = "eval/k"
 
 # --- time: wall seconds per phase of the step ---------------------------------------------------
 PHASES: tuple[str, ...] = (
-    "generate", "reward", "old_logprobs", "train", "sync_weights", "eval", "checkpoint", "step",
+    "wait_rollouts", "generate", "reward", "old_logprobs", "train", "sync_weights", "eval", "checkpoint", "step",
 )
-"""Phase names the trainer times. ``step`` wraps the whole step, so the others nest inside it."""
+"""Phase names the trainer times. ``step`` wraps the whole step, so the others nest inside it. ``wait_rollouts``:
+async mode only, the trainer waiting for the engines' batch (its ``sync_weights`` is then the weight transfer alone)."""
 STEP_PHASE = "step"
 
 
