@@ -7,6 +7,8 @@ seconds per step are ``time/old_logprobs + time/train`` from each run's metrics,
 
     OMP_NUM_THREADS=1 python benchmarks/bypass.py --steps 8 --repeats 2
 
+``--all-presets``: instead, one short run per algo.rollout_correction preset (they complete; their metrics).
+
 Last line: ``bypass_trainer_time_ratio: X`` (bypass / decoupled trainer seconds per step; < 1 is faster).
 """
 
@@ -34,15 +36,40 @@ def trainer_seconds(run_dir: Path) -> tuple[list[float], list[float]]:
     return [float(r.get("time/old_logprobs", 0.0)) for r in rows], [float(r["time/train"]) for r in rows]
 
 
-def run(mode: str, steps: int, out: Path) -> tuple[list[float], list[float]]:
-    run_dir = out / mode
+def train(run_dir: Path, steps: int, override: str) -> None:
     cmd = [sys.executable, "-m", "dapo_mcore.cli", "train", str(CONFIG), f"run.dir={run_dir}", "run.overwrite=true",
-           f"train.steps={steps}", "eval.every=0", "eval.at_start=false", "checkpoint.every=0", MODES[mode]]
+           f"train.steps={steps}", "eval.every=0", "eval.at_start=false", "checkpoint.every=0", override]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
-        raise SystemExit(f"{mode} run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return trainer_seconds(run_dir)
+        raise SystemExit(f"{override} run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+def run(mode: str, steps: int, out: Path) -> tuple[list[float], list[float]]:
+    train(out / mode, steps, MODES[mode])
+    return trainer_seconds(out / mode)
+
+
+def all_presets(steps: int, out: Path) -> None:
+    """One run per preset: steps done, updates, old-log-prob phase, and the step means of the correction metrics."""
+    sys.path.insert(0, str(ROOT))
+    from dapo_mcore.algo.rollout_correction import PRESETS
+
+    print("| preset | steps | updates (skipped) | old_logprobs phase | rejected tokens | IS weight mean | KL k3 |")
+    print("|---|---|---|---|---|---|---|")
+    for name in PRESETS:
+        train(out / name, steps, f"algo.rollout_correction.preset={name}")
+        rows = [json.loads(x) for x in (out / name / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        rows = [r for r in rows if "time/train" in r]
+
+        def mean(key: str, rows: list[dict] = rows) -> float:
+            return statistics.fmean(float(r.get(key, float("nan"))) for r in rows)
+
+        phase = "skipped" if not any("time/old_logprobs" in r for r in rows) else "ran"
+        print(f"| {name} | {len(rows)} | {sum(r['train/updates'] for r in rows):.0f} "
+              f"({sum(r['train/skipped_updates'] for r in rows):.0f}) | {phase} | "
+              f"{mean('rollout_corr/rejected_token_frac'):.3f} | {mean('rollout_corr/is_weight_mean'):.4f} | "
+              f"{mean('rollout_corr/kl_k3'):.2e} |", flush=True)
 
 
 def main() -> None:
@@ -50,8 +77,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None, help="run directories (default: a temporary folder)")
+    parser.add_argument("--all-presets", action="store_true", help="one run per preset instead (see above)")
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="dapo_bypass_bench_"))
+    if args.all_presets:
+        all_presets(args.steps, out)
+        return
     seconds: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
     for _ in range(args.repeats):
         for mode in MODES:  # alternated, so a change of machine load hits both
