@@ -278,7 +278,7 @@ def rule_mismatch(run: Run) -> list[Finding]:
                     "the rollout engine and the trainer disagree on log-probs" + (", and it is growing" if growing else ""),
                     f"|logp_engine - logp_trainer| mean {start:.3g} (steps {s_rng}) -> {end:.3g} (steps {e_rng}){kl_txt}",
                     "check the engine dtype vs model.params_dtype and that weight sync covers every tensor; "
-                    "algo.tis_cap corrects the gradient for a known mismatch")]
+                    "algo.tis_cap (or an algo.rollout_correction preset) corrects the gradient for a known mismatch")]
 
 
 OFF_POLICY_KL_FLOOR = 1e-3
