@@ -67,6 +67,8 @@ class ProfileSummary:
     """Async mode: the window's means of ``async/*`` (lag, waits on both sides, overlap)."""
     engine_lane: list[PhaseRow] = field(default_factory=list)
     """Async mode: the engines' seconds per batch (generate, score, wait for weights, receive them, eval)."""
+    skipped: list[str] = field(default_factory=list)
+    """Phases a mode skips (bypass: old_logprobs), shown as skipped rather than missing."""
 
 
 def summarize(records: Sequence[dict[str, Any]]) -> ProfileSummary:
@@ -93,6 +95,8 @@ def summarize(records: Sequence[dict[str, Any]]) -> ProfileSummary:
     if keys.STEP_PHASE in phases:
         s = phases[keys.STEP_PHASE]
         summary.phases.append(PhaseRow("step (wall)", float(s.sum()), 1.0, float(s.mean()), float(s[-1])))
+    if any(keys.CORR_BYPASS in r for r in records) and "old_logprobs" not in phases:
+        summary.skipped.append("old_logprobs")
     for key, _, _ in PERF_KEYS:
         values = [float(r[key]) for r in records if key in r]
         if values:
@@ -150,7 +154,11 @@ def render(summary: ProfileSummary, console: Console, run_name: str) -> None:
     for row in summary.phases:
         time_table.add_row(row.phase, f"{row.total_s:.2f}", f"{100 * row.share:.1f}%",
                            f"{row.per_step_s:.3f}", f"{row.last_s:.3f}")
+    for phase in summary.skipped:
+        time_table.add_row(phase, "skipped", "", "", "", end_section=False)
     console.print(time_table if summary.phases else "no time/* metrics logged")
+    if "old_logprobs" in summary.skipped:
+        console.print("old_logprobs: skipped (bypass mode, algo.rollout_correction: pi_old := the engine's log-probs)")
     if summary.base_eval_s is not None:
         console.print(f"base evaluation (step 0, before the first step; not in the table): "
                       f"{summary.base_eval_s:.2f} s")

@@ -272,6 +272,33 @@ def pipeline_figure(records: Sequence[dict[str, Any]], out: Path, steps: Sequenc
     return _save(fig, out / "pipeline.png")
 
 
+def correction_figure(records: Sequence[dict[str, Any]], out: Path, smooth: int = 1) -> Path | None:
+    """Rollout correction (algo.rollout_correction): the gap between the engine's and the trainer's policy and what
+    the correction did with it, per step: IS weights, effective sample size, rejected fractions, off-policy KL."""
+    if not any(keys.CORR_KL_K3 in r for r in records):
+        return None
+    panels = [
+        ("IS weights", [(keys.CORR_IS_WEIGHT_MEAN, "mean"), (keys.CORR_IS_WEIGHT_MIN, "min"),
+                        (keys.CORR_IS_WEIGHT_MAX, "max")]),
+        ("effective sample size (fraction)", [(keys.CORR_ESS, "ESS")]),
+        ("rejected fraction", [(keys.CORR_REJECTED_TOKEN_FRAC, "tokens"), (keys.CORR_REJECTED_SEQ_FRAC, "responses")]),
+        ("off-policy gap", [(keys.CORR_KL_K1, "KL k1"), (keys.CORR_KL_K3, "KL k3"), (keys.CORR_CHI2, "chi-squared"),
+                            (keys.CORR_LOG_PPL_DIFF, "log-PPL diff")]),
+    ]
+    fig, axes = _figure(len(panels), 4.2 * len(panels), 3.4)
+    for ax, (title, lines) in zip(axes, panels, strict=True):
+        for key, label in lines:
+            steps, values = series(records, key, smooth)
+            if len(steps):
+                ax.plot(steps, values, label=label)
+        ax.set(title=title, xlabel="step")
+        ax.legend(fontsize=7)
+    bypass = any(keys.CORR_BYPASS in r for r in records)
+    fig.suptitle("Rollout correction" + (" (bypass: pi_theta vs the engine, measured in training)" if bypass
+                                         else " (pi_old vs the engine)"))
+    return _save(fig, out / "rollout_correction.png")
+
+
 def write_report(run_dir: Path, out: Path | None = None, smooth: int = 1,
                  pipeline_steps: Sequence[int] | None = None) -> list[Path]:
     """Write every figure of one run; returns the files written."""
@@ -282,6 +309,7 @@ def write_report(run_dir: Path, out: Path | None = None, smooth: int = 1,
     written = [_line_figure(records, panel, out, smooth, max_len) for panel in PANELS]
     written.append(cost_figure(records, out))
     written.append(pipeline_figure(records, out, pipeline_steps))
+    written.append(correction_figure(records, out, smooth))
     return [p for p in written if p is not None]
 
 
