@@ -423,7 +423,7 @@ def _validate_layout(cfg: Config, world_size: int) -> None:
         raise ConfigError("parallel.sequence_parallel=true needs model.layer_spec=transformer_engine: the local spec's "
                           "torch RMSNorm has no sequence parallelism (Megatron asserts on every rank); set "
                           "parallel.sequence_parallel=false or model.layer_spec=transformer_engine.")
-    _validate_experts(cfg, hf, world_size)
+    _validate_experts(cfg, cfg.model.hf_config(cfg.tiny_base.preset), world_size)
     if p.distributed_optimizer and p.backend == "gloo":
         raise ConfigError("parallel.distributed_optimizer=true needs NCCL (gloo has no reduce-scatter); with "
                           "parallel.backend=gloo set parallel.distributed_optimizer=false.")

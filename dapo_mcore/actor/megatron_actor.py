@@ -37,6 +37,7 @@ class ActorSettings:
     pipeline_parallel: int = 1
     virtual_pipeline: int | None = None
     sequence_parallel: bool = False
+    expert_parallel: int = 1  # MoE models: experts split over this many ranks inside data parallel
     layer_spec: str = "local"
     attention: str = "auto"  # core attention of the local spec: auto (= sdpa) | sdpa | megatron_local
     params_dtype: torch.dtype = torch.float32
@@ -126,7 +127,8 @@ class MegatronActor:
         tconfig = transformer_config(
             settings.hf_config, tensor_parallel=settings.tensor_parallel, pipeline_parallel=settings.pipeline_parallel,
             virtual_pipeline=settings.virtual_pipeline, sequence_parallel=settings.sequence_parallel,
-            params_dtype=settings.params_dtype, recompute=settings.recompute, fp8=settings.fp8)
+            params_dtype=settings.params_dtype, recompute=settings.recompute, fp8=settings.fp8,
+            expert_parallel=settings.expert_parallel)
         tconfig.variable_seq_lengths = settings.pipeline_parallel > 1
         self.tconfig = tconfig
         chunks = build_gpt_model(settings.hf_config, tconfig, spec=settings.layer_spec,

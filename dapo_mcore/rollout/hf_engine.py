@@ -23,6 +23,8 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from dapo_mcore.weights.qwen3_moe import per_expert_views
+
 from dapo_mcore.rollout.protocol import (
     EngineError,
     PartialGroup,
@@ -227,6 +229,14 @@ class HFEngine:
                 canonical[id(param)] = name
                 shapes[name] = tuple(param.shape)
         self._params = dict(self.model.named_parameters())
+        experts = per_expert_views(self._params)  # MoE: fused expert tensors, synced under per-expert names
+        if experts:
+            fused = {n.rsplit(".", 3)[0] + "." + k for n in experts for k in ("gate_up_proj", "down_proj")}
+            for name in fused:
+                shapes.pop(name, None)
+                self._params.pop(name, None)
+            shapes.update({n: tuple(v.shape) for n, v in experts.items()})
+            self._params.update(experts)
         return SyncTracker(shapes, aliases)
 
     @torch.no_grad()
