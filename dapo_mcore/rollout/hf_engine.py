@@ -23,8 +23,6 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from dapo_mcore.weights.qwen3_moe import per_expert_views
-
 from dapo_mcore.rollout.protocol import (
     EngineError,
     PartialGroup,
@@ -36,6 +34,7 @@ from dapo_mcore.rollout.protocol import (
 )
 from dapo_mcore.rollout.sampling import sample_next
 from dapo_mcore.rollout.weight_sync import SyncTracker
+from dapo_mcore.weights.qwen3_moe import per_expert_views
 
 __all__ = ["HFEngine"]
 
