@@ -160,6 +160,11 @@ class MegatronActor:
             self.layout = settings.layout
         self.pad_multiple = settings.seq_pad_multiple
         self.nonfinite = NonFiniteGuard(settings.skip_nonfinite_updates, settings.lr, settings.grad_clip)
+        self.router_stats = None  # MoE: tokens per expert and aux loss of each update (model/moe.py)
+        if tconfig.num_moe_experts:
+            from dapo_mcore.model.moe import RouterStats
+
+            self.router_stats = RouterStats(chunks, tconfig.num_layers, tconfig.num_moe_experts)
 
     # ---- weights -------------------------------------------------------------------------------------------
     @property
@@ -333,12 +338,16 @@ class MegatronActor:
         loss_fn = partial(dapo_loss, algo=algo, temperature=self.s.temperature, vocab_size=self.shape.vocab_size,
                           global_tokens=global_tokens, global_seqs=global_seqs,
                           max_response_len=self.s.max_response_len, scale=float(len(mbs) * self.dp_size))
+        if self.router_stats is not None:
+            self.router_stats.reset()
         results = self._run(mbs, loss_fn, forward_only=False)
         sums: dict[str, float] = {}
         for res in results:
             for k, v in res.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
         reduced = self._sum_over_dp_last_stage(sums)
+        if self.router_stats is not None:
+            reduced.update(self.router_stats.metrics(self.s.tensor_parallel))
         # Every rank knows the summed loss and whether any rank's gradients are non-finite: all take one branch.
         skip = self.nonfinite.check(reduced.get("loss", 0.0), grads_finite(self.chunks), lr)
         ok, grad_norm = False, None
