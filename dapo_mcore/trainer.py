@@ -258,6 +258,7 @@ class Trainer:
             keys.ROLLOUT_ADV_MEAN: float(adv.mean()), keys.ROLLOUT_ADV_STD: float(adv.std()) if adv.numel() > 1 else 0.0,
             "rollout/kept_acc_mean": sum(a for g in groups for a in g.acc) / max(len(kept_resp), 1),
         }
+        m.update({k: v for k, v in tm.items() if k.startswith("moe/")})  # MoE router load balance, aux loss
         lens = response_length_stats(lengths, truncated, prefix="")
         m.update({keys.ROLLOUT_RESP_LEN_MEAN: lens["mean"], keys.ROLLOUT_RESP_LEN_MAX: lens["max"],
                   keys.ROLLOUT_RESP_LEN_MIN: lens["min"], keys.ROLLOUT_TRUNCATED_FRAC: lens["truncated_frac"]})

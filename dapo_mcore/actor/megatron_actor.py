@@ -38,6 +38,7 @@ class ActorSettings:
     pipeline_parallel: int = 1
     virtual_pipeline: int | None = None
     sequence_parallel: bool = False
+    expert_parallel: int = 1  # MoE models: experts split over this many ranks inside data parallel
     layer_spec: str = "local"
     attention: str = "auto"  # core attention of the local spec: auto (= sdpa) | sdpa | megatron_local
     params_dtype: torch.dtype = torch.float32
@@ -163,7 +164,8 @@ class MegatronActor:
         tconfig = transformer_config(
             settings.hf_config, tensor_parallel=settings.tensor_parallel, pipeline_parallel=settings.pipeline_parallel,
             virtual_pipeline=settings.virtual_pipeline, sequence_parallel=settings.sequence_parallel,
-            params_dtype=settings.params_dtype, recompute=settings.recompute, fp8=settings.fp8)
+            params_dtype=settings.params_dtype, recompute=settings.recompute, fp8=settings.fp8,
+            expert_parallel=settings.expert_parallel)
         tconfig.variable_seq_lengths = settings.pipeline_parallel > 1
         self.tconfig = tconfig
         chunks = build_gpt_model(settings.hf_config, tconfig, spec=settings.layer_spec,
@@ -195,6 +197,11 @@ class MegatronActor:
             self.layout = settings.layout
         self.pad_multiple = settings.seq_pad_multiple
         self.nonfinite = NonFiniteGuard(settings.skip_nonfinite_updates, settings.lr, settings.grad_clip)
+        self.router_stats = None  # MoE: tokens per expert and aux loss of each update (model/moe.py)
+        if tconfig.num_moe_experts:
+            from dapo_mcore.model.moe import RouterStats
+
+            self.router_stats = RouterStats(chunks, tconfig.num_layers, tconfig.num_moe_experts)
 
     # ---- weights -------------------------------------------------------------------------------------------
     @property
@@ -371,6 +378,8 @@ class MegatronActor:
         loss_fn = partial(dapo_loss, algo=algo, temperature=self.s.temperature, vocab_size=self.shape.vocab_size,
                           global_tokens=global_tokens, global_seqs=global_seqs,
                           max_response_len=self.s.max_response_len, scale=float(len(mbs) * self.dp_size))
+        if self.router_stats is not None:
+            self.router_stats.reset()
         results = self._run(mbs, loss_fn, forward_only=False)
         sums: dict[str, float] = {}
         for res in results:
@@ -379,6 +388,8 @@ class MegatronActor:
         reduced = self._sum_over_dp_last_stage(sums)
         if bypass:
             reduced = self._bypass_scale(reduced)
+        if self.router_stats is not None:
+            reduced.update(self.router_stats.metrics(self.s.tensor_parallel))
         # Every rank knows the summed loss and whether any rank's gradients are non-finite: all take one branch.
         skip = self.nonfinite.check(reduced.get("loss", 0.0), grads_finite(self.chunks), lr)
         skip = skip or bool(reduced.pop("bypass_all_rejected", 0.0))  # bypass: every token rejected
