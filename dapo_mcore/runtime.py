@@ -739,7 +739,12 @@ def _open_telemetry(parts: Components, start: int) -> None:
 
     run_dir = Path(parts.cfg.run.dir)
     resume_step = start + 1 if start else 0
-    parts.writer = MetricsWriter(run_dir, enabled=parts.is_main, resume_step=resume_step)
+    sinks = []
+    if parts.is_main and parts.cfg.telemetry.wandb.project is not None:
+        from dapo_mcore.telemetry.wandb_sink import WandbSink
+
+        sinks.append(WandbSink(run_dir, parts.cfg.telemetry.wandb, to_dict(parts.cfg)))
+    parts.writer = MetricsWriter(run_dir, enabled=parts.is_main, resume_step=resume_step, sinks=sinks)
     parts.ledger = CostLedger(run_dir, enabled=parts.is_main)
     state = getattr(parts, "_resume_state", None)
     # A fresh start restores an empty ledger: lines left by a run that died before its first checkpoint go.
