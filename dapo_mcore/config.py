@@ -359,6 +359,15 @@ class TelemetryConfig:
 
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """Weights & Biases (off unless telemetry.wandb.project is set)."""
+    progress_every_s: float = 60.0
+    """In logs (Slurm, pipes): at most one line per this many seconds on the progress inside a step (phase,
+    dynamic-sampling batch k of max, usable groups of the target, tokens generated), the first this long after the
+    step started; a terminal shows it live beside the bar instead."""
+
+    def validate(self) -> None:
+        if not self.progress_every_s > 0:
+            raise ConfigError(f"telemetry.progress_every_s={self.progress_every_s!r} must be > 0 (seconds; default 60).")
+        self.wandb.validate()
 
 
 @dataclass
@@ -392,7 +401,7 @@ class Config:
             except ValueError as exc:  # component configs raise ValueError; report it as a config error
                 raise ConfigError(str(exc)) from exc
         self.reward.validate()
-        self.telemetry.wandb.validate()
+        self.telemetry.validate()
         self.validate_layout(world_size)
 
     def validate_layout(self, world_size: int) -> None:
