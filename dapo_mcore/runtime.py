@@ -606,6 +606,8 @@ def _build_parts(cfg: Config, launch: LaunchEnv, *, resume: bool, checkpoint: st
     if bridge is None:
         parts.engine_streams = _engine_streams(cfg, parts.gen_groups, engine)
         parts.rollouts = _build_rollouts(parts)
+        if launch.rank == 0 and parts.scheduler is not None and not for_eval:
+            _watch_steps(parts)
     else:
         from dapo_mcore.rollout.async_source import AsyncRollouts
 
@@ -620,6 +622,16 @@ def _build_parts(cfg: Config, launch: LaunchEnv, *, resume: bool, checkpoint: st
         _open_telemetry(parts, start)
     parts.rollouts.publish(actor.export_hf_weights())  # the engines serve exactly the actor's weights
     return parts
+
+
+def _watch_steps(parts: Components) -> None:
+    """Progress inside a step (rank 0): batches, usable groups and tokens from the rollouts, phases from the timer."""
+    from dapo_mcore.telemetry.progress import StepProgress
+
+    watch = StepProgress(parts.scheduler.target, parts.scheduler.max_rounds, parts.cfg.telemetry.progress_every_s,
+                         bar=lambda: parts.progress)
+    parts.rollouts.progress = watch
+    parts.timer.on_phase = watch.phase
 
 
 def _build_sampler(cfg: Config, records: list) -> Any:
@@ -743,7 +755,12 @@ def _open_telemetry(parts: Components, start: int) -> None:
 
     run_dir = Path(parts.cfg.run.dir)
     resume_step = start + 1 if start else 0
-    parts.writer = MetricsWriter(run_dir, enabled=parts.is_main, resume_step=resume_step)
+    sinks = []
+    if parts.is_main and parts.cfg.telemetry.wandb.project is not None:
+        from dapo_mcore.telemetry.wandb_sink import WandbSink
+
+        sinks.append(WandbSink(run_dir, parts.cfg.telemetry.wandb, to_dict(parts.cfg)))
+    parts.writer = MetricsWriter(run_dir, enabled=parts.is_main, resume_step=resume_step, sinks=sinks)
     parts.ledger = CostLedger(run_dir, enabled=parts.is_main)
     state = getattr(parts, "_resume_state", None)
     # A fresh start restores an empty ledger: lines left by a run that died before its first checkpoint go.

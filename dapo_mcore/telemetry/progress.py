@@ -74,10 +74,70 @@ class ProgressLine:
             self._bar.update(self._task, completed=step, rate=f"{rate:.2f} steps/s", info=info)
         return rate, eta
 
+    @property
+    def live(self) -> bool:
+        return self._bar is not None
+
+    def note(self, info: str) -> None:
+        """Show ``info`` (progress inside the running step) beside the bar."""
+        if self._bar is not None:
+            self._bar.update(self._task, info=info)
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
+
+
+class StepProgress:
+    """Progress inside a step, on rank 0: the phase, the dynamic-sampling batch k of max, the usable groups so far
+    of the step's target, and the tokens generated.
+
+    Fed by ``ColocatedRollouts`` (``begin`` at a step's first generation, ``batch`` after each generation call) and
+    by the phase timer (``phase``). On a terminal the text goes into the live bar (``bar()``, once it exists); in
+    logs (Slurm, pipes) it is a log line at most every ``every_s`` seconds, the first one ``every_s`` after the
+    step started, so steps shorter than that add no line.
+    """
+
+    def __init__(self, target: int, max_batches: int, every_s: float, bar: Any = None, clock: Any = time.monotonic):
+        self.target, self.max_batches, self.every_s = target, max_batches, every_s
+        self._bar, self._clock = bar, clock
+        self.step, self.batches, self.current, self.usable, self.tokens, self.phase_name = 0, 0, 0, 0, 0, ""
+        self._last = clock()
+
+    def begin(self, step: int) -> None:
+        self.step, self.batches, self.current, self.usable, self.tokens = step, 0, 0, 0, 0
+        self._last = self._clock()
+
+    def batch(self, index: int, groups: list[Any]) -> None:
+        """Generation call ``index`` (0-based) of the step returned ``groups`` (``algo.dynamic_sampling.Group``)."""
+        self.batches = self.current = max(self.batches, index + 1)
+        self.usable += sum(1 for g in groups if g.is_usable())
+        self.tokens += sum(g.num_tokens() for g in groups)
+        self._show()
+
+    def phase(self, name: str) -> None:
+        if name == "step":  # the phase around a whole step (and its checkpoint): nothing to show yet
+            return
+        self.phase_name = name
+        if name == "generate":
+            self.current = self.batches + 1
+        self._show()
+
+    def text(self) -> str:
+        most = f"/{self.max_batches}" if self.max_batches else ""
+        return (f"step {self.step}: {self.phase_name or 'starting'}, batch {self.current}{most}, usable groups "
+                f"{min(self.usable, self.target)}/{self.target}, {self.tokens:,} tokens generated")
+
+    def _show(self) -> None:
+        bar = self._bar() if self._bar is not None else None
+        if bar is not None and bar.live:
+            bar.note(self.text())
+            return
+        now = self._clock()
+        if now - self._last >= self.every_s:
+            self._last = now
+            log.info("%s", self.text())
 
 
 def run_summary(run_dir: Path, process_seconds: float | None = None) -> str:

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -34,6 +35,8 @@ class PhaseTimer:
         self._nvtx = nvtx and cuda
         self._seconds: dict[str, float] = {}
         self._active: list[str] = []
+        self.on_phase: Any = None
+        """Called with a phase's name as it opens (rank 0's ``telemetry.progress.StepProgress``), or None."""
 
     def _synchronize(self) -> None:
         if self._sync:
@@ -48,6 +51,8 @@ class PhaseTimer:
         if self._nvtx:
             torch.cuda.nvtx.range_push(name)
         self._active.append(name)
+        if self.on_phase is not None:
+            self.on_phase(name)
         start = time.perf_counter()
         try:
             yield
