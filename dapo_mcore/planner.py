@@ -1,7 +1,7 @@
 """Capacity planner: per-GPU memory and FLOPs of a DAPO layout, before any GPU is touched.
 
 ``dapo-mcore plan`` answers "does this layout fit, and if not, what should change?" for a dense
-Qwen2 policy trained by Megatron-Core with vLLM colocated on the same GPUs.
+Qwen2 / Qwen3 policy trained by Megatron-Core with vLLM colocated on the same GPUs.
 
 Memory model (bytes per GPU; ``P`` = parameters held by this rank's pipeline stage / TP):
 
@@ -11,10 +11,11 @@ Memory model (bytes per GPU; ``P`` = parameters held by this rank's pipeline sta
   ``fp8`` adds the Transformer Engine FP8 weight copy and its transpose (2 bytes per linear weight).
   ``fp32`` (plain torch on CPU): weights 4P + grads 4P + Adam 8P (no main copy).
 * Activations per token per layer, as stored for backward by the fused (Transformer Engine,
-  flash attention) layer, in elements: ``6h + 2kv + 3f`` (block input, norm output, Q, K/V (GQA),
-  attention output, residual, norm output, SwiGLU gate+up (2f), SwiGLU output (f)); divided by TP
-  with sequence parallelism. ``selective`` recompute (Megatron's ``core_attn``) drops the
-  attention output (h); ``full`` keeps only the block input (h)
+  flash attention) layer, in elements: ``4h + 2q + 2kv + 3f`` (block input, norm output, Q (``q`` = heads x
+  head_dim, = h for Qwen2, 8192 for Qwen3-32B's h = 5120), K/V (GQA), attention output (q), residual, norm
+  output, SwiGLU gate+up (2f), SwiGLU output (f)), plus ``q + kv`` with Qwen3's q/k norms (their inputs);
+  divided by TP with sequence parallelism. ``selective`` recompute (Megatron's ``core_attn``) drops the
+  attention output (q); ``full`` keeps only the block input (h)
   plus, transiently, one layer's full set while it is recomputed. Attention scores are never
   stored (flash attention), so there is no ``s^2`` term. No dropout masks (Qwen2 uses none).
 * 1F1B keeps ``min(PP, micro-batches)`` micro-batches in flight on the first stage (each with
@@ -225,12 +226,12 @@ def stage_params(shape: ModelShape, pp: int, stage: int) -> tuple[int, int]:
 
 def activation_bytes_per_token_layer(shape: ModelShape, recompute: str, act_bytes: int) -> float:
     """Bytes one token leaves stored for backward in one layer (before dividing by TP)."""
-    h, kv, f = shape.hidden, shape.kv_dim, shape.ffn
+    h, q, kv, f = shape.hidden, shape.heads * shape.head_dim, shape.kv_dim, shape.ffn
     if recompute == "full":
         return h * act_bytes
-    elements = 6 * h + 2 * kv + 3 * f
+    elements = 4 * h + 2 * q + 2 * kv + 3 * f + ((q + kv) if shape.qk_norm else 0)
     if recompute == "selective":
-        elements -= h
+        elements -= q
     return elements * act_bytes
 
 

@@ -389,7 +389,10 @@ def _live_terminal() -> bool:
 
 def _print_progress(step: int, total: int, m: dict[str, Any], every: int, pace: str = "") -> None:
     if every and (step % every == 0 or step == total):
+        from dapo_mcore.telemetry.progress import async_fields
+
         evals = f" heldout_avg@k={m['eval/avg_at_k']:.3f}" if "eval/avg_at_k" in m else ""
+        evals = async_fields(m) + evals
         log.info("step %d/%d  acc=%.3f usable=%.2f batches=%d loss=%.4f ent=%.3f clip=%.3f len=%.1f %.2fs%s  %s",
                  step, total, m.get("rollout/acc_mean", float("nan")), m.get("rollout/usable_group_frac", float("nan")),
                  int(m.get("rollout/gen_batches", 0)), m.get("train/loss", float("nan")),
@@ -452,7 +455,7 @@ def _actor_settings(cfg: Config, hf_config: dict[str, Any], pad_id: int):
     return ActorSettings(
         hf_config=hf_config, tensor_parallel=cfg.parallel.tensor_parallel, pipeline_parallel=cfg.parallel.pipeline_parallel,
         virtual_pipeline=cfg.parallel.virtual_pipeline, sequence_parallel=cfg.parallel.sequence_parallel,
-        layer_spec=cfg.model.layer_spec, attention=cfg.model.attention, params_dtype=dtype, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
+        expert_parallel=cfg.parallel.expert_parallel, layer_spec=cfg.model.layer_spec, attention=cfg.model.attention, params_dtype=dtype, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
         recompute=cfg.model.recompute, fp8=cfg.model.fp8, distributed_optimizer=cfg.parallel.distributed_optimizer,
         offload_for_rollout=cfg.parallel.offload_for_rollout,
         lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay,
@@ -515,14 +518,14 @@ def _build_engine(cfg: Config, hf_dir: Path | None, hf_config: dict[str, Any], t
             dtype=cfg.model.params_dtype, seed=cfg.train.seed, max_prompt_len=cfg.data.max_prompt_len,
             stop_token_ids=stops.ids, load_format="dummy")  # build_components syncs every weight from the actor before the first generation
         return VLLMEngine(options, hf_config)
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from dapo_mcore.rollout.hf_engine import HFEngine
 
     dtype = torch.bfloat16 if cfg.model.params_dtype == "bfloat16" else torch.float32
     # Built from the config alone: build_components syncs every weight from the actor before the first
     # generation (the sync refuses to finish with a tensor missing), so reading the checkpoint again is wasted I/O.
-    model = AutoModelForCausalLM.from_config(Qwen2Config(**hf_config), dtype=dtype)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf_config), dtype=dtype)
     if torch.cuda.is_available():
         model = model.to(torch.device("cuda", torch.cuda.current_device()))
     return HFEngine(model, eos_token_ids=stops.ids, pad_token_id=tokenizer.pad_token_id,
@@ -568,7 +571,8 @@ def _build_parts(cfg: Config, launch: LaunchEnv, *, resume: bool, checkpoint: st
 
     train_records, eval_records = records
     init_model_parallel(cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel, cfg.parallel.virtual_pipeline,
-                        seed=cfg.train.seed, timeout_minutes=cfg.parallel.timeout_minutes)
+                        seed=cfg.train.seed, timeout_minutes=cfg.parallel.timeout_minutes,
+                        expert_parallel=cfg.parallel.expert_parallel)
     hf_dir = resolve_base_model(cfg, launch)
     if bridge is not None:
         bridge.barrier()  # the engine ranks read the base model's config and tokenizer once it exists
@@ -602,6 +606,8 @@ def _build_parts(cfg: Config, launch: LaunchEnv, *, resume: bool, checkpoint: st
     if bridge is None:
         parts.engine_streams = _engine_streams(cfg, parts.gen_groups, engine)
         parts.rollouts = _build_rollouts(parts)
+        if launch.rank == 0 and parts.scheduler is not None and not for_eval:
+            _watch_steps(parts)
     else:
         from dapo_mcore.rollout.async_source import AsyncRollouts
 
@@ -616,6 +622,16 @@ def _build_parts(cfg: Config, launch: LaunchEnv, *, resume: bool, checkpoint: st
         _open_telemetry(parts, start)
     parts.rollouts.publish(actor.export_hf_weights())  # the engines serve exactly the actor's weights
     return parts
+
+
+def _watch_steps(parts: Components) -> None:
+    """Progress inside a step (rank 0): batches, usable groups and tokens from the rollouts, phases from the timer."""
+    from dapo_mcore.telemetry.progress import StepProgress
+
+    watch = StepProgress(parts.scheduler.target, parts.scheduler.max_rounds, parts.cfg.telemetry.progress_every_s,
+                         bar=lambda: parts.progress)
+    parts.rollouts.progress = watch
+    parts.timer.on_phase = watch.phase
 
 
 def _build_sampler(cfg: Config, records: list) -> Any:
@@ -739,7 +755,12 @@ def _open_telemetry(parts: Components, start: int) -> None:
 
     run_dir = Path(parts.cfg.run.dir)
     resume_step = start + 1 if start else 0
-    parts.writer = MetricsWriter(run_dir, enabled=parts.is_main, resume_step=resume_step)
+    sinks = []
+    if parts.is_main and parts.cfg.telemetry.wandb.project is not None:
+        from dapo_mcore.telemetry.wandb_sink import WandbSink
+
+        sinks.append(WandbSink(run_dir, parts.cfg.telemetry.wandb, to_dict(parts.cfg)))
+    parts.writer = MetricsWriter(run_dir, enabled=parts.is_main, resume_step=resume_step, sinks=sinks)
     parts.ledger = CostLedger(run_dir, enabled=parts.is_main)
     state = getattr(parts, "_resume_state", None)
     # A fresh start restores an empty ledger: lines left by a run that died before its first checkpoint go.

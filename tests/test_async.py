@@ -37,9 +37,14 @@ def _cmd(run_dir: Path, steps: int, nproc: int, *extra: str) -> list[str]:
             *ASYNC, *extra]
 
 
+def _strict(env: dict[str, str]) -> dict[str, str]:
+    """The weights group refuses tensors off its device, as NCCL does on a GPU (rollout.device_strict)."""
+    return dict(env, DAPO_MCORE_STRICT_DEVICE="1")
+
+
 def _train(run_dir: Path, env: dict[str, str], steps: int = 3, nproc: int = 2, *extra: str,
            fault: str | None = None) -> subprocess.CompletedProcess:
-    full = dict(env, DAPO_MCORE_FAULT=fault) if fault else env
+    full = _strict(dict(env, DAPO_MCORE_FAULT=fault) if fault else env)
     return subprocess.run(_cmd(run_dir, steps, nproc, *extra), env=full, cwd=ROOT, capture_output=True, text=True,
                           timeout=TIMEOUT)
 
@@ -104,7 +109,7 @@ def test_kill9_during_a_weight_transfer_or_a_generation_resumes_exactly(referenc
 
 def test_sigterm_checkpoints_exits_75_and_resumes_exactly(reference, cli_env, tmp_path):
     run = tmp_path / "run"
-    proc = subprocess.Popen(_cmd(run, 3, 2), env=cli_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(_cmd(run, 3, 2), env=_strict(cli_env), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     metrics = run / "metrics.jsonl"
     deadline = time.monotonic() + TIMEOUT
@@ -156,11 +161,11 @@ def test_two_engine_ranks_stream_with_partial_rollouts_two_versions_behind(cli_e
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (["rollout.pipeline.mode=async"], "rollout.pipeline.mode=async trains on responses the previous policy sampled"
-                                      "; it needs the truncated importance correction: set algo.tis_cap"),
+                                      "; it needs an off-policy correction: set algo.tis_cap"),
     (["rollout.pipeline.mode=async", "algo.tis_cap=2", "rollout.schedule.streaming=true",
       "rollout.schedule.partial=true"], "set rollout.pipeline.max_staleness=2"),
     (["rollout.pipeline.mode=async", "algo.tis_cap=2", "rollout.pipeline.engine_ranks=2"],
-     "rollout.pipeline.engine_ranks=2 leaves no rank to train on 2 ranks"),
+     "rollout.pipeline.engine_ranks=2 leaves no trainer rank of the 2 launched: launch 3 processes"),
 ])
 def test_async_configs_that_cannot_work_are_refused_naming_the_key(overrides, message):
     cfg = load_config(ROOT / "examples" / "tiny_cpu.yaml", overrides)

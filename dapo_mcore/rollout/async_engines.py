@@ -64,6 +64,7 @@ class EngineLoop:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         self.bridge.barrier()  # the trainer's shutdown barrier
+        self.bridge.close()
         log.info("engine rank %d: stopped after version %d", self.bridge.role.rank, self.version)
         return 0
 
@@ -109,6 +110,7 @@ class EngineLoop:
     def _receive(self) -> dict[str, Any]:
         """The next version from the trainer, into the engine (bucket by bucket); evaluate it if flagged."""
         t0 = time.monotonic()
+        self.bridge.meet()  # the trainer is ready to publish (Bridge.meet)
         header = self.bridge.broadcast_header(None)
         if header.get("stop"):
             raise _Stop
@@ -121,15 +123,13 @@ class EngineLoop:
         return header
 
     def _buckets(self) -> Iterator[WeightBucket]:
-        import torch
-
         while True:
             head = self.bridge.broadcast_header(None)
             if head.get("end"):
                 return
             if head.get("stop"):  # the trainer failed half way through a version and is shutting down
                 raise _Stop
-            flat = torch.empty(int(head["bytes"]), dtype=torch.uint8, device=self.bridge.device)
+            flat = self.bridge.empty_flat(int(head["bytes"]))
             yield unflatten_bucket(head["bucket"], self.bridge.broadcast_flat(flat))
 
     def _evaluate(self) -> None:

@@ -94,8 +94,9 @@ class AsyncRollouts:
         """The latest step's pipeline seconds (trainer waits, engine waits, transfers)."""
         self._start = 0
         """The version of the first publish: the steps the run starts after."""
-        self._publish_s = 0.0
         self._stopped = False
+        self._mid_version = False
+        """A publish failed between its first and last broadcast: the engines wait for a bucket, not a meeting."""
 
     # ---- start and checkpoints -------------------------------------------------------------------------------
     def resume_from(self, step: int, state: dict[str, Any], pending: bytes | None) -> None:
@@ -161,15 +162,19 @@ class AsyncRollouts:
         header = {"version": version, "eval": due}
         if self.version is None:
             header.update(start=start, state=self.resume_state)
+        self.bridge.meet()  # the engines finished the batch before this version (Bridge.meet)
+        self._mid_version = True
         self.bridge.broadcast_header(header)
+        if self.version is not None:  # returns once the engines join: they finished the next batch
+            self._waited(time.monotonic() - t0, "trainer_wait_publish_s")
         for index, bucket in enumerate(rebucket(weights, int(self.cfg.rollout.pipeline.bucket_mb * (1 << 20)))):
             meta, flat = flatten_bucket(bucket)
             self.bridge.broadcast_header({"bucket": meta, "bytes": flat.numel()})
-            self.bridge.broadcast_flat(flat.to(self.bridge.device))
+            self.bridge.broadcast_flat(flat)
             faults.point("publish", version, index)
         self.bridge.broadcast_header({"end": True})
+        self._mid_version = False
         self.version = version
-        self._publish_s = 0.0 if self.version == start else time.monotonic() - t0  # the start's is set-up time
 
     def step_batch(self, step: int, stop: Callable[[], bool]) -> StepBatch:
         """Batch ``step`` from the engines (rank 0 receives it, the other trainer ranks get it from rank 0)."""
@@ -177,11 +182,20 @@ class AsyncRollouts:
         with self.timer.phase("wait_rollouts"):
             message = self._shared(lambda: self._read(lambda: self._batches.pop(step, None)))
         self.engine_state = message["state"]
-        waited = time.monotonic() - t0 + self._publish_s - message.get("transfer_s", 0.0)
-        self.last = {"trainer_wait_s": max(waited, 0.0), **message["seconds"]}
+        self.last = {"trainer_wait_s": 0.0, **message["seconds"]}
+        self._waited(time.monotonic() - t0, "trainer_wait_batch_s")
         batch: StepBatch = message["batch"]
         batch.policy_version, batch.prefix_version = message["version"], message["prefix_version"]
         return batch
+
+    def _waited(self, seconds: float, part: str) -> None:
+        """This step's trainer wait for the engines, once: receiving the batch (``wait_rollouts``) and, inside the
+        publish (the trainer's ``sync_weights`` phase), until the engines join it having finished the next batch:
+        that part is charged to ``wait_rollouts``, so ``sync_weights`` is the transfer alone."""
+        if part == "trainer_wait_publish_s":
+            self.timer.move("sync_weights", "wait_rollouts", seconds)
+        self.last[part] = seconds
+        self.last["trainer_wait_s"] = self.last.get("trainer_wait_s", 0.0) + seconds
 
     def eval_groups(self, records: list[Any], step: int) -> list[GroupData]:
         return self._shared(lambda: self._read(lambda: self._evals.pop(step, None)))
@@ -192,8 +206,11 @@ class AsyncRollouts:
             return
         self._stopped = True
         if self.is_root:
+            if not self._mid_version:
+                self.bridge.meet()
             self.bridge.broadcast_header({"stop": True})
         self.bridge.barrier()
+        self.bridge.close()
 
     # ---- the batches channel ---------------------------------------------------------------------------------
     def _read(self, found: Callable[[], Any]) -> Any:

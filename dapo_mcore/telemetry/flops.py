@@ -1,19 +1,20 @@
-"""FLOPs of a dense Qwen2 decoder, and MFU from measured throughput.
+"""FLOPs of a dense Qwen2 / Qwen3 decoder, and MFU from measured throughput.
 
 The count is the usual "matmul FLOPs" convention (2 FLOPs per multiply-accumulate, as in
 Megatron-LM, PaLM and nanoGPT MFU figures). Per token, per layer, with hidden size ``h``,
-``n_h`` query heads and ``n_kv`` key/value heads of size ``d = h / n_h``, MLP width ``f``:
+``n_h`` query heads and ``n_kv`` key/value heads of size ``d`` (Qwen2: ``h / n_h``; Qwen3: the config's
+``head_dim``, e.g. 128 with ``n_h d = 8192 != h = 5120`` for Qwen3-32B), MLP width ``f``:
 
-    Q and O projections      2 * h * (n_h * d)   each       = 4 h^2            (with d*n_h = h)
+    Q and O projections      2 * h * (n_h * d)   each       = 4 h n_h d        (= 4 h^2 when n_h d = h)
     K and V projections      2 * h * (n_kv * d)  each       = 4 h n_kv d        (GQA)
     SwiGLU MLP               3 matmuls h x f               = 6 h f
     attention scores QK^T    2 * n_h * d * c
-    attention values  PV     2 * n_h * d * c                = 4 h c in total
+    attention values  PV     2 * n_h * d * c                = 4 n_h d c in total
 
 where ``c`` is the number of keys the token attends to (its *context length*). Once per token:
 the output logits, ``2 h V``. Not counted (each well under 1% at these shapes): the QKV biases,
-RMSNorm, rotary embedding, SiLU and the elementwise gate, softmax, residual adds, the embedding
-lookup (a gather, not a matmul).
+RMSNorm (Qwen3's per-head q/k norms too), rotary embedding, SiLU and the elementwise gate, softmax,
+residual adds, the embedding lookup (a gather, not a matmul).
 
 Context length: a causal sequence of ``S`` tokens attends, at position ``i`` (1-based), to ``i``
 keys, so the attention term of the whole sequence is ``4 h * S(S+1)/2`` -- what flash attention
@@ -47,7 +48,7 @@ PEAK_FLOPS: dict[str, float] = {
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The shapes of a dense Qwen2 decoder that the FLOPs and memory estimates need."""
+    """The shapes of a dense Qwen2 / Qwen3 decoder that the FLOPs and memory estimates need."""
 
     hidden: int
     """Model width ``h`` (HF ``hidden_size``)."""
@@ -63,10 +64,16 @@ class ModelShape:
     """Vocabulary size (HF ``vocab_size``)."""
     tied_embeddings: bool
     """Whether the output layer reuses the input embedding (HF ``tie_word_embeddings``)."""
+    head_size: int | None = None
+    """Size of one head ``d`` (HF ``head_dim``); None = ``hidden / heads`` (Qwen2)."""
+    qkv_bias: bool = True
+    """Biases on q/k/v (Qwen2; not Qwen3)."""
+    qk_norm: bool = False
+    """Per-head RMSNorm weights on queries and keys (Qwen3): 2 d parameters per layer."""
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size if self.head_size is not None else self.hidden // self.heads
 
     @property
     def kv_dim(self) -> int:
@@ -75,19 +82,23 @@ class ModelShape:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelShape:
-        """Read the shape from a Hugging Face Qwen2 ``config.json`` dict."""
-        if cfg["hidden_size"] % cfg["num_attention_heads"]:
-            raise ValueError("hidden_size must be a multiple of num_attention_heads")
+        """Read the shape from a Hugging Face Qwen2 / Qwen3 ``config.json`` dict (HFConfigError, a ValueError, for
+        one the project does not support)."""
+        from dapo_mcore.model.hf_config import QwenShape
+
+        s = QwenShape.from_hf(cfg)
         return cls(
-            hidden=cfg["hidden_size"], ffn=cfg["intermediate_size"], layers=cfg["num_hidden_layers"],
-            heads=cfg["num_attention_heads"], kv_heads=cfg["num_key_value_heads"],
-            vocab=cfg["vocab_size"], tied_embeddings=bool(cfg["tie_word_embeddings"]),
+            hidden=s.hidden_size, ffn=s.ffn_hidden_size, layers=s.num_layers, heads=s.num_heads,
+            kv_heads=s.num_kv_heads, vocab=s.vocab_size, tied_embeddings=s.tie_embeddings, head_size=s.head_dim,
+            qkv_bias=s.qkv_bias, qk_norm=s.qk_norm,
         )
 
     def layer_params(self) -> int:
-        """Parameters of one decoder layer (projections, QKV bias, two RMSNorm weights)."""
+        """Parameters of one decoder layer (projections, QKV bias or q/k norms, two RMSNorm weights)."""
         h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_dim
-        attn = h * q + 2 * h * kv + (q + 2 * kv) + q * h
+        attn = h * q + 2 * h * kv + q * h
+        attn += (q + 2 * kv) if self.qkv_bias else 0
+        attn += 2 * self.head_dim if self.qk_norm else 0
         return attn + 3 * h * self.ffn + 2 * h
 
     def num_params(self) -> int:
