@@ -317,8 +317,13 @@ class Trainer:
             log.error("%s", exc)
             return 1
         except EngineError as exc:
-            log.error("the rollout engine failed during step %d: %s. The step was abandoned; the last checkpoint "
-                      "in %s/checkpoints is intact and the run resumes from it.", self.step + 1, exc, cfg.run.dir)
+            if os.path.exists(os.path.join(cfg.run.dir, "checkpoints", "latest")):
+                after = (f"the last checkpoint in {cfg.run.dir}/checkpoints is intact and the run resumes from it "
+                         "with the same command")
+            else:
+                after = "no checkpoint was written yet: the same command starts the run again"
+            log.error("the rollout engine failed during step %d: %s. The step was abandoned; %s.", self.step + 1,
+                      exc, after)
             return 1
         finally:
             signals.restore()

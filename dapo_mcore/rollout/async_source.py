@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from dapo_mcore import faults
+from dapo_mcore.errors import UserError
 from dapo_mcore.evaluation import eval_after
 from dapo_mcore.rollout.bridge import Bridge
 from dapo_mcore.rollout.groups import GroupData
@@ -74,6 +75,33 @@ def _is_failure(value: Any) -> bool:
     return isinstance(value, dict) and set(value) == {"error"}
 
 
+def _broadcast(value: Any, root: bool) -> Any:
+    """Trainer rank 0's ``value`` (a batch message, an evaluation's groups, a failure) on every trainer rank, packed
+    (``rollout.wire``) and sent as tensors on the trainer group's device."""
+    from dapo_mcore.rollout import wire
+
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    sizes = torch.zeros(3, dtype=torch.int64, device=device)
+    if root:
+        message = ({"groups": value} if isinstance(value, list) else
+                   wire.light(value) if isinstance(value, dict) and "batch" in value else {"value": value})
+        packed = wire.pack(message)
+        parts = [torch.frombuffer(bytearray(packed.meta), dtype=torch.uint8), packed.token_ids, packed.logprobs]
+        sizes = torch.tensor([t.numel() for t in parts], dtype=torch.int64, device=device)
+    dist.broadcast(sizes, src=0)
+    if not root:
+        parts = [torch.empty(int(n), dtype=dt) for n, dt in zip(sizes.tolist(), (torch.uint8, torch.int32,
+                                                                                   torch.float32), strict=True)]
+    parts = [t.to(device) for t in parts]
+    for t in parts:
+        if t.numel():
+            dist.broadcast(t, src=0)
+    if root:
+        return value
+    got = wire.unpack(wire.Packed(parts[0].cpu().numpy().tobytes(), parts[1].cpu(), parts[2].cpu()))
+    return got["groups"] if set(got) == {"groups"} else got["value"] if set(got) == {"value"} else got
+
+
 class AsyncRollouts:
     """The trainer ranks' RolloutSource in async mode (module docstring)."""
 
@@ -95,6 +123,8 @@ class AsyncRollouts:
         self._start = 0
         """The version of the first publish: the steps the run starts after."""
         self._stopped = False
+        self._pending_at_start = False
+        """The checkpoint resumed from holds the next batch (not after the last step of a run now extended)."""
         self._mid_version = False
         """A publish failed between its first and last broadcast: the engines wait for a bucket, not a meeting."""
 
@@ -102,10 +132,16 @@ class AsyncRollouts:
     def resume_from(self, step: int, state: dict[str, Any], pending: bytes | None) -> None:
         """A checkpoint after ``step`` steps: the engines start from its state, the trainer trains on its batch."""
         self.fresh_start = step == 0
+        self._pending_at_start = pending is not None
         if pending is not None:
             message = pickle.loads(pending)
             self._batches[message["step"]] = message
             self.engine_state = message["state"]
+            was = message.get("engine_ranks")
+            if was is not None and was != self.bridge.role.engine_ranks:
+                log.info("resuming with rollout.pipeline.engine_ranks=%d (the checkpoint's batches came from %d): "
+                         "step %d trains on the checkpoint's batch; from the batch after it the engine groups "
+                         "differ, and so does the trajectory", self.bridge.role.engine_ranks, was, step + 1)
         self.resume_state = {"sampler": state.get("sampler"), "schedule": state.get("schedule")}
         self.version = None
         self._start = step
@@ -161,7 +197,7 @@ class AsyncRollouts:
         due = eval_after(self.cfg, version, self.fresh_start) and (self.version is not None or version == 0)
         header = {"version": version, "eval": due}
         if self.version is None:
-            header.update(start=start, state=self.resume_state)
+            header.update(start=start, state=self.resume_state, pending=self._pending_at_start)
         self.bridge.meet()  # the engines finished the batch before this version (Bridge.meet)
         self._mid_version = True
         self.bridge.broadcast_header(header)
@@ -227,13 +263,14 @@ class AsyncRollouts:
         return hit
 
     def _shared(self, read: Callable[[], Any]) -> Any:
-        """``read()`` on trainer rank 0, its result on every trainer rank; an engine-side failure raises on all."""
-        box = [read() if self.is_root else None]
+        """``read()`` on trainer rank 0, its result on every trainer rank; an engine-side failure raises on all.
+        A batch reaches the other ranks light (``wire.light``: the kept groups whole) and packed as tensors."""
+        value = read() if self.is_root else None
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(box, src=0)
-        if _is_failure(box[0]):
-            self._raise(box[0]["error"])
-        return box[0]
+            value = _broadcast(value, self.is_root)
+        if _is_failure(value):
+            self._raise(value["error"])
+        return value
 
     @staticmethod
     def _raise(message: dict[str, Any]) -> None:
@@ -241,4 +278,6 @@ class AsyncRollouts:
 
         if message["error"] == "exhausted":
             raise DynamicSamplingExhausted(message["message"], message.get("stats") or SamplingStats())
+        if message["error"] == "user":
+            raise UserError(f"on the engine ranks: {message['message']}")
         raise EngineError(f"on the engine ranks: {message['message']}")

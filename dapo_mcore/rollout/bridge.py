@@ -87,17 +87,29 @@ class Bridge:
         return self.weights_pg is not None
 
     # ---- batches: engine rank 0 -> trainer rank 0 ---------------------------------------------------------------
-    def send_object(self, obj: Any) -> None:
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        self.batches_pg.send([torch.tensor([data.numel()], dtype=torch.int64)], 0, 0).wait()
-        self.batches_pg.send([data], 0, 1).wait()
+    def send_object(self, message: dict[str, Any]) -> None:
+        """A message (batch, evaluation, error): its tokens and log-probs as tensors, the rest pickled (``wire``)."""
+        from dapo_mcore.rollout import wire
 
-    def recv_object(self) -> Any:
-        size = torch.zeros(1, dtype=torch.int64)
-        self.batches_pg.recv([size], 1, 0).wait()
-        data = torch.empty(int(size.item()), dtype=torch.uint8)
-        self.batches_pg.recv([data], 1, 1).wait()
-        return pickle.loads(data.numpy().tobytes())
+        packed = wire.pack(message)
+        sizes = torch.tensor([len(packed.meta), packed.token_ids.numel(), packed.logprobs.numel()], dtype=torch.int64)
+        self.batches_pg.send([sizes], 0, 0).wait()
+        for tag, t in enumerate((torch.frombuffer(bytearray(packed.meta), dtype=torch.uint8), packed.token_ids,
+                                 packed.logprobs), start=1):
+            if t.numel():
+                self.batches_pg.send([t], 0, tag).wait()
+
+    def recv_object(self) -> dict[str, Any]:
+        from dapo_mcore.rollout import wire
+
+        sizes = torch.zeros(3, dtype=torch.int64)
+        self.batches_pg.recv([sizes], 1, 0).wait()
+        parts = [torch.empty(int(n), dtype=dt) for n, dt in zip(sizes.tolist(), (torch.uint8, torch.int32,
+                                                                                   torch.float32), strict=True)]
+        for tag, t in enumerate(parts, start=1):
+            if t.numel():
+                self.batches_pg.recv([t], 1, tag).wait()
+        return wire.unpack(wire.Packed(parts[0].numpy().tobytes(), parts[1], parts[2]))
 
     # ---- weights: trainer rank 0 -> every engine rank -----------------------------------------------------------
     def broadcast_header(self, header: dict[str, Any] | None) -> dict[str, Any]:
