@@ -44,6 +44,8 @@ class Panel:
     series: tuple[tuple[str, str], ...]
     split: bool = False
     """One subplot per series (quantities on different scales) instead of all on one axis."""
+    optional: bool = False
+    """Drawn only for runs that log it (e.g. ``algo.tis_cap``), without a warning for the others."""
 
 
 PANELS: tuple[Panel, ...] = (
@@ -64,7 +66,14 @@ PANELS: tuple[Panel, ...] = (
         (keys.TRAIN_GRAD_NORM, "grad norm (before clipping)"), (keys.TRAIN_PPO_KL, "ppo_kl (old - new logp)"),
         (keys.MISMATCH_KL, "engine/trainer KL (k1)"), (keys.MISMATCH_LOGP_ABS_DIFF_MEAN, "engine/trainer |dlogp| mean")),
         split=True),
+    Panel("tis", "Truncated importance sampling (algo.tis_cap)", "value", (
+        ("mismatch/tis_mean", "mean TIS weight"), ("mismatch/tis_clip_frac", "fraction of tokens at the cap"),
+        ("train/tis_weight", "TIS weight in the loss")), split=True, optional=True),
 )
+LINE_STYLES: tuple[tuple[str, float, str | None], ...] = (("-", 3.0, None), ("--", 2.2, "o"), (":", 2.0, "s"),
+                                                         ("-.", 1.4, "^"))
+"""(linestyle, width, marker) per series of a shared axis, thick to thin: a series equal to another (``all`` and
+``low`` when nothing clips high; ``high`` and ``dual clip``) still shows under it."""
 
 COMPARE_PANELS: tuple[tuple[str, str, str], ...] = (
     (keys.EVAL_AVG_AT_K, "Held-out avg@k", "accuracy"), (keys.ROLLOUT_ACC_MEAN, "Train accuracy (rollouts)", "accuracy"),
@@ -79,6 +88,7 @@ X_AXES: dict[str, tuple[str | None, str]] = {
     "step": (None, "step"),
     "generated_tokens": (keys.cost_key("tokens_generated", cumulative=True), "generated tokens (cumulative)"),
     "wall_seconds": (keys.cost_seconds_key("step", cumulative=True), "wall seconds (cumulative)"),
+    "device_hours": (keys.COST_TOTAL_DEVICE_HOURS, "device-hours (cumulative; fair across rank counts)"),
 }
 """``--x`` choices: the key holding each step's x value (None: the step itself) and the axis label."""
 
@@ -131,10 +141,16 @@ def _use_log(values: np.ndarray) -> bool:
     return len(finite) > 1 and bool(np.all(finite > 0)) and finite.max() / finite.min() > 100
 
 
-def _draw(ax: Any, records: Sequence[dict[str, Any]], key: str, label: str, smooth: int) -> np.ndarray:
+def _draw(ax: Any, records: Sequence[dict[str, Any]], key: str, label: str, smooth: int,
+          style: int | None = None) -> np.ndarray:
     x, y = series(records, key, smooth)
     sparse = len(x) < 0.5 * len(records)  # e.g. eval every N steps: show the points
-    ax.plot(x, y, marker="o" if sparse else None, markersize=3, label=label)
+    if style is None:
+        ax.plot(x, y, marker="o" if sparse else None, markersize=3, label=label)
+        return y
+    linestyle, width, marker = LINE_STYLES[style % len(LINE_STYLES)]
+    ax.plot(x, y, linestyle=linestyle, linewidth=width, marker=marker or ("o" if sparse else None), markersize=4,
+            markevery=max(1, len(x) // 12), label=label)
     return y
 
 
@@ -143,9 +159,10 @@ def _line_figure(records: Sequence[dict[str, Any]], panel: Panel, out: Path, smo
     present = [(k, _k_label(records, lbl)) for k, lbl in panel.series if any(k in r for r in records)]
     missing = [k for k, _ in panel.series if not any(k in r for r in records)]
     if not present:
-        logger.warning("skipping figure %r: none of %s were logged", panel.name, [k for k, _ in panel.series])
+        if not panel.optional:
+            logger.warning("skipping figure %r: none of %s were logged", panel.name, [k for k, _ in panel.series])
         return None
-    if missing:
+    if missing and not panel.optional:
         logger.warning("figure %r: not logged, skipped: %s", panel.name, missing)
     if panel.split:
         fig, axes = _figure(len(present), 3.6 * len(present), 3.4)
@@ -159,8 +176,8 @@ def _line_figure(records: Sequence[dict[str, Any]], panel: Panel, out: Path, smo
         fig.suptitle(panel.title)
         return _save(fig, out / f"{panel.name}.png")
     fig, ax = _figure(1, 7, 4)
-    for key, label in present:
-        _draw(ax, records, key, label, smooth)
+    for i, (key, label) in enumerate(present):
+        _draw(ax, records, key, label, smooth, style=i)
     if panel.name == "response_length" and max_len is not None:
         ax.axhline(max_len, color="gray", linestyle="--", linewidth=1, label=f"rollout.max_new_tokens={max_len}")
     ax.set(title=panel.title, xlabel="step", ylabel=panel.ylabel)
@@ -347,8 +364,10 @@ def x_values(records: Sequence[dict[str, Any]], x: str) -> dict[int, float]:
     return out
 
 
-def compare_figure(run_dirs: Sequence[Path], out_path: Path, smooth: int = 1, x: str = "generated_tokens") -> Path:
-    """A grid with a panel per key of ``COMPARE_PANELS``, one line per run, one legend below the grid."""
+def compare_figure(run_dirs: Sequence[Path], out_path: Path, smooth: int = 1, x: str = "generated_tokens",
+                   log_x: bool = False) -> Path:
+    """A grid with a panel per key of ``COMPARE_PANELS``, one line per run, one legend below the grid; ``log_x``:
+    a log x axis (runs whose costs differ by a large factor; the first point at 0 is left out there)."""
     runs = [load_run(d) for d in run_dirs]
     labels = run_labels(run_dirs)
     xlabel = X_AXES[x][1]
@@ -369,6 +388,8 @@ def compare_figure(run_dirs: Sequence[Path], out_path: Path, smooth: int = 1, x:
             sparse = len(keep) < 0.5 * len(records)
             ax.plot(px, y[keep], color=color, marker="o" if sparse else None, markersize=3, label=label)
         ax.set(title=_k_label(runs[0], title), xlabel=xlabel, ylabel=ylabel)
+        if log_x:
+            ax.set_xscale("log")
         ax.grid(alpha=0.3)
     for ax in axes[len(COMPARE_PANELS):]:
         ax.set_visible(False)
@@ -387,8 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="output directory (default RUN_DIR/figures)")
     parser.add_argument("--smooth", type=int, default=1, help="trailing moving-average window (default 1: raw)")
     parser.add_argument("--x", choices=sorted(X_AXES), default="generated_tokens",
-                        help="x axis of --compare: step, generated_tokens (default: what an experiment costs) or "
-                             "wall_seconds")
+                        help="x axis of --compare: step, generated_tokens (default: what an experiment costs), "
+                             "wall_seconds, or device_hours (devices x wall time: fair across rank counts)")
+    parser.add_argument("--log-x", action="store_true", help="log x axis of --compare (runs of very different cost)")
     parser.add_argument("--pipeline-steps", default=None, metavar="N|A-B",
                         help=f"async runs: the steps pipeline.png draws, the last N or steps A to B (default: the "
                              f"last {PIPELINE_STEPS})")
@@ -413,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(__name__).warning("%s", damaged)
     if args.compare:
         out = args.out if args.out is not None else args.run_dir / "figures"
-        written.append(compare_figure([args.run_dir, *args.compare], out / "compare.png", args.smooth, args.x))
+        written.append(compare_figure([args.run_dir, *args.compare], out / "compare.png", args.smooth, args.x,
+                                      args.log_x))
     for path in written:
         print(path)
     return 0
