@@ -8,6 +8,12 @@ Pure arithmetic on seconds, so each rule can be checked by hand:
   log-probs and updates, the engine GPUs generate batch k+1 with the weights they hold; then the weights move
   trainer -> engines, and both sides take part in that copy (counted as fully exposed). Period k is
   ``max(generation of batch k+1, trainer on batch k) + transfer``; the side that finishes first waits.
+
+The generation seconds come from the rollout model (``rollout_model.py``: continuous batching with each response's
+length drawn per training stage, so a batch waits for its longest response), the old log-prob and update seconds
+from the planner's FLOPs: :func:`price_variant` prices one variant on one stage, :func:`compare_with_tails` a
+config's own schedule colocated vs async at a split. ``benchmarks/rollout_sim.py`` prints every variant with them;
+``dapo-mcore plan`` prints the config's pair, so the two never disagree.
 """
 
 from __future__ import annotations
