@@ -276,7 +276,7 @@ class Components:
 
     def _report_progress(self, step: int, metrics: dict[str, Any]) -> None:
         """The live line (rank 0): steps/s and ETA; after the last step, the run's summary."""
-        from dapo_mcore.telemetry.progress import ProgressLine, format_seconds, run_summary
+        from dapo_mcore.telemetry.progress import ProgressLine, format_seconds, process_age, run_summary
 
         total = self.cfg.train.steps
         if self.progress is None:
@@ -288,7 +288,7 @@ class Components:
                         f"{rate:.2f} steps/s ETA {format_seconds(eta)}")
         if step == total:
             self.progress.close()
-            log.info("%s", run_summary(Path(self.cfg.run.dir), time.monotonic() - self.started))
+            log.info("%s", run_summary(Path(self.cfg.run.dir), process_age(), self.start_step + 1))
 
     def profile_window(self, step: int, starting: bool) -> None:
         """Start torch.profiler before step ``run.profile_steps[0]``; stop after ``[1]`` and write

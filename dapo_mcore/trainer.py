@@ -371,6 +371,7 @@ def eval_main(config_path: str, overrides: list[str], checkpoint: str | None, as
     cfg, launch = read_config(config_path, [*overrides, "rollout.pipeline.mode=sync"])
     parts = build_components(cfg, launch, resume=False, checkpoint=checkpoint, for_eval=True)
     trainer = Trainer(cfg, parts)
+    trainer.step = parts.start_step  # the checkpoint's step: the in-training eval's sampling seeds, so both agree
     try:
         metrics = trainer.evaluate()
     finally:

@@ -227,17 +227,46 @@ def rule_clip_high(run: Run) -> list[Finding]:
     if max(values) == 0.0:
         return [Finding("clip-high", "info", rng, "clip-high was never active",
                         f"train/clipfrac_high = 0 in all {len(values)} steps: no positive-advantage token's ratio "
-                        f"passed {bound}",
-                        "Clip-Higher changes nothing at this step size (one on-policy mini-batch per step, or a small "
-                        "lr); fine if learning progresses, otherwise more mini-batches per step or a larger lr")]
+                        f"passed {bound}", _clip_high_fix(run))]
     active = sum(v > 0 for v in values) / len(values)
     med = _median(values)
     if active >= 0.9 and med >= CLIP_HIGH_ALWAYS:
         return [Finding("clip-high", "warn", rng, "clip-high is active on many tokens in nearly every step",
                         f"train/clipfrac_high > 0 in {active:.0%} of steps, median {med:.1%} of tokens clipped at {bound}",
-                        "each update moves the policy past the trust region: lower optim.lr or use fewer mini-batches "
-                        "per step (train.mini_batch_prompts closer to train.prompts_per_step)")]
+                        "each update moves the policy past the trust region: lower optim.lr"
+                        + ("" if _updates(run) == 1 else " or use fewer mini-batches per step "
+                           "(train.mini_batch_prompts closer to train.prompts_per_step)"))]
     return []
+
+
+def _updates(run: Run) -> int | None:
+    """Optimizer updates per step from the run's config (None when it is not readable)."""
+    prompts, mini, epochs = (run.cfg("train", "prompts_per_step"), run.cfg("train", "mini_batch_prompts"),
+                             run.cfg("train", "epochs"))
+    if not all(isinstance(v, int) and v > 0 for v in (prompts, mini, epochs)):
+        return None
+    return prompts // mini * epochs
+
+
+def _clip_high_fix(run: Run) -> str:
+    """What to change when Clip-Higher never binds, from the run's own settings: more mini-batches per step only
+    where the run takes one (the ratio is exactly 1 on the first update of a step), else a larger lr."""
+    prompts, mini, epochs = (run.cfg("train", "prompts_per_step"), run.cfg("train", "mini_batch_prompts"),
+                             run.cfg("train", "epochs"))
+    lr = run.cfg("optim", "lr")
+    lr_text = f"optim.lr (now {lr:g})" if isinstance(lr, int | float) else "optim.lr"
+    updates = _updates(run)
+    if updates is None:
+        return ("Clip-Higher changes nothing at this step size; fine if learning progresses, otherwise more "
+                f"mini-batches per step (train.mini_batch_prompts < train.prompts_per_step) or a larger {lr_text}")
+    if updates <= 1:
+        return (f"Clip-Higher changes nothing with one on-policy update per step (train.prompts_per_step={prompts}, "
+                f"mini_batch_prompts={mini}, epochs={epochs}): the ratio is 1 there. Fine if learning progresses; "
+                f"otherwise several mini-batches per step (e.g. train.mini_batch_prompts={max(1, prompts // 4)}) or "
+                f"a larger {lr_text}")
+    return (f"the {updates} updates per step (train.prompts_per_step={prompts} / mini_batch_prompts={mini} x "
+            f"epochs={epochs}) never moved a token's ratio past {1 + (run.cfg('algo', 'clip_high') or 0):g}: the "
+            f"step size is small. Fine if learning progresses; otherwise a larger {lr_text}")
 
 
 def rule_length_limit(run: Run) -> list[Finding]:

@@ -140,9 +140,17 @@ class StepProgress:
             log.info("%s", self.text())
 
 
-def run_summary(run_dir: Path, process_seconds: float | None = None) -> str:
+def process_age() -> float:
+    """Wall seconds since this process started (imports, the tiny base model's pre-training, setup included)."""
+    import psutil
+
+    return time.time() - psutil.Process().create_time()
+
+
+def run_summary(run_dir: Path, process_seconds: float | None = None, first_step_here: int | None = None) -> str:
     """The end-of-run summary of a run directory: held-out start -> end, steps, wall time, generated tokens
-    kept/rejected, where the time went, and the commands to run next."""
+    kept/rejected, where the time went, and the commands to run next. ``process_seconds``: this process's wall time
+    from its start; ``first_step_here``: the first step it ran (a resumed run ran the earlier ones elsewhere)."""
     from dapo_mcore.telemetry.diagnose import load_run
 
     records = load_run(run_dir)
@@ -151,9 +159,13 @@ def run_summary(run_dir: Path, process_seconds: float | None = None) -> str:
     lines = [f"run finished: {len(steps)} steps" + (f" ({steps[0]}-{steps[-1]})" if steps else "")]
     wall = last.get(keys.cost_seconds_key("step", cumulative=True))
     if wall is not None:
-        lines[0] += f" in {format_seconds(wall)} of steps"
+        lines[0] += f", {format_seconds(wall)} of step time (the steps alone, every process of the run)"
     if process_seconds is not None:
-        lines[0] += f" ({format_seconds(process_seconds)} in this process, setup included)"
+        ran = (f"steps {first_step_here}-{steps[-1]}; steps {steps[0]}-{first_step_here - 1} ran before the resume"
+               if first_step_here and steps and first_step_here > steps[0] else "every step")
+        lines.append(f"this process: {format_seconds(process_seconds)} of wall time from its start ({ran}; imports, "
+                     "model building, the base model's pre-training or cache load, evaluations and checkpoints "
+                     "included)")
     evals = [(r[keys.STEP], r[keys.EVAL_AVG_AT_K], r.get(keys.EVAL_K)) for r in records if keys.EVAL_AVG_AT_K in r]
     if evals:
         k = f"avg@{int(evals[-1][2])}" if evals[-1][2] else "avg@k"
@@ -187,7 +199,7 @@ def run_summary(run_dir: Path, process_seconds: float | None = None) -> str:
         parts = [f"{names.get(p, p)} {s / wall:.0%}" for s, p in sorted(shares, reverse=True)]
         if other > 0.005 * wall:
             parts.append(f"other {other / wall:.0%}")
-        lines.append("time: " + ", ".join(parts))
+        lines.append("step time by phase: " + ", ".join(parts))
     base = next((r for r in records if r[keys.STEP] == 0 and keys.time_key("eval") in r), None)
     if base is not None:
         lines.append(f"base evaluation (step 0, before the steps): {format_seconds(float(base[keys.time_key('eval')]))}")
