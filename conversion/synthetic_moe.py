@@ -53,3 +53,39 @@ def save_tiny_moe_model(out_dir: str | Path, seed: int = 0, **overrides: Any):
     model = build_tiny_moe_model(tiny_moe_config(**overrides), seed=seed)
     model.save_pretrained(out_dir, safe_serialization=True)
     return model
+
+
+TINY_MOE_BASE: dict[str, Any] = dict(
+    model_type="qwen3_moe", vocab_size=32, hidden_size=64, intermediate_size=128, moe_intermediate_size=48,
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
+    num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[], decoder_sparse_step=1,
+    max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True,
+    router_aux_loss_coef=0.001, attention_bias=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)
+"""A trainable tiny Qwen3-MoE on the tiny tokenizer's 32-token vocabulary (4 experts, top-2, both layers sparse)."""
+
+
+def save_tiny_moe_base(out_dir: str | Path, steps: int = 200, seed: int = 0) -> Path:
+    """A tiny Qwen3-MoE pre-trained on the max4 corpus like the embedded tiny base (`data.base_model.pretrain`),
+    saved with the tiny tokenizer: a directory that `dapo-mcore train model.hf_path=...` takes."""
+    import transformers
+
+    from dapo_mcore.data.base_model import pretrain
+    from dapo_mcore.data.tiny_base_settings import TinyBaseSettings
+    from dapo_mcore.data.tokenizer import build_tiny_tokenizer
+
+    cfg = dict(TINY_MOE_BASE)
+    cfg.pop("model_type")
+    torch.manual_seed(seed)
+    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**cfg))
+    tokenizer = build_tiny_tokenizer()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the weights must not depend on the caller's thread count
+    try:
+        pretrain(model, tokenizer, TinyBaseSettings(steps=steps, seed=seed))
+    finally:
+        torch.set_num_threads(threads)
+    out = Path(out_dir)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out

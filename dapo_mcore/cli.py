@@ -133,7 +133,11 @@ def _run_training_command(args: argparse.Namespace) -> int:
     overrides = [*args.overrides, *extra]
     if args.command == "eval":  # an async run's checkpoint evaluates colocated: the engines share the ranks
         overrides.append("rollout.pipeline.mode=sync")
-    precheck(args.config, overrides, warn=args.command == "train")
+    cfg = precheck(args.config, overrides, warn=args.command == "train")
+    if args.command == "train" and finished_step(cfg) is not None:
+        logging.getLogger(__name__).info("run already finished %d steps (%s); nothing to do", finished_step(cfg),
+                                         Path(cfg.run.dir) / "checkpoints")
+        return 0
     checkpoint = resolve_eval_checkpoint(args.checkpoint) if args.command == "eval" else None
     _quiet_cpu_warnings()
     from dapo_mcore import trainer
@@ -150,6 +154,31 @@ def _run_training_command(args: argparse.Namespace) -> int:
         from dapo_mcore.config import load_config
 
         raise UserError(lost_peer_line(exc, Path(load_config(args.config, overrides).run.dir), args.command)) from exc
+
+
+def finished_step(cfg) -> int | None:
+    """The step of run.dir's latest complete checkpoint when it has done cfg.train.steps and holds this very config
+    (config.yaml equal to it), else None: then the trainer decides (a resume, a changed config refused, ...).
+    Read without torch, so ``train`` on a finished run answers in a second, not after building the model."""
+    import yaml
+
+    from dapo_mcore.config_cli import resolve_eval_checkpoint
+    from dapo_mcore.configtree import to_dict
+
+    run_dir = Path(cfg.run.dir)
+    if cfg.run.overwrite or cfg.run.resume != "auto" or not (run_dir / "config.yaml").is_file():
+        return None
+    stored, asked = yaml.safe_load((run_dir / "config.yaml").read_text()), yaml.safe_load(yaml.safe_dump(to_dict(cfg)))
+    for tree in (stored, asked):  # a run directory moved or copied elsewhere is the same run
+        tree.get("run", {}).pop("dir", None)
+    if stored != asked:
+        return None
+    try:
+        latest = Path(resolve_eval_checkpoint(str(run_dir)) or "")
+    except ConfigError:  # no complete checkpoint: nothing is finished
+        return None
+    step = int(latest.name.removeprefix("step_")) if latest.name.startswith("step_") else -1
+    return step if step >= cfg.train.steps else None
 
 
 _TIMED_OUT = ("ms for recv operation to complete", "ms for send operation to complete",

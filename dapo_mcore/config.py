@@ -342,6 +342,50 @@ class RunConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases, optional: every metric of metrics.jsonl with its step, from rank 0, into one W&B run that a
+    requeued job continues (its id is kept in RUN_DIR/wandb_run_id). ``WANDB_MODE=offline`` (clusters without
+    internet) writes the run under RUN_DIR/wandb/ for a later ``wandb sync``."""
+
+    project: str | None = None
+    """W&B project; unset (the default) = no W&B. Needs the wandb package (pip install wandb)."""
+    entity: str | None = None
+    """W&B entity (user or team); default: the account's default entity."""
+    name: str | None = None
+    """Display name of the run; default: the run directory's name."""
+    group: str | None = None
+    """Group of runs (e.g. an ablation) in the W&B UI."""
+    tags: list[str] = field(default_factory=list)
+    """Tags of the run."""
+
+    def validate(self) -> None:
+        if self.project is None:
+            return
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError(f"telemetry.wandb.project={self.project} needs the wandb package, which is not "
+                              "installed: pip install wandb (or unset telemetry.wandb.project).")
+
+
+@dataclass
+class TelemetryConfig:
+    """Where metrics go besides RUN_DIR/metrics.jsonl and TensorBoard (always written)."""
+
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases (off unless telemetry.wandb.project is set)."""
+    progress_every_s: float = 60.0
+    """In logs (Slurm, pipes): at most one line per this many seconds on the progress inside a step (phase,
+    dynamic-sampling batch k of max, usable groups of the target, tokens generated), the first this long after the
+    step started; a terminal shows it live beside the bar instead."""
+
+    def validate(self) -> None:
+        if not self.progress_every_s > 0:
+            raise ConfigError(f"telemetry.progress_every_s={self.progress_every_s!r} must be > 0 (seconds; default 60).")
+        self.wandb.validate()
+
+
+@dataclass
 class Config:
     """A whole run."""
 
@@ -358,6 +402,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
     def validate(self, world_size: int = 1) -> None:
         """Check every rule that can be checked before anything is allocated (hardware-independent: GPU-only
@@ -371,6 +416,7 @@ class Config:
             except ValueError as exc:  # component configs raise ValueError; report it as a config error
                 raise ConfigError(str(exc)) from exc
         self.reward.validate()
+        self.telemetry.validate()
         self.validate_layout(world_size)
 
     def validate_layout(self, world_size: int) -> None:

@@ -72,7 +72,10 @@ def launch(command: str, nproc: int, config: str, overrides: list[str], extra: l
     """Validate ``config`` for ``nproc`` ranks, then run ``dapo-mcore COMMAND`` on them; their exit code."""
     from dapo_mcore.config_cli import precheck
 
-    precheck(config, [*overrides, *extra], world_size=nproc)  # a ConfigError: the caller's one line, exit 2
+    # A ConfigError: the caller's one line, exit 2. eval evaluates an async run's checkpoint colocated (as each rank's
+    # own check does); the ranks' rank 0 logs the warnings, once.
+    checked = [*overrides, *extra, *(["rollout.pipeline.mode=sync"] if command == "eval" else [])]
+    precheck(config, checked, world_size=nproc, warn=False)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args

@@ -15,6 +15,8 @@ from tests.gloo_workers import run_gloo_workers
 pytestmark = pytest.mark.distributed
 
 WORLD, ENGINES = 3, 2
+TIMEOUT_MIN, GENERATE_S = 0.1, 9.0
+"""The groups' timeout (6 s) and how long the engine ranks "generate" before they take the version: longer."""
 
 
 def _weights():
@@ -55,13 +57,17 @@ def _worker(rank, world, port, queue):
                                                              "rollout.pipeline.bucket_mb=0.002", "eval.every=0",
                                                              "eval.at_start=false"])
     try:
-        role, bridge = init_split_world(LaunchEnv(rank, world, 0, "127.0.0.1", port, "test"), "gloo", 2.0, ENGINES)
+        role, bridge = init_split_world(LaunchEnv(rank, world, 0, "127.0.0.1", port, "test"), "gloo", TIMEOUT_MIN,
+                                        ENGINES)
         if role.trainer:
             source = AsyncRollouts(cfg, bridge, PhaseTimer())
             source.publish(_weights())
             source.close()
             queue.put((rank, {"syncs": bridge.device.syncs}))
             return
+        import time
+
+        time.sleep(GENERATE_S)  # a generation longer than the timeout: the trainer must not be in a collective
         engine = _Engine()
         loop = EngineLoop(cfg, None, engine, bridge, [], PhaseTimer())
         header = loop._receive()
@@ -78,7 +84,9 @@ def _worker(rank, world, port, queue):
 
 def test_a_version_crosses_a_device_strict_weights_group_to_two_engine_ranks(monkeypatch):
     """Fails on the code before #35 (the header's size and bytes were host tensors: "Tensors must be CUDA and
-    dense"). The sender waits on the host once per bucket."""
+    dense"). The sender waits on the host once per bucket. The engine ranks join 9 s after the trainer publishes, past
+    the groups' 6 s timeout: the trainer waits at the meeting (Bridge.meet, on the store), not in the broadcast
+    (before #35 its header broadcast timed out)."""
     import torch
 
     monkeypatch.setenv("DAPO_MCORE_STRICT_DEVICE", "1")

@@ -80,7 +80,7 @@ def test_next_line_names_the_venv_script_under_torchrun(monkeypatch, tmp_path):
 def test_ctrl_c_through_the_launcher_checkpoints_and_exits_130(cli_env, tmp_path):
     run_dir = tmp_path / "run"
     proc = _launch(["parallel.tensor_parallel=2", f"run.dir={run_dir}", "train.steps=40", "eval.every=0",
-                    "eval.at_start=false", "checkpoint.every=0"], cli_env)
+                    "eval.at_start=false", "checkpoint.every=0", "telemetry.progress_every_s=0.001"], cli_env)
     seen: list[str] = []
     deadline = time.monotonic() + 600
     assert proc.stdout is not None
@@ -96,3 +96,6 @@ def test_ctrl_c_through_the_launcher_checkpoints_and_exits_130(cli_env, tmp_path
     assert (run_dir / "checkpoints" / "latest").is_file(), out[-3000:]
     assert out.count("SIGINT received") == 2, out[-3000:]  # forwarded once: each rank's warning, no "abandon"
     assert "exitcode" not in out, out[-3000:]  # torch's own failure notice
+    inside = [ln for ln in out.splitlines() if "step 1: " in ln and "usable groups" in ln]
+    assert any(" generate, batch 1/" in ln and "tokens generated" in ln for ln in inside), out[-3000:]
+    assert len({ln.split(" INFO ")[0] for ln in inside}) <= len(inside)  # a log line, not a bar (not a tty)

@@ -201,3 +201,57 @@ def moe_block_spec(tconfig, kind: str, core_attention=None, vp_stage: int | None
     else:
         norm = LNImpl
     return TransformerBlockSubmodules(layer_specs=specs[offset: offset + count], layer_norm=norm)
+
+
+class RouterStats:
+    """Load balance and aux loss of the MoE routers of this rank's model chunks, per optimizer update.
+
+    A forward hook on each Megatron ``TopKRouter`` adds its routing map's tokens per expert (this rank's tokens; with
+    TP every TP rank routes the same tokens). `metrics` (a collective over the default group) sums them over the
+    job, giving per-layer ``max / mean`` tokens per expert (1 = perfectly balanced), and reads Megatron's aux-loss
+    tracker (the unscaled load-balancing loss, averaged over layers and router calls)."""
+
+    def __init__(self, chunks: list, num_layers: int, num_experts: int):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64)
+        self.calls = torch.zeros(num_layers, dtype=torch.float64)
+        self.routers = [m for c in chunks for m in c.modules() if isinstance(m, TopKRouter)]
+        for router in self.routers:
+            router.register_forward_hook(self._record)
+
+    def _record(self, router, _inputs, output) -> None:
+        layer = router.layer_number - 1  # Megatron numbers layers from 1 (global, across pipeline stages)
+        self.counts[layer] += output[1].detach().sum(dim=0).to("cpu", torch.float64)
+        self.calls[layer] += 1
+
+    def reset(self) -> None:
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+        self.counts.zero_()
+        self.calls.zero_()
+        clear_aux_losses_tracker()
+
+    def metrics(self, tensor_parallel: int) -> dict[str, float]:
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        aux = torch.zeros_like(self.calls)
+        tracked = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+        if tracked is not None:
+            aux += tracked["values"].detach().to("cpu", torch.float64)[: aux.numel()]
+        packed = torch.cat([self.counts.flatten(), self.calls, aux])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(packed)
+        n_layers, n_experts = self.counts.shape
+        counts = packed[: n_layers * n_experts].view(n_layers, n_experts) / tensor_parallel
+        calls = packed[n_layers * n_experts: n_layers * (n_experts + 1)]
+        aux = packed[n_layers * (n_experts + 1):]
+        routed = counts.sum(dim=1) > 0
+        if not routed.any():
+            return {}
+        ratio = counts[routed].max(dim=1).values / counts[routed].mean(dim=1)
+        out = {"moe/load_max_over_mean": float(ratio.mean()), "moe/load_max_over_mean_worst": float(ratio.max()),
+               "moe/tokens_per_expert_mean": float(counts[routed].mean())}
+        if bool((aux != 0).any()):
+            out["moe/aux_loss"] = float((aux[routed] / calls[routed].clamp(min=1)).mean())
+        return out

@@ -34,6 +34,7 @@ from dapo_mcore.rollout.protocol import (
 )
 from dapo_mcore.rollout.sampling import sample_next
 from dapo_mcore.rollout.weight_sync import SyncTracker
+from dapo_mcore.weights.qwen3_moe import per_expert_views
 
 __all__ = ["HFEngine"]
 
@@ -227,6 +228,14 @@ class HFEngine:
                 canonical[id(param)] = name
                 shapes[name] = tuple(param.shape)
         self._params = dict(self.model.named_parameters())
+        experts = per_expert_views(self._params)  # MoE: fused expert tensors, synced under per-expert names
+        if experts:
+            fused = {n.rsplit(".", 3)[0] + "." + k for n in experts for k in ("gate_up_proj", "down_proj")}
+            for name in fused:
+                shapes.pop(name, None)
+                self._params.pop(name, None)
+            shapes.update({n: tuple(v.shape) for n, v in experts.items()})
+            self._params.update(experts)
         return SyncTracker(shapes, aliases)
 
     @torch.no_grad()

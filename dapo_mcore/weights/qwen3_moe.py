@@ -100,3 +100,23 @@ def qwen3_moe_mapping(hf_config: dict[str, Any]) -> ModelMapping:
 
 
 register_mapping("qwen3_moe", qwen3_moe_mapping)
+
+
+def per_expert_views(params: dict[str, Any]) -> dict[str, Any]:
+    """Checkpoint-named per-expert views of transformers' fused expert parameters (transformers >= 5 holds a
+    layer's experts as ``mlp.experts.gate_up_proj`` [E, 2I, H], gate rows first, and ``mlp.experts.down_proj``
+    [E, H, I], but saves and loads them one tensor per expert): ``{name: view}`` for every fused parameter in
+    `params`, so a weight sync in checkpoint names copies straight into the fused storage. Other names: none."""
+    views: dict[str, Any] = {}
+    for name, param in params.items():
+        prefix = name.removesuffix("gate_up_proj")
+        if name.endswith(".mlp.experts.gate_up_proj") and param.dim() == 3:
+            half = param.shape[1] // 2
+            for e in range(param.shape[0]):
+                views[f"{prefix}{e}.gate_proj.weight"] = param[e, :half]
+                views[f"{prefix}{e}.up_proj.weight"] = param[e, half:]
+        elif name.endswith(".mlp.experts.down_proj") and param.dim() == 3:
+            prefix = name.removesuffix("down_proj")
+            for e in range(param.shape[0]):
+                views[f"{prefix}{e}.down_proj.weight"] = param[e]
+    return views
