@@ -275,6 +275,7 @@ def test_a_reward_failing_during_an_engine_evaluation_stops_the_run_in_one_line(
     errors = [line for line in proc.stderr.splitlines() if "dapo-mcore:" in line]
     assert len(errors) == 1 and "reward broken_reward:score failed on" in errors[0] and "KeyError" in errors[0], \
         proc.stderr[-3000:]
+    assert "on the engine ranks:" in errors[0]  # the trainer's line: the failure reached it
     assert "exitcode: 2" in proc.stderr  # the trainer's code, as in sync mode
     assert "dapo_mcore/" not in "".join(line for line in proc.stderr.splitlines() if line.lstrip().startswith("File"))
     assert "another rank of the job stopped" not in proc.stderr
