@@ -575,6 +575,7 @@ def _build_parts(cfg: Config, launch: LaunchEnv, *, resume: bool, checkpoint: st
                         expert_parallel=cfg.parallel.expert_parallel)
     hf_dir = resolve_base_model(cfg, launch)
     if bridge is not None:
+        bridge.start()  # the run starts: no refusal (rollout.bridge.Bridge.start)
         bridge.barrier()  # the engine ranks read the base model's config and tokenizer once it exists
     hf_config = cfg.model.hf_config(cfg.tiny_base.preset) if hf_dir is None else read_hf_config(hf_dir)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or hf_dir)

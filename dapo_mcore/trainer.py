@@ -26,7 +26,8 @@ from dapo_mcore.actor.megatron_actor import TrainSample
 from dapo_mcore.algo.advantages import group_advantages
 from dapo_mcore.algo.dynamic_sampling import DynamicSamplingExhausted
 from dapo_mcore.algo.metrics import average_updates
-from dapo_mcore.config import Config
+from dapo_mcore.config import Config, ConfigError
+from dapo_mcore.errors import UserError
 from dapo_mcore.evaluation import eval_after
 from dapo_mcore.rollout.groups import GroupData
 from dapo_mcore.rollout.protocol import EngineError
@@ -356,8 +357,13 @@ def train_main(config_path: str, overrides: list[str]) -> int:
             finally:
                 bridge.close()
     try:
-        prepare_run_dir(cfg, launch)
-        parts = build_components(cfg, launch, bridge=bridge)
+        try:
+            prepare_run_dir(cfg, launch)
+            parts = build_components(cfg, launch, bridge=bridge)
+        except (UserError, ConfigError) as exc:  # a refusal (another run in run.dir, ...): the engine ranks hear it, not a lost peer
+            if bridge is not None:
+                bridge.start(str(exc))
+            raise
         return Trainer(cfg, parts).run()
     finally:
         if bridge is not None:
