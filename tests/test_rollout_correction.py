@@ -236,3 +236,13 @@ def test_an_older_tis_cap_run_directory_resumes(tmp_path):
     prepare_run_dir(load_config(tiny, [f"run.dir={run_dir}", "algo.tis_cap=2.0"]), rank0)  # resumes
     with pytest.raises(ConfigError, match=r"algo.rollout_correction.preset: \(unset\) -> 'icepop'"):
         prepare_run_dir(load_config(tiny, [f"run.dir={run_dir}", "algo.rollout_correction.preset=icepop"]), rank0)
+
+
+def test_loose_spellings_of_the_fields():
+    """A single option as a string, its band as a tuple, None for no rejection: the same config as the lists."""
+    assert RolloutCorrectionConfig(rs="seq_mean_k1", rs_thresholds=(0.999, 1.001)) == PRESETS["geo_rs"]
+    assert RolloutCorrectionConfig(is_level="token", is_threshold=(0.5, 5.0), rs=None, rs_thresholds=None) \
+        == PRESETS["icepop"]
+    lr, mask = batch(5)
+    w, keep, _ = correction(lr.float(), mask.bool(), RolloutCorrectionConfig(rs="token_k3", rs_thresholds=0.05))
+    assert keep.dtype == torch.bool and w.dtype == torch.float32 and not keep[mask == 0].any()
