@@ -246,3 +246,22 @@ def test_loose_spellings_of_the_fields():
     lr, mask = batch(5)
     w, keep, _ = correction(lr.float(), mask.bool(), RolloutCorrectionConfig(rs="token_k3", rs_thresholds=0.05))
     assert keep.dtype == torch.bool and w.dtype == torch.float32 and not keep[mask == 0].any()
+
+
+def test_bypass_refuses_an_moe_model_with_a_router_aux_loss(tmp_path):
+    import json
+    from pathlib import Path
+
+    from dapo_mcore.config import ConfigError, _validate_bypass, load_config
+
+    tiny = Path(__file__).resolve().parents[1] / "examples" / "tiny_cpu.yaml"
+    for coef, refused in ((0.001, True), (0.0, False)):
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 4,
+                                                          "router_aux_loss_coef": coef, "vocab_size": 64}))
+        cfg = load_config(tiny, [f"model.hf_path={tmp_path}", "model.tiny_base=false",
+                                 "algo.rollout_correction.preset=bypass_ppo_clip"])
+        if refused:
+            with pytest.raises(ConfigError, match="^algo.rollout_correction bypass with an MoE model"):
+                _validate_bypass(cfg)
+        else:
+            _validate_bypass(cfg)
