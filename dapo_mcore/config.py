@@ -628,12 +628,21 @@ def _validate_bypass(cfg: Config) -> None:
     Both engines report log_softmax(logits / T) over the full vocabulary (SamplingParams.logprobs="processed"), which
     is the sampling distribution only without top-k/top-p truncation."""
     r = cfg.rollout
-    if not cfg.algo.correction.bypass or (r.top_p == 1.0 and r.top_k == -1):
+    if not cfg.algo.correction.bypass:
         return
-    raise ConfigError(f"algo.rollout_correction bypass needs the engine's log-probs to be the sampling distribution, "
-                      f"but rollout.top_p={r.top_p}, rollout.top_k={r.top_k} truncate it (the engines report "
-                      f"log_softmax(logits/T) over the full vocabulary); set rollout.top_p=1.0 and rollout.top_k=-1, "
-                      f"or use a decoupled preset (e.g. token_tis)")
+    if r.top_p != 1.0 or r.top_k != -1:
+        raise ConfigError(f"algo.rollout_correction bypass needs the engine's log-probs to be the sampling "
+                          f"distribution, but rollout.top_p={r.top_p}, rollout.top_k={r.top_k} truncate it (the engines "
+                          f"report log_softmax(logits/T) over the full vocabulary); set rollout.top_p=1.0 and "
+                          f"rollout.top_k=-1, or use a decoupled preset (e.g. token_tis)")
+    hf = cfg.model.hf_config(cfg.tiny_base.preset)
+    aux = float(hf.get("router_aux_loss_coef") or 0.0)
+    if (hf.get("num_experts") or hf.get("num_local_experts")) and aux > 0:
+        # bypass divides the gradients by denominators known only after the forward: the router's aux-loss
+        # gradient, added inside the forward, would be divided too
+        raise ConfigError(f"algo.rollout_correction bypass with an MoE model whose router_aux_loss_coef={aux} > 0 "
+                          f"is not supported (the aux loss would be rescaled with the policy loss); use a decoupled "
+                          f"preset (e.g. token_tis) or set router_aux_loss_coef to 0 in the model's config.json")
 
 
 def _validate_pipeline(cfg: Config) -> None:

@@ -236,3 +236,32 @@ def test_an_older_tis_cap_run_directory_resumes(tmp_path):
     prepare_run_dir(load_config(tiny, [f"run.dir={run_dir}", "algo.tis_cap=2.0"]), rank0)  # resumes
     with pytest.raises(ConfigError, match=r"algo.rollout_correction.preset: \(unset\) -> 'icepop'"):
         prepare_run_dir(load_config(tiny, [f"run.dir={run_dir}", "algo.rollout_correction.preset=icepop"]), rank0)
+
+
+def test_loose_spellings_of_the_fields():
+    """A single option as a string, its band as a tuple, None for no rejection: the same config as the lists."""
+    assert RolloutCorrectionConfig(rs="seq_mean_k1", rs_thresholds=(0.999, 1.001)) == PRESETS["geo_rs"]
+    assert RolloutCorrectionConfig(is_level="token", is_threshold=(0.5, 5.0), rs=None, rs_thresholds=None) \
+        == PRESETS["icepop"]
+    lr, mask = batch(5)
+    w, keep, _ = correction(lr.float(), mask.bool(), RolloutCorrectionConfig(rs="token_k3", rs_thresholds=0.05))
+    assert keep.dtype == torch.bool and w.dtype == torch.float32 and not keep[mask == 0].any()
+
+
+def test_bypass_refuses_an_moe_model_with_a_router_aux_loss(tmp_path):
+    import json
+    from pathlib import Path
+
+    from dapo_mcore.config import ConfigError, _validate_bypass, load_config
+
+    tiny = Path(__file__).resolve().parents[1] / "examples" / "tiny_cpu.yaml"
+    for coef, refused in ((0.001, True), (0.0, False)):
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 4,
+                                                          "router_aux_loss_coef": coef, "vocab_size": 64}))
+        cfg = load_config(tiny, [f"model.hf_path={tmp_path}", "model.tiny_base=false",
+                                 "algo.rollout_correction.preset=bypass_ppo_clip"])
+        if refused:
+            with pytest.raises(ConfigError, match="^algo.rollout_correction bypass with an MoE model"):
+                _validate_bypass(cfg)
+        else:
+            _validate_bypass(cfg)

@@ -71,8 +71,8 @@ class RolloutCorrectionConfig:
     def __post_init__(self) -> None:
         if isinstance(self.rs, str):
             self.rs = [self.rs]
-        self.rs = list(self.rs)
-        t = self.rs_thresholds
+        self.rs = list(self.rs or [])
+        t = self.rs_thresholds if self.rs_thresholds is not None else []
         if isinstance(t, (int, float)):
             t = [t]
         elif (len(self.rs) == 1 and isinstance(t, (list, tuple)) and len(t) == 2
