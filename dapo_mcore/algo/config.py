@@ -65,6 +65,11 @@ class AlgoConfig:
 
     tis_cap: float | None = None
     """Truncated importance sampling cap for engine-vs-trainer log-prob mismatch (e.g. 2.0); None disables."""
+    router_replay: str = "none"
+    """MoE models: "rollout" = rollout routing replay (R3): the trainer's routers use the experts the rollout engine
+    routed each token to (transformers engine), in the old-log-prob and training passes; gates stay the trainer's
+    (so the router keeps its gradient). "none" = the trainer routes itself; moe/routing_mismatch_frac shows how often
+    that differs from the engine."""
 
     def validate(self) -> None:
         """Raise ValueError naming the fix for any inconsistent setting."""
@@ -98,6 +103,9 @@ class AlgoConfig:
                 f"algo.entropy_coef={self.entropy_coef}: DAPO logs entropy but does not optimize it; "
                 "set algo.entropy_coef=0"
             )
+        if self.router_replay not in ("none", "rollout"):
+            raise ValueError(f"algo.router_replay={self.router_replay!r}; choose 'none' or 'rollout' (replay the "
+                             "engine's experts in the trainer, MoE models)")
         if self.tis_cap is not None and self.tis_cap < 1.0:
             raise ValueError(
                 f"algo.tis_cap={self.tis_cap} must be >= 1 (a cap below 1 down-weights every token); "
