@@ -82,3 +82,24 @@ def test_with_replay_the_trainer_matches_the_engine_to_fp32(replay_result):
 
 if __name__ == "__main__":
     _worker(Path(os.environ["DAPO_R3_OUT"]))
+
+
+def _records(frac: float, n: int = 6) -> list[dict]:
+    return [{"step": s, "train/loss": 0.1, "train/lr": 1e-6, "moe/routing_mismatch_frac": frac,
+             "mismatch/logp_abs_diff_mean": 0.02 if frac else 1e-7, "moe/load_max_over_mean": 1.5,
+             "moe/aux_loss": 1.1} for s in range(1, n + 1)]
+
+
+def test_diagnose_names_routing_mismatch_and_report_draws_it(tmp_path):
+    from dapo_mcore.telemetry.diagnose import Run, diagnose
+    from dapo_mcore.telemetry.report import moe_figure
+
+    found = diagnose(Run(_records(0.05))).findings
+    assert [f.rule for f in found if f.rule == "routing-mismatch"] == ["routing-mismatch"]
+    assert "algo.router_replay=rollout" in next(f.advice for f in found if f.rule == "routing-mismatch")
+    replayed = diagnose(Run(_records(0.0)))
+    assert "routing-mismatch" in replayed.ok and not any(f.rule == "routing-mismatch" for f in replayed.findings)
+    dense = diagnose(Run([{k: v for k, v in r.items() if not k.startswith("moe/")} for r in _records(0.0)]))
+    assert "routing-mismatch" not in dense.skipped  # a dense run is not told an MoE rule was skipped
+    assert moe_figure(_records(0.05), tmp_path, 1).name == "moe.png"
+    assert moe_figure([{"step": 1, "train/loss": 0.1}], tmp_path, 1) is None
