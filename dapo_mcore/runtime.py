@@ -514,7 +514,8 @@ def _build_engine(cfg: Config, hf_dir: Path | None, hf_config: dict[str, Any], t
             enforce_eager=v.enforce_eager, max_num_batched_tokens=v.max_num_batched_tokens,
             max_model_len=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens, sleep_level=v.sleep_level,
             dtype=cfg.model.params_dtype, seed=cfg.train.seed, max_prompt_len=cfg.data.max_prompt_len,
-            stop_token_ids=stops.ids, load_format="dummy")  # build_components syncs every weight from the actor before the first generation
+            stop_token_ids=stops.ids, load_format="dummy",  # build_components syncs every weight from the actor before the first generation
+            return_routed_experts=cfg.algo.router_replay == "rollout")
         return VLLMEngine(options, hf_config)
     from transformers import AutoConfig, AutoModelForCausalLM
 

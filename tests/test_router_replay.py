@@ -103,3 +103,18 @@ def test_diagnose_names_routing_mismatch_and_report_draws_it(tmp_path):
     assert "routing-mismatch" not in dense.skipped  # a dense run is not told an MoE rule was skipped
     assert moe_figure(_records(0.05), tmp_path, 1).name == "moe.png"
     assert moe_figure([{"step": 1, "train/loss": 0.1}], tmp_path, 1) is None
+
+
+def test_vllm_routed_experts_become_the_engine_neutral_table():
+    """vLLM's [tokens, layers, k] numpy array (vLLM 0.32 ``CompletionOutput.routed_experts``) padded with -1 to the
+    prompt + response positions; and the LLM kwarg is only set when replay asks for it."""
+    import numpy as np
+
+    from dapo_mcore.rollout.routes import routes_from_vllm
+    from dapo_mcore.rollout.vllm_engine import VLLMEngineOptions
+
+    table = routes_from_vllm(np.arange(24).reshape(4, 3, 2), 5)
+    assert table.shape == (5, 3, 2) and table.dtype == torch.int16
+    assert table[:4].flatten().tolist() == list(range(24)) and (table[4] == -1).all()
+    assert "enable_return_routed_experts" not in VLLMEngineOptions(model_path="m").llm_kwargs(1)
+    assert VLLMEngineOptions(model_path="m", return_routed_experts=True).llm_kwargs(1)["enable_return_routed_experts"]

@@ -89,3 +89,14 @@ def align_routes(routes: list[Tensor], width: int, packed: bool, top_k: int) -> 
     known = (out >= 0).all(dim=-1).all(dim=-1)
     filler = torch.arange(top_k).expand_as(out)
     return torch.where(out >= 0, out, filler), known
+
+
+def routes_from_vllm(routed: object, length: int) -> Tensor:
+    """vLLM's ``CompletionOutput.routed_experts`` (numpy ``[tokens, MoE layers, top_k]`` from the first prompt token
+    on, vLLM >= 0.32 with ``enable_return_routed_experts``) in the engine-neutral form: int16 over the prompt +
+    response's `length` positions, -1 where vLLM returned none (e.g. the last sampled token). Not run on a GPU."""
+    table = torch.as_tensor(routed).to(torch.int16)
+    out = torch.full((length, *table.shape[1:]), UNKNOWN, dtype=torch.int16)
+    n = min(length, table.shape[0])
+    out[:n] = table[:n]
+    return out
