@@ -126,7 +126,8 @@ class Trainer:
                     mask = torch.zeros(resp.length)
                 samples.append(TrainSample(g.prompt_ids, list(resp.token_ids), float(adv[gi, ri]), loss_mask=mask,
                                            extra={"engine_logp": torch.tensor(resp.logprobs, dtype=torch.float32),
-                                                  "stale_tokens": resp.stale_tokens}))
+                                                  "stale_tokens": resp.stale_tokens,
+                                                  "routed_experts": resp.routed_experts}))
         return samples
 
     def old_logprobs(self, samples: list[TrainSample]) -> dict[str, float]:
@@ -148,6 +149,8 @@ class Trainer:
         out = mismatch_metrics(flat_e, flat_a, ~stale, self.cfg.algo.tis_cap)
         if bool(stale.any()):
             out.update(MismatchStats.from_tensors(flat_e, flat_a, stale, self.cfg.algo.tis_cap).metrics("partial/"))
+        if getattr(self.p.actor, "routing_mismatch", None) is not None:  # MoE: experts used vs the engine's
+            out["moe/routing_mismatch_frac"] = self.p.actor.routing_mismatch
         return {**out, **corr_metrics}
 
     def bypass_old_logprobs(self, samples: list[TrainSample]) -> dict[str, float]:
