@@ -18,6 +18,18 @@ fi
 export PYTHONUNBUFFERED=1          # log lines reach the Slurm output file as they happen
 export PYTHONFAULTHANDLER=1        # stack traces of every thread on a hard crash or SIGABRT
 
+# --- Caches and the network: nodes of a cluster often have no internet, and 128 ranks must not race on ~/.cache
+# Every cache under one directory on the shared file system (default: .cache/dapo-mcore in the repo the job was
+# submitted from, git-ignored); set DAPO_CACHE_ROOT, or any one variable, to put it elsewhere (a node-local disk
+# for Triton, say). Hugging Face offline by default: model.hf_path / tokenizer paths are local directories; set
+# HF_HUB_OFFLINE=0 where nodes may download.
+export DAPO_CACHE_ROOT=${DAPO_CACHE_ROOT:-${DAPO_REPO:-${SLURM_SUBMIT_DIR:-$PWD}}/.cache/dapo-mcore}
+export HF_HOME=${HF_HOME:-$DAPO_CACHE_ROOT/huggingface}
+export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$DAPO_CACHE_ROOT/triton}
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$DAPO_CACHE_ROOT/torchinductor}
+export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-$DAPO_CACHE_ROOT/vllm}
+
 # --- Megatron / Transformer Engine -----------------------------------------------------------------
 # One hardware work queue per device, so TP communication kernels are issued in program order and
 # overlap with compute as Megatron plans (required by sequence parallelism + comm overlap).
