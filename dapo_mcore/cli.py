@@ -1,4 +1,4 @@
-"""The ``dapo-mcore`` command: train | eval | config | convert | plan | profile | report | rollouts | audit-reward | diagnose.
+"""The ``dapo-mcore`` command: train | eval | config | convert | plan | profile | report | rollouts | audit-reward | diagnose | data.
 
 Each subcommand imports its module only when it runs, so ``dapo-mcore --help`` is instant and a missing GPU
 package never breaks an unrelated command. User errors (bad config, data or checkpoint; a missing, read-only or
@@ -31,6 +31,7 @@ _DELEGATED: dict[str, tuple[str, str, str]] = {
     "plan": ("dapo_mcore.plan_cli", "main", "estimate per-GPU memory and FLOPs of a layout before queueing"),
     "diagnose": ("dapo_mcore.telemetry.diagnose", "main", "explain why a run stalled, from its metrics and ledger"),
     "config": ("dapo_mcore.config_cli", "main", "print the resolved config and its layout (runs nothing)"),
+    "data": ("dapo_mcore.data_check", "main", "check prompt files (columns, prompt format, duplicates) before a job"),
 }
 _CONVERT: dict[str, tuple[str, str, str]] = {
     "hf-to-mcore": ("conversion.hf_to_mcore", "main", "Hugging Face dir -> Megatron checkpoint at a TP/PP layout"),

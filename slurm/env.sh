@@ -8,7 +8,8 @@
 # --- Software: pick one of these hooks for your site (left commented on purpose) -----------------
 # module load cuda/12.8 nccl/2.26 gcc/12
 # source /path/to/venv/bin/activate                      # or: export PATH=/path/to/venv/bin:$PATH
-# Containers (enroot/pyxis): put --container-image=... --container-mounts=... in DAPO_SRUN_ARGS.
+# Containers (enroot/pyxis): DAPO_SRUN_ARGS="--container-image=/shared/img.sqsh --container-mounts=/shared:/shared"
+# (split as a shell splits words: quote an argument holding a space); docs/cluster.md step 5.
 if [[ -n "${DAPO_VENV:-}" ]]; then
     # shellcheck disable=SC1091
     source "$DAPO_VENV/bin/activate"
