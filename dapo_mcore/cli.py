@@ -347,7 +347,9 @@ def _guard(fn: Callable[[], int], debug: bool = False) -> int:
         error: BaseException = exc
         message = ("I/O error: " if exc.errno is not None else "") + describe_os_error(exc)
     except Exception as exc:
-        prefix = next((p for kind, p in _user_errors() if isinstance(exc, kind)), None)
+        # ConfigError and UserError first: classifying by _user_errors() imports torch (5 s) for a one-line refusal
+        prefix = ("configuration error: " if isinstance(exc, ConfigError) else "" if isinstance(exc, UserError)
+                  else next((p for kind, p in _user_errors() if isinstance(exc, kind)), None))
         if prefix is None:
             raise
         error, message = exc, f"{prefix}{exc}"

@@ -72,7 +72,13 @@ def launch(command: str, nproc: int, config: str, overrides: list[str], extra: l
     """Validate ``config`` for ``nproc`` ranks, then run ``dapo-mcore COMMAND`` on them; their exit code."""
     from dapo_mcore.config_cli import precheck
 
-    precheck(config, [*overrides, *extra], world_size=nproc)  # a ConfigError: the caller's one line, exit 2
+    cfg = precheck(config, [*overrides, *extra], world_size=nproc)  # a ConfigError: the caller's one line, exit 2
+    from dapo_mcore.cli import finished_step
+
+    if command == "train" and finished_step(cfg) is not None:  # no rank to start for a finished run
+        logging.getLogger(__name__).info("run already finished %d steps (%s); nothing to do", finished_step(cfg),
+                                         Path(cfg.run.dir) / "checkpoints")
+        return 0
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
