@@ -17,6 +17,7 @@ import traceback
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from dapo_mcore import __version__
 from dapo_mcore.configtree import ConfigError
@@ -130,7 +131,7 @@ def _run_training_command(args: argparse.Namespace) -> int:
 
         rest = ["--checkpoint", args.checkpoint] if args.command == "eval" and args.checkpoint else []
         rest += ["--json"] if args.command == "eval" and args.json else []
-        return launcher.launch(args.command, args.nproc_per_node, args.config, [*args.overrides, *rest], extra)
+        return launcher.launch(args.command, args.nproc_per_node, args.config, args.overrides, extra, rest)
     overrides = [*args.overrides, *extra]
     cfg = precheck(args.config, overrides)
     if args.command == "train" and finished_step(cfg) is not None:
@@ -167,9 +168,19 @@ def finished_step(cfg) -> int | None:
     run_dir = Path(cfg.run.dir)
     if cfg.run.overwrite or cfg.run.resume != "auto" or not (run_dir / "config.yaml").is_file():
         return None
-    stored, asked = yaml.safe_load((run_dir / "config.yaml").read_text()), yaml.safe_load(yaml.safe_dump(to_dict(cfg)))
+    from dapo_mcore.config import Config
+
+    def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+        if isinstance(tree, dict):
+            return {k: v for key, sub in tree.items() for k, v in flat(sub, f"{prefix}{key}.").items()}
+        return {prefix.rstrip("."): tree}
+
+    stored = flat(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    asked, default = (flat(yaml.safe_load(yaml.safe_dump(to_dict(c)))) for c in (cfg, Config()))
     for tree in (stored, asked):  # a run directory moved or copied elsewhere is the same run
-        tree.get("run", {}).pop("dir", None)
+        tree.pop("run.dir", None)
+    # a setting newer than the run's config.yaml, left at its default, is the same run (runtime.identity_diff's rule)
+    stored.update({k: v for k, v in asked.items() if k not in stored and k in default and default[k] == v})
     if stored != asked:
         return None
     try:
