@@ -181,7 +181,7 @@ def finished_step(cfg) -> int | None:
     asked, default = (flat(yaml.safe_load(yaml.safe_dump(to_dict(c)))) for c in (cfg, Config()))
     for tree in (stored, asked):  # a run directory moved or copied elsewhere is the same run
         tree.pop("run.dir", None)
-    # a setting newer than the run's config.yaml, left at its default, is the same run (runtime.identity_diff's rule)
+    # a setting newer than the run's config.yaml, left at its default, is the same run (run_dir.identity_diff's rule)
     stored.update({k: v for k, v in asked.items() if k not in stored and k in default and default[k] == v})
     if stored != asked:
         return None

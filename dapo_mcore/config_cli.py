@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
 def check_run_dir(cfg: Config) -> None:
     """The run-directory refusals of ``train`` (another run's directory, resume=never, not writable), writing
     nothing."""
-    from dapo_mcore.runtime import check_writable, refuse_other_run
+    from dapo_mcore.run_dir import check_writable, refuse_other_run
 
     run_dir = Path(cfg.run.dir)
     if run_dir.exists() and not run_dir.is_dir():

@@ -26,13 +26,15 @@ from dapo_mcore.actor.megatron_actor import TrainSample
 from dapo_mcore.algo.advantages import group_advantages
 from dapo_mcore.algo.dynamic_sampling import DynamicSamplingExhausted
 from dapo_mcore.algo.metrics import average_updates
+from dapo_mcore.components import Components
 from dapo_mcore.config import Config, ConfigError
 from dapo_mcore.errors import UserError
 from dapo_mcore.evaluation import eval_after
 from dapo_mcore.rollout.groups import GroupData
 from dapo_mcore.rollout.protocol import EngineError
 from dapo_mcore.rollout.source import RolloutInterrupted, StepBatch
-from dapo_mcore.runtime import Components, build_components, prepare_run_dir, read_config
+from dapo_mcore.run_dir import prepare_run_dir
+from dapo_mcore.runtime import build_components, read_config
 from dapo_mcore.telemetry import keys
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from dapo_mcore.runtime import _open_telemetry
+from dapo_mcore.config import TelemetryConfig
+from dapo_mcore.restore import open_telemetry
 from dapo_mcore.telemetry import keys
 from dapo_mcore.telemetry.jsonl import read_jsonl
 from dapo_mcore.telemetry.ledger import LEDGER_FILE, CostLedger
@@ -57,10 +58,11 @@ def _tensorboard_steps(run_dir: Path) -> list[int]:
 
 
 def _resume(run_dir: Path, state: dict, rollout_store: bool) -> SimpleNamespace:
-    cfg = SimpleNamespace(run=SimpleNamespace(dir=str(run_dir), rollout_store=rollout_store))
+    cfg = SimpleNamespace(run=SimpleNamespace(dir=str(run_dir), rollout_store=rollout_store),
+                          telemetry=TelemetryConfig())  # W&B off, as by default
     parts = SimpleNamespace(cfg=cfg, is_main=True, _resume_state=state, _closers=[], model_files=(None, None),
                             tokenizer=SimpleNamespace(save_pretrained=lambda path: Path(path).mkdir(parents=True)))
-    _open_telemetry(parts, state["step"])
+    open_telemetry(parts, state["step"])
     return parts
 
 

@@ -109,7 +109,7 @@ def test_a_holder_that_never_wrote_its_name_is_still_refused(tmp_path):
 def test_overwrite_empties_the_directory_only_once_the_lock_is_held(tmp_path):
     from dapo_mcore.actor.parallel import LaunchEnv
     from dapo_mcore.config import load_config
-    from dapo_mcore.runtime import claim_run_dir, prepare_run_dir
+    from dapo_mcore.run_dir import claim_run_dir, prepare_run_dir
 
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints" / "step_000001").mkdir(parents=True)

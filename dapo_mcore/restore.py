@@ -1,0 +1,99 @@
+"""Restoring a run: the checkpoint it starts from (the latest intact one, or ``--checkpoint``), the rollout side's
+state after it, and the telemetry files cut back to that step."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch.distributed as dist
+
+from dapo_mcore.components import Components
+from dapo_mcore.config import ConfigError
+from dapo_mcore.configtree import to_dict
+
+log = logging.getLogger(__name__)
+
+
+def restore(parts: Components, *, resume: bool, checkpoint: str | None) -> int:
+    """Load the checkpoint to start from (the run's latest intact one, or `checkpoint`); the step to continue after.
+
+    Training (`resume`) first removes what interrupted saves left behind. A run may resume at another layout
+    (the checkpoint reshards); run.resume_weights_only=true starts the optimizer fresh.
+    """
+    from dapo_mcore.actor import checkpoint as ckpt
+
+    root = Path(parts.cfg.run.dir) / "checkpoints"
+    if checkpoint == "base":
+        return 0
+    if resume and parts.is_main:
+        ckpt.remove_partials(root)
+    if dist.is_initialized():
+        dist.barrier()
+    if checkpoint:
+        target = check_checkpoint_arg(checkpoint)
+        problems = ckpt.check_intact(target)
+        if problems:
+            raise ckpt.CheckpointError(f"--checkpoint {checkpoint} is corrupt: {'; '.join(problems)}. Choose "
+                                       "another checkpoint of the run.")
+    else:
+        target = ckpt.find_latest(root)
+    if target is None:
+        return 0
+    state = ckpt.load_checkpoint(target, parts.actor, weights_only=parts.cfg.run.resume_weights_only)
+    if parts.scheduler is not None:  # built exactly when there is a sampler (training data)
+        parts.scheduler.load_checkpoint_state(state)
+        buffered = parts.scheduler.partials
+        if (buffered.items and parts.rollouts.colocated  # async: the engine ranks stream
+                and not (parts.engine_streams and parts.cfg.rollout.schedule.partial)):
+            log.warning("the checkpoint holds %d partial groups (%d tokens) for the next step, but this run does not "
+                        "stream (rollout.schedule.streaming/partial off, or an engine that cannot stream here): they are dropped",
+                        len(buffered.items), buffered.num_tokens())
+            buffered.take()
+    if not parts.rollouts.colocated:
+        from dapo_mcore.rollout.async_source import PENDING_FILE
+
+        pending = target / PENDING_FILE
+        parts.rollouts.resume_from(int(state["step"]), state, pending.read_bytes() if pending.is_file() else None)
+    parts._resume_state = state
+    log.info("loaded checkpoint %s (step %d)", target, state["step"])
+    return int(state["step"])
+
+
+def check_checkpoint_arg(checkpoint: str) -> Path:
+    """``--checkpoint DIR`` must be a complete trainer checkpoint (checked before anything starts)."""
+    target = Path(checkpoint)
+    if not (target / "COMPLETE").is_file():
+        raise ConfigError(f"--checkpoint {checkpoint} is not a complete dapo-mcore checkpoint directory "
+                          "(RUN_DIR/checkpoints/step_NNNNNN, or 'base' for the base model).")
+    return target
+
+
+def open_telemetry(parts: Components, start: int) -> None:
+    from dapo_mcore.telemetry.ledger import CostLedger
+    from dapo_mcore.telemetry.metrics import MetricsWriter
+    from dapo_mcore.telemetry.rollout_store import ROLLOUTS_DIR, RolloutStore
+
+    run_dir = Path(parts.cfg.run.dir)
+    resume_step = start + 1 if start else 0
+    sinks = []
+    if parts.is_main and parts.cfg.telemetry.wandb.project is not None:
+        from dapo_mcore.telemetry.wandb_sink import WandbSink
+
+        sinks.append(WandbSink(run_dir, parts.cfg.telemetry.wandb, to_dict(parts.cfg)))
+    parts.writer = MetricsWriter(run_dir, enabled=parts.is_main, resume_step=resume_step, sinks=sinks)
+    parts.ledger = CostLedger(run_dir, enabled=parts.is_main)
+    state = getattr(parts, "_resume_state", None)
+    # A fresh start restores an empty ledger: lines left by a run that died before its first checkpoint go.
+    parts.ledger.load_state_dict(state["ledger"] if state is not None and "ledger" in state
+                                 else CostLedger(None, enabled=False).state_dict())
+    # A store left by the interrupted run is cut back too, even when this run stores no rollouts.
+    if parts.is_main and (parts.cfg.run.rollout_store or (run_dir / ROLLOUTS_DIR).exists()):
+        store = RolloutStore(run_dir / ROLLOUTS_DIR, resume_step=resume_step)
+        parts.store = store if parts.cfg.run.rollout_store else None
+    if parts.is_main:
+        from dapo_mcore.weights.hf_checkpoint import keep_model_files
+
+        keep_model_files(run_dir / "tokenizer", *parts.model_files, parts.tokenizer)
+    parts._closers.append(parts.writer.close)
+    parts._closers.append(parts.ledger.close)
