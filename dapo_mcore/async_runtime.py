@@ -44,6 +44,10 @@ def run_engine_ranks(cfg: Config, launch: LaunchEnv, bridge: Any) -> int:
     role = bridge.role
     train_records = load_prompt_records(cfg.data, "train")
     eval_records = load_prompt_records(cfg.data, "eval")
+    refusal = bridge.start()
+    if refusal is not None:  # the trainer printed it; nothing started, nothing to resume
+        log.info("engine rank %d: the trainer refused to start (%s)", role.rank, refusal)
+        return 2
     bridge.barrier()  # the trainer's rank 0 has built (or found) the tiny base model
     hf_dir = runtime.resolve_base_model(cfg, launch)
     hf_config = cfg.model.hf_config(cfg.tiny_base.preset) if hf_dir is None else read_hf_config(hf_dir)

@@ -1,4 +1,4 @@
-"""The ``dapo-mcore`` command: train | eval | config | convert | plan | profile | report | rollouts | audit-reward | diagnose.
+"""The ``dapo-mcore`` command: train | eval | config | convert | plan | profile | report | rollouts | audit-reward | diagnose | data.
 
 Each subcommand imports its module only when it runs, so ``dapo-mcore --help`` is instant and a missing GPU
 package never breaks an unrelated command. User errors (bad config, data or checkpoint; a missing, read-only or
@@ -17,6 +17,7 @@ import traceback
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from dapo_mcore import __version__
 from dapo_mcore.configtree import ConfigError
@@ -31,6 +32,7 @@ _DELEGATED: dict[str, tuple[str, str, str]] = {
     "plan": ("dapo_mcore.plan_cli", "main", "estimate per-GPU memory and FLOPs of a layout before queueing"),
     "diagnose": ("dapo_mcore.telemetry.diagnose", "main", "explain why a run stalled, from its metrics and ledger"),
     "config": ("dapo_mcore.config_cli", "main", "print the resolved config and its layout (runs nothing)"),
+    "data": ("dapo_mcore.data_check", "main", "check prompt files (columns, prompt format, duplicates) before a job"),
 }
 _CONVERT: dict[str, tuple[str, str, str]] = {
     "hf-to-mcore": ("conversion.hf_to_mcore", "main", "Hugging Face dir -> Megatron checkpoint at a TP/PP layout"),
@@ -129,7 +131,7 @@ def _run_training_command(args: argparse.Namespace) -> int:
 
         rest = ["--checkpoint", args.checkpoint] if args.command == "eval" and args.checkpoint else []
         rest += ["--json"] if args.command == "eval" and args.json else []
-        return launcher.launch(args.command, args.nproc_per_node, args.config, [*args.overrides, *rest], extra)
+        return launcher.launch(args.command, args.nproc_per_node, args.config, args.overrides, extra, rest)
     overrides = [*args.overrides, *extra]
     if args.command == "eval":  # an async run's checkpoint evaluates colocated: the engines share the ranks
         overrides.append("rollout.pipeline.mode=sync")
@@ -168,9 +170,19 @@ def finished_step(cfg) -> int | None:
     run_dir = Path(cfg.run.dir)
     if cfg.run.overwrite or cfg.run.resume != "auto" or not (run_dir / "config.yaml").is_file():
         return None
-    stored, asked = yaml.safe_load((run_dir / "config.yaml").read_text()), yaml.safe_load(yaml.safe_dump(to_dict(cfg)))
+    from dapo_mcore.config import Config
+
+    def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+        if isinstance(tree, dict):
+            return {k: v for key, sub in tree.items() for k, v in flat(sub, f"{prefix}{key}.").items()}
+        return {prefix.rstrip("."): tree}
+
+    stored = flat(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    asked, default = (flat(yaml.safe_load(yaml.safe_dump(to_dict(c)))) for c in (cfg, Config()))
     for tree in (stored, asked):  # a run directory moved or copied elsewhere is the same run
-        tree.get("run", {}).pop("dir", None)
+        tree.pop("run.dir", None)
+    # a setting newer than the run's config.yaml, left at its default, is the same run (runtime.identity_diff's rule)
+    stored.update({k: v for k, v in asked.items() if k not in stored and k in default and default[k] == v})
     if stored != asked:
         return None
     try:
@@ -348,7 +360,9 @@ def _guard(fn: Callable[[], int], debug: bool = False) -> int:
         error: BaseException = exc
         message = ("I/O error: " if exc.errno is not None else "") + describe_os_error(exc)
     except Exception as exc:
-        prefix = next((p for kind, p in _user_errors() if isinstance(exc, kind)), None)
+        # ConfigError and UserError first: classifying by _user_errors() imports torch (5 s) for a one-line refusal
+        prefix = ("configuration error: " if isinstance(exc, ConfigError) else "" if isinstance(exc, UserError)
+                  else next((p for kind, p in _user_errors() if isinstance(exc, kind)), None))
         if prefix is None:
             raise
         error, message = exc, f"{prefix}{exc}"

@@ -525,6 +525,13 @@ def _validate_experts(cfg: Config, hf: dict, world_size: int) -> None:
     problem = expert_layout_error(world_size, p.tensor_parallel, p.pipeline_parallel, p.expert_parallel)
     if problem:
         raise ConfigError(problem)
+    if cfg.algo.router_replay == "rollout":
+        if shape is None:
+            raise ConfigError("algo.router_replay=rollout needs an MoE model (model_type qwen3_moe); set "
+                              "algo.router_replay=none for a dense model.")
+        if cfg.model.recompute != "none":
+            raise ConfigError(f"algo.router_replay=rollout with model.recompute={cfg.model.recompute}: recomputed "
+                              "forwards would replay another micro-batch's routes; set model.recompute=none.")
     if shape is not None and p.tensor_parallel > 1 and not p.sequence_parallel:
         raise ConfigError(f"parallel.tensor_parallel={p.tensor_parallel} with an MoE model needs "
                           "parallel.sequence_parallel=true (Megatron requires it for MoE with TP), which needs "

@@ -68,14 +68,22 @@ def _print_rank_errors(error_dir: Path) -> None:
         print(f"{line}{which}" if len(by_line) > 1 else line, file=sys.stderr)
 
 
-def launch(command: str, nproc: int, config: str, overrides: list[str], extra: list[str]) -> int:
-    """Validate ``config`` for ``nproc`` ranks, then run ``dapo-mcore COMMAND`` on them; their exit code."""
+def launch(command: str, nproc: int, config: str, overrides: list[str], extra: list[str],
+           flags: list[str] | None = None) -> int:
+    """Validate ``config`` for ``nproc`` ranks, then run ``dapo-mcore COMMAND [FLAGS] CONFIG OVERRIDES`` on them (the
+    ranks add ``extra``, DAPO_MCORE_EXTRA_OVERRIDES, themselves); their exit code."""
     from dapo_mcore.config_cli import precheck
 
     # A ConfigError: the caller's one line, exit 2. eval evaluates an async run's checkpoint colocated (as each rank's
     # own check does); the ranks' rank 0 logs the warnings, once.
     checked = [*overrides, *extra, *(["rollout.pipeline.mode=sync"] if command == "eval" else [])]
-    precheck(config, checked, world_size=nproc, warn=False)
+    cfg = precheck(config, checked, world_size=nproc, warn=False)
+    from dapo_mcore.cli import finished_step
+
+    if command == "train" and finished_step(cfg) is not None:  # no rank to start for a finished run
+        logging.getLogger(__name__).info("run already finished %d steps (%s); nothing to do", finished_step(cfg),
+                                         Path(cfg.run.dir) / "checkpoints")
+        return 0
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
@@ -85,7 +93,7 @@ def launch(command: str, nproc: int, config: str, overrides: list[str], extra: l
             logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets, without its 5-line banner
     args = parse_args(["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", "0",
-                       "--module", "dapo_mcore.cli", command, config, *overrides])
+                       "--module", "dapo_mcore.cli", command, *(flags or []), config, *overrides])
     args.rdzv_backend, args.rdzv_endpoint = "c10d", "localhost:0"  # what torchrun --standalone does in run()
     args.rdzv_id = f"dapo-mcore-{os.getpid()}"
     args.master_port = args.master_port or 29500

@@ -38,6 +38,7 @@ def plan_input_from_config(cfg: Any, world_size: int, **planner_settings: Any) -
     derived = dict(
         model=cfg.model.hf_config(cfg.tiny_base.preset), tensor_parallel=p.tensor_parallel, pipeline_parallel=p.pipeline_parallel,
         data_parallel=world_size // (p.tensor_parallel * p.pipeline_parallel), virtual_pipeline=p.virtual_pipeline or 1,
+        expert_parallel=p.expert_parallel,
         micro_batch_tokens=cfg.train.micro_batch_tokens, recompute=cfg.model.recompute, precision=precision,
         distributed_optimizer=p.distributed_optimizer, colocate_vllm=cfg.rollout.engine == "vllm",
         vllm_tensor_parallel=cfg.rollout.vllm.tensor_parallel,

@@ -65,6 +65,9 @@ class PlanInput:
     """Megatron pipeline-parallel size."""
     data_parallel: int = 1
     """Data-parallel replicas of the trainer."""
+    expert_parallel: int = 1
+    """MoE: each layer's experts split over this many ranks inside the data-parallel group (weights and grads of
+    experts / EP per GPU; with the distributed optimizer their Adam state is sharded over DP / EP replicas)."""
     virtual_pipeline: int = 1
     """Interleaved pipeline chunks per stage (1 = plain 1F1B)."""
     micro_batch_tokens: int = 22528
@@ -150,6 +153,10 @@ class PlanInput:
             ok = [d for d in range(1, shape.layers + 1) if shape.layers % d == 0]
             raise ValueError(f"pipeline_parallel*virtual_pipeline={chunks} must divide num_hidden_layers="
                              f"{shape.layers}; use a product in {ok}")
+        if self.expert_parallel < 1 or self.data_parallel % self.expert_parallel or (
+                self.expert_parallel > 1 and (not shape.experts or shape.experts % self.expert_parallel)):
+            raise ValueError(f"expert_parallel={self.expert_parallel} must divide data_parallel={self.data_parallel}"
+                             f" and the model's experts ({shape.experts or 'dense model: use 1'})")
         if shape.heads % self.vllm_tensor_parallel:
             raise ValueError(f"vllm_tensor_parallel={self.vllm_tensor_parallel} must divide "
                              f"num_attention_heads={shape.heads}")
@@ -246,6 +253,17 @@ def _persistent_bytes(p: PlanInput, params: int, linear: int) -> tuple[float, fl
     return weights, grads, optimizer, fp8
 
 
+def _expert_parallel_bytes(p: PlanInput, shape: ModelShape, params: float, w: float, g: float,
+                           o: float) -> tuple[float, float, float]:
+    """(weights, grads, optimizer) of an MoE stage whose experts are split over ``expert_parallel`` ranks: the
+    expert share of each shrinks by EP; Adam's state of the experts is sharded over the DP / EP replicas of each
+    expert (distributed optimizer), i.e. the same bytes per GPU as without EP there."""
+    share = shape.expert_params() / shape.layers * (shape.layers // p.pipeline_parallel) / params
+    keep = 1.0 - share * (1.0 - 1.0 / p.expert_parallel)
+    o_keep = 1.0 if p.distributed_optimizer else keep
+    return w * keep, g * keep, o * o_keep
+
+
 def num_microbatches(p: PlanInput) -> int:
     """Micro-batches per data-parallel rank in one mini-batch, at the mean sequence length."""
     seq = p.mean_prompt_len + p.mean_response_len
@@ -305,6 +323,8 @@ def estimate_memory(p: PlanInput) -> MemoryEstimate:
     for stage in range(p.pipeline_parallel):
         params, linear = stage_params(shape, p.pipeline_parallel, stage)
         w, g, o, c = _persistent_bytes(p, params / p.tensor_parallel, linear / p.tensor_parallel)
+        if shape.experts:
+            w, g, o = _expert_parallel_bytes(p, shape, params, w, g, o)
         acts, logits = _stage_activation_bytes(p, shape, stage)
         train = w + g + o + c + acts + logits + overhead + asleep
         kept = w + c  # the offload hooks move grad buffers and optimizer state, not weights or FP8 copies
@@ -582,6 +602,7 @@ def format_report(p: PlanInput, est: MemoryEstimate, flops: FlopsEstimate) -> st
 CONFIG_KEYS: dict[str, str] = {
     "tensor_parallel": "parallel.tensor_parallel", "pipeline_parallel": "parallel.pipeline_parallel",
     "virtual_pipeline": "parallel.virtual_pipeline", "data_parallel": "DP",
+    "expert_parallel": "parallel.expert_parallel",
     "distributed_optimizer": "parallel.distributed_optimizer", "recompute": "model.recompute",
     "precision": "model.fp8.enabled / model.params_dtype", "micro_batch_tokens": "train.micro_batch_tokens",
     "colocate_vllm": "rollout.engine", "vllm_tensor_parallel": "rollout.vllm.tensor_parallel",

@@ -455,7 +455,8 @@ def _actor_settings(cfg: Config, hf_config: dict[str, Any], pad_id: int):
     return ActorSettings(
         hf_config=hf_config, tensor_parallel=cfg.parallel.tensor_parallel, pipeline_parallel=cfg.parallel.pipeline_parallel,
         virtual_pipeline=cfg.parallel.virtual_pipeline, sequence_parallel=cfg.parallel.sequence_parallel,
-        expert_parallel=cfg.parallel.expert_parallel, layer_spec=cfg.model.layer_spec, attention=cfg.model.attention, params_dtype=dtype, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
+        expert_parallel=cfg.parallel.expert_parallel, router_replay=cfg.algo.router_replay == "rollout",
+        layer_spec=cfg.model.layer_spec, attention=cfg.model.attention, params_dtype=dtype, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
         recompute=cfg.model.recompute, fp8=cfg.model.fp8, distributed_optimizer=cfg.parallel.distributed_optimizer,
         offload_for_rollout=cfg.parallel.offload_for_rollout,
         lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay,
@@ -516,7 +517,8 @@ def _build_engine(cfg: Config, hf_dir: Path | None, hf_config: dict[str, Any], t
             enforce_eager=v.enforce_eager, max_num_batched_tokens=v.max_num_batched_tokens,
             max_model_len=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens, sleep_level=v.sleep_level,
             dtype=cfg.model.params_dtype, seed=cfg.train.seed, max_prompt_len=cfg.data.max_prompt_len,
-            stop_token_ids=stops.ids, load_format="dummy")  # build_components syncs every weight from the actor before the first generation
+            stop_token_ids=stops.ids, load_format="dummy",  # build_components syncs every weight from the actor before the first generation
+            return_routed_experts=cfg.algo.router_replay == "rollout")
         return VLLMEngine(options, hf_config)
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -575,6 +577,7 @@ def _build_parts(cfg: Config, launch: LaunchEnv, *, resume: bool, checkpoint: st
                         expert_parallel=cfg.parallel.expert_parallel)
     hf_dir = resolve_base_model(cfg, launch)
     if bridge is not None:
+        bridge.start()  # the run starts: no refusal (rollout.bridge.Bridge.start)
         bridge.barrier()  # the engine ranks read the base model's config and tokenizer once it exists
     hf_config = cfg.model.hf_config(cfg.tiny_base.preset) if hf_dir is None else read_hf_config(hf_dir)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or hf_dir)

@@ -26,7 +26,8 @@ from dapo_mcore.actor.megatron_actor import TrainSample
 from dapo_mcore.algo.advantages import group_advantages
 from dapo_mcore.algo.dynamic_sampling import DynamicSamplingExhausted
 from dapo_mcore.algo.metrics import average_updates
-from dapo_mcore.config import Config
+from dapo_mcore.config import Config, ConfigError
+from dapo_mcore.errors import UserError
 from dapo_mcore.evaluation import eval_after
 from dapo_mcore.rollout.groups import GroupData
 from dapo_mcore.rollout.protocol import EngineError
@@ -125,7 +126,8 @@ class Trainer:
                     mask = torch.zeros(resp.length)
                 samples.append(TrainSample(g.prompt_ids, list(resp.token_ids), float(adv[gi, ri]), loss_mask=mask,
                                            extra={"engine_logp": torch.tensor(resp.logprobs, dtype=torch.float32),
-                                                  "stale_tokens": resp.stale_tokens}))
+                                                  "stale_tokens": resp.stale_tokens,
+                                                  "routed_experts": resp.routed_experts}))
         return samples
 
     def old_logprobs(self, samples: list[TrainSample]) -> dict[str, float]:
@@ -147,6 +149,8 @@ class Trainer:
         out = mismatch_metrics(flat_e, flat_a, ~stale, self.cfg.algo.tis_cap)
         if bool(stale.any()):
             out.update(MismatchStats.from_tensors(flat_e, flat_a, stale, self.cfg.algo.tis_cap).metrics("partial/"))
+        if getattr(self.p.actor, "routing_mismatch", None) is not None:  # MoE: experts used vs the engine's
+            out["moe/routing_mismatch_frac"] = self.p.actor.routing_mismatch
         return {**out, **corr_metrics}
 
     def bypass_old_logprobs(self, samples: list[TrainSample]) -> dict[str, float]:
@@ -356,8 +360,13 @@ def train_main(config_path: str, overrides: list[str]) -> int:
             finally:
                 bridge.close()
     try:
-        prepare_run_dir(cfg, launch)
-        parts = build_components(cfg, launch, bridge=bridge)
+        try:
+            prepare_run_dir(cfg, launch)
+            parts = build_components(cfg, launch, bridge=bridge)
+        except (UserError, ConfigError) as exc:  # a refusal (another run in run.dir, ...): the engine ranks hear it, not a lost peer
+            if bridge is not None:
+                bridge.start(str(exc))
+            raise
         return Trainer(cfg, parts).run()
     finally:
         if bridge is not None:

@@ -275,6 +275,22 @@ def test_a_reward_failing_during_an_engine_evaluation_stops_the_run_in_one_line(
     errors = [line for line in proc.stderr.splitlines() if "dapo-mcore:" in line]
     assert len(errors) == 1 and "reward broken_reward:score failed on" in errors[0] and "KeyError" in errors[0], \
         proc.stderr[-3000:]
+    assert "on the engine ranks:" in errors[0]  # the trainer's line: the failure reached it
     assert "exitcode: 2" in proc.stderr  # the trainer's code, as in sync mode
     assert "dapo_mcore/" not in "".join(line for line in proc.stderr.splitlines() if line.lstrip().startswith("File"))
     assert "another rank of the job stopped" not in proc.stderr
+
+
+def test_a_refusal_on_the_trainer_reaches_the_engine_ranks_without_a_false_resume_line(reference, cli_env, tmp_path):
+    """Another run's directory (a changed identity key): trainer rank 0 refuses in one line; the engine rank hears the
+    refusal and stops quietly instead of saying "another rank of the job stopped ... run the same command: the run
+    resumes" (#35 item 7)."""
+    import shutil
+
+    run = tmp_path / "other"
+    shutil.copytree(reference, run)
+    proc = _train(run, cli_env, 3, 2, "train.seed=7")
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if "dapo-mcore:" in line]
+    assert len(lines) == 1 and "holds another run" in lines[0], proc.stderr[-3000:]
+    assert "run the same command" not in proc.stderr and "another rank of the job stopped" not in proc.stderr

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from dapo_mcore import cli
 from dapo_mcore.algo.config import BUILTIN_LOSS_AGGS
@@ -49,3 +50,15 @@ def test_train_on_a_finished_run_answers_without_torch(finished_two_steps, cli_e
     assert cli.finished_step(cfg) is None
     cfg.train.steps, cfg.algo.clip_high = 2, 0.3  # another run's config: the trainer refuses it, not this path
     assert cli.finished_step(cfg) is None
+    cfg.algo.clip_high = load_config(TINY, []).algo.clip_high
+    stored = yaml.safe_load((run / "config.yaml").read_text())
+    del stored["telemetry"]  # a run from before the telemetry section existed: the same run at the defaults
+    (run / "config.yaml").write_text(yaml.safe_dump(stored))
+    assert cli.finished_step(cfg) == 2
+
+
+@pytest.mark.unit
+def test_a_refused_config_is_reported_without_importing_torch(cli_env):
+    code = ("import sys; from dapo_mcore import cli; "
+            f"rc = cli.main(['train', {TINY!r}, 'parallel.tensor_parallel=3']); print(rc, 'torch' in sys.modules)")
+    assert _probe(code, cli_env).splitlines()[-1] == "2 False"  # the error classes' imports pulled torch (5 s)

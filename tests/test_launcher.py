@@ -99,3 +99,15 @@ def test_ctrl_c_through_the_launcher_checkpoints_and_exits_130(cli_env, tmp_path
     inside = [ln for ln in out.splitlines() if "step 1: " in ln and "usable groups" in ln]
     assert any(" generate, batch 1/" in ln and "tokens generated" in ln for ln in inside), out[-3000:]
     assert len({ln.split(" INFO ")[0] for ln in inside}) <= len(inside)  # a log line, not a bar (not a tty)
+
+
+@pytest.mark.unit
+def test_eval_flags_reach_the_ranks_not_the_overrides(monkeypatch, tmp_path):
+    from dapo_mcore import cli
+
+    seen = {}
+    monkeypatch.setattr(launcher, "launch", lambda *a: seen.setdefault("args", a) and 0)
+    monkeypatch.delenv("RANK", raising=False)
+    assert cli.main(["eval", "--nproc-per-node", "2", TINY, "eval.k=2", "--checkpoint", str(tmp_path), "--json"]) == 0
+    assert seen["args"][:4] == ("eval", 2, TINY, ["eval.k=2"])
+    assert seen["args"][5] == ["--checkpoint", str(tmp_path), "--json"]

@@ -125,3 +125,18 @@ def test_verify_against_hf_qwen3_fp32_tp2_pp2_and_bf16(tmp_path):
     rc, stats, err = _verify(tmp_path, "--hf", str(hf), "--dtype", "bfloat16", "--seq-len", "24")
     assert rc == 0, err
     assert stats["top1_agreement"] >= 0.95 and 0 < stats["max_abs_diff"] <= stats["atol"], stats
+
+
+def test_torch_dist_round_trip_carries_qk_layernorm(qwen3_dir, tmp_path):
+    """Megatron-LM's own format: its args say qk_layernorm (and no QKV bias), and the checkpoint reads back bit-exactly."""
+    from conversion.hf_to_mcore import main as hf_to_mcore_main
+    from conversion.mcore_to_hf import main as mcore_to_hf_main
+
+    assert hf_to_mcore_main(["--hf", str(qwen3_dir), "--out", str(tmp_path / "td"), "--format", "torch_dist",
+                             "--no-progress"]) == 0
+    args = torch.load(tmp_path / "td" / "release" / "common.pt", weights_only=False)["args"]
+    assert args.qk_layernorm and not args.add_qkv_bias and args.kv_channels == 32
+    assert mcore_to_hf_main(["--format", "torch_dist", "--mcore", str(tmp_path / "td"), "--hf-config", str(qwen3_dir),
+                             "--out", str(tmp_path / "back"), "--no-progress"]) == 0
+    ref, got = _load_dir(qwen3_dir), _load_dir(tmp_path / "back")
+    assert sorted(ref) == sorted(got) and all(torch.equal(ref[k], got[k]) for k in ref)

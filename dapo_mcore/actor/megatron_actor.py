@@ -39,6 +39,7 @@ class ActorSettings:
     virtual_pipeline: int | None = None
     sequence_parallel: bool = False
     expert_parallel: int = 1  # MoE models: experts split over this many ranks inside data parallel
+    router_replay: bool = False  # MoE models: replay the engine's routes (algo.router_replay=rollout; model/moe.py)
     layer_spec: str = "local"
     attention: str = "auto"  # core attention of the local spec: auto (= sdpa) | sdpa | megatron_local
     params_dtype: torch.dtype = torch.float32
@@ -165,7 +166,7 @@ class MegatronActor:
             settings.hf_config, tensor_parallel=settings.tensor_parallel, pipeline_parallel=settings.pipeline_parallel,
             virtual_pipeline=settings.virtual_pipeline, sequence_parallel=settings.sequence_parallel,
             params_dtype=settings.params_dtype, recompute=settings.recompute, fp8=settings.fp8,
-            expert_parallel=settings.expert_parallel)
+            expert_parallel=settings.expert_parallel, routing_replay=settings.router_replay)
         tconfig.variable_seq_lengths = settings.pipeline_parallel > 1
         self.tconfig = tconfig
         chunks = build_gpt_model(settings.hf_config, tconfig, spec=settings.layer_spec,
@@ -198,10 +199,16 @@ class MegatronActor:
         self.pad_multiple = settings.seq_pad_multiple
         self.nonfinite = NonFiniteGuard(settings.skip_nonfinite_updates, settings.lr, settings.grad_clip)
         self.router_stats = None  # MoE: tokens per expert and aux loss of each update (model/moe.py)
+        self.replay = None  # MoE: routing replay / routing-mismatch count (model/moe.py)
+        self.routing_mismatch: float | None = None  # of the last old-log-prob pass (moe/routing_mismatch_frac)
         if tconfig.num_moe_experts:
-            from dapo_mcore.model.moe import RouterStats
+            from dapo_mcore.model.moe import MoEShape, RouterReplay, RouterStats
 
             self.router_stats = RouterStats(chunks, tconfig.num_layers, tconfig.num_moe_experts)
+            moe = MoEShape.from_hf(settings.hf_config)
+            self.replay = RouterReplay(chunks, moe.moe_layers, settings.router_replay, settings.sequence_parallel)
+            self.top_k = moe.topk
+        self._routes_of: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ---- weights -------------------------------------------------------------------------------------------
     @property
@@ -282,7 +289,13 @@ class MegatronActor:
             mb.tis = (_pad_stack([s.tis_weights for s in chosen], width)
                       if chosen[0].tis_weights is not None else None)
         mb.indices = indices
-        return to_device(mb, self.device)
+        mb = to_device(mb, self.device)
+        routes = [s.extra.get("routed_experts") for s in chosen]
+        if self.replay is not None and routes and all(r is not None for r in routes):
+            from dapo_mcore.rollout.routes import align_routes
+
+            self._routes_of[id(mb)] = align_routes(routes, int(mb.tokens.shape[1]), self.layout != "rows", self.top_k)
+        return mb
 
     def _run(self, mbs: list[MicroBatch], loss_fn, forward_only: bool) -> list[dict[str, Any]]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -292,16 +305,23 @@ class MegatronActor:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            if self.replay is not None:
+                self.replay.begin(*self._routes_of.get(id(mb), (None, None)))
             output = model(mb.tokens, mb.position_ids, mb.attention_mask, packed_seq_params=mb.packed_seq_params)
             return output, partial(loss_fn, mb)
 
         vpp = len(self.model)
         iterator = [iter(mbs) for _ in range(vpp)] if vpp > 1 else iter(mbs)
         seq_len = max(int(mb.tokens.shape[1]) for mb in mbs)
-        return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iterator,
-            model=self.model if vpp > 1 else self.model[0], num_microbatches=len(mbs),
-            seq_length=seq_len, micro_batch_size=int(mbs[0].tokens.shape[0]), forward_only=forward_only)
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iterator,
+                model=self.model if vpp > 1 else self.model[0], num_microbatches=len(mbs),
+                seq_length=seq_len, micro_batch_size=int(mbs[0].tokens.shape[0]), forward_only=forward_only)
+        finally:
+            if self.replay is not None:
+                self.replay.end()
+            self._routes_of.clear()
 
     # ---- log-probs -----------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -313,6 +333,8 @@ class MegatronActor:
         groups = self._my_micro_batches(samples)
         mbs = [self._make_mb(samples, idx, with_loss_inputs=False) for idx in groups]
         vocab, temp = self.shape.vocab_size, self.s.temperature
+        if self.replay is not None:
+            self.replay.reset()
 
         def loss_fn(mb, logits):
             logp = mb.gather_responses(token_logprobs(logits, mb.targets, temp, vocab))
@@ -331,6 +353,8 @@ class MegatronActor:
                     local[i] = torch.cat(parts)
         widths = [len(s.response_ids) * (2 if with_entropy else 1) for s in samples]
         gathered = self._share_results(local, widths)
+        if self.replay is not None:  # the old-log-prob pass: experts used vs the engine's (a collective)
+            self.routing_mismatch = self.replay.mismatch()
         logps = [gathered[i][: len(s.response_ids)] for i, s in enumerate(samples)]
         ents = [gathered[i][len(s.response_ids):] for i, s in enumerate(samples)] if with_entropy else None
         return logps, ents

@@ -75,6 +75,12 @@ class AlgoConfig:
     """Off-policy correction beyond token TIS: sequence IS, IcePop, rejection (Geo-RS, K3-RS) and the bypass mode
     that skips the old-log-prob pass; `preset:` names a recipe (see docs/rollout.md)."""
 
+    router_replay: str = "none"
+    """MoE models: "rollout" = rollout routing replay (R3): the trainer's routers use the experts the rollout engine
+    routed each token to (transformers engine), in the old-log-prob and training passes; gates stay the trainer's
+    (so the router keeps its gradient). "none" = the trainer routes itself; moe/routing_mismatch_frac shows how often
+    that differs from the engine."""
+
     @property
     def correction(self) -> RolloutCorrectionConfig:
         """The effective correction: ``tis_cap`` as token TIS, else ``rollout_correction`` with its preset resolved."""
@@ -117,6 +123,9 @@ class AlgoConfig:
                 f"algo.entropy_coef={self.entropy_coef}: DAPO logs entropy but does not optimize it; "
                 "set algo.entropy_coef=0"
             )
+        if self.router_replay not in ("none", "rollout"):
+            raise ValueError(f"algo.router_replay={self.router_replay!r}; choose 'none' or 'rollout' (replay the "
+                             "engine's experts in the trainer, MoE models)")
         if self.tis_cap is not None and self.tis_cap < 1.0:
             raise ValueError(
                 f"algo.tis_cap={self.tis_cap} must be >= 1 (a cap below 1 down-weights every token); "

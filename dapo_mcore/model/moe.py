@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 MOE_MODEL_TYPES = ("qwen3_moe",)
 
@@ -54,6 +55,10 @@ class MoEShape:
         topk = int(hf["num_experts_per_tok"])
         if not 1 <= topk <= int(experts):
             raise MoEConfigError(f"num_experts_per_tok={topk} must be in 1..num_experts={experts}.")
+        if topk == 1 and hf.get("norm_topk_prob", False):
+            raise MoEConfigError("num_experts_per_tok=1 with norm_topk_prob=true (gate = 1) is not supported: "
+                                 "Megatron routes top-1 only with pre-softmax gates (supported: top-1 with "
+                                 "norm_topk_prob=false, or num_experts_per_tok >= 2).")
         if hf.get("shared_expert_intermediate_size"):
             raise MoEConfigError("shared_expert_intermediate_size is set: shared experts (Qwen2-MoE style) are not "
                                  "supported for qwen3_moe; remove it from config.json.")
@@ -255,3 +260,79 @@ class RouterStats:
         if bool((aux != 0).any()):
             out["moe/aux_loss"] = float((aux[routed] / calls[routed].clamp(min=1)).mean())
         return out
+
+
+class RouterReplay:
+    """Rollout routing replay (R3) in the actor's forward passes, and the routing-mismatch count.
+
+    ``begin(routes, known)`` before a micro-batch's forward: with replay on, each MoE layer's router is told
+    (Megatron's ``RouterReplay``, ``REPLAY_FORWARD``) to use the engine's experts for every token; it still computes
+    its logits and takes the gates from them on those experts (softmax over the replayed logits with
+    ``norm_topk_prob``), so the router keeps its gradient. Either way a forward hook compares the experts each
+    router used with the engine's on the tokens the engine recorded (``known``): `mismatch` is the fraction of
+    (token, layer) pairs whose top-k sets differ (0 with replay on, by construction; what replay removes, off).
+    Token order is Megatron's: the router sees ``[seq, batch]`` flattened sequence-major.
+    """
+
+    def __init__(self, chunks: list, moe_layers: tuple[int, ...], replay: bool, sequence_parallel: bool = False):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.replay = replay
+        self.sequence_parallel = sequence_parallel
+        self.routers = [m for c in chunks for m in c.modules() if isinstance(m, TopKRouter)]
+        self.ordinal = {id(r): moe_layers.index(r.layer_number - 1) for r in self.routers}
+        if replay and any(r.router_replay is None for r in self.routers):
+            raise RuntimeError("router replay needs the model built with moe_enable_routing_replay=True.")
+        self.current: tuple[Tensor, Tensor] | None = None
+        self.differ = self.counted = 0.0
+        for router in self.routers:
+            router.register_forward_hook(self._compare)
+
+    def _tokens_major(self, t: Tensor) -> Tensor:
+        """[B, S, ...] -> Megatron's router order [S * B, ...] (this TP rank's sequence shard under SP)."""
+        t = t.transpose(0, 1)
+        if self.sequence_parallel:
+            from megatron.core import parallel_state as ps
+
+            size, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+            t = t.chunk(size, dim=0)[rank]
+        return t.reshape(-1, *t.shape[2:])
+
+    def begin(self, routes: Tensor | None, known: Tensor | None) -> None:
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        self.current = None if routes is None else (self._tokens_major(routes), self._tokens_major(known))
+        for router in self.routers:
+            rr = router.router_replay
+            if rr is None:
+                continue
+            rr.clear_indices()
+            if self.replay and self.current is not None:
+                rr.set_target_indices(self.current[0][:, self.ordinal[id(router)]].contiguous())
+                rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            else:
+                rr.clear_router_replay_action()
+
+    def end(self) -> None:
+        self.begin(None, None)
+
+    def _compare(self, router, _inputs, output) -> None:
+        if self.current is None:
+            return
+        routes, known = self.current
+        used = output[1].detach().cpu()
+        engine = torch.zeros_like(used).scatter(1, routes[:, self.ordinal[id(router)]].cpu(), True)
+        differ = (used != engine).any(dim=1) & known.cpu()
+        self.differ += float(differ.sum())
+        self.counted += float(known.sum())
+
+    def reset(self) -> None:
+        self.differ = self.counted = 0.0
+
+    def mismatch(self) -> float | None:
+        """Fraction of recorded (token, MoE layer) pairs routed to another top-k set than the engine's, over the
+        job (a collective); None when nothing was recorded."""
+        packed = torch.tensor([self.differ, self.counted], dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(packed)
+        return None if packed[1] == 0 else float(packed[0] / packed[1])

@@ -55,6 +55,14 @@ _QWEN3_SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-32b": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
                       num_key_value_heads=8, head_dim=128, vocab_size=151936, rms_norm_eps=1e-6,
                       tie_word_embeddings=False),
+    # Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B config.json; the same shape in slime's scripts/models/qwen3-30B-A3B.sh):
+    # 48 layers, all sparse: 128 experts of width 768, 8 per token (renormalised), 30.5B total / 3.3B active.
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_size=2048,
+                          intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                          mlp_only_layers=[], router_aux_loss_coef=0.001, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                          max_position_embeddings=40960, tie_word_embeddings=False),
 }
 
 _SHAPES: dict[str, dict[str, Any]] = {

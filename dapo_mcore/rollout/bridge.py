@@ -166,6 +166,15 @@ class Bridge:
     def barrier(self) -> None:
         self.all_pg.barrier().wait()
 
+    def start(self, refusal: str | None = None) -> str | None:
+        """Trainer rank 0 tells the engine ranks whether the run starts (``refusal``: the one line it refused with,
+        e.g. another run in the directory); every member returns that. The engines' only word from the trainer before
+        the run exists: without it they would see a lost peer and say "run the same command", which is false."""
+        if self.weights_pg is None or self._meetings:  # another trainer rank, or told already
+            return refusal
+        self.meet()
+        return self.broadcast_header({"refusal": refusal} if self.role.trainer else None)["refusal"]
+
     def close(self) -> None:
         """Shut the weights group down (NCCL warns at exit, and may hang there, about a group never shut down);
         idempotent."""

@@ -256,6 +256,9 @@ class VLLMEngineOptions:
     """SPMD inside a torchrun job (required for colocation); False = a standalone single-process engine."""
     max_prompt_len: int = 4096
     """Longest accepted prompt; longer ones must be filtered out before generate."""
+    return_routed_experts: bool = False
+    """MoE rollout routing replay: ``LLM(enable_return_routed_experts=True)`` so each completion carries the experts
+    of every token (``CompletionOutput.routed_experts``, read in vLLM 0.32.0's source; not run on a GPU here)."""
     stop_token_ids: tuple[int, ...] = ()
     """The run's stop set (rollout.stop_tokens.resolve_stop_tokens), added to every request's ``stop_token_ids`` so
     that vLLM stops on exactly the ids the transformers engine stops on, whatever vLLM reads from the model dir."""
@@ -292,6 +295,8 @@ class VLLMEngineOptions:
             kwargs["max_model_len"] = self.max_model_len
         if self.block_size is not None:
             kwargs["block_size"] = self.block_size
+        if self.return_routed_experts:
+            kwargs["enable_return_routed_experts"] = True
         if self.external_launcher:
             kwargs["distributed_executor_backend"] = "external_launcher"
             kwargs["data_parallel_size"] = world_size // self.tensor_parallel

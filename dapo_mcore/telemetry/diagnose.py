@@ -353,6 +353,26 @@ def rule_off_policy(run: Run) -> list[Finding]:
     return out
 
 
+ROUTING_MISMATCH_FLOOR = 1e-3
+"""moe/routing_mismatch_frac above this: the trainer's MoE routers pick other experts than the engine's."""
+
+
+def rule_routing_mismatch(run: Run) -> list[Finding]:
+    """MoE: tokens routed to other experts in the trainer than in the engine, the usual driver of an MoE model's
+    log-prob mismatch (a rerouted token runs through another expert's MLP); rollout routing replay removes it."""
+    steps, frac = run.series("moe/routing_mismatch_frac")
+    if not frac or _mean(frac) <= ROUTING_MISMATCH_FLOOR:
+        return []
+    _, diff = run.series(keys.MISMATCH_LOGP_ABS_DIFF_MEAN)
+    drives = f"; log-prob mismatch |diff| mean {_mean(diff):.3g} over the same steps" if diff else ""
+    return [Finding("routing-mismatch", "warn", f"{steps[0]}-{steps[-1]}",
+                    "routing mismatch: the trainer's MoE routers send tokens to other experts than the rollout "
+                    "engine did, which drives the engine/trainer log-prob mismatch",
+                    f"moe/routing_mismatch_frac mean {_mean(frac):.3g} (token-layer pairs){drives}",
+                    "set algo.router_replay=rollout (rollout routing replay: the trainer uses the engine's experts; "
+                    "the metric drops to 0)")]
+
+
 def rule_reward_vs_heldout(run: Run) -> list[Finding]:
     """Training reward rising while held-out accuracy does not: a verifier shortcut or memorized prompts."""
     se = run.start_end(keys.ROLLOUT_REWARD_MEAN)
@@ -507,12 +527,14 @@ RULES: tuple[tuple[str, tuple[str, ...], Callable[[Run], list[Finding]]], ...] =
     ("warmup", (keys.TRAIN_LR,), rule_warmup),
     ("pipeline", ("async/trainer_wait_s",), rule_pipeline),
     ("off-policy", (keys.CORR_KL_K3,), rule_off_policy),
+    ("routing-mismatch", ("moe/routing_mismatch_frac",), rule_routing_mismatch),
 )
 """(name, metrics it needs, rule). A rule runs when at least one of its metrics was logged."""
-LEVEL_RULES = frozenset({"cannot-learn", "usable-groups", "length-limit", "spikes", "warmup", "pipeline"})
+LEVEL_RULES = frozenset({"cannot-learn", "usable-groups", "length-limit", "spikes", "warmup", "pipeline",
+                         "routing-mismatch"})
 """Rules that judge levels (or non-finite values), not trends: they run on a run of any length."""
-MODE_RULES = frozenset({"pipeline", "off-policy"})
-"""Rules of one mode (async; runs that log rollout_corr/*): a run of the other is not told they were skipped."""
+MODE_RULES = frozenset({"pipeline", "off-policy", "routing-mismatch"})
+"""Rules of one mode (async; runs that log rollout_corr/*; MoE): a run of the other is not told they were skipped."""
 
 
 @dataclass(frozen=True)

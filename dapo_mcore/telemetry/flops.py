@@ -70,6 +70,14 @@ class ModelShape:
     """Biases on q/k/v (Qwen2; not Qwen3)."""
     qk_norm: bool = False
     """Per-head RMSNorm weights on queries and keys (Qwen3): 2 d parameters per layer."""
+    experts: int = 0
+    """MoE (Qwen3-MoE): experts per sparse layer (HF ``num_experts``); 0 = dense."""
+    topk: int = 0
+    """MoE: experts each token runs through (HF ``num_experts_per_tok``)."""
+    moe_ffn: int = 0
+    """MoE: SwiGLU width of one expert (HF ``moe_intermediate_size``)."""
+    moe_layers: int = 0
+    """MoE: how many layers are sparse (the rest keep the dense ``ffn``)."""
 
     @property
     def head_dim(self) -> int:
@@ -85,13 +93,36 @@ class ModelShape:
         """Read the shape from a Hugging Face Qwen2 / Qwen3 ``config.json`` dict (HFConfigError, a ValueError, for
         one the project does not support)."""
         from dapo_mcore.model.hf_config import QwenShape
+        from dapo_mcore.model.moe import MoEShape
 
         s = QwenShape.from_hf(cfg)
+        moe = MoEShape.from_hf(cfg)
+        sparse = {} if moe is None else dict(experts=moe.num_experts, topk=moe.topk, moe_ffn=moe.moe_ffn_hidden_size,
+                                             moe_layers=len(moe.moe_layers))
         return cls(
             hidden=s.hidden_size, ffn=s.ffn_hidden_size, layers=s.num_layers, heads=s.num_heads,
             kv_heads=s.num_kv_heads, vocab=s.vocab_size, tied_embeddings=s.tie_embeddings, head_size=s.head_dim,
-            qkv_bias=s.qkv_bias, qk_norm=s.qk_norm,
+            qkv_bias=s.qkv_bias, qk_norm=s.qk_norm, **sparse,
         )
+
+    def mlp_params_per_layer(self, active: bool = False) -> float:
+        """MLP parameters of one layer, averaged over dense and sparse layers (MoE: every expert plus the router,
+        or with `active` only the ``topk`` experts a token runs through plus the router)."""
+        dense = 3 * self.hidden * self.ffn
+        if not self.experts:
+            return dense
+        per_expert = 3 * self.hidden * self.moe_ffn
+        sparse = (self.topk if active else self.experts) * per_expert + self.experts * self.hidden
+        return (dense * (self.layers - self.moe_layers) + sparse * self.moe_layers) / self.layers
+
+    def expert_params(self) -> int:
+        """All expert weights of the model (what expert parallelism splits); 0 for a dense model."""
+        return self.moe_layers * self.experts * 3 * self.hidden * self.moe_ffn
+
+    def active_params(self) -> int:
+        """Parameters a token runs through (MoE: ``topk`` of the experts; dense: all)."""
+        return self.num_params() - round(self.layers * (self.mlp_params_per_layer() -
+                                                        self.mlp_params_per_layer(active=True)))
 
     def layer_params(self) -> int:
         """Parameters of one decoder layer (projections, QKV bias or q/k norms, two RMSNorm weights)."""
@@ -99,7 +130,7 @@ class ModelShape:
         attn = h * q + 2 * h * kv + q * h
         attn += (q + 2 * kv) if self.qkv_bias else 0
         attn += 2 * self.head_dim if self.qk_norm else 0
-        return attn + 3 * h * self.ffn + 2 * h
+        return attn + round(self.mlp_params_per_layer()) + 2 * h
 
     def num_params(self) -> int:
         """Total parameters, counting a tied embedding once."""
@@ -110,8 +141,8 @@ class ModelShape:
 
 def _dense_flops_per_token_layer(s: ModelShape) -> float:
     """Forward matmul FLOPs of one layer's projections and MLP, per token."""
-    q = s.heads * s.head_dim
-    return 2.0 * (s.hidden * q + 2 * s.hidden * s.kv_dim + q * s.hidden + 3 * s.hidden * s.ffn)
+    q = s.heads * s.head_dim  # MoE: the active experts and the router only (FLOPs from active parameters)
+    return 2.0 * (s.hidden * q + 2 * s.hidden * s.kv_dim + q * s.hidden + s.mlp_params_per_layer(active=True))
 
 
 def _attn_flops_per_key_layer(s: ModelShape) -> float:

@@ -327,7 +327,22 @@ def write_report(run_dir: Path, out: Path | None = None, smooth: int = 1,
     written.append(cost_figure(records, out))
     written.append(pipeline_figure(records, out, pipeline_steps))
     written.append(correction_figure(records, out, smooth))
+    written.append(moe_figure(records, out, smooth))
     return [p for p in written if p is not None]
+
+
+MOE_PANEL = Panel("moe", "MoE routing", "value", (
+    ("moe/routing_mismatch_frac", "routing mismatch (engine vs trainer top-k, token-layer pairs)"),
+    ("moe/load_max_over_mean", "load balance: tokens per expert max/mean"), ("moe/aux_loss", "aux loss (unscaled)")),
+    split=True)
+
+
+def moe_figure(records: Sequence[dict[str, Any]], out: Path, smooth: int) -> Path | None:
+    """MoE runs only (no warning for a dense run): routing mismatch between engine and trainer (0 with
+    algo.router_replay=rollout), load balance and the router's aux loss per step."""
+    if not any(k.startswith("moe/") for r in records for k in r):
+        return None
+    return _line_figure(records, MOE_PANEL, out, smooth)
 
 
 def _max_new_tokens(run_dir: Path) -> int | None:
