@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from dapo_mcore.algo.rollout_correction import RolloutCorrectionConfig
+from dapo_mcore.algo.rollout_correction_config import RolloutCorrectionConfig
 
 BUILTIN_LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 """The aggregation modes ``algo.loss`` registers (a test keeps the two equal): a config naming one of them is
