@@ -6,7 +6,7 @@ each rank tensor is a list of byte ranges of the HF tensors (q/k/v groups, gate/
 read straight into reused staging buffers that a thread writes out with O_DIRECT (`staged_io`). Peak memory
 is the staging buffers plus one memory-mapped tensor; every HF byte is read once (norms once per TP rank).
 
-    python -m conversion.hf_to_mcore --hf DIR --out DIR --tp 2 --pp 2 [--vpp 1] [--layer-spec local]
+    python -m conversion.hf_to_mcore --hf DIR --out DIR --tp 2 --pp 2 [--vpp 1] [--ep 1] [--layer-spec local]
         [--vocab-divisible-by 128] [--dtype bfloat16] [--io auto|direct|buffered] [--format dapo|torch_dist] [--debug]
 
 The HF directory's tokenizer, generation config and chat template are copied into ``<out>/tokenizer/`` so that
@@ -82,14 +82,16 @@ def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, layout: Paralle
     out_dtype = check_hf_tensors(mapping, source, dtype=dtype)
     ckpt.check_target_free(out_dir)
     meta = ckpt.CheckpointMeta(hf_config, layout, mapping.padded_vocab_size(layout), dtype_name(out_dtype))
-    plans = {(t, p): [(key, pl, mapping.rank_shape(pl, layout)) for key, pl in mapping.rank_placements(layout, p)]
-             for p in range(layout.pp) for t in range(layout.tp)}
+    eps = [None] if layout.ep == 1 else list(range(layout.ep))  # MoE: one rank file per expert-parallel rank
+    plans = {(t, p, e): [(key, pl, mapping.rank_shape(pl, layout))
+                         for key, pl in mapping.rank_placements(layout, p, e or 0)]
+             for p in range(layout.pp) for t in range(layout.tp) for e in eps}
     itemsize = torch.empty((), dtype=out_dtype).element_size()
     total = sum(torch.Size(s).numel() * itemsize for plan in plans.values() for _, _, s in plan)
     with ckpt.atomic_directory(out_dir) as tmp, _progress(progress) as bar:
         task = bar.add_task(f"hf -> mcore tp={layout.tp} pp={layout.pp} vpp={layout.vpp}", total=total)
-        for (tp_rank, pp_rank), plan in plans.items():
-            path = ckpt.rank_file(tmp, tp_rank, pp_rank)
+        for (tp_rank, pp_rank, ep_rank), plan in plans.items():
+            path = ckpt.rank_file(tmp, tp_rank, pp_rank, ep_rank)
             path.parent.mkdir()
             entries = [(key, out_dtype, shape) for key, _, shape in plan]
             with StreamingSafetensorsWriter(path, entries, direct=direct) as writer:
@@ -105,8 +107,8 @@ def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, layout: Paralle
         copied = copy_tokenizer_files(hf_dir, tmp / TOKENIZER_DIR)
     if not copied:
         log.warning("%s has no tokenizer files; mcore-to-hf will need --tokenizer to write a usable HF dir", hf_dir)
-    log.info("wrote %s: tp=%d pp=%d vpp=%d, %s, %.2f GB", out_dir, layout.tp, layout.pp, layout.vpp,
-             meta.dtype, total / 1e9)
+    log.info("wrote %s: tp=%d pp=%d vpp=%d ep=%d, %s, %.2f GB", out_dir, layout.tp, layout.pp, layout.vpp,
+             layout.ep, meta.dtype, total / 1e9)
     return meta
 
 
@@ -117,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--vpp", type=int, default=1, help="virtual pipeline chunks per pipeline rank")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models): one rank file per "
+                   "(tp, pp, ep) rank holding its experts, Megatron's mp_rank_TT_PPP_EEE")
     p.add_argument("--layer-spec", choices=LAYER_SPECS, default="local")
     p.add_argument("--vocab-divisible-by", type=int, default=128)
     p.add_argument("--dtype", choices=tuple(DTYPE_NAMES), default=None,
@@ -149,7 +153,7 @@ def _main(args) -> int:
             report_written(args.out)
         return 0
     layout = ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp, layer_spec=args.layer_spec,
-                            make_vocab_size_divisible_by=args.vocab_divisible_by)
+                            make_vocab_size_divisible_by=args.vocab_divisible_by, ep=args.ep)
     dtype = parse_dtype(args.dtype) if args.dtype else None
     convert_hf_to_mcore(args.hf, args.out, layout, dtype=dtype, progress=not args.no_progress,
                         direct=io_mode(args.io))

@@ -16,6 +16,7 @@ none of these the output has no tokenizer and a warning says so.
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 from pathlib import Path
 
@@ -50,12 +51,15 @@ def _check_rank_files(directory: Path, meta: ckpt.CheckpointMeta, mapping) -> No
     """Every rank file exists and holds exactly the expected keys and shapes (before writing anything)."""
     layout = meta.layout
     dtype = parse_dtype(meta.dtype)
-    for pp_rank in range(layout.pp):
-        expected = {key: mapping.rank_shape(pl, layout) for key, pl in mapping.rank_placements(layout, pp_rank)}
+    ep_ranks = [None] if layout.ep == 1 else list(range(layout.ep))
+    for pp_rank, ep_rank in itertools.product(range(layout.pp), ep_ranks):
+        expected = {key: mapping.rank_shape(pl, layout)
+                    for key, pl in mapping.rank_placements(layout, pp_rank, ep_rank or 0)}
         for tp_rank in range(layout.tp):
-            path = ckpt.rank_file(directory, tp_rank, pp_rank)
+            path = ckpt.rank_file(directory, tp_rank, pp_rank, ep_rank)
             if not path.exists():
-                raise ckpt.CheckpointError(f"{path} is missing (checkpoint says tp={layout.tp} pp={layout.pp}).")
+                raise ckpt.CheckpointError(f"{path} is missing (checkpoint says tp={layout.tp} pp={layout.pp} "
+                                           f"ep={layout.ep}).")
             header = read_header(path)
             check_tensors_match({k: s for k, (_, s) in header.items()}, expected, str(path), "the metadata")
             bad = [k for k, (d, _) in header.items() if d != dtype]
@@ -87,7 +91,8 @@ def convert_mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, *, max_shard
         writer = HFShardedWriter(tmp, plan, max_shard_bytes, direct=direct)
         task = bar.add_task("mcore -> hf", total=writer.total)
         for pl in placements:
-            parts = [ckpt.read_rank_tensor(directory, t, pl.pp_rank, layout.chunk_prefix(pl.vchunk) + pl.key)
+            ep = None if layout.ep == 1 else pl.ep_rank or 0  # dense tensors: every EP file has them; read EP 0's
+            parts = [ckpt.read_rank_tensor(directory, t, pl.pp_rank, layout.chunk_prefix(pl.vchunk) + pl.key, ep)
                      for t in range(layout.tp)]
             for name, tensor in mapping.merge(pl, parts, layout):
                 if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):

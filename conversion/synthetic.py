@@ -1,7 +1,8 @@
-"""Synthetic Qwen2 checkpoints for tests, parity checks and benchmarks.
+"""Synthetic Qwen2 / Qwen3 checkpoints for tests, parity checks and benchmarks.
 
-`save_tiny_hf_model` builds a small random ``Qwen2ForCausalLM`` with Hugging Face's own code (biases and norms
-randomised: they initialise to zeros/ones, which would hide layout bugs) and saves it with ``save_pretrained``.
+`save_tiny_hf_model` builds a small random ``Qwen2ForCausalLM`` (or, with ``preset="tiny-qwen3"``,
+``Qwen3ForCausalLM``) with Hugging Face's own code (biases and norms, q/k norms included, randomised: they
+initialise to zeros/ones, which would hide layout bugs) and saves it with ``save_pretrained``.
 `write_synthetic_hf_checkpoint` writes a large random checkpoint straight to safetensors shards without any
 model object, tensor by tensor, for conversion benchmarks.
 """
@@ -18,20 +19,24 @@ from dapo_mcore.weights.hf_checkpoint import HFShardedWriter, write_hf_config
 from dapo_mcore.weights.registry import get_mapping
 
 
-def tiny_hf_config(**overrides: Any) -> dict[str, Any]:
-    """The `tiny` preset (GQA 4 heads / 2 KV heads, QKV bias) with overrides, e.g. tie_word_embeddings=False."""
-    return preset_config("tiny", **overrides)
+def tiny_hf_config(preset: str = "tiny", **overrides: Any) -> dict[str, Any]:
+    """The `tiny` preset (GQA 4 heads / 2 KV heads, QKV bias) or `tiny-qwen3` (q/k norm, head_dim 32 != 64 / 4)
+    with overrides, e.g. tie_word_embeddings=False."""
+    return preset_config(preset, **overrides)
 
 
 def build_tiny_hf_model(hf_config: dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu"):
-    """A random HF Qwen2ForCausalLM with every tensor (biases, norms included) randomised, built on ``device``."""
+    """A random HF causal LM of the config's family (Qwen2ForCausalLM, Qwen3ForCausalLM) with every tensor
+    (biases, norms included) randomised, built on ``device``."""
     import transformers
 
+    from dapo_mcore.model.hf_config import family_of
+
     torch.manual_seed(seed)
-    config = transformers.Qwen2Config(**hf_config)
+    config = transformers.AutoConfig.for_model(**hf_config)
     with torch.device(device):
-        model = transformers.Qwen2ForCausalLM(config)
+        model = getattr(transformers, family_of(hf_config).hf_class)(config)
     model = model.to(dtype).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -42,9 +47,10 @@ def build_tiny_hf_model(hf_config: dict[str, Any], seed: int = 0, dtype: torch.d
     return model
 
 
-def save_tiny_hf_model(out_dir: str | Path, seed: int = 0, max_shard_size: str | None = None, **overrides: Any):
-    """Build and save a random tiny HF model; returns the model (eval mode)."""
-    model = build_tiny_hf_model(tiny_hf_config(**overrides), seed=seed)
+def save_tiny_hf_model(out_dir: str | Path, seed: int = 0, max_shard_size: str | None = None, preset: str = "tiny",
+                       **overrides: Any):
+    """Build and save a random tiny HF model (``preset`` "tiny" or "tiny-qwen3"); returns the model (eval mode)."""
+    model = build_tiny_hf_model(tiny_hf_config(preset, **overrides), seed=seed)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(out_dir, safe_serialization=True, **kwargs)
     return model

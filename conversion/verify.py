@@ -125,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--vpp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models; inside data parallel)")
     p.add_argument("--layer-spec", default="local", choices=("local", "transformer_engine"))
     p.add_argument("--vocab-divisible-by", type=int, default=128)
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
@@ -140,8 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     return add_debug_flag(p)
 
 
-def check_world(world_size: int, tp: int, pp: int) -> None:
-    """Refuse, before any process group exists, a launch that cannot hold --tp x --pp (naming the torchrun line)."""
+def check_world(world_size: int, tp: int, pp: int, ep: int = 1) -> None:
+    """Refuse, before any process group exists, a launch that cannot hold --tp x --pp (x --ep inside data
+    parallel), naming the torchrun line."""
+    from dapo_mcore.actor.parallel import expert_layout_error
     from dapo_mcore.weights.errors import WeightsError
 
     if tp < 1 or pp < 1:
@@ -149,6 +152,10 @@ def check_world(world_size: int, tp: int, pp: int) -> None:
     if world_size % (tp * pp):
         raise WeightsError(f"--tp {tp} --pp {pp} needs a multiple of {tp * pp} processes, this launch has {world_size}: "
                            f"run under torchrun --nproc_per_node {tp * pp} -m conversion.verify ...")
+    problem = expert_layout_error(world_size, tp, pp, ep)
+    if problem:
+        raise WeightsError(problem.replace("parallel.expert_parallel", "--ep") +
+                           f" (torchrun --nproc_per_node {tp * pp * ep} -m conversion.verify ...)")
 
 
 def checkpoint_dtype(hf_dir: Path, mcore: str | None) -> str:
@@ -177,20 +184,23 @@ def _main(args) -> int:
     from dapo_mcore.model.qwen import build_gpt_model, transformer_config
     from dapo_mcore.weights.hf_checkpoint import read_hf_config
     from dapo_mcore.weights.live import load_hf_into_model, load_megatron_checkpoint_into_model
+    from dapo_mcore.weights.registry import get_mapping
     from dapo_mcore.weights.safetensors_io import parse_dtype
 
     hf_dir = Path(args.hf)
     hf_config = read_hf_config(hf_dir)
+    get_mapping(hf_config)  # an unsupported model type or feature: one line, before any process group
     launch = read_launch_env()
-    check_world(launch.world_size, args.tp, args.pp)
+    check_world(launch.world_size, args.tp, args.pp, args.ep)
     args.dtype = args.dtype or checkpoint_dtype(hf_dir, args.mcore)
     dtype = parse_dtype(args.dtype)
     logging.getLogger(__name__).info("comparing logits in %s", args.dtype)
     init_distributed(launch, "auto")
     try:
-        init_model_parallel(args.tp, args.pp, args.vpp if args.vpp > 1 else None, seed=1)
+        init_model_parallel(args.tp, args.pp, args.vpp if args.vpp > 1 else None, seed=1, expert_parallel=args.ep)
         tconfig = transformer_config(hf_config, tensor_parallel=args.tp, pipeline_parallel=args.pp,
-                                     virtual_pipeline=args.vpp if args.vpp > 1 else None, params_dtype=dtype)
+                                     virtual_pipeline=args.vpp if args.vpp > 1 else None, params_dtype=dtype,
+                                     expert_parallel=args.ep)
         chunks = build_gpt_model(hf_config, tconfig, spec=args.layer_spec,
                                  make_vocab_size_divisible_by=args.vocab_divisible_by)
         for chunk in chunks:  # as the actor does: Megatron's torch norms ignore params_dtype

@@ -133,7 +133,9 @@ def _run_training_command(args: argparse.Namespace) -> int:
         rest += ["--json"] if args.command == "eval" and args.json else []
         return launcher.launch(args.command, args.nproc_per_node, args.config, args.overrides, extra, rest)
     overrides = [*args.overrides, *extra]
-    cfg = precheck(args.config, overrides)
+    if args.command == "eval":  # an async run's checkpoint evaluates colocated: the engines share the ranks
+        overrides.append("rollout.pipeline.mode=sync")
+    cfg = precheck(args.config, overrides, warn=args.command == "train")
     if args.command == "train" and finished_step(cfg) is not None:
         logging.getLogger(__name__).info("run already finished %d steps (%s); nothing to do", finished_step(cfg),
                                          Path(cfg.run.dir) / "checkpoints")

@@ -74,7 +74,10 @@ def launch(command: str, nproc: int, config: str, overrides: list[str], extra: l
     ranks add ``extra``, DAPO_MCORE_EXTRA_OVERRIDES, themselves); their exit code."""
     from dapo_mcore.config_cli import precheck
 
-    cfg = precheck(config, [*overrides, *extra], world_size=nproc)  # a ConfigError: the caller's one line, exit 2
+    # A ConfigError: the caller's one line, exit 2. eval evaluates an async run's checkpoint colocated (as each rank's
+    # own check does); the ranks' rank 0 logs the warnings, once.
+    checked = [*overrides, *extra, *(["rollout.pipeline.mode=sync"] if command == "eval" else [])]
+    cfg = precheck(config, checked, world_size=nproc, warn=False)
     from dapo_mcore.cli import finished_step
 
     if command == "train" and finished_step(cfg) is not None:  # no rank to start for a finished run

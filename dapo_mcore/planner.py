@@ -1,7 +1,7 @@
 """Capacity planner: per-GPU memory and FLOPs of a DAPO layout, before any GPU is touched.
 
 ``dapo-mcore plan`` answers "does this layout fit, and if not, what should change?" for a dense
-Qwen2 policy trained by Megatron-Core with vLLM colocated on the same GPUs.
+Qwen2 / Qwen3 policy trained by Megatron-Core with vLLM colocated on the same GPUs.
 
 Memory model (bytes per GPU; ``P`` = parameters held by this rank's pipeline stage / TP):
 
@@ -11,10 +11,11 @@ Memory model (bytes per GPU; ``P`` = parameters held by this rank's pipeline sta
   ``fp8`` adds the Transformer Engine FP8 weight copy and its transpose (2 bytes per linear weight).
   ``fp32`` (plain torch on CPU): weights 4P + grads 4P + Adam 8P (no main copy).
 * Activations per token per layer, as stored for backward by the fused (Transformer Engine,
-  flash attention) layer, in elements: ``6h + 2kv + 3f`` (block input, norm output, Q, K/V (GQA),
-  attention output, residual, norm output, SwiGLU gate+up (2f), SwiGLU output (f)); divided by TP
-  with sequence parallelism. ``selective`` recompute (Megatron's ``core_attn``) drops the
-  attention output (h); ``full`` keeps only the block input (h)
+  flash attention) layer, in elements: ``4h + 2q + 2kv + 3f`` (block input, norm output, Q (``q`` = heads x
+  head_dim, = h for Qwen2, 8192 for Qwen3-32B's h = 5120), K/V (GQA), attention output (q), residual, norm
+  output, SwiGLU gate+up (2f), SwiGLU output (f)), plus ``q + kv`` with Qwen3's q/k norms (their inputs);
+  divided by TP with sequence parallelism. ``selective`` recompute (Megatron's ``core_attn``) drops the
+  attention output (q); ``full`` keeps only the block input (h)
   plus, transiently, one layer's full set while it is recomputed. Attention scores are never
   stored (flash attention), so there is no ``s^2`` term. No dropout masks (Qwen2 uses none).
 * 1F1B keeps ``min(PP, micro-batches)`` micro-batches in flight on the first stage (each with
@@ -64,6 +65,9 @@ class PlanInput:
     """Megatron pipeline-parallel size."""
     data_parallel: int = 1
     """Data-parallel replicas of the trainer."""
+    expert_parallel: int = 1
+    """MoE: each layer's experts split over this many ranks inside the data-parallel group (weights and grads of
+    experts / EP per GPU; with the distributed optimizer their Adam state is sharded over DP / EP replicas)."""
     virtual_pipeline: int = 1
     """Interleaved pipeline chunks per stage (1 = plain 1F1B)."""
     micro_batch_tokens: int = 22528
@@ -149,6 +153,10 @@ class PlanInput:
             ok = [d for d in range(1, shape.layers + 1) if shape.layers % d == 0]
             raise ValueError(f"pipeline_parallel*virtual_pipeline={chunks} must divide num_hidden_layers="
                              f"{shape.layers}; use a product in {ok}")
+        if self.expert_parallel < 1 or self.data_parallel % self.expert_parallel or (
+                self.expert_parallel > 1 and (not shape.experts or shape.experts % self.expert_parallel)):
+            raise ValueError(f"expert_parallel={self.expert_parallel} must divide data_parallel={self.data_parallel}"
+                             f" and the model's experts ({shape.experts or 'dense model: use 1'})")
         if shape.heads % self.vllm_tensor_parallel:
             raise ValueError(f"vllm_tensor_parallel={self.vllm_tensor_parallel} must divide "
                              f"num_attention_heads={shape.heads}")
@@ -225,12 +233,12 @@ def stage_params(shape: ModelShape, pp: int, stage: int) -> tuple[int, int]:
 
 def activation_bytes_per_token_layer(shape: ModelShape, recompute: str, act_bytes: int) -> float:
     """Bytes one token leaves stored for backward in one layer (before dividing by TP)."""
-    h, kv, f = shape.hidden, shape.kv_dim, shape.ffn
+    h, q, kv, f = shape.hidden, shape.heads * shape.head_dim, shape.kv_dim, shape.ffn
     if recompute == "full":
         return h * act_bytes
-    elements = 6 * h + 2 * kv + 3 * f
+    elements = 4 * h + 2 * q + 2 * kv + 3 * f + ((q + kv) if shape.qk_norm else 0)
     if recompute == "selective":
-        elements -= h
+        elements -= q
     return elements * act_bytes
 
 
@@ -243,6 +251,17 @@ def _persistent_bytes(p: PlanInput, params: int, linear: int) -> tuple[float, fl
     optimizer = 12.0 * params / (p.data_parallel if p.distributed_optimizer else 1)
     fp8 = 2.0 * linear if p.precision == "fp8" else 0.0
     return weights, grads, optimizer, fp8
+
+
+def _expert_parallel_bytes(p: PlanInput, shape: ModelShape, params: float, w: float, g: float,
+                           o: float) -> tuple[float, float, float]:
+    """(weights, grads, optimizer) of an MoE stage whose experts are split over ``expert_parallel`` ranks: the
+    expert share of each shrinks by EP; Adam's state of the experts is sharded over the DP / EP replicas of each
+    expert (distributed optimizer), i.e. the same bytes per GPU as without EP there."""
+    share = shape.expert_params() / shape.layers * (shape.layers // p.pipeline_parallel) / params
+    keep = 1.0 - share * (1.0 - 1.0 / p.expert_parallel)
+    o_keep = 1.0 if p.distributed_optimizer else keep
+    return w * keep, g * keep, o * o_keep
 
 
 def num_microbatches(p: PlanInput) -> int:
@@ -304,6 +323,8 @@ def estimate_memory(p: PlanInput) -> MemoryEstimate:
     for stage in range(p.pipeline_parallel):
         params, linear = stage_params(shape, p.pipeline_parallel, stage)
         w, g, o, c = _persistent_bytes(p, params / p.tensor_parallel, linear / p.tensor_parallel)
+        if shape.experts:
+            w, g, o = _expert_parallel_bytes(p, shape, params, w, g, o)
         acts, logits = _stage_activation_bytes(p, shape, stage)
         train = w + g + o + c + acts + logits + overhead + asleep
         kept = w + c  # the offload hooks move grad buffers and optimizer state, not weights or FP8 copies
@@ -581,6 +602,7 @@ def format_report(p: PlanInput, est: MemoryEstimate, flops: FlopsEstimate) -> st
 CONFIG_KEYS: dict[str, str] = {
     "tensor_parallel": "parallel.tensor_parallel", "pipeline_parallel": "parallel.pipeline_parallel",
     "virtual_pipeline": "parallel.virtual_pipeline", "data_parallel": "DP",
+    "expert_parallel": "parallel.expert_parallel",
     "distributed_optimizer": "parallel.distributed_optimizer", "recompute": "model.recompute",
     "precision": "model.fp8.enabled / model.params_dtype", "micro_batch_tokens": "train.micro_batch_tokens",
     "colocate_vllm": "rollout.engine", "vllm_tensor_parallel": "rollout.vllm.tensor_parallel",

@@ -389,7 +389,10 @@ def _live_terminal() -> bool:
 
 def _print_progress(step: int, total: int, m: dict[str, Any], every: int, pace: str = "") -> None:
     if every and (step % every == 0 or step == total):
+        from dapo_mcore.telemetry.progress import async_fields
+
         evals = f" heldout_avg@k={m['eval/avg_at_k']:.3f}" if "eval/avg_at_k" in m else ""
+        evals = async_fields(m) + evals
         log.info("step %d/%d  acc=%.3f usable=%.2f batches=%d loss=%.4f ent=%.3f clip=%.3f len=%.1f %.2fs%s  %s",
                  step, total, m.get("rollout/acc_mean", float("nan")), m.get("rollout/usable_group_frac", float("nan")),
                  int(m.get("rollout/gen_batches", 0)), m.get("train/loss", float("nan")),
@@ -452,6 +455,7 @@ def _actor_settings(cfg: Config, hf_config: dict[str, Any], pad_id: int):
     return ActorSettings(
         hf_config=hf_config, tensor_parallel=cfg.parallel.tensor_parallel, pipeline_parallel=cfg.parallel.pipeline_parallel,
         virtual_pipeline=cfg.parallel.virtual_pipeline, sequence_parallel=cfg.parallel.sequence_parallel,
+        expert_parallel=cfg.parallel.expert_parallel, router_replay=cfg.algo.router_replay == "rollout",
         layer_spec=cfg.model.layer_spec, attention=cfg.model.attention, params_dtype=dtype, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
         recompute=cfg.model.recompute, fp8=cfg.model.fp8, distributed_optimizer=cfg.parallel.distributed_optimizer,
         offload_for_rollout=cfg.parallel.offload_for_rollout,
@@ -513,16 +517,17 @@ def _build_engine(cfg: Config, hf_dir: Path | None, hf_config: dict[str, Any], t
             enforce_eager=v.enforce_eager, max_num_batched_tokens=v.max_num_batched_tokens,
             max_model_len=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens, sleep_level=v.sleep_level,
             dtype=cfg.model.params_dtype, seed=cfg.train.seed, max_prompt_len=cfg.data.max_prompt_len,
-            stop_token_ids=stops.ids, load_format="dummy")  # build_components syncs every weight from the actor before the first generation
+            stop_token_ids=stops.ids, load_format="dummy",  # build_components syncs every weight from the actor before the first generation
+            return_routed_experts=cfg.algo.router_replay == "rollout")
         return VLLMEngine(options, hf_config)
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from dapo_mcore.rollout.hf_engine import HFEngine
 
     dtype = torch.bfloat16 if cfg.model.params_dtype == "bfloat16" else torch.float32
     # Built from the config alone: build_components syncs every weight from the actor before the first
     # generation (the sync refuses to finish with a tensor missing), so reading the checkpoint again is wasted I/O.
-    model = AutoModelForCausalLM.from_config(Qwen2Config(**hf_config), dtype=dtype)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf_config), dtype=dtype)
     if torch.cuda.is_available():
         model = model.to(torch.device("cuda", torch.cuda.current_device()))
     return HFEngine(model, eos_token_ids=stops.ids, pad_token_id=tokenizer.pad_token_id,
@@ -568,9 +573,11 @@ def _build_parts(cfg: Config, launch: LaunchEnv, *, resume: bool, checkpoint: st
 
     train_records, eval_records = records
     init_model_parallel(cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel, cfg.parallel.virtual_pipeline,
-                        seed=cfg.train.seed, timeout_minutes=cfg.parallel.timeout_minutes)
+                        seed=cfg.train.seed, timeout_minutes=cfg.parallel.timeout_minutes,
+                        expert_parallel=cfg.parallel.expert_parallel)
     hf_dir = resolve_base_model(cfg, launch)
     if bridge is not None:
+        bridge.start()  # the run starts: no refusal (rollout.bridge.Bridge.start)
         bridge.barrier()  # the engine ranks read the base model's config and tokenizer once it exists
     hf_config = cfg.model.hf_config(cfg.tiny_base.preset) if hf_dir is None else read_hf_config(hf_dir)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or hf_dir)

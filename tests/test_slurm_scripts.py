@@ -61,7 +61,8 @@ def test_sbatch_scripts_use_the_one_launch_path_and_requeue_contract(script):
 
 
 def test_gpu_recipes_ask_one_task_per_gpu():
-    for name, nodes in (("dapo_qwen2.5_32b_fp8.sbatch", 16), ("dapo_qwen2.5_7b.sbatch", 4)):
+    for name, nodes in (("dapo_qwen2.5_32b_fp8.sbatch", 16), ("dapo_qwen2.5_7b.sbatch", 4),
+                        ("dapo_qwen3_32b_fp8.sbatch", 16)):
         d = directives(SLURM_DIR / name)
         assert d["ntasks-per-node"] == d["gpus-per-node"] == "8"
         assert int(d["nodes"]) == nodes
@@ -77,7 +78,8 @@ def test_launch_forwards_signal_and_requeues_on_75():
 
 
 @pytest.mark.parametrize("name, preset", [("dapo_qwen2.5_32b_fp8.sbatch", "qwen2.5-32b"),
-                                          ("dapo_qwen2.5_7b.sbatch", "qwen2.5-7b")])
+                                          ("dapo_qwen2.5_7b.sbatch", "qwen2.5-7b"),
+                                          ("dapo_qwen3_32b_fp8.sbatch", "qwen3-32b")])
 def test_gpu_recipe_layout_lives_in_its_config_and_fits_the_allocation(name, preset, capsys):
     from dapo_mcore.plan_cli import main as plan
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from dapo_mcore.weights import checkpoint as wckpt
-from dapo_mcore.weights.live import live_layout, live_tensors
+from dapo_mcore.weights.live import live_ep_rank, live_layout, live_tensors
 from dapo_mcore.weights.safetensors_io import dtype_name
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -67,8 +67,15 @@ def save_optimizer(actor, directory: Path, *, write: bool, write_meta: bool) -> 
     """Write this rank's Adam state under `directory` (= ``<checkpoint>/optim``); the directory exists.
 
     `write`: this rank writes its (tp, pp) files (DP rank 0); `write_meta`: it writes the metadata (global rank 0).
+    With expert parallelism each expert-parallel rank holds other experts' moments: the first replica of each
+    (expert-data-parallel rank 0) writes its (tp, pp, ep) files instead, as the model's files are written.
     """
     targets, layout, tp_rank, pp_rank = _targets(actor)
+    ep_rank = live_ep_rank(layout)
+    if ep_rank is not None:
+        from megatron.core import parallel_state as ps
+
+        write = ps.get_expert_data_parallel_rank() == 0
     kinds = list(MOMENTS) + ([MAIN_PARAMS] if _has_main_params(actor, targets, layout) else [])
     if write:
         for kind in kinds:
@@ -79,7 +86,7 @@ def save_optimizer(actor, directory: Path, *, write: bool, write_meta: bool) -> 
                 else:  # before the first step Adam has no state: its moments are zeros
                     value = opt.state.get(target, {}).get(kind, torch.zeros_like(target))
                 tensors[key] = value.detach().to("cpu", torch.float32).contiguous()
-            path = wckpt.rank_file(directory / kind, tp_rank, pp_rank)
+            path = wckpt.rank_file(directory / kind, tp_rank, pp_rank, ep_rank)
             path.parent.mkdir(parents=True, exist_ok=True)
             wckpt.save_safetensors(tensors, path, {"format": "pt"})
     if write_meta:
@@ -104,7 +111,9 @@ def read_optimizer(actor, directory: Path) -> Callable[[], int]:
 
     info = json.loads((directory / STEP_FILE).read_text())
     targets, layout, tp_rank, pp_rank = _targets(actor)
-    values = {kind: read_rank_resharded(directory / kind, layout, tp_rank, pp_rank) for kind in info["states"]}
+    ep_rank = live_ep_rank(layout)
+    values = {kind: read_rank_resharded(directory / kind, layout, tp_rank, pp_rank, ep_rank)
+              for kind in info["states"]}
     if (MAIN_PARAMS in values) != _has_main_params(actor, targets, layout):
         raise wckpt.CheckpointError(f"{directory}: the optimizer state was saved for another params_dtype "
                                     "(fp32 main parameters present in one and not the other); resume with the "

@@ -143,23 +143,49 @@ def check_shared_dir(path: Path, key: str = "run.dir") -> None:
     log.debug("%s=%s is shared by all %d ranks", key, path, len(seen))
 
 
+def expert_layout_error(world_size: int, tensor_parallel: int, pipeline_parallel: int,
+                        expert_parallel: int) -> str | None:
+    """Why Megatron cannot lay out `expert_parallel` on this world (one line with the fix), or None.
+
+    world = TP x PP x DP for the dense part; the experts of each layer are split over `expert_parallel` ranks taken
+    inside the data-parallel group (expert tensor parallel = TP, Megatron's default), so EP must divide DP."""
+    if expert_parallel < 1:
+        return f"parallel.expert_parallel={expert_parallel} must be >= 1."
+    model_parallel = tensor_parallel * pipeline_parallel
+    if world_size % model_parallel:
+        return None  # the dense layout's own check names this
+    dp = world_size // model_parallel
+    if dp % expert_parallel:
+        fits = ", ".join(str(d) for d in range(1, dp + 1) if dp % d == 0)
+        return (f"parallel.expert_parallel={expert_parallel} must divide the data-parallel size {dp} (world "
+                f"{world_size} / tensor_parallel {tensor_parallel} / pipeline_parallel {pipeline_parallel}): Megatron "
+                f"takes the expert-parallel ranks inside the data-parallel group; use one of {fits} or launch "
+                f"{model_parallel * expert_parallel}*k processes.")
+    return None
+
+
 def init_model_parallel(tensor_parallel: int, pipeline_parallel: int, virtual_pipeline: int | None = None,
-                        seed: int = 1234, timeout_minutes: float = 10) -> None:
-    """Create Megatron's TP/PP/DP groups and seed its RNG tracker."""
+                        seed: int = 1234, timeout_minutes: float = 10, expert_parallel: int = 1) -> None:
+    """Create Megatron's TP/PP/DP (and expert-parallel) groups and seed its RNG tracker."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel as tp
 
+    problem = expert_layout_error(dist.get_world_size() if dist.is_initialized() else 1, tensor_parallel,
+                                  pipeline_parallel, expert_parallel)
+    if problem:
+        raise ValueError(problem)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
         virtual_pipeline_model_parallel_size=virtual_pipeline,
+        expert_model_parallel_size=expert_parallel,
         distributed_timeout_minutes=timeout_minutes,
     )
     tp.model_parallel_cuda_manual_seed(seed)
-    log.info("model parallel: TP=%d PP=%d VPP=%s DP=%d", tensor_parallel, pipeline_parallel, virtual_pipeline,
-             ps.get_data_parallel_world_size())
+    log.info("model parallel: TP=%d PP=%d VPP=%s DP=%d EP=%d", tensor_parallel, pipeline_parallel, virtual_pipeline,
+             ps.get_data_parallel_world_size(), expert_parallel)
 
 
 def shutdown() -> None:

@@ -7,8 +7,10 @@ recipe; ``validate()`` refuses settings DAPO does not have (KL and entropy terms
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from dapo_mcore.algo.rollout_correction import RolloutCorrectionConfig
 
 BUILTIN_LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 """The aggregation modes ``algo.loss`` registers (a test keeps the two equal): a config naming one of them is
@@ -66,7 +68,25 @@ class AlgoConfig:
     """Entropy bonus coefficient. DAPO logs entropy but does not optimize it: must stay 0."""
 
     tis_cap: float | None = None
-    """Truncated importance sampling cap for engine-vs-trainer log-prob mismatch (e.g. 2.0); None disables."""
+    """Truncated importance sampling cap for engine-vs-trainer log-prob mismatch (e.g. 2.0); None disables. The short
+    form of rollout_correction preset token_tis with is_threshold=tis_cap (set one or the other)."""
+
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Off-policy correction beyond token TIS: sequence IS, IcePop, rejection (Geo-RS, K3-RS) and the bypass mode
+    that skips the old-log-prob pass; `preset:` names a recipe (see docs/rollout.md)."""
+
+    router_replay: str = "none"
+    """MoE models: "rollout" = rollout routing replay (R3): the trainer's routers use the experts the rollout engine
+    routed each token to (transformers engine), in the old-log-prob and training passes; gates stay the trainer's
+    (so the router keeps its gradient). "none" = the trainer routes itself; moe/routing_mismatch_frac shows how often
+    that differs from the engine."""
+
+    @property
+    def correction(self) -> RolloutCorrectionConfig:
+        """The effective correction: ``tis_cap`` as token TIS, else ``rollout_correction`` with its preset resolved."""
+        if self.tis_cap is not None:
+            return RolloutCorrectionConfig(is_level="token", is_threshold=self.tis_cap)
+        return self.rollout_correction.resolved()
 
     def validate(self) -> None:
         """Raise ValueError naming the fix for any inconsistent setting."""
@@ -103,11 +123,18 @@ class AlgoConfig:
                 f"algo.entropy_coef={self.entropy_coef}: DAPO logs entropy but does not optimize it; "
                 "set algo.entropy_coef=0"
             )
+        if self.router_replay not in ("none", "rollout"):
+            raise ValueError(f"algo.router_replay={self.router_replay!r}; choose 'none' or 'rollout' (replay the "
+                             "engine's experts in the trainer, MoE models)")
         if self.tis_cap is not None and self.tis_cap < 1.0:
             raise ValueError(
                 f"algo.tis_cap={self.tis_cap} must be >= 1 (a cap below 1 down-weights every token); "
                 "typical 2.0, or None to disable"
             )
+        self.rollout_correction.validate()
+        if self.tis_cap is not None and self.rollout_correction.active:
+            raise ValueError(f"algo.tis_cap={self.tis_cap} and algo.rollout_correction both set a correction; keep one "
+                             f"(algo.tis_cap=C is algo.rollout_correction.preset=token_tis with is_threshold=C)")
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> AlgoConfig:

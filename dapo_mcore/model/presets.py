@@ -1,8 +1,9 @@
-"""Named Qwen2/Qwen2.5 shapes as Hugging Face ``config.json`` dictionaries.
+"""Named Qwen2/Qwen2.5 and Qwen3 shapes as Hugging Face ``config.json`` dictionaries.
 
 Presets stand in for a real ``config.json`` when none is at hand (planning, benchmarks, tests).
-Each value is exactly what Hugging Face's Qwen2 config would hold, so a preset and a downloaded
-config go through the same code path.
+Each value is exactly what Hugging Face's Qwen2 / Qwen3 config would hold, so a preset and a downloaded
+config go through the same code path. The Qwen3 shapes are those of the published Qwen/Qwen3-8B and
+Qwen/Qwen3-32B config.json files (head_dim 128 everywhere: 64 x 128 = 8192 != hidden 5120 for 32B).
 """
 
 from __future__ import annotations
@@ -22,6 +23,46 @@ _QWEN2_COMMON: dict[str, Any] = {
     "torch_dtype": "bfloat16",
     "bos_token_id": 151643,
     "eos_token_id": 151643,
+}
+
+_QWEN3_COMMON: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "initializer_range": 0.02,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 28,
+    "rope_theta": 1000000.0,
+    "rope_scaling": None,
+    "sliding_window": None,
+    "use_sliding_window": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
+
+_QWEN3_SHAPES: dict[str, dict[str, Any]] = {
+    # The tiny shape as Qwen3: q/k norm, no QKV bias, head_dim 32 != hidden 64 / 4 heads (queries are 128 wide),
+    # GQA 4/2, tied embeddings; head_dim 32 is also the smallest vLLM's CPU attention accepts.
+    "tiny-qwen3": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=32, vocab_size=32, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                       max_position_embeddings=128, rope_theta=10000.0, bos_token_id=1, eos_token_id=2),
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936, rms_norm_eps=1e-6,
+                     tie_word_embeddings=False),
+    "qwen3-32b": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+                      num_key_value_heads=8, head_dim=128, vocab_size=151936, rms_norm_eps=1e-6,
+                      tie_word_embeddings=False),
+    # Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B config.json; the same shape in slime's scripts/models/qwen3-30B-A3B.sh):
+    # 48 layers, all sparse: 128 experts of width 768, 8 per token (renormalised), 30.5B total / 3.3B active.
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_size=2048,
+                          intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                          mlp_only_layers=[], router_aux_loss_coef=0.001, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                          max_position_embeddings=40960, tie_word_embeddings=False),
 }
 
 _SHAPES: dict[str, dict[str, Any]] = {
@@ -48,7 +89,7 @@ _SHAPES: dict[str, dict[str, Any]] = {
                         num_key_value_heads=8, vocab_size=152064, rms_norm_eps=1e-5, tie_word_embeddings=False),
 }
 
-PRESET_NAMES: tuple[str, ...] = tuple(_SHAPES)
+PRESET_NAMES: tuple[str, ...] = (*_SHAPES, *_QWEN3_SHAPES)
 
 
 def preset_config(name: str, **overrides: Any) -> dict[str, Any]:
@@ -56,9 +97,10 @@ def preset_config(name: str, **overrides: Any) -> dict[str, Any]:
 
     ``overrides`` replaces fields, e.g. ``num_hidden_layers=2`` for a few-layer copy of a big shape.
     """
-    if name not in _SHAPES:
+    if name not in PRESET_NAMES:
         raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESET_NAMES)}")
-    cfg = copy.deepcopy(_QWEN2_COMMON)
-    cfg.update(_SHAPES[name])
+    qwen3 = name in _QWEN3_SHAPES
+    cfg = copy.deepcopy(_QWEN3_COMMON if qwen3 else _QWEN2_COMMON)
+    cfg.update(_QWEN3_SHAPES[name] if qwen3 else _SHAPES[name])
     cfg.update(overrides)
     return cfg

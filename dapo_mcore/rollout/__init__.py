@@ -18,7 +18,7 @@ from dapo_mcore.rollout.protocol import (
     filter_prompts,
 )
 from dapo_mcore.rollout.vllm_engine import VLLMEngine, VLLMEngineOptions
-from dapo_mcore.rollout.weight_sync import SyncTracker, qwen2_param_shapes
+from dapo_mcore.rollout.weight_sync import SyncTracker, hf_param_shapes
 
 __all__ = [
     "Engine",
@@ -39,6 +39,6 @@ __all__ = [
     "WeightBucket",
     "filter_prompts",
     "mismatch_metrics",
-    "qwen2_param_shapes",
+    "hf_param_shapes",
     "tis_weights",
 ]

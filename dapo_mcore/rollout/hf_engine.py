@@ -32,8 +32,10 @@ from dapo_mcore.rollout.protocol import (
     check_prompts,
     check_resume,
 )
+from dapo_mcore.rollout.routes import RouteRecorder
 from dapo_mcore.rollout.sampling import sample_next
 from dapo_mcore.rollout.weight_sync import SyncTracker
+from dapo_mcore.weights.qwen3_moe import per_expert_views
 
 __all__ = ["HFEngine"]
 
@@ -79,6 +81,7 @@ class HFEngine:
         # transformers >= 5.2x renamed the KV-cache argument/output from past_key_values to cache.
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self._tracker = self._make_tracker()
+        self.routes = RouteRecorder(self.model)  # MoE models: the experts each sampled token was routed to (R3)
         self._closed = False
 
     @classmethod
@@ -136,7 +139,15 @@ class HFEngine:
                        generator: torch.Generator) -> list[Response]:
         """Prefill each prompt once, fan the KV cache out to n rows, decode until every row stops."""
         tokens, logps, n_gen, stopped, _ = deque(self._decode(prompts, params, stop_ids, generator), maxlen=1)[0]
-        return self._to_responses(tokens, logps, n_gen, stopped, params)
+        return self._to_responses(tokens, logps, n_gen, stopped, params, self._row_routes(prompts, params.n, n_gen))
+
+    def _row_routes(self, prompts: list[list[int]], n: int, n_gen: Tensor, first_row: int = 0) -> list | None:
+        """The recorded routes (prompt + response positions) of rows ``first_row..`` of the last decode call."""
+        if not self.routes.active:
+            return None
+        rows = torch.arange(first_row, first_row + n_gen.numel())
+        lens = [len(prompts[int(r) // n]) + int(g) for r, g in zip(rows, n_gen.tolist(), strict=True)]
+        return self.routes.rows(rows, lens)
 
     def _decode(self, prompts: list[list[int]], params: SamplingParams, stop_ids: Tensor,
                 generator: torch.Generator, budgets: Tensor | None = None,
@@ -146,8 +157,14 @@ class HFEngine:
         row, <= max_new_tokens) ends a row after that many tokens (``resume``); None = max_new_tokens for all."""
         input_ids, mask, lens = self._left_pad(prompts)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        rec = self.routes if self.routes.active else None
+        if rec is not None:
+            rec.begin(len(prompts), input_ids.shape[1] + params.max_new_tokens)
+            rec.prefill(lens, input_ids.shape[1])
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
                          logits_to_keep=1)
+        if rec is not None:
+            rec.expand(params.n, lens)
         cache, logits = getattr(out, self._cache_kw), out.logits[:, -1, :]
         if params.n > 1:
             cache.batch_repeat_interleave(params.n)
@@ -175,6 +192,8 @@ class HFEngine:
                 cache.batch_select_indices(keep)
                 active, tok, mask, next_pos = active[keep], tok[keep], mask[keep], next_pos[keep]
             mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+            if rec is not None:
+                rec.step(active, next_pos)
             out = self.model(input_ids=tok.unsqueeze(-1), attention_mask=mask, position_ids=next_pos.unsqueeze(-1),
                              use_cache=True, **{self._cache_kw: cache})
             cache, logits = getattr(out, self._cache_kw), out.logits[:, -1, :]
@@ -207,12 +226,13 @@ class HFEngine:
 
     @staticmethod
     def _to_responses(tokens: Tensor, logps: Tensor, n_gen: Tensor, stopped: Tensor,
-                      params: SamplingParams) -> list[Response]:
+                      params: SamplingParams, routes: list | None = None) -> list[Response]:
         tok_lists, lp_lists = tokens.tolist(), logps.tolist()
         out = []
         for i, (n, stop) in enumerate(zip(n_gen.tolist(), stopped.tolist(), strict=True)):
             lp = lp_lists[i][:n] if params.logprobs != "none" else []
-            out.append(Response(token_ids=tok_lists[i][:n], logprobs=lp, finish_reason="stop" if stop else "length"))
+            out.append(Response(token_ids=tok_lists[i][:n], logprobs=lp, finish_reason="stop" if stop else "length",
+                                routed_experts=None if routes is None else routes[i]))
         return out
 
     # ------------------------------------------------------------------ weights
@@ -227,6 +247,14 @@ class HFEngine:
                 canonical[id(param)] = name
                 shapes[name] = tuple(param.shape)
         self._params = dict(self.model.named_parameters())
+        experts = per_expert_views(self._params)  # MoE: fused expert tensors, synced under per-expert names
+        if experts:
+            fused = {n.rsplit(".", 3)[0] + "." + k for n in experts for k in ("gate_up_proj", "down_proj")}
+            for name in fused:
+                shapes.pop(name, None)
+                self._params.pop(name, None)
+            shapes.update({n: tuple(v.shape) for n, v in experts.items()})
+            self._params.update(experts)
         return SyncTracker(shapes, aliases)
 
     @torch.no_grad()
@@ -316,8 +344,10 @@ class _HFGroupStream:
         tokens, logps, n_gen, stopped = self._state
         self._pending.discard(p)
         rows = slice(p * self.params.n, (p + 1) * self.params.n)
-        return self._start + p, HFEngine._to_responses(tokens[rows], logps[rows], n_gen[rows], stopped[rows],
-                                                      self.params)
+        chunk = self.prompts[self._start:]
+        return self._start + p, HFEngine._to_responses(
+            tokens[rows], logps[rows], n_gen[rows], stopped[rows], self.params,
+            self.engine._row_routes(chunk, self.params.n, n_gen[rows], first_row=rows.start))
 
     def abort(self, keep_partial: bool = False) -> int:
         """Stop decoding; the tokens generated for groups not yet yielded (discarded), or with ``keep_partial``

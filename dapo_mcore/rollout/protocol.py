@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from torch import Tensor
 
@@ -122,6 +122,9 @@ class Response:
     stale_tokens: int = 0
     """Leading tokens sampled by an earlier policy (partial rollouts, ``rollout.schedule.partial``): their log-probs
     are that policy's. 0 for a response sampled in one go."""
+    routed_experts: Any = None
+    """MoE models, transformers engine: int16 ``[prompt + response tokens, MoE layers, top_k]``, the experts each
+    token was routed to while sampling (-1 where not recorded: the last token); None otherwise (rollout/routes.py)."""
 
     @property
     def length(self) -> int:

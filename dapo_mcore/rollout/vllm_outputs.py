@@ -56,7 +56,12 @@ def responses_from_outputs(outputs: Sequence[Any], n: int, logprobs: str) -> lis
             where = f"request {r} completion {c.index}"
             reason = _check_finish(c.finish_reason, where)
             token_ids, lps = completion_tokens(c, logprobs, where)
-            group.append(Response(token_ids=token_ids, logprobs=lps, finish_reason=reason))
+            routes = getattr(c, "routed_experts", None)  # vLLM with enable_return_routed_experts (MoE R3)
+            if routes is not None:
+                from dapo_mcore.rollout.routes import routes_from_vllm
+
+                routes = routes_from_vllm(routes, len(out.prompt_token_ids) + len(token_ids))
+            group.append(Response(token_ids=token_ids, logprobs=lps, finish_reason=reason, routed_experts=routes))
         result.append(group)
     return result
 

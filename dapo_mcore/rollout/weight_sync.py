@@ -3,8 +3,9 @@
 The trainer exports its weights as buckets of ``(HF name, full tensor)`` pairs
 (``dapo_mcore.weights.export.iter_hf_weights``). An engine must receive every parameter exactly once per
 full sync, with the right shape, and nothing else: :class:`SyncTracker` checks each bucket before it is
-loaded and reports what is missing at the end. Names follow Hugging Face's ``Qwen2ForCausalLM`` state dict,
-which is also what vLLM's ``Qwen2ForCausalLM.load_weights`` consumes (it fuses q/k/v and gate/up itself).
+loaded and reports what is missing at the end. Names follow Hugging Face's ``Qwen2ForCausalLM`` /
+``Qwen3ForCausalLM`` state dict, which is also what vLLM's ``load_weights`` of the same classes consumes (it fuses
+q/k/v and gate/up itself).
 """
 
 from __future__ import annotations
@@ -14,46 +15,25 @@ from typing import Any
 
 from dapo_mcore.rollout.protocol import EngineError, WeightBucket
 
-__all__ = ["SyncTracker", "qwen2_param_shapes"]
+__all__ = ["SyncTracker", "hf_param_shapes"]
 
 _TIED_HEAD = "lm_head.weight"
 
 
-def qwen2_param_shapes(hf_config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-    """HF parameter names and shapes of a Qwen2 causal LM described by its ``config.json`` dict.
+def hf_param_shapes(hf_config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """HF parameter names and shapes of a supported causal LM (Qwen2, Qwen3, ...) described by its ``config.json``
+    dict: the weight mapping's own table (``dapo_mcore.weights``), so the engine expects what the export sends.
 
     With ``tie_word_embeddings`` the output head is the embedding, so ``lm_head.weight`` is not listed
-    (vLLM's Qwen2 loader skips it; :class:`SyncTracker` accepts it as an alias of the embedding).
+    (vLLM's Qwen loaders skip it; :class:`SyncTracker` accepts it as an alias of the embedding).
     """
-    if hf_config["model_type"] != "qwen2":
-        raise EngineError(f"model_type={hf_config['model_type']!r}: the rollout weight sync knows qwen2 only.")
-    hidden = int(hf_config["hidden_size"])
-    heads = int(hf_config["num_attention_heads"])
-    kv_heads = int(hf_config["num_key_value_heads"])
-    head_dim = int(hf_config["head_dim"]) if "head_dim" in hf_config else hidden // heads
-    inter = int(hf_config["intermediate_size"])
-    vocab = int(hf_config["vocab_size"])
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
-    for i in range(int(hf_config["num_hidden_layers"])):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
-            p + "self_attn.q_proj.bias": (heads * head_dim,),
-            p + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
-            p + "self_attn.k_proj.bias": (kv_heads * head_dim,),
-            p + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
-            p + "self_attn.v_proj.bias": (kv_heads * head_dim,),
-            p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
-            p + "mlp.gate_proj.weight": (inter, hidden),
-            p + "mlp.up_proj.weight": (inter, hidden),
-            p + "mlp.down_proj.weight": (hidden, inter),
-            p + "input_layernorm.weight": (hidden,),
-            p + "post_attention_layernorm.weight": (hidden,),
-        })
-    shapes["model.norm.weight"] = (hidden,)
-    if not hf_config["tie_word_embeddings"]:
-        shapes[_TIED_HEAD] = (vocab, hidden)
-    return shapes
+    from dapo_mcore.weights.errors import WeightsError
+    from dapo_mcore.weights.registry import get_mapping
+
+    try:
+        return dict(get_mapping(dict(hf_config)).hf_shapes())
+    except (WeightsError, ValueError) as exc:
+        raise EngineError(f"the rollout weight sync cannot map this model: {exc}") from exc
 
 
 class SyncTracker:

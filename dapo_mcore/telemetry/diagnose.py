@@ -307,7 +307,70 @@ def rule_mismatch(run: Run) -> list[Finding]:
                     "the rollout engine and the trainer disagree on log-probs" + (", and it is growing" if growing else ""),
                     f"|logp_engine - logp_trainer| mean {start:.3g} (steps {s_rng}) -> {end:.3g} (steps {e_rng}){kl_txt}",
                     "check the engine dtype vs model.params_dtype and that weight sync covers every tensor; "
-                    "algo.tis_cap corrects the gradient for a known mismatch")]
+                    "algo.tis_cap (or an algo.rollout_correction preset) corrects the gradient for a known mismatch")]
+
+
+OFF_POLICY_KL_FLOOR = 1e-3
+"""Off-policy k3 KL below this is numerical noise (fp32 engine vs trainer), whatever its trend."""
+OFF_POLICY_KL_LARGE = 2e-2
+OFF_POLICY_REJECT_MOST = 0.5
+
+
+def rule_off_policy(run: Run) -> list[Finding]:
+    """The rollout-vs-trainer gap (rollout_corr/*) grows or is large, or the correction rejects most tokens: which
+    algo.rollout_correction preset to try next."""
+    se = run.start_end(keys.CORR_KL_K3)
+    if se is None:
+        return []
+    start, end, s_rng, e_rng = se
+    steps = f"{s_rng.split('-')[0]}-{e_rng.split('-')[1]}"
+    bypass = run.has(keys.CORR_BYPASS)
+    rejected = run.end_mean(keys.CORR_REJECTED_TOKEN_FRAC) or 0.0
+    out = []
+    if rejected > OFF_POLICY_REJECT_MOST:
+        out.append(Finding("off-policy", "warn", steps, f"the rollout correction rejects {100 * rejected:.0f}% of "
+                           "the tokens: most of the batch trains nothing",
+                           f"{keys.CORR_REJECTED_TOKEN_FRAC} {rejected:.2f} at the end; off-policy KL (k3) {end:.3g}",
+                           "widen algo.rollout_correction.rs_thresholds" + (
+                               ", or leave bypass mode: with several mini-batches per step pi_theta drifts from "
+                               "the engine's policy and Geo-RS's +-0.1% rejects it (preset geo_rs_token_tis)"
+                               if bypass else "; Geo-RS's +-0.1% suits a small engine mismatch, not async staleness "
+                               "(preset token_tis or icepop)")))
+    growing = end > OFF_POLICY_KL_FLOOR and end > MISMATCH_GROWTH * max(start, 1e-12)
+    if growing or end > OFF_POLICY_KL_LARGE:
+        weighted = (run.end_mean(keys.CORR_IS_WEIGHT_MAX) or 1.0) != 1.0
+        if bypass:
+            advice = "leave bypass mode (preset token_tis: the old-log-prob pass returns and clips against pi_old)"
+        elif weighted:
+            advice = "reject the outlier responses too: preset geo_rs_token_tis, or seq_mis"
+        else:
+            advice = ("start a correction: preset token_tis (icepop if a few tokens carry huge weights, seq_mis for "
+                      "long responses)")
+        out.append(Finding("off-policy", "warn", steps, "the gap between the rollout policy and the trainer's"
+                           + (" grows" if growing else " is large"),
+                           f"off-policy KL (k3) {start:.3g} (steps {s_rng}) -> {end:.3g} (steps {e_rng})",
+                           f"algo.rollout_correction: {advice}"))
+    return out
+
+
+ROUTING_MISMATCH_FLOOR = 1e-3
+"""moe/routing_mismatch_frac above this: the trainer's MoE routers pick other experts than the engine's."""
+
+
+def rule_routing_mismatch(run: Run) -> list[Finding]:
+    """MoE: tokens routed to other experts in the trainer than in the engine, the usual driver of an MoE model's
+    log-prob mismatch (a rerouted token runs through another expert's MLP); rollout routing replay removes it."""
+    steps, frac = run.series("moe/routing_mismatch_frac")
+    if not frac or _mean(frac) <= ROUTING_MISMATCH_FLOOR:
+        return []
+    _, diff = run.series(keys.MISMATCH_LOGP_ABS_DIFF_MEAN)
+    drives = f"; log-prob mismatch |diff| mean {_mean(diff):.3g} over the same steps" if diff else ""
+    return [Finding("routing-mismatch", "warn", f"{steps[0]}-{steps[-1]}",
+                    "routing mismatch: the trainer's MoE routers send tokens to other experts than the rollout "
+                    "engine did, which drives the engine/trainer log-prob mismatch",
+                    f"moe/routing_mismatch_frac mean {_mean(frac):.3g} (token-layer pairs){drives}",
+                    "set algo.router_replay=rollout (rollout routing replay: the trainer uses the engine's experts; "
+                    "the metric drops to 0)")]
 
 
 def rule_reward_vs_heldout(run: Run) -> list[Finding]:
@@ -463,12 +526,15 @@ RULES: tuple[tuple[str, tuple[str, ...], Callable[[Run], list[Finding]]], ...] =
     ("spikes", (keys.TRAIN_LOSS, keys.TRAIN_GRAD_NORM), rule_spikes),
     ("warmup", (keys.TRAIN_LR,), rule_warmup),
     ("pipeline", ("async/trainer_wait_s",), rule_pipeline),
+    ("off-policy", (keys.CORR_KL_K3,), rule_off_policy),
+    ("routing-mismatch", ("moe/routing_mismatch_frac",), rule_routing_mismatch),
 )
 """(name, metrics it needs, rule). A rule runs when at least one of its metrics was logged."""
-LEVEL_RULES = frozenset({"cannot-learn", "usable-groups", "length-limit", "spikes", "warmup", "pipeline"})
+LEVEL_RULES = frozenset({"cannot-learn", "usable-groups", "length-limit", "spikes", "warmup", "pipeline",
+                         "routing-mismatch"})
 """Rules that judge levels (or non-finite values), not trends: they run on a run of any length."""
-MODE_RULES = frozenset({"pipeline"})
-"""Rules of one mode (async): a run of the other is not told they were skipped."""
+MODE_RULES = frozenset({"pipeline", "off-policy", "routing-mismatch"})
+"""Rules of one mode (async; runs that log rollout_corr/*; MoE): a run of the other is not told they were skipped."""
 
 
 @dataclass(frozen=True)

@@ -1,19 +1,20 @@
-"""FLOPs of a dense Qwen2 decoder, and MFU from measured throughput.
+"""FLOPs of a dense Qwen2 / Qwen3 decoder, and MFU from measured throughput.
 
 The count is the usual "matmul FLOPs" convention (2 FLOPs per multiply-accumulate, as in
 Megatron-LM, PaLM and nanoGPT MFU figures). Per token, per layer, with hidden size ``h``,
-``n_h`` query heads and ``n_kv`` key/value heads of size ``d = h / n_h``, MLP width ``f``:
+``n_h`` query heads and ``n_kv`` key/value heads of size ``d`` (Qwen2: ``h / n_h``; Qwen3: the config's
+``head_dim``, e.g. 128 with ``n_h d = 8192 != h = 5120`` for Qwen3-32B), MLP width ``f``:
 
-    Q and O projections      2 * h * (n_h * d)   each       = 4 h^2            (with d*n_h = h)
+    Q and O projections      2 * h * (n_h * d)   each       = 4 h n_h d        (= 4 h^2 when n_h d = h)
     K and V projections      2 * h * (n_kv * d)  each       = 4 h n_kv d        (GQA)
     SwiGLU MLP               3 matmuls h x f               = 6 h f
     attention scores QK^T    2 * n_h * d * c
-    attention values  PV     2 * n_h * d * c                = 4 h c in total
+    attention values  PV     2 * n_h * d * c                = 4 n_h d c in total
 
 where ``c`` is the number of keys the token attends to (its *context length*). Once per token:
 the output logits, ``2 h V``. Not counted (each well under 1% at these shapes): the QKV biases,
-RMSNorm, rotary embedding, SiLU and the elementwise gate, softmax, residual adds, the embedding
-lookup (a gather, not a matmul).
+RMSNorm (Qwen3's per-head q/k norms too), rotary embedding, SiLU and the elementwise gate, softmax,
+residual adds, the embedding lookup (a gather, not a matmul).
 
 Context length: a causal sequence of ``S`` tokens attends, at position ``i`` (1-based), to ``i``
 keys, so the attention term of the whole sequence is ``4 h * S(S+1)/2`` -- what flash attention
@@ -47,7 +48,7 @@ PEAK_FLOPS: dict[str, float] = {
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The shapes of a dense Qwen2 decoder that the FLOPs and memory estimates need."""
+    """The shapes of a dense Qwen2 / Qwen3 decoder that the FLOPs and memory estimates need."""
 
     hidden: int
     """Model width ``h`` (HF ``hidden_size``)."""
@@ -63,10 +64,24 @@ class ModelShape:
     """Vocabulary size (HF ``vocab_size``)."""
     tied_embeddings: bool
     """Whether the output layer reuses the input embedding (HF ``tie_word_embeddings``)."""
+    head_size: int | None = None
+    """Size of one head ``d`` (HF ``head_dim``); None = ``hidden / heads`` (Qwen2)."""
+    qkv_bias: bool = True
+    """Biases on q/k/v (Qwen2; not Qwen3)."""
+    qk_norm: bool = False
+    """Per-head RMSNorm weights on queries and keys (Qwen3): 2 d parameters per layer."""
+    experts: int = 0
+    """MoE (Qwen3-MoE): experts per sparse layer (HF ``num_experts``); 0 = dense."""
+    topk: int = 0
+    """MoE: experts each token runs through (HF ``num_experts_per_tok``)."""
+    moe_ffn: int = 0
+    """MoE: SwiGLU width of one expert (HF ``moe_intermediate_size``)."""
+    moe_layers: int = 0
+    """MoE: how many layers are sparse (the rest keep the dense ``ffn``)."""
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size if self.head_size is not None else self.hidden // self.heads
 
     @property
     def kv_dim(self) -> int:
@@ -75,20 +90,47 @@ class ModelShape:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelShape:
-        """Read the shape from a Hugging Face Qwen2 ``config.json`` dict."""
-        if cfg["hidden_size"] % cfg["num_attention_heads"]:
-            raise ValueError("hidden_size must be a multiple of num_attention_heads")
+        """Read the shape from a Hugging Face Qwen2 / Qwen3 ``config.json`` dict (HFConfigError, a ValueError, for
+        one the project does not support)."""
+        from dapo_mcore.model.hf_config import QwenShape
+        from dapo_mcore.model.moe import MoEShape
+
+        s = QwenShape.from_hf(cfg)
+        moe = MoEShape.from_hf(cfg)
+        sparse = {} if moe is None else dict(experts=moe.num_experts, topk=moe.topk, moe_ffn=moe.moe_ffn_hidden_size,
+                                             moe_layers=len(moe.moe_layers))
         return cls(
-            hidden=cfg["hidden_size"], ffn=cfg["intermediate_size"], layers=cfg["num_hidden_layers"],
-            heads=cfg["num_attention_heads"], kv_heads=cfg["num_key_value_heads"],
-            vocab=cfg["vocab_size"], tied_embeddings=bool(cfg["tie_word_embeddings"]),
+            hidden=s.hidden_size, ffn=s.ffn_hidden_size, layers=s.num_layers, heads=s.num_heads,
+            kv_heads=s.num_kv_heads, vocab=s.vocab_size, tied_embeddings=s.tie_embeddings, head_size=s.head_dim,
+            qkv_bias=s.qkv_bias, qk_norm=s.qk_norm, **sparse,
         )
 
+    def mlp_params_per_layer(self, active: bool = False) -> float:
+        """MLP parameters of one layer, averaged over dense and sparse layers (MoE: every expert plus the router,
+        or with `active` only the ``topk`` experts a token runs through plus the router)."""
+        dense = 3 * self.hidden * self.ffn
+        if not self.experts:
+            return dense
+        per_expert = 3 * self.hidden * self.moe_ffn
+        sparse = (self.topk if active else self.experts) * per_expert + self.experts * self.hidden
+        return (dense * (self.layers - self.moe_layers) + sparse * self.moe_layers) / self.layers
+
+    def expert_params(self) -> int:
+        """All expert weights of the model (what expert parallelism splits); 0 for a dense model."""
+        return self.moe_layers * self.experts * 3 * self.hidden * self.moe_ffn
+
+    def active_params(self) -> int:
+        """Parameters a token runs through (MoE: ``topk`` of the experts; dense: all)."""
+        return self.num_params() - round(self.layers * (self.mlp_params_per_layer() -
+                                                        self.mlp_params_per_layer(active=True)))
+
     def layer_params(self) -> int:
-        """Parameters of one decoder layer (projections, QKV bias, two RMSNorm weights)."""
+        """Parameters of one decoder layer (projections, QKV bias or q/k norms, two RMSNorm weights)."""
         h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_dim
-        attn = h * q + 2 * h * kv + (q + 2 * kv) + q * h
-        return attn + 3 * h * self.ffn + 2 * h
+        attn = h * q + 2 * h * kv + q * h
+        attn += (q + 2 * kv) if self.qkv_bias else 0
+        attn += 2 * self.head_dim if self.qk_norm else 0
+        return attn + round(self.mlp_params_per_layer()) + 2 * h
 
     def num_params(self) -> int:
         """Total parameters, counting a tied embedding once."""
@@ -99,8 +141,8 @@ class ModelShape:
 
 def _dense_flops_per_token_layer(s: ModelShape) -> float:
     """Forward matmul FLOPs of one layer's projections and MLP, per token."""
-    q = s.heads * s.head_dim
-    return 2.0 * (s.hidden * q + 2 * s.hidden * s.kv_dim + q * s.hidden + 3 * s.hidden * s.ffn)
+    q = s.heads * s.head_dim  # MoE: the active experts and the router only (FLOPs from active parameters)
+    return 2.0 * (s.hidden * q + 2 * s.hidden * s.kv_dim + q * s.hidden + s.mlp_params_per_layer(active=True))
 
 
 def _attn_flops_per_key_layer(s: ModelShape) -> float:

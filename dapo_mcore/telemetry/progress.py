@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dapo_mcore.telemetry import keys
+from dapo_mcore.telemetry import keys, lanes
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +28,16 @@ def format_seconds(seconds: float) -> str:
         return f"{minutes}m{sec:02d}s"
     hours, minutes = divmod(minutes, 60)
     return f"{hours}h{minutes:02d}m"
+
+
+def async_fields(m: dict[str, Any]) -> str:
+    """The async mode's part of the step line: how many versions the trained tokens lag (mean/max), the trainer's
+    wait for rollouts and the engines' wait for weights this step ("" in sync mode)."""
+    if "async/lag_mean" not in m:
+        return ""
+    return (f" lag={m['async/lag_mean']:.2f}/{int(m.get('async/lag_max', 0))}"
+            f" wait_rollouts={m.get('async/trainer_wait_s', float('nan')):.2f}s"
+            f" engines_wait={m.get('async/engine_wait_weights_s', float('nan')):.2f}s")
 
 
 class ProgressLine:
@@ -185,7 +195,8 @@ def run_summary(run_dir: Path, process_seconds: float | None = None, first_step_
                 shares.append((s, phase))
         other = wall - sum(last.get(keys.cost_seconds_key(p, cumulative=True), 0.0)
                            for p in keys.PHASES if p != keys.STEP_PHASE)
-        parts = [f"{p} {s / wall:.0%}" for s, p in sorted(shares, reverse=True)]
+        names = lanes.TRAINER_LABELS if "async/trainer_wait_s" in last else {}
+        parts = [f"{names.get(p, p)} {s / wall:.0%}" for s, p in sorted(shares, reverse=True)]
         if other > 0.005 * wall:
             parts.append(f"other {other / wall:.0%}")
         lines.append("step time by phase: " + ", ".join(parts))

@@ -64,6 +64,15 @@ class PhaseTimer:
                 torch.cuda.nvtx.range_pop()
             self._seconds[name] = self._seconds.get(name, 0.0) + elapsed
 
+    def move(self, source: str, target: str, seconds: float) -> None:
+        """Charge ``seconds`` already spent inside phase ``source`` (open, or closed this step) to ``target`` instead,
+        e.g. the async trainer's wait for the engines inside its weight publish: every second counted once."""
+        if seconds <= 0:
+            return
+        assert source in self._active or self._seconds.get(source, 0.0) >= seconds, (source, seconds, self._seconds)
+        self._seconds[source] = self._seconds.get(source, 0.0) - seconds  # an open phase adds its elapsed at close
+        self._seconds[target] = self._seconds.get(target, 0.0) + seconds
+
     def pop_step(self) -> dict[str, float]:
         """Seconds per phase accumulated since the last call, then reset. Raises if a phase is open."""
         if self._active:

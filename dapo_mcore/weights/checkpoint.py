@@ -66,16 +66,19 @@ class CheckpointMeta:
             raise CheckpointError(f"not a {FORMAT_NAME} v{FORMAT_VERSION} checkpoint (found format "
                                   f"{data.get('format')!r} version {data.get('format_version')!r}).")
         layout = ParallelLayout(tp=data["tp"], pp=data["pp"], vpp=data["vpp"], layer_spec=data["layer_spec"],
-                                make_vocab_size_divisible_by=data["make_vocab_size_divisible_by"])
+                                make_vocab_size_divisible_by=data["make_vocab_size_divisible_by"],
+                                ep=data.get("ep", 1))  # written only for expert-parallel (MoE) checkpoints
         return cls(data["hf_config"], layout, data["padded_vocab_size"], data["dtype"])
 
 
-def rank_dir_name(tp_rank: int, pp_rank: int) -> str:
-    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+def rank_dir_name(tp_rank: int, pp_rank: int, ep_rank: int | None = None) -> str:
+    """``mp_rank_TT_PPP``, with Megatron's ``_EEE`` expert-parallel suffix in a checkpoint of EP > 1."""
+    suffix = "" if ep_rank is None else f"_{ep_rank:03d}"
+    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}{suffix}"
 
 
-def rank_file(directory: str | Path, tp_rank: int, pp_rank: int) -> Path:
-    return Path(directory) / rank_dir_name(tp_rank, pp_rank) / "model.safetensors"
+def rank_file(directory: str | Path, tp_rank: int, pp_rank: int, ep_rank: int | None = None) -> Path:
+    return Path(directory) / rank_dir_name(tp_rank, pp_rank, ep_rank) / "model.safetensors"
 
 
 def resolve_checkpoint_dir(path: str | Path) -> Path:
@@ -96,18 +99,20 @@ def write_meta(directory: str | Path, meta: CheckpointMeta) -> None:
     (Path(directory) / METADATA_FILE).write_text(json.dumps(meta.to_json(), indent=2, sort_keys=True) + "\n")
 
 
-def read_megatron_rank(directory: str | Path, tp_rank: int, pp_rank: int) -> dict[str, torch.Tensor]:
-    """The full state dict of one (tp, pp) rank file (memory-mapped tensors)."""
+def read_megatron_rank(directory: str | Path, tp_rank: int, pp_rank: int,
+                       ep_rank: int | None = None) -> dict[str, torch.Tensor]:
+    """The full state dict of one (tp, pp[, ep]) rank file (memory-mapped tensors)."""
     directory = resolve_checkpoint_dir(directory)
-    path = rank_file(directory, tp_rank, pp_rank)
+    path = rank_file(directory, tp_rank, pp_rank, ep_rank)
     if not path.exists():
         meta = read_meta(directory)
         raise CheckpointError(f"{path} does not exist; the checkpoint has tp={meta.layout.tp} pp={meta.layout.pp}.")
     return load_file(os.fspath(path))
 
 
-def read_rank_tensor(directory: str | Path, tp_rank: int, pp_rank: int, key: str) -> torch.Tensor:
-    with safe_open(os.fspath(rank_file(directory, tp_rank, pp_rank)), framework="pt") as f:
+def read_rank_tensor(directory: str | Path, tp_rank: int, pp_rank: int, key: str,
+                     ep_rank: int | None = None) -> torch.Tensor:
+    with safe_open(os.fspath(rank_file(directory, tp_rank, pp_rank, ep_rank)), framework="pt") as f:
         return f.get_tensor(key)
 
 

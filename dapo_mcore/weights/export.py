@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from dapo_mcore.weights.export_plan import CopyPlan, column_block, copy_plan, copy_runs
 from dapo_mcore.weights.layout import ParallelLayout
-from dapo_mcore.weights.live import live_layout, live_tensors, plain_tensor
+from dapo_mcore.weights.live import live_ep_rank, live_layout, live_tensors, plain_tensor
 from dapo_mcore.weights.mapping import ModelMapping, Placement
 from dapo_mcore.weights.registry import get_mapping
 from dapo_mcore.weights.transforms import Geometry, Split
@@ -61,8 +61,13 @@ def iter_hf_weights(model_chunks: list, hf_config: dict[str, Any], *, layer_spec
     mapping.check_layout(layout)
     params = live_tensors(model_chunks, layout)
     placements = [pl for pl in mapping.placements(layout) if pl.exported]
+    ep_rank = live_ep_rank(layout) or 0
+
+    def held_here(pl: Placement) -> bool:  # this stage's tensors; of experts, only this expert-parallel rank's
+        return pl.pp_rank == pp_rank and pl.ep_rank in (None, ep_rank)
+
     missing = [layout.chunk_prefix(pl.vchunk) + pl.key for pl in placements
-               if pl.pp_rank == pp_rank and layout.chunk_prefix(pl.vchunk) + pl.key not in params]
+               if held_here(pl) and layout.chunk_prefix(pl.vchunk) + pl.key not in params]
     if missing:
         raise KeyError(f"the live model lacks {missing[:5]} ({len(missing)} missing); is layer_spec={layer_spec!r} "
                        "right and the model built from this hf_config?")
@@ -71,8 +76,10 @@ def iter_hf_weights(model_chunks: list, hf_config: dict[str, Any], *, layer_spec
     tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
     pp_ranks = dist.get_process_group_ranks(pp_group) if layout.pp > 1 else [dist.get_rank()]
 
+    ep_group = ps.get_expert_model_parallel_group() if layout.ep > 1 else None
+    ep_ranks = dist.get_process_group_ranks(ep_group) if ep_group is not None else []
     exporter = _Exporter(mapping, layout, params, tp_group)
-    owned = iter([pl for pl in placements if pl.pp_rank == pp_rank])
+    owned = iter([pl for pl in placements if held_here(pl)])
     # One placement ahead: its TP transfers are in flight while this one is finished and while the consumer
     # sends or loads the bucket just yielded (the generator is suspended at ``yield``, the collectives are not).
     inflight = exporter.start(next(owned, None))
@@ -80,12 +87,14 @@ def iter_hf_weights(model_chunks: list, hf_config: dict[str, Any], *, layer_spec
     def in_order() -> Iterator[tuple[str, torch.Tensor]]:
         nonlocal inflight
         for pl in placements:
-            if pl.pp_rank == pp_rank:
+            if held_here(pl):
                 current, inflight = inflight, exporter.start(next(owned, None))
                 tensors = exporter.finish(current)
             else:
                 tensors = [(n, torch.empty(s, dtype=dtype, device=device)) for n, s in mapping.hf_output_shapes(pl)]
             for name, tensor in tensors:
+                if ep_group is not None and pl.ep_rank is not None and pl.pp_rank == pp_rank:
+                    dist.broadcast(tensor, src=ep_ranks[pl.ep_rank], group=ep_group)  # an expert: from its holder
                 if layout.pp > 1:
                     dist.broadcast(tensor, src=pp_ranks[pl.pp_rank], group=pp_group)
                 yield name, tensor

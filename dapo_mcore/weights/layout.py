@@ -37,9 +37,11 @@ class ParallelLayout:
     """Megatron layer spec naming: `local` (separate norms) or `transformer_engine` (norms fused into linears)."""
     make_vocab_size_divisible_by: int = 128
     """The vocabulary is padded to a multiple of this times `tp` (Megatron's rule)."""
+    ep: int = 1
+    """Expert-parallel size (MoE models): each layer's experts are split into this many equal groups."""
 
     def validate(self) -> None:
-        for name in ("tp", "pp", "vpp", "make_vocab_size_divisible_by"):
+        for name in ("tp", "pp", "vpp", "make_vocab_size_divisible_by", "ep"):
             if getattr(self, name) < 1:
                 raise LayoutError(f"{name}={getattr(self, name)} must be >= 1.")
         if self.layer_spec not in LAYER_SPECS:
@@ -91,5 +93,8 @@ class ParallelLayout:
         return f"chunk{vchunk}." if self.vpp > 1 else ""
 
     def as_dict(self) -> dict:
-        return dict(tp=self.tp, pp=self.pp, vpp=self.vpp, layer_spec=self.layer_spec,
-                    make_vocab_size_divisible_by=self.make_vocab_size_divisible_by)
+        out = dict(tp=self.tp, pp=self.pp, vpp=self.vpp, layer_spec=self.layer_spec,
+                   make_vocab_size_divisible_by=self.make_vocab_size_divisible_by)
+        if self.ep > 1:  # dense checkpoints' metadata stay as they were
+            out["ep"] = self.ep
+        return out

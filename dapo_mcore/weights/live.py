@@ -56,11 +56,19 @@ def live_layout(model_chunks: list, layer_spec: str, make_vocab_size_divisible_b
 
     layout = ParallelLayout(tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
                             vpp=len(model_chunks), layer_spec=layer_spec,
-                            make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+                            make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                            ep=ps.get_expert_model_parallel_world_size())
     found = detect_layer_spec(model_chunks)
     if found != layer_spec:
         raise ckpt.CheckpointError(f"layer_spec={layer_spec!r} but the live model uses the {found!r} spec names.")
     return layout, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+
+
+def live_ep_rank(layout: ParallelLayout) -> int | None:
+    """This process's expert-parallel rank in an EP > 1 layout (None without expert parallelism)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_model_parallel_rank() if layout.ep > 1 else None
 
 
 def live_tensors(model_chunks: list, layout: ParallelLayout) -> dict[str, torch.Tensor]:
@@ -72,8 +80,10 @@ def live_tensors(model_chunks: list, layout: ParallelLayout) -> dict[str, torch.
     return out
 
 
-def expected_rank(mapping: ModelMapping, layout: ParallelLayout, pp_rank: int) -> dict[str, tuple[Placement, tuple]]:
-    return {key: (pl, mapping.rank_shape(pl, layout)) for key, pl in mapping.rank_placements(layout, pp_rank)}
+def expected_rank(mapping: ModelMapping, layout: ParallelLayout, pp_rank: int,
+                  ep_rank: int | None = None) -> dict[str, tuple[Placement, tuple]]:
+    return {key: (pl, mapping.rank_shape(pl, layout))
+            for key, pl in mapping.rank_placements(layout, pp_rank, ep_rank or 0)}
 
 
 def check_tensors_match(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], what: str,
@@ -107,7 +117,7 @@ def load_hf_into_model(model_chunks: list, hf_dir: str | Path, layer_spec: str =
     source = SafetensorsDirSource(hf_dir)
     check_hf_tensors(mapping, source, dtype=None, allow_mixed_dtypes=True)
     params = live_tensors(model_chunks, layout)
-    expected = expected_rank(mapping, layout, pp_rank)
+    expected = expected_rank(mapping, layout, pp_rank, live_ep_rank(layout))
     check_tensors_match({k: tuple(p.shape) for k, p in params.items()}, {k: s for k, (_, s) in expected.items()},
                         "the live model", f"the mapping of {hf_dir} (tp={layout.tp} pp={layout.pp} vpp={layout.vpp})")
     with torch.no_grad():
@@ -118,7 +128,7 @@ def load_hf_into_model(model_chunks: list, hf_dir: str | Path, layer_spec: str =
 
 def _meta_mismatches(meta: ckpt.CheckpointMeta, layout: ParallelLayout, padded_vocab: int, dtype: str) -> list[str]:
     out = [f"{name}: checkpoint {getattr(meta.layout, name)!r}, live model {getattr(layout, name)!r}"
-           for name in ("tp", "pp", "vpp", "layer_spec") if getattr(meta.layout, name) != getattr(layout, name)]
+           for name in ("tp", "pp", "vpp", "layer_spec", "ep") if getattr(meta.layout, name) != getattr(layout, name)]
     if meta.padded_vocab_size != padded_vocab:
         out.append(f"padded vocab: checkpoint {meta.padded_vocab_size}, live model {padded_vocab}")
     if meta.dtype != dtype:
@@ -158,14 +168,15 @@ def load_megatron_checkpoint_into_model(model_chunks: list, directory: str | Pat
                          f"hf-to-mcore --dtype {dtype}")
         raise ckpt.CheckpointError(f"checkpoint {directory} does not fit the live model: {'; '.join(problems)}. "
                                    f"Fix: {'; '.join(fixes)}.")
+    ep_rank = live_ep_rank(layout)
     if reshard:
         from dapo_mcore.weights.reshard import read_rank_resharded
 
-        state = read_rank_resharded(directory, layout, tp_rank, pp_rank)
+        state = read_rank_resharded(directory, layout, tp_rank, pp_rank, ep_rank)
     else:
-        state = ckpt.read_megatron_rank(directory, tp_rank, pp_rank)
+        state = ckpt.read_megatron_rank(directory, tp_rank, pp_rank, ep_rank)
     check_tensors_match({k: tuple(t.shape) for k, t in state.items()}, {k: tuple(p.shape) for k, p in params.items()},
-                        f"checkpoint rank file {ckpt.rank_dir_name(tp_rank, pp_rank)}", "the live model")
+                        f"checkpoint rank file {ckpt.rank_dir_name(tp_rank, pp_rank, ep_rank)}", "the live model")
     if cast:
         state = {k: t.to(params[k].dtype) if k in params else t for k, t in state.items()}
     bad = [k for k, t in state.items() if t.dtype != params[k].dtype]
@@ -197,7 +208,8 @@ def save_megatron_checkpoint(model_chunks: list, directory: str | Path, hf_confi
     mapping = get_mapping(hf_config)
     layout, tp_rank, pp_rank = live_layout(model_chunks, detect_layer_spec(model_chunks), make_vocab_size_divisible_by)
     params = live_tensors(model_chunks, layout)
-    expected = expected_rank(mapping, layout, pp_rank)
+    ep_rank = live_ep_rank(layout)
+    expected = expected_rank(mapping, layout, pp_rank, ep_rank)
     check_tensors_match({k: tuple(p.shape) for k, p in params.items()}, {k: s for k, (_, s) in expected.items()},
                         "the live model", "the mapping of its HF config")
     target = Path(directory)
@@ -214,8 +226,9 @@ def save_megatron_checkpoint(model_chunks: list, directory: str | Path, hf_confi
     if isinstance(box[0], Exception):
         raise box[0]
     tmp = Path(box[0])
-    if ps.get_data_parallel_rank() == 0:
-        rank_path = ckpt.rank_file(tmp, tp_rank, pp_rank)
+    writer = ps.get_data_parallel_rank() == 0 if ep_rank is None else ps.get_expert_data_parallel_rank() == 0
+    if writer:  # with EP, one replica of each expert-parallel rank writes its experts (and the dense tensors)
+        rank_path = ckpt.rank_file(tmp, tp_rank, pp_rank, ep_rank)
         rank_path.parent.mkdir()
         ckpt.save_safetensors({k: plain_tensor(p).detach().contiguous() for k, p in params.items()}, rank_path,
                               {"format": "pt"})

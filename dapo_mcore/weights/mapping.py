@@ -59,6 +59,8 @@ class Placement:
     hf_names: tuple[str, ...]
     exported: bool
     """False for the tied output layer, which HF does not store (it is the embedding)."""
+    ep_rank: int | None = None
+    """MoE experts: the expert-parallel rank that holds this expert (None: every expert-parallel rank)."""
 
 
 class ModelMapping:
@@ -88,7 +90,7 @@ class ModelMapping:
         table = {
             "embed": (self.vocab_size, h), "norm": (h,), "o": (h, self.num_heads * hd), "down": (h, f),
             "q": (self.num_heads * hd, h), "kv": (self.num_kv_heads * hd, h), "gate_up": (f, h),
-            "q_bias": (self.num_heads * hd,), "kv_bias": (self.num_kv_heads * hd,),
+            "q_bias": (self.num_heads * hd,), "kv_bias": (self.num_kv_heads * hd,), "head_norm": (hd,),
         }
         return [table[k] for k in rule.kinds]
 
@@ -112,13 +114,18 @@ class ModelMapping:
             out.append(self._place(rule, None, *first, layout))
         for layer in range(self.num_layers):
             pp_rank, vchunk, local = layout.locate_layer(self.num_layers, layer)
-            for rule in (r for r in self.rules if r.scope is Scope.LAYER):
-                out.append(self._place(rule, layer, pp_rank, vchunk, layout, local))
+            out.extend(self.layer_placements(layer, pp_rank, vchunk, layout, local))
         for rule in (r for r in self.rules if r.scope is Scope.LAST):
             if rule.tied_output and self.tie_embeddings and first == last:
                 continue  # Megatron shares the embedding tensor itself; no separate output weight exists
             out.append(self._place(rule, None, *last, layout))
         return out
+
+    def layer_placements(self, layer: int, pp_rank: int, vchunk: int, layout: ParallelLayout,
+                         local: int) -> list[Placement]:
+        """The tensors of one transformer layer (every LAYER rule; an MoE family overrides this)."""
+        return [self._place(rule, layer, pp_rank, vchunk, layout, local)
+                for rule in self.rules if rule.scope is Scope.LAYER]
 
     def _place(self, rule: TensorRule, layer: int | None, pp_rank: int, vchunk: int, layout: ParallelLayout,
                local: int | None = None) -> Placement:
@@ -132,9 +139,11 @@ class ModelMapping:
             return Placement(rule, layer, pp_rank, vchunk, key, embed.hf, exported=False)
         return Placement(rule, layer, pp_rank, vchunk, key, hf_names, exported=True)
 
-    def rank_placements(self, layout: ParallelLayout, pp_rank: int) -> list[tuple[str, Placement]]:
-        """(key in the rank file, placement) for one pipeline rank, chunk by chunk in Megatron order."""
-        mine = [p for p in self.placements(layout) if p.pp_rank == pp_rank]
+    def rank_placements(self, layout: ParallelLayout, pp_rank: int,
+                        ep_rank: int = 0) -> list[tuple[str, Placement]]:
+        """(key in the rank file, placement) for one pipeline (and expert-parallel) rank, chunk by chunk in
+        Megatron order."""
+        mine = [p for p in self.placements(layout) if p.pp_rank == pp_rank and p.ep_rank in (None, ep_rank)]
         mine.sort(key=lambda p: p.vchunk)  # stable: keeps HF order within a chunk
         return [(layout.chunk_prefix(p.vchunk) + p.key, p) for p in mine]
 

@@ -41,7 +41,8 @@ class CanonicalSource:
         pl = self._owner[name]
         if self._cached[0] is not pl:
             key = self.layout.chunk_prefix(pl.vchunk) + pl.key
-            parts = [ckpt.read_rank_tensor(self.dir, t, pl.pp_rank, key) for t in range(self.layout.tp)]
+            ep = None if self.layout.ep == 1 else pl.ep_rank or 0  # dense tensors: in every EP file, read EP 0's
+            parts = [ckpt.read_rank_tensor(self.dir, t, pl.pp_rank, key, ep) for t in range(self.layout.tp)]
             self._cached = (pl, dict(self.mapping.merge(pl, parts, self.layout)))
         return self._cached[1][name]
 
@@ -55,8 +56,10 @@ class CanonicalSource:
         return t.narrow(dim, start, (t.shape[dim] if stop is None else stop) - start).clone()
 
 
-def read_rank_resharded(directory, target: ParallelLayout, tp_rank: int, pp_rank: int) -> dict[str, torch.Tensor]:
-    """Rank (tp_rank, pp_rank)'s state dict at layout `target`, from a canonical checkpoint of any layout.
+def read_rank_resharded(directory, target: ParallelLayout, tp_rank: int, pp_rank: int,
+                        ep_rank: int | None = None) -> dict[str, torch.Tensor]:
+    """Rank (tp_rank, pp_rank[, ep_rank])'s state dict at layout `target`, from a canonical checkpoint of any
+    layout (an MoE checkpoint's experts move between expert-parallel ranks the same way).
 
     Keys are those of the target rank file (chunk prefix when target.vpp > 1, names of target.layer_spec).
     """
@@ -67,10 +70,10 @@ def read_rank_resharded(directory, target: ParallelLayout, tp_rank: int, pp_rank
     mapping = get_mapping(meta.hf_config)
     mapping.check_layout(target)
     if _same_files(meta.layout, target):
-        return ckpt.read_megatron_rank(directory, tp_rank, pp_rank)
+        return ckpt.read_megatron_rank(directory, tp_rank, pp_rank, ep_rank)
     source = CanonicalSource(directory, meta, mapping)
     return {key: mapping.shard(pl, source, target, tp_rank).contiguous()
-            for key, pl in mapping.rank_placements(target, pp_rank)}
+            for key, pl in mapping.rank_placements(target, pp_rank, ep_rank or 0)}
 
 
 def _same_files(a: ParallelLayout, b: ParallelLayout) -> bool:

@@ -1,0 +1,338 @@
+"""Qwen3-MoE on Megatron-Core: the MoE half of a Hugging Face config -> TransformerConfig and layer specs.
+
+Qwen3-MoE's router (``Qwen3MoeTopKRouter``) takes the softmax of the router logits, keeps the top-k experts and,
+with ``norm_topk_prob``, renormalises the kept probabilities to sum to 1. Megatron's ``TopKRouter`` with
+``score_function="softmax"`` computes the same thing two ways:
+
+* ``moe_router_pre_softmax=False``: top-k of the logits, then softmax over the k kept logits. Softmax is monotone,
+  so the same experts are kept, and ``softmax(kept logits) == kept probs / sum(kept probs)``: ``norm_topk_prob=true``.
+* ``moe_router_pre_softmax=True``: softmax over all experts, then top-k, not renormalised: ``norm_topk_prob=false``.
+
+Which layers are sparse: HF's rule (``layer not in mlp_only_layers and (layer + 1) % decoder_sparse_step == 0``)
+becomes Megatron's ``moe_layer_freq`` as an explicit 0/1 list; dense layers keep ``intermediate_size``, experts use
+``moe_intermediate_size``. Experts are Megatron's ``SequentialMLP`` (no grouped GEMM: it runs on a CPU; the
+transformer_engine spec uses ``TEGroupedMLP`` on GPU), dispatched by the all-to-all token dispatcher.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+MOE_MODEL_TYPES = ("qwen3_moe",)
+
+
+class MoEConfigError(ValueError):
+    """An MoE config this project cannot build faithfully (message names the field and the fix)."""
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """The MoE facts of a Qwen3-MoE config."""
+
+    num_experts: int
+    topk: int
+    moe_ffn_hidden_size: int
+    norm_topk_prob: bool
+    aux_loss_coeff: float
+    moe_layers: tuple[int, ...]
+    """Global indices of the sparse (MoE) layers; every other layer is a dense MLP."""
+    num_layers: int
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> MoEShape | None:
+        """None for a dense model; raise MoEConfigError for an MoE feature Megatron would compute differently."""
+        if hf.get("model_type") not in MOE_MODEL_TYPES:
+            return None
+        experts = hf.get("num_experts", hf.get("num_local_experts"))  # transformers 5 saves num_local_experts
+        if not experts:
+            raise MoEConfigError("qwen3_moe config has no num_experts (or num_local_experts); it is not a "
+                                 "Qwen3-MoE checkpoint's config.json.")
+        topk = int(hf["num_experts_per_tok"])
+        if not 1 <= topk <= int(experts):
+            raise MoEConfigError(f"num_experts_per_tok={topk} must be in 1..num_experts={experts}.")
+        if topk == 1 and hf.get("norm_topk_prob", False):
+            raise MoEConfigError("num_experts_per_tok=1 with norm_topk_prob=true (gate = 1) is not supported: "
+                                 "Megatron routes top-1 only with pre-softmax gates (supported: top-1 with "
+                                 "norm_topk_prob=false, or num_experts_per_tok >= 2).")
+        if hf.get("shared_expert_intermediate_size"):
+            raise MoEConfigError("shared_expert_intermediate_size is set: shared experts (Qwen2-MoE style) are not "
+                                 "supported for qwen3_moe; remove it from config.json.")
+        layers = int(hf["num_hidden_layers"])
+        dense_only = {int(i) for i in hf.get("mlp_only_layers") or []}
+        step = int(hf.get("decoder_sparse_step", 1))
+        if step < 1:
+            raise MoEConfigError(f"decoder_sparse_step={step} must be >= 1.")
+        moe_layers = tuple(i for i in range(layers) if i not in dense_only and (i + 1) % step == 0)
+        if not moe_layers:
+            raise MoEConfigError("mlp_only_layers / decoder_sparse_step leave no MoE layer; this is a dense model "
+                                 "(use a qwen3 config).")
+        return cls(num_experts=int(experts), topk=topk, moe_ffn_hidden_size=int(hf["moe_intermediate_size"]),
+                   norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                   aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)), moe_layers=moe_layers,
+                   num_layers=layers)
+
+    @property
+    def layer_pattern(self) -> list[int]:
+        """Megatron's ``moe_layer_freq`` list: 1 = MoE layer, 0 = dense."""
+        return [1 if i in self.moe_layers else 0 for i in range(self.num_layers)]
+
+    def active_experts_fraction(self) -> float:
+        return self.topk / self.num_experts
+
+
+def check_expert_parallel(shape: MoEShape | None, expert_parallel: int) -> None:
+    """One-line errors for an expert-parallel size the model cannot take."""
+    if expert_parallel < 1:
+        raise MoEConfigError(f"parallel.expert_parallel={expert_parallel} must be >= 1.")
+    if shape is None:
+        if expert_parallel > 1:
+            raise MoEConfigError(f"parallel.expert_parallel={expert_parallel} needs an MoE model (qwen3_moe); "
+                                 "this model is dense: set parallel.expert_parallel=1.")
+        return
+    if shape.num_experts % expert_parallel:
+        ok = [d for d in range(1, shape.num_experts + 1) if shape.num_experts % d == 0]
+        raise MoEConfigError(f"parallel.expert_parallel={expert_parallel} does not divide num_experts="
+                             f"{shape.num_experts}; use one of {', '.join(map(str, ok))}.")
+
+
+def moe_transformer_kwargs(hf: dict[str, Any], *, expert_parallel: int = 1,
+                           routing_replay: bool = False) -> dict[str, Any]:
+    """TransformerConfig keyword arguments for the MoE part of `hf` (empty for a dense model)."""
+    shape = MoEShape.from_hf(hf)
+    check_expert_parallel(shape, expert_parallel)
+    if shape is None:
+        return {}
+    return dict(
+        num_moe_experts=shape.num_experts,
+        moe_router_topk=shape.topk,
+        moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
+        moe_layer_freq=shape.layer_pattern,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not shape.norm_topk_prob,
+        moe_router_load_balancing_type="aux_loss" if shape.aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=shape.aux_loss_coeff,
+        moe_router_dtype="fp32",  # HF takes the router softmax in float32
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,
+        moe_enable_routing_replay=routing_replay,
+        expert_model_parallel_size=expert_parallel,
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+    )
+
+
+def moe_layer_specs(tconfig, kind: str, core_attention=None) -> list:
+    """One layer spec per global layer (MoE or dense as `tconfig.moe_layer_freq` says), with the local spec's
+    ``core_attention`` swapped for `core_attention` when given (the project's SDPA attention)."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    specs = gpt_layer_specs.get_gpt_decoder_layer_specs(
+        tconfig, use_transformer_engine=kind == "transformer_engine", normalization="RMSNorm")
+    if core_attention is None:
+        return specs
+    from dapo_mcore.model.attention import with_core_attention
+
+    swapped: dict[int, Any] = {}
+    return [swapped.setdefault(id(s), with_core_attention(s, core_attention)) for s in specs]
+
+
+def define_missing_te_names() -> None:
+    """megatron-core 0.16.1's router gating (``moe_utils.RouterGatingLinearFunction``) tests
+    ``te_general_gemm is not None`` but only defines the name when Transformer Engine imports, so without TE the
+    router ends in a NameError. Define it as None there (what the test means), as the module does for the rest."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    _split_sizes_as_lists()
+
+
+class _AllToAll(torch.autograd.Function):
+    """Megatron's ``_AllToAll`` (variable splits, the reverse exchange in backward) with the output on the input's
+    device and split sizes as int lists."""
+
+    @staticmethod
+    def forward(ctx, group, input_, output_split_sizes, input_split_sizes):
+        ctx.group, ctx.output_split_sizes, ctx.input_split_sizes = group, output_split_sizes, input_split_sizes
+        if group.size() == 1:
+            return input_
+        input_ = input_.contiguous()
+        rows = input_.shape[0] if output_split_sizes is None else sum(output_split_sizes)
+        output = input_.new_empty((rows, *input_.shape[1:]))
+        dist.all_to_all_single(output, input_, output_split_sizes=output_split_sizes,
+                               input_split_sizes=input_split_sizes, group=group)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None, _AllToAll.apply(ctx.group, grad, ctx.input_split_sizes, ctx.output_split_sizes), None, None)
+
+
+def _dispatcher_all_to_all(group, input_, output_split_sizes_=None, input_split_sizes=None):
+    def as_list(sizes):
+        return None if sizes is None else [int(n) for n in sizes]
+    return _AllToAll.apply(group, input_, as_list(output_split_sizes_), as_list(input_split_sizes))
+
+
+def _split_sizes_as_lists() -> None:
+    """The all-to-all token dispatcher's exchange, made to run on CPU/gloo: megatron-core 0.16.1 passes its split
+    sizes to ``all_to_all_single`` as numpy arrays (``maybe_move_tensor_to_cpu(as_numpy=True)``), which torch 2.13's
+    binding refuses (TypeError), and allocates the output with ``device=torch.cuda.current_device()``, which fails in
+    the autograd thread where the CPU compatibility mode is not active. Same exchange, same gradients."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    if torch.cuda.is_available():
+        return  # NCCL: Megatron's own function
+    token_dispatcher.all_to_all = _dispatcher_all_to_all
+
+
+def moe_block_spec(tconfig, kind: str, core_attention=None, vp_stage: int | None = None):
+    """This pipeline stage's ``TransformerBlockSubmodules`` (its slice of `moe_layer_specs`)."""
+    from megatron.core.models.gpt.gpt_layer_specs import LNImpl, TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    define_missing_te_names()
+    specs = moe_layer_specs(tconfig, kind, core_attention)
+    offset = get_transformer_layer_offset(tconfig, vp_stage=vp_stage)
+    count = get_num_layers_to_build(tconfig, vp_stage=vp_stage)
+    if kind == "transformer_engine":
+        from megatron.core.extensions.transformer_engine import TENorm as norm
+    else:
+        norm = LNImpl
+    return TransformerBlockSubmodules(layer_specs=specs[offset: offset + count], layer_norm=norm)
+
+
+class RouterStats:
+    """Load balance and aux loss of the MoE routers of this rank's model chunks, per optimizer update.
+
+    A forward hook on each Megatron ``TopKRouter`` adds its routing map's tokens per expert (this rank's tokens; with
+    TP every TP rank routes the same tokens). `metrics` (a collective over the default group) sums them over the
+    job, giving per-layer ``max / mean`` tokens per expert (1 = perfectly balanced), and reads Megatron's aux-loss
+    tracker (the unscaled load-balancing loss, averaged over layers and router calls)."""
+
+    def __init__(self, chunks: list, num_layers: int, num_experts: int):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64)
+        self.calls = torch.zeros(num_layers, dtype=torch.float64)
+        self.routers = [m for c in chunks for m in c.modules() if isinstance(m, TopKRouter)]
+        for router in self.routers:
+            router.register_forward_hook(self._record)
+
+    def _record(self, router, _inputs, output) -> None:
+        layer = router.layer_number - 1  # Megatron numbers layers from 1 (global, across pipeline stages)
+        self.counts[layer] += output[1].detach().sum(dim=0).to("cpu", torch.float64)
+        self.calls[layer] += 1
+
+    def reset(self) -> None:
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+        self.counts.zero_()
+        self.calls.zero_()
+        clear_aux_losses_tracker()
+
+    def metrics(self, tensor_parallel: int) -> dict[str, float]:
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        aux = torch.zeros_like(self.calls)
+        tracked = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+        if tracked is not None:
+            aux += tracked["values"].detach().to("cpu", torch.float64)[: aux.numel()]
+        packed = torch.cat([self.counts.flatten(), self.calls, aux])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(packed)
+        n_layers, n_experts = self.counts.shape
+        counts = packed[: n_layers * n_experts].view(n_layers, n_experts) / tensor_parallel
+        calls = packed[n_layers * n_experts: n_layers * (n_experts + 1)]
+        aux = packed[n_layers * (n_experts + 1):]
+        routed = counts.sum(dim=1) > 0
+        if not routed.any():
+            return {}
+        ratio = counts[routed].max(dim=1).values / counts[routed].mean(dim=1)
+        out = {"moe/load_max_over_mean": float(ratio.mean()), "moe/load_max_over_mean_worst": float(ratio.max()),
+               "moe/tokens_per_expert_mean": float(counts[routed].mean())}
+        if bool((aux != 0).any()):
+            out["moe/aux_loss"] = float((aux[routed] / calls[routed].clamp(min=1)).mean())
+        return out
+
+
+class RouterReplay:
+    """Rollout routing replay (R3) in the actor's forward passes, and the routing-mismatch count.
+
+    ``begin(routes, known)`` before a micro-batch's forward: with replay on, each MoE layer's router is told
+    (Megatron's ``RouterReplay``, ``REPLAY_FORWARD``) to use the engine's experts for every token; it still computes
+    its logits and takes the gates from them on those experts (softmax over the replayed logits with
+    ``norm_topk_prob``), so the router keeps its gradient. Either way a forward hook compares the experts each
+    router used with the engine's on the tokens the engine recorded (``known``): `mismatch` is the fraction of
+    (token, layer) pairs whose top-k sets differ (0 with replay on, by construction; what replay removes, off).
+    Token order is Megatron's: the router sees ``[seq, batch]`` flattened sequence-major.
+    """
+
+    def __init__(self, chunks: list, moe_layers: tuple[int, ...], replay: bool, sequence_parallel: bool = False):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.replay = replay
+        self.sequence_parallel = sequence_parallel
+        self.routers = [m for c in chunks for m in c.modules() if isinstance(m, TopKRouter)]
+        self.ordinal = {id(r): moe_layers.index(r.layer_number - 1) for r in self.routers}
+        if replay and any(r.router_replay is None for r in self.routers):
+            raise RuntimeError("router replay needs the model built with moe_enable_routing_replay=True.")
+        self.current: tuple[Tensor, Tensor] | None = None
+        self.differ = self.counted = 0.0
+        for router in self.routers:
+            router.register_forward_hook(self._compare)
+
+    def _tokens_major(self, t: Tensor) -> Tensor:
+        """[B, S, ...] -> Megatron's router order [S * B, ...] (this TP rank's sequence shard under SP)."""
+        t = t.transpose(0, 1)
+        if self.sequence_parallel:
+            from megatron.core import parallel_state as ps
+
+            size, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+            t = t.chunk(size, dim=0)[rank]
+        return t.reshape(-1, *t.shape[2:])
+
+    def begin(self, routes: Tensor | None, known: Tensor | None) -> None:
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        self.current = None if routes is None else (self._tokens_major(routes), self._tokens_major(known))
+        for router in self.routers:
+            rr = router.router_replay
+            if rr is None:
+                continue
+            rr.clear_indices()
+            if self.replay and self.current is not None:
+                rr.set_target_indices(self.current[0][:, self.ordinal[id(router)]].contiguous())
+                rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            else:
+                rr.clear_router_replay_action()
+
+    def end(self) -> None:
+        self.begin(None, None)
+
+    def _compare(self, router, _inputs, output) -> None:
+        if self.current is None:
+            return
+        routes, known = self.current
+        used = output[1].detach().cpu()
+        engine = torch.zeros_like(used).scatter(1, routes[:, self.ordinal[id(router)]].cpu(), True)
+        differ = (used != engine).any(dim=1) & known.cpu()
+        self.differ += float(differ.sum())
+        self.counted += float(known.sum())
+
+    def reset(self) -> None:
+        self.differ = self.counted = 0.0
+
+    def mismatch(self) -> float | None:
+        """Fraction of recorded (token, MoE layer) pairs routed to another top-k set than the engine's, over the
+        job (a collective); None when nothing was recorded."""
+        packed = torch.tensor([self.differ, self.counted], dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(packed)
+        return None if packed[1] == 0 else float(packed[0] / packed[1])
