@@ -3,6 +3,7 @@ metrics.jsonl with its step and the resolved config, and a resumed run continues
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import struct
 import subprocess
@@ -14,7 +15,7 @@ import pytest
 from dapo_mcore.config import Config, ConfigError
 from dapo_mcore.telemetry.metrics import read_metrics
 
-pytest.importorskip("wandb")
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb not installed (the dev extra)")
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -59,8 +60,6 @@ def _offline_runs(run_dir: Path) -> list[tuple[str, dict, list[dict]]]:
 
 @pytest.mark.unit
 def test_a_missing_wandb_package_is_one_config_error(monkeypatch):
-    import importlib.util
-
     cfg = Config()
     cfg.telemetry.wandb.project = "dapo"
     real = importlib.util.find_spec
