@@ -37,14 +37,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python benchmarks/rollout_sim.py` from anywhere
 
-from benchmarks.rollout_sim_core import (  # noqa: E402
+from dapo_mcore import plan_disagg  # noqa: E402
+from dapo_mcore.planner import PlanInput  # noqa: E402
+from dapo_mcore.rollout_model import (  # noqa: E402
     EngineModel,
     LengthModel,
     PromptPool,
@@ -54,18 +55,19 @@ from benchmarks.rollout_sim_core import (  # noqa: E402
     batch_and_filter_step,
     streaming_step,
 )
-from benchmarks.rollout_sim_step import Phases, StepTime, async_steps, mean_step, sync_step  # noqa: E402
-from dapo_mcore import plan_disagg  # noqa: E402
-from dapo_mcore.planner import PlanInput  # noqa: E402
-
-# Mean lengths: the DAPO paper's mean response length grows from ~1k to ~5k tokens over training. Outcome shares:
-# its accuracy curve rises and the share of all-correct prompts grows (why dynamic sampling must draw more), while
-# a hard core of DAPO-Math-17k stays all-wrong. These are assumptions, stated in docs/results.md.
-STAGES_32B = (
-    Stage("early", mean_len=1200.0, all_correct=0.10, all_wrong=0.30),
-    Stage("mid", mean_len=3000.0, all_correct=0.35, all_wrong=0.20),
-    Stage("late", mean_len=5000.0, all_correct=0.55, all_wrong=0.15),
+from dapo_mcore.step_model import (  # noqa: E402
+    ASYNC_VARIANTS,
+    STAGES_32B,
+    SYNC_VARIANTS,
+    StepTime,
+    price_variant,
+    running_seqs,
+    step_times,
+    trainer_phases,
 )
+from dapo_mcore.step_model import mean_running_context as _mean_running_context  # noqa: E402
+
+# STAGES_32B (dapo_mcore/step_model.py): the stage assumptions, stated in docs/results.md.
 POLICIES = ("batch_filter", "batch_adaptive", "stream_abort", "stream_partial", "stream_adaptive",
             "stream_adaptive_partial")
 # Adaptive over-sampling: a round of (missing groups / last step's usable fraction) x 1.2 prompts, at most 4 x the
@@ -126,12 +128,6 @@ def planner_decode(path: str, gpus: int, preset: str) -> tuple[float, int]:
     return tokens / gen_s / (gpus // p.vllm_tensor_parallel), estimate_memory(p).vllm_kv_tokens
 
 
-def _mean_running_context(pool: PromptPool, prompt_len: int) -> float:
-    """Mean KV context of a running sequence: E[L^2] / (2 E[L]) for lengths L (uniform progress) plus the prompt."""
-    lengths = pool.take(2048)[0].astype(float)
-    return float((lengths**2).mean() / (2 * lengths.mean())) + prompt_len
-
-
 def run_32b(args: argparse.Namespace) -> list[str]:
     recipe, cap, vllm_tp = recipe_from_config(args.config)
     tokens_per_s, kv_tokens = planner_decode(args.config, args.gpus, args.preset)
@@ -177,8 +173,6 @@ def run_32b(args: argparse.Namespace) -> list[str]:
     return lines
 
 
-SYNC_VARIANTS = ("today", "today_chunked", "sync_stream", "sync_partial", "sync_stream_rr", "sync_partial_rr")
-ASYNC_VARIANTS = ("async", "async_stream", "async_partial")
 VARIANT_TEXT = {
     "today": "(a) today: colocated batch-and-filter",
     "today_chunked": "(a') today + schedule.streaming (chunks)",
@@ -192,97 +186,55 @@ VARIANT_TEXT = {
 }
 
 
-def _generation(variant: str, pool: PromptPool, recipe: Recipe, model: EngineModel, args: argparse.Namespace
-                ) -> list[StepResult]:
-    """``warmup + steps`` steps of a variant's generation policy on one prompt stream; the last ``steps``."""
-    out, carry = [], []
-    for _ in range(args.warmup + args.steps):
-        if variant in ("today", "async"):
-            res = batch_and_filter_step(pool, recipe, model)
-        elif variant == "today_chunked":
-            res = batch_and_filter_step(pool, recipe, model, chunk=args.chunk_prompts)
-        else:
-            chunk = (args.stream_chunk or recipe.gen_batch_prompts) if variant.endswith("_rr") else 0
-            res, carry = streaming_step(pool, recipe, model, carry, partial="partial" in variant,
-                                        max_staleness=args.max_staleness or 1, order=args.order, chunk=chunk)
-        out.append(res)
-    return out[args.warmup:]
-
-
-def _trainer_phases(trainer: PlanInput, results: list[StepResult], prompt_len: int) -> list[tuple[float, float]]:
-    """(old log-prob, update) seconds of each step's kept batch: the planner's FLOPs at its mean kept length."""
-    from dapo_mcore.planner import estimate_flops, estimate_step_seconds
-
-    out = []
-    for r in results:
-        t = replace(trainer, mean_prompt_len=prompt_len, mean_response_len=max(1, round(np.mean(r.kept_lengths))))
-        flops = estimate_flops(t)
-        logprobs, _ = estimate_step_seconds(t, replace(flops, train=0.0))
-        out.append((logprobs, estimate_step_seconds(t, flops)[0] - logprobs))
-    return out
-
-
-def _step_times(variant: str, results: list[StepResult], trainer: PlanInput, sync_s: float,
-                prompt_len: int) -> StepTime:
-    """Mean step time of a variant over its simulated steps (see rollout_sim_step)."""
-    phases = [Phases(r.wall_s, lp, tr, sync_s) for r, (lp, tr) in zip(results, _trainer_phases(trainer, results, prompt_len),
-                                                                     strict=True)]
-    if variant in SYNC_VARIANTS:
-        return mean_step([sync_step(ph) for ph in phases])
-    return mean_step(async_steps([ph.generation for ph in phases], phases, sync_s))
-
-
-def _running_seqs(stage: Stage, recipe: Recipe, lengths: LengthModel, kv_tokens: int, args: argparse.Namespace,
-                  k: int) -> int:
-    """Running sequences per engine in a stage: max_seqs, or fewer when the KV cache cannot hold them."""
-    ctx = _mean_running_context(PromptPool(stage, recipe.group_size, lengths, seed=args.seed + 1000 + k), args.prompt_len)
-    return min(args.max_seqs, int(kv_tokens / ctx)) if args.kv_limit else args.max_seqs
+_trainer_phases = trainer_phases  # tests/test_rollout_sim.py checks it against hand-computed FLOPs
+_step_times = step_times
 
 
 def run_step(args: argparse.Namespace) -> list[str]:
-    """The whole step (generation, old log-probs, updates, weight sync) of every variant, per stage."""
-    from dapo_mcore import plan_disagg
+    """The whole step (generation, old log-probs, updates, weight sync) of every variant, per stage, priced by the
+    model ``dapo-mcore plan`` uses (``dapo_mcore/step_model.py``)."""
     from dapo_mcore.config import load_config
     from dapo_mcore.plan_cli import plan_input_from_config
+    from dapo_mcore.step_model import colocated_input, pricing, variants_of
 
-    recipe, cap, vllm_tp = recipe_from_config(args.config)
-    tokens_per_s, kv_colocated = planner_decode(args.config, args.gpus, args.preset)
-    if args.engine_tokens_per_s:
-        tokens_per_s = args.engine_tokens_per_s
-    p = plan_input_from_config(load_config(args.config, ["model.hf_path=null", f"model.preset={args.preset}"]),
-                               args.gpus)
+    cfg = load_config(args.config, ["model.hf_path=null", f"model.preset={args.preset}"])
+    p = colocated_input(cfg, plan_input_from_config(cfg, args.gpus))
     rates = plan_disagg.TransferRates(args.weight_export_gbs, args.weight_network_gbs)
     splits = [s for s in plan_disagg.scan_splits(p, args.engine_memory_utilization, rates) if s.fits]
     if args.engine_gpus:
         splits = [s for s in splits if s.engine_gpus in args.engine_gpus]
     if not splits:
         raise SystemExit("rollout_sim: no disaggregated split fits (see dapo-mcore plan ... --disaggregated)")
+    pr = pricing(cfg, p, rates, args)
     kv_engine = splits[0].engine_memory.kv_tokens
-    sync_s = plan_disagg.weight_sync_seconds(p, rates, disaggregated=False)
-    base = EngineModel.from_throughput(args.gpus // vllm_tp, args.max_seqs, tokens_per_s, args.single_seq_tokens_per_s)
-    lengths = LengthModel(sigma_group=args.sigma_group, sigma_resp=args.sigma_resp, cap=cap)
-    lines = _assumption_lines(args, recipe, base, tokens_per_s, kv_colocated, kv_engine, sync_s, splits, p)
-    layouts = [(v, None) for v in SYNC_VARIANTS]
-    layouts += [(v, s) for s in splits for v in ASYNC_VARIANTS]
+    lines = _assumption_lines(args, pr.recipe, pr.base, 1.0 / (pr.base.t0 / pr.base.max_seqs + pr.base.t1),
+                              pr.kv_colocated, kv_engine, pr.sync_s, splits, p)
+    sync_v, async_v = variants_of(cfg)
+    sync_vs, async_vs = ((sync_v, "today"), (async_v,)) if args.variants == "config" else (SYNC_VARIANTS, ASYNC_VARIANTS)
+    layouts = [(v, None) for v in dict.fromkeys(sync_vs)]
+    layouts += [(v, s) for s in splits for v in async_vs]
     times: dict[tuple[str, int], list[StepTime]] = {}
     for k, stage in enumerate(STAGES_32B):
         lines.append(f"\n== stage {stage.name}: mean length {stage.mean_len:g}, usable {stage.usable:.2f} "
                      f"(all-correct {stage.all_correct:.2f}, all-wrong {stage.all_wrong:.2f})")
-        seqs = {kv: _running_seqs(stage, recipe, lengths, kv, args, k) for kv in (kv_colocated, kv_engine)}
-        lines.append(f"running sequences per engine (KV limit): colocated {seqs[kv_colocated]}, "
+        seqs = {kv: running_seqs(stage, pr.recipe, pr.lengths, kv, args, k) for kv in (pr.kv_colocated, kv_engine)}
+        lines.append(f"running sequences per engine (KV limit): colocated {seqs[pr.kv_colocated]}, "
                      f"disaggregated {seqs[kv_engine]}")
         lines.append(_STEP_HEADER)
         for variant, split in layouts:
-            engines = base.engines if split is None else split.engine_gpus // vllm_tp
-            model = EngineModel(engines, seqs[kv_colocated if split is None else kv_engine], base.t0, base.t1)
-            pool = PromptPool(stage, recipe.group_size, lengths, seed=args.seed + k)
-            results = _generation(variant, pool, recipe, model, args)
-            trainer = p if split is None else split.trainer
-            st = _step_times(variant, results, trainer, sync_s if split is None else split.transfer_s, args.prompt_len)
+            st, results = price_variant(variant, split, p, pr, stage, k, args)
             times.setdefault((variant, 0 if split is None else split.engine_gpus), []).append(st)
             stale = sum(r.kept_stale for r in results) / max(sum(r.kept for r in results), 1.0)
             kept_len = float(np.mean([x for r in results for x in r.kept_lengths]))
             lines.append(_step_row(variant, split, p, st, times[("today", 0)][k].step, stale, kept_len))
+    mean = {key: float(np.mean([t.step for t in ts])) for key, ts in times.items()}
+    own = [(s.engine_gpus, mean[(async_v, s.engine_gpus)]) for s in splits]
+    lines.append("")
+    lines += [f"this config's schedule: {sync_v} (colocated) {mean[(sync_v, 0)] / 60:.2f} min vs {async_v} at "
+              f"{e}+{p.tensor_parallel * p.pipeline_parallel * p.data_parallel - e} GPUs {m / 60:.2f} min per step: "
+              f"async/sync speed-up {mean[(sync_v, 0)] / m:.2f}" for e, m in own]
+    if args.variants == "config":
+        return [*lines, f"sim_async_over_sync_speedup: {mean[(sync_v, 0)] / own[0][1]:.2f}"]
     return lines + _summary_lines(times, splits, p)
 
 
@@ -439,6 +391,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="trainer-side weight export rate per rank, GB/s")
     ap.add_argument("--weight-network-gbs", type=float, default=plan_disagg.TransferRates.network_gbs,
                     help="async: trainer -> engine broadcast rate per engine GPU, GB/s")
+    ap.add_argument("--variants", choices=("all", "config"), default="all",
+                    help="all variants, or only the config's own schedule colocated and async (what `dapo-mcore plan` "
+                         "prices for it; last line sim_async_over_sync_speedup at the first split)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--calibrate-tiny", metavar="RUN_DIR", help="replay a real tiny run's metrics instead")
     ap.add_argument("--tiny-config", default="examples/tiny_cpu.yaml", help="the tiny run's config")

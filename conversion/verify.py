@@ -184,10 +184,12 @@ def _main(args) -> int:
     from dapo_mcore.model.qwen import build_gpt_model, transformer_config
     from dapo_mcore.weights.hf_checkpoint import read_hf_config
     from dapo_mcore.weights.live import load_hf_into_model, load_megatron_checkpoint_into_model
+    from dapo_mcore.weights.registry import get_mapping
     from dapo_mcore.weights.safetensors_io import parse_dtype
 
     hf_dir = Path(args.hf)
     hf_config = read_hf_config(hf_dir)
+    get_mapping(hf_config)  # an unsupported model type or feature: one line, before any process group
     launch = read_launch_env()
     check_world(launch.world_size, args.tp, args.pp, args.ep)
     args.dtype = args.dtype or checkpoint_dtype(hf_dir, args.mcore)

@@ -19,6 +19,19 @@ log = logging.getLogger(__name__)
 __all__ = ["run_engine_ranks"]
 
 
+def _build_engine(cfg: Config, launch: LaunchEnv, role: Any, *args: Any) -> Any:
+    """The engine over the engine side's process group; vLLM reads that group's ranks, not the job's
+    (``vllm_engine.launcher_ranks``)."""
+    from dapo_mcore import runtime
+
+    if cfg.rollout.engine != "vllm":
+        return runtime._build_engine(cfg, *args)
+    from dapo_mcore.rollout.vllm_engine import launcher_ranks
+
+    with launcher_ranks(role.rank, role.size, launch.local_rank):
+        return runtime._build_engine(cfg, *args)
+
+
 def run_engine_ranks(cfg: Config, launch: LaunchEnv, bridge: Any) -> int:
     from dapo_mcore import runtime
     from dapo_mcore.data.sources import filter_by_length, load_prompt_records, prompt_encoder
@@ -31,6 +44,10 @@ def run_engine_ranks(cfg: Config, launch: LaunchEnv, bridge: Any) -> int:
     role = bridge.role
     train_records = load_prompt_records(cfg.data, "train")
     eval_records = load_prompt_records(cfg.data, "eval")
+    refusal = bridge.start()
+    if refusal is not None:  # the trainer printed it; nothing started, nothing to resume
+        log.info("engine rank %d: the trainer refused to start (%s)", role.rank, refusal)
+        return 2
     bridge.barrier()  # the trainer's rank 0 has built (or found) the tiny base model
     hf_dir = runtime.resolve_base_model(cfg, launch)
     hf_config = cfg.model.hf_config(cfg.tiny_base.preset) if hf_dir is None else read_hf_config(hf_dir)
@@ -38,7 +55,7 @@ def run_engine_ranks(cfg: Config, launch: LaunchEnv, bridge: Any) -> int:
     stops = runtime.run_stop_tokens(cfg, hf_dir, hf_config, tokenizer)
     train_records = runtime._drop_long(train_records, tokenizer, cfg, "train", filter_by_length)
     eval_records = runtime._drop_long(eval_records, tokenizer, cfg, "eval", filter_by_length)
-    engine = runtime._build_engine(cfg, hf_dir, hf_config, tokenizer, stops)
+    engine = _build_engine(cfg, launch, role, hf_dir, hf_config, tokenizer, stops)
     closers: list = [engine.close]
     try:
         score = runtime.make_scorer(cfg.reward, closers)

@@ -1,4 +1,4 @@
-"""The ``dapo-mcore`` command: train | eval | config | convert | plan | profile | report | rollouts | audit-reward | diagnose.
+"""The ``dapo-mcore`` command: train | eval | config | convert | plan | profile | report | rollouts | audit-reward | diagnose | data.
 
 Each subcommand imports its module only when it runs, so ``dapo-mcore --help`` is instant and a missing GPU
 package never breaks an unrelated command. User errors (bad config, data or checkpoint; a missing, read-only or
@@ -17,6 +17,7 @@ import traceback
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from dapo_mcore import __version__
 from dapo_mcore.configtree import ConfigError
@@ -31,6 +32,7 @@ _DELEGATED: dict[str, tuple[str, str, str]] = {
     "plan": ("dapo_mcore.plan_cli", "main", "estimate per-GPU memory and FLOPs of a layout before queueing"),
     "diagnose": ("dapo_mcore.telemetry.diagnose", "main", "explain why a run stalled, from its metrics and ledger"),
     "config": ("dapo_mcore.config_cli", "main", "print the resolved config and its layout (runs nothing)"),
+    "data": ("dapo_mcore.data_check", "main", "check prompt files (columns, prompt format, duplicates) before a job"),
 }
 _CONVERT: dict[str, tuple[str, str, str]] = {
     "hf-to-mcore": ("conversion.hf_to_mcore", "main", "Hugging Face dir -> Megatron checkpoint at a TP/PP layout"),
@@ -50,12 +52,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true",
                    help="print the traceback of user errors too (or set DAPO_MCORE_DEBUG=1)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    train = sub.add_parser("train", help="run DAPO training (one process per rank: torchrun or srun)")
+    train = sub.add_parser("train", help="run DAPO training (--nproc-per-node N on one machine; or torchrun, srun)")
     train.add_argument("config", help="YAML config, e.g. examples/tiny_cpu.yaml")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.clip_high=0.28 run.dir=runs/x")
     ev = sub.add_parser("eval", help="held-out avg@k / pass@k / maj@k of a checkpoint")
     ev.add_argument("config")
     ev.add_argument("overrides", nargs="*")
+    for command in (train, ev):
+        command.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                             help="start N processes on this machine (torch.distributed.run underneath): the "
+                                  "config is checked once, a refusal is one line, the ranks' exit code is returned")
     ev.add_argument("--checkpoint", default=None,
                     help="a run dir (its latest checkpoint), a checkpoint dir, or 'base' (default: run.dir's latest)")
     ev.add_argument("--json", action="store_true", help="print the scores as one JSON object")
@@ -83,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
                             datefmt="%H:%M:%S")
     # Megatron logs every config and parameter name at INFO; keep its warnings only.
     logging.getLogger("megatron").setLevel(logging.WARNING)
+    if _rank() != 0:  # progress and start-up lines once, from rank 0; every rank's warnings and errors stay
+        logging.getLogger().setLevel(logging.WARNING)
     parser = _parser()
     if argv and argv[0] in _DELEGATED:
         module, func, _ = _DELEGATED[argv[0]]
@@ -97,6 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     return _guard(lambda: _run_training_command(args), debug)
 
 
+def _rank() -> int:
+    """This process's rank in a torchrun/srun launch (0 for a lone process), read before torch is imported."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
 ENV_OVERRIDES = "DAPO_MCORE_EXTRA_OVERRIDES"
 """Overrides appended to every train/eval command line, e.g. ``train.steps=4`` to shorten documented commands in CI."""
 
@@ -108,10 +121,25 @@ def _run_training_command(args: argparse.Namespace) -> int:
     from dapo_mcore.config_cli import precheck, resolve_eval_checkpoint
 
     extra = shlex.split(os.environ.get(ENV_OVERRIDES, ""))
-    if extra:
+    if extra and _rank() == 0:
         logging.getLogger(__name__).warning("%s adds overrides: %s", ENV_OVERRIDES, " ".join(extra))
+    if args.nproc_per_node is not None:
+        if args.nproc_per_node < 1 or "RANK" in os.environ:
+            raise UserError(f"--nproc-per-node {args.nproc_per_node}: give N >= 1, and not under torchrun/srun "
+                            "(they start the processes themselves)")
+        from dapo_mcore import launcher
+
+        rest = ["--checkpoint", args.checkpoint] if args.command == "eval" and args.checkpoint else []
+        rest += ["--json"] if args.command == "eval" and args.json else []
+        return launcher.launch(args.command, args.nproc_per_node, args.config, args.overrides, extra, rest)
     overrides = [*args.overrides, *extra]
-    precheck(args.config, overrides)
+    if args.command == "eval":  # an async run's checkpoint evaluates colocated: the engines share the ranks
+        overrides.append("rollout.pipeline.mode=sync")
+    cfg = precheck(args.config, overrides, warn=args.command == "train")
+    if args.command == "train" and finished_step(cfg) is not None:
+        logging.getLogger(__name__).info("run already finished %d steps (%s); nothing to do", finished_step(cfg),
+                                         Path(cfg.run.dir) / "checkpoints")
+        return 0
     checkpoint = resolve_eval_checkpoint(args.checkpoint) if args.command == "eval" else None
     _quiet_cpu_warnings()
     from dapo_mcore import trainer
@@ -128,6 +156,41 @@ def _run_training_command(args: argparse.Namespace) -> int:
         from dapo_mcore.config import load_config
 
         raise UserError(lost_peer_line(exc, Path(load_config(args.config, overrides).run.dir), args.command)) from exc
+
+
+def finished_step(cfg) -> int | None:
+    """The step of run.dir's latest complete checkpoint when it has done cfg.train.steps and holds this very config
+    (config.yaml equal to it), else None: then the trainer decides (a resume, a changed config refused, ...).
+    Read without torch, so ``train`` on a finished run answers in a second, not after building the model."""
+    import yaml
+
+    from dapo_mcore.config_cli import resolve_eval_checkpoint
+    from dapo_mcore.configtree import to_dict
+
+    run_dir = Path(cfg.run.dir)
+    if cfg.run.overwrite or cfg.run.resume != "auto" or not (run_dir / "config.yaml").is_file():
+        return None
+    from dapo_mcore.config import Config
+
+    def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+        if isinstance(tree, dict):
+            return {k: v for key, sub in tree.items() for k, v in flat(sub, f"{prefix}{key}.").items()}
+        return {prefix.rstrip("."): tree}
+
+    stored = flat(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    asked, default = (flat(yaml.safe_load(yaml.safe_dump(to_dict(c)))) for c in (cfg, Config()))
+    for tree in (stored, asked):  # a run directory moved or copied elsewhere is the same run
+        tree.pop("run.dir", None)
+    # a setting newer than the run's config.yaml, left at its default, is the same run (runtime.identity_diff's rule)
+    stored.update({k: v for k, v in asked.items() if k not in stored and k in default and default[k] == v})
+    if stored != asked:
+        return None
+    try:
+        latest = Path(resolve_eval_checkpoint(str(run_dir)) or "")
+    except ConfigError:  # no complete checkpoint: nothing is finished
+        return None
+    step = int(latest.name.removeprefix("step_")) if latest.name.startswith("step_") else -1
+    return step if step >= cfg.train.steps else None
 
 
 _TIMED_OUT = ("ms for recv operation to complete", "ms for send operation to complete",
@@ -253,7 +316,9 @@ def _quiet_cpu_warnings() -> None:
 
     if not torch.cuda.is_available():
         for pattern in (r"Transformer Engine and Apex are not installed.*", r"Apex is not installed.*",
-                        r"full scope is deprecated.*"):
+                        r"full scope is deprecated.*",
+                        r"When using async grad allreduce it is recommended to set the environment variable "
+                        r"CUDA_DEVICE_MAX_CONNECTIONS.*"):  # a CUDA stream setting; no meaning on CPU
             warnings.filterwarnings("ignore", message=pattern)
 
 
@@ -295,14 +360,29 @@ def _guard(fn: Callable[[], int], debug: bool = False) -> int:
         error: BaseException = exc
         message = ("I/O error: " if exc.errno is not None else "") + describe_os_error(exc)
     except Exception as exc:
-        prefix = next((p for kind, p in _user_errors() if isinstance(exc, kind)), None)
+        # ConfigError and UserError first: classifying by _user_errors() imports torch (5 s) for a one-line refusal
+        prefix = ("configuration error: " if isinstance(exc, ConfigError) else "" if isinstance(exc, UserError)
+                  else next((p for kind, p in _user_errors() if isinstance(exc, kind)), None))
         if prefix is None:
             raise
         error, message = exc, f"{prefix}{exc}"
     if debug:
         traceback.print_exception(error)
-    print(f"dapo-mcore: {message}", file=sys.stderr)
+    _report_line(f"dapo-mcore: {message}")
     return EXIT_USAGE
+
+
+def _report_line(line: str) -> None:
+    """Print a user error's one line; a rank under `dapo_mcore.launcher` hands it to the launcher instead, which
+    prints each distinct line once (not once per rank)."""
+    error_dir = os.environ.get("DAPO_MCORE_ERROR_DIR")
+    if error_dir and "RANK" in os.environ:
+        try:
+            Path(error_dir, f"rank{int(os.environ['RANK'])}").write_text(line + "\n")
+            return
+        except OSError:
+            pass  # the launcher's directory is gone: print it here instead, nothing is lost
+    print(line, file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ cross-field rule before any process group or device is touched, with errors that
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -342,6 +342,50 @@ class RunConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases, optional: every metric of metrics.jsonl with its step, from rank 0, into one W&B run that a
+    requeued job continues (its id is kept in RUN_DIR/wandb_run_id). ``WANDB_MODE=offline`` (clusters without
+    internet) writes the run under RUN_DIR/wandb/ for a later ``wandb sync``."""
+
+    project: str | None = None
+    """W&B project; unset (the default) = no W&B. Needs the wandb package (pip install wandb)."""
+    entity: str | None = None
+    """W&B entity (user or team); default: the account's default entity."""
+    name: str | None = None
+    """Display name of the run; default: the run directory's name."""
+    group: str | None = None
+    """Group of runs (e.g. an ablation) in the W&B UI."""
+    tags: list[str] = field(default_factory=list)
+    """Tags of the run."""
+
+    def validate(self) -> None:
+        if self.project is None:
+            return
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError(f"telemetry.wandb.project={self.project} needs the wandb package, which is not "
+                              "installed: pip install wandb (or unset telemetry.wandb.project).")
+
+
+@dataclass
+class TelemetryConfig:
+    """Where metrics go besides RUN_DIR/metrics.jsonl and TensorBoard (always written)."""
+
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases (off unless telemetry.wandb.project is set)."""
+    progress_every_s: float = 60.0
+    """In logs (Slurm, pipes): at most one line per this many seconds on the progress inside a step (phase,
+    dynamic-sampling batch k of max, usable groups of the target, tokens generated), the first this long after the
+    step started; a terminal shows it live beside the bar instead."""
+
+    def validate(self) -> None:
+        if not self.progress_every_s > 0:
+            raise ConfigError(f"telemetry.progress_every_s={self.progress_every_s!r} must be > 0 (seconds; default 60).")
+        self.wandb.validate()
+
+
+@dataclass
 class Config:
     """A whole run."""
 
@@ -358,6 +402,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
     def validate(self, world_size: int = 1) -> None:
         """Check every rule that can be checked before anything is allocated (hardware-independent: GPU-only
@@ -371,6 +416,7 @@ class Config:
             except ValueError as exc:  # component configs raise ValueError; report it as a config error
                 raise ConfigError(str(exc)) from exc
         self.reward.validate()
+        self.telemetry.validate()
         self.validate_layout(world_size)
 
     def validate_layout(self, world_size: int) -> None:
@@ -378,12 +424,10 @@ class Config:
         cluster config can be checked against on a laptop, e.g. by ``dapo-mcore plan``. In async mode the layout
         rules apply to the ranks that train (``trainer_world``)."""
         pipe = self.rollout.pipeline
-        if pipe.mode == "async" and not 0 < pipe.engine_ranks < world_size:
-            raise ConfigError(f"rollout.pipeline.engine_ranks={pipe.engine_ranks} leaves no rank to train on "
-                              f"{world_size} ranks: the async mode needs at least one trainer rank and one engine rank "
-                              "(launch more processes, or set rollout.pipeline.mode=sync).")
+        if pipe.mode == "async":
+            _validate_split(self, world_size)
         trainers = trainer_world(self, world_size)
-        _validate_layout(self, trainers)
+        _validate_layout(self, trainers, world_size)
         _validate_batches(self, trainers)
         _validate_rollout(self)
 
@@ -399,7 +443,36 @@ def _at_least(*checks: tuple[str, float, float]) -> None:
             raise ConfigError(f"{key}={value!r} must be >= {minimum}.")
 
 
-def _validate_layout(cfg: Config, world_size: int) -> None:
+def _validate_split(cfg: Config, world_size: int) -> None:
+    """Async mode: the engines get ``engine_ranks`` ranks of their own, the trainer at least one model replica."""
+    engines, p = cfg.rollout.pipeline.engine_ranks, cfg.parallel
+    model_parallel = max(p.tensor_parallel, 1) * max(p.pipeline_parallel, 1)
+    if engines < 1:
+        raise ConfigError(f"rollout.pipeline.engine_ranks={engines} must be >= 1: the async mode runs the engines on "
+                          f"ranks of their own; give them some of the {world_size} ranks (e.g. "
+                          f"rollout.pipeline.engine_ranks={max(1, world_size // 2)}), or set rollout.pipeline.mode=sync.")
+    if engines >= world_size:
+        raise ConfigError(f"rollout.pipeline.engine_ranks={engines} leaves no trainer rank of the {world_size} launched: "
+                          f"launch {engines + model_parallel} processes ({engines} engine ranks + {model_parallel} "
+                          f"trainer ranks, a multiple of tensor_parallel x pipeline_parallel), lower "
+                          "rollout.pipeline.engine_ranks, or set rollout.pipeline.mode=sync.")
+
+
+def _launch_hint(cfg: Config, trainers: int, world_size: int, model_parallel: int) -> str:
+    """What to launch when ``trainers`` ranks do not fit the model-parallel layout (sync: the world; async: the
+    world minus the engine ranks)."""
+    up = -(-trainers // model_parallel) * model_parallel
+    if trainers == world_size:
+        return f"launch a multiple of {model_parallel} processes"
+    engines = world_size - trainers
+    counts = sorted({c + engines for c in (up - model_parallel, up) if c > 0})
+    return (f"launch {' or '.join(str(c) for c in counts)} processes ({engines} engine ranks + a multiple of "
+            f"{model_parallel} trainer ranks), change rollout.pipeline.engine_ranks")
+
+
+def _validate_layout(cfg: Config, world_size: int, launched: int | None = None) -> None:
+    """The model-parallel rules over the ``world_size`` ranks that train (``launched``: the job's ranks, more in
+    async mode, where the engines have their own)."""
     shape = cfg.model.architecture(cfg.tiny_base.preset)
     heads, kv, layers = shape.num_heads, shape.num_kv_heads, shape.num_layers
     p = cfg.parallel
@@ -429,8 +502,11 @@ def _validate_layout(cfg: Config, world_size: int) -> None:
                           "parallel.backend=gloo set parallel.distributed_optimizer=false.")
     model_parallel = p.tensor_parallel * p.pipeline_parallel
     if world_size % model_parallel:
-        raise ConfigError(f"world size {world_size} is not a multiple of tensor_parallel x pipeline_parallel = "
-                          f"{model_parallel}; launch a multiple of {model_parallel} processes or change the layout.")
+        launched = world_size if launched is None else launched
+        who = (f"world size {world_size}" if launched == world_size else
+               f"{world_size} trainer ranks ({launched} launched - rollout.pipeline.engine_ranks={launched - world_size})")
+        raise ConfigError(f"{who} is not a multiple of tensor_parallel x pipeline_parallel = {model_parallel}; "
+                          f"{_launch_hint(cfg, world_size, launched, model_parallel)} or change the layout.")
     if p.timeout_minutes <= 0:
         raise ConfigError("parallel.timeout_minutes must be > 0 (minutes; 10 by default, 30 in the 7B/32B configs).")
 
@@ -522,9 +598,10 @@ def _validate_rollout(cfg: Config) -> None:
         r.schedule.validate(r.n, cfg.algo.dynamic_sampling)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    if r.schedule.partial and cfg.algo.tis_cap is None:
-        raise ConfigError("rollout.schedule.partial trains on tokens an older policy sampled; they need the truncated "
-                          "importance correction: set algo.tis_cap (e.g. 2.0)")
+    if r.schedule.partial and not cfg.algo.correction.active:
+        raise ConfigError("rollout.schedule.partial trains on tokens an older policy sampled; they need an off-policy "
+                          "correction: set algo.tis_cap (e.g. 2.0) or algo.rollout_correction.preset (e.g. token_tis)")
+    _validate_bypass(cfg)
     _validate_pipeline(cfg)
     if r.engine == "vllm" and not 0.0 < r.vllm.gpu_memory_utilization < 1.0:
         raise ConfigError("rollout.vllm.gpu_memory_utilization must lie in (0, 1).")
@@ -546,13 +623,47 @@ def trainer_world(cfg: Config, world_size: int) -> int:
     return world_size - cfg.rollout.pipeline.engine_ranks if cfg.rollout.pipeline.mode == "async" else world_size
 
 
+def ignored_async_keys(cfg: Config) -> list[str]:
+    """``key=value`` of the async-only settings (``rollout.pipeline.*`` besides ``mode``) that differ from their
+    defaults in a sync config: set, and ignored."""
+    pipe = cfg.rollout.pipeline
+    if pipe.mode == "async":
+        return []
+    default = PipelineConfig()
+    return [f"rollout.pipeline.{f.name}={getattr(pipe, f.name)}" for f in fields(PipelineConfig)
+            if f.name != "mode" and getattr(pipe, f.name) != getattr(default, f.name)]
+
+
+def _validate_bypass(cfg: Config) -> None:
+    """Bypass mode takes the engine's log-probs as pi_old: they must be the distribution the tokens were sampled from.
+    Both engines report log_softmax(logits / T) over the full vocabulary (SamplingParams.logprobs="processed"), which
+    is the sampling distribution only without top-k/top-p truncation."""
+    r = cfg.rollout
+    if not cfg.algo.correction.bypass:
+        return
+    if r.top_p != 1.0 or r.top_k != -1:
+        raise ConfigError(f"algo.rollout_correction bypass needs the engine's log-probs to be the sampling "
+                          f"distribution, but rollout.top_p={r.top_p}, rollout.top_k={r.top_k} truncate it (the engines "
+                          f"report log_softmax(logits/T) over the full vocabulary); set rollout.top_p=1.0 and "
+                          f"rollout.top_k=-1, or use a decoupled preset (e.g. token_tis)")
+    hf = cfg.model.hf_config(cfg.tiny_base.preset)
+    aux = float(hf.get("router_aux_loss_coef") or 0.0)
+    if (hf.get("num_experts") or hf.get("num_local_experts")) and aux > 0:
+        # bypass divides the gradients by denominators known only after the forward: the router's aux-loss
+        # gradient, added inside the forward, would be divided too
+        raise ConfigError(f"algo.rollout_correction bypass with an MoE model whose router_aux_loss_coef={aux} > 0 "
+                          f"is not supported (the aux loss would be rescaled with the policy loss); use a decoupled "
+                          f"preset (e.g. token_tis) or set router_aux_loss_coef to 0 in the model's config.json")
+
+
 def _validate_pipeline(cfg: Config) -> None:
     pipe, r = cfg.rollout.pipeline, cfg.rollout
     if pipe.mode != "async":
         return
-    if cfg.algo.tis_cap is None:
-        raise ConfigError("rollout.pipeline.mode=async trains on responses the previous policy sampled; it needs the "
-                          "truncated importance correction: set algo.tis_cap (e.g. 2.0)")
+    if not cfg.algo.correction.active:
+        raise ConfigError("rollout.pipeline.mode=async trains on responses the previous policy sampled; it needs an "
+                          "off-policy correction: set algo.tis_cap (e.g. 2.0) or algo.rollout_correction.preset "
+                          "(token_tis, seq_mis, icepop, geo_rs, bypass_ppo_clip, ...; see docs/rollout.md)")
     _at_least(("rollout.pipeline.engine_ranks", pipe.engine_ranks, 1),
               ("rollout.pipeline.max_staleness", pipe.max_staleness, 1), ("rollout.pipeline.bucket_mb", pipe.bucket_mb, 1e-3))
     if r.schedule.partial and pipe.max_staleness < 2:

@@ -9,6 +9,7 @@ config and the layout it implies, and starts nothing.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 import sys
@@ -16,9 +17,10 @@ from pathlib import Path
 
 import yaml
 
-from dapo_mcore.config import Config, load_config
+from dapo_mcore.config import Config, ignored_async_keys, load_config, trainer_world
 from dapo_mcore.configtree import ConfigError, to_dict
 
+log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"step_(\d+)")
 
 
@@ -33,10 +35,15 @@ def world_size_from_env(environ: dict[str, str] | None = None) -> int:
     return 1
 
 
-def precheck(config_path: str, overrides: list[str], world_size: int | None = None) -> Config:
-    """Load and validate (raises ConfigError with the key and the fix); imports no torch model code."""
+def precheck(config_path: str, overrides: list[str], world_size: int | None = None, warn: bool = True) -> Config:
+    """Load and validate (raises ConfigError with the key and the fix); imports no torch model code. ``warn``: log
+    (once, on rank 0) the async-only settings a sync config sets and ignores."""
     cfg = load_config(config_path, overrides)
     cfg.validate(world_size or world_size_from_env())
+    ignored = ignored_async_keys(cfg)
+    if warn and ignored and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        log.warning("%s only apply to rollout.pipeline.mode=async; this config is sync, so they are ignored (set "
+                    "rollout.pipeline.mode=async, or remove them)", ", ".join(ignored))
     return cfg
 
 
@@ -70,10 +77,7 @@ def resolve_eval_checkpoint(checkpoint: str | None) -> str | None:
 
 def describe_layout(cfg: Config, world_size: int) -> list[str]:
     """What the config implies for one step and for the process layout."""
-    p, t, r = cfg.parallel, cfg.train, cfg.rollout
-    model_parallel = p.tensor_parallel * p.pipeline_parallel
-    dp = world_size // model_parallel
-    engine_tp = r.vllm.tensor_parallel if r.engine == "vllm" else 1
+    t, r = cfg.train, cfg.rollout
     updates = t.prompts_per_step // t.mini_batch_prompts * t.epochs
     hf = cfg.model.hf_config(cfg.tiny_base.preset) if not cfg.model.hf_path or Path(cfg.model.hf_path, "config.json").is_file() else None
     model = ("from model.hf_path (config.json not found here)" if hf is None else
@@ -85,9 +89,7 @@ def describe_layout(cfg: Config, world_size: int) -> list[str]:
              "exists: the run resumes from its latest checkpoint" if cfg.run.resume == "auto" else
              "exists and run.resume=never: train would refuse it")
     return [
-        f"processes: {world_size} = data parallel {dp} x tensor parallel {p.tensor_parallel} x pipeline parallel "
-        f"{p.pipeline_parallel}" + (f" (virtual {p.virtual_pipeline})" if p.virtual_pipeline else ""),
-        f"rollout engine: {r.engine}, {world_size // engine_tp} engine group(s) of {engine_tp} process(es)",
+        *_process_lines(cfg, world_size),
         f"model: {model}",
         f"per step: {t.prompts_per_step} prompts x {r.n} samples = {t.prompts_per_step * r.n} rollouts trained; "
         f"generation batches of {r.gen_batch_prompts} prompts"
@@ -100,6 +102,27 @@ def describe_layout(cfg: Config, world_size: int) -> list[str]:
                                         "answer" if cfg.reward.workers else " in the trainer process"),
         f"run dir: {run_dir} ({state})",
     ]
+
+
+def _process_lines(cfg: Config, world_size: int) -> list[str]:
+    """Who runs what: every rank trains and generates (sync), or the trainer/engine split (async)."""
+    p, r = cfg.parallel, cfg.rollout
+    engine_tp = r.vllm.tensor_parallel if r.engine == "vllm" else 1
+    trainers = trainer_world(cfg, world_size)
+    dp = trainers // (p.tensor_parallel * p.pipeline_parallel)
+    layout = (f"data parallel {dp} x tensor parallel {p.tensor_parallel} x pipeline parallel {p.pipeline_parallel}"
+              + (f" (virtual {p.virtual_pipeline})" if p.virtual_pipeline else ""))
+    if r.pipeline.mode != "async":
+        return [f"processes: {world_size} = {layout}",
+                f"rollout engine: {r.engine}, {world_size // engine_tp} engine group(s) of {engine_tp} process(es), "
+                "colocated with the trainer (rollout.pipeline.mode=sync)"]
+    engines = r.pipeline.engine_ranks
+    return [f"processes: {world_size} = {trainers} trainer ranks (0-{trainers - 1}) + {engines} engine ranks "
+            f"({trainers}-{world_size - 1}), rollout.pipeline.mode=async",
+            f"trainer: {trainers} = {layout}",
+            f"engines: {engines} = {engines // engine_tp} {r.engine} engine(s) (data parallel) x tensor parallel "
+            f"{engine_tp}; they generate step n+1 while the trainer trains step n (max_staleness "
+            f"{r.pipeline.max_staleness}, weights in {r.pipeline.bucket_mb:g} MiB buckets)"]
 
 
 def main(argv: list[str] | None = None) -> int:

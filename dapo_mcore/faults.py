@@ -1,7 +1,7 @@
 """Fault injection for the tests that prove a run survives kill -9 at an exact point (never set it otherwise).
 
-``DAPO_MCORE_FAULT=POINT:ARG[:ARG...]`` kills this process with SIGKILL when the code reaches that point with those
-arguments. The points:
+``DAPO_MCORE_FAULT=POINT:ARG[:ARG...][@RANK]`` kills this process with SIGKILL when the code reaches that point with
+those arguments (only the process whose job ``RANK`` is RANK, when given: one of several engine ranks). The points:
 
     publish:VERSION:BUCKET   trainer rank 0 (async mode), after sending bucket BUCKET of policy version VERSION
     generate:STEP            an engine rank (async mode), as it starts generating the batch of step STEP
@@ -21,6 +21,9 @@ ENV = "DAPO_MCORE_FAULT"
 def point(name: str, *args: int) -> None:
     """SIGKILL this process if ``DAPO_MCORE_FAULT`` names this point and these arguments."""
     spec = os.environ.get(ENV)
-    if spec and spec == ":".join([name, *map(str, args)]):
+    if not spec:
+        return
+    where, _, rank = spec.partition("@")
+    if where == ":".join([name, *map(str, args)]) and rank in ("", os.environ.get("RANK")):
         log.warning("%s=%s: killing this process (SIGKILL)", ENV, spec)
         os.kill(os.getpid(), signal.SIGKILL)

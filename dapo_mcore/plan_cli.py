@@ -146,7 +146,7 @@ def _plan_from_args(parser: argparse.ArgumentParser,
             from dapo_mcore.model.presets import preset_config
 
             model = preset_config(preset)
-        return PlanInput(model=model, **args), None, 8, None, None
+        return PlanInput(model=model, **args), None, 8, None, None, None
     if preset or path:
         parser.error("CONFIG names the model already; drop --model/--hf-config (override model.preset=... instead)")
     clashes = sorted(set(args) & (set(CONFIG_KEYS) | set(TRAINER_FIXED)))
@@ -162,7 +162,7 @@ def _plan_from_args(parser: argparse.ArgumentParser,
     validate_config_layout(cfg, world)
     pipe = cfg.rollout.pipeline
     engines = pipe.engine_ranks if pipe.mode == "async" else None
-    return plan_input_from_config(cfg, world, **args), CONFIG_KEYS, gpus_per_node, cfg.train.steps, engines
+    return plan_input_from_config(cfg, world, **args), CONFIG_KEYS, gpus_per_node, cfg.train.steps, engines, cfg
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,13 +174,15 @@ def main(argv: list[str] | None = None) -> int:
     split_opts = {k: args[k] for k in plan_disagg.OPTIONS}
     disaggregated = plan_disagg.pop_arguments(args)
     time_limit_h, lead_min = args.pop("time_limit_hours"), args.pop("signal_minutes")
-    plan, names, max_tp, steps, engine_ranks = _plan_from_args(parser, args)
+    if split_opts["tail_steps"] < 0:
+        parser.error(f"--tail-steps {split_opts['tail_steps']}: give 0 (skip) or more simulated steps per stage")
+    plan, names, max_tp, steps, engine_ranks, cfg = _plan_from_args(parser, args)
     if disaggregated is None and engine_ranks is not None:
         # An async config prices its own split (rollout.pipeline.engine_ranks): the colocated estimate is not its.
         disaggregated = {**split_opts, "engine_gpus": engine_ranks}
     if disaggregated is not None:
         try:
-            return plan_disagg.run(plan, disaggregated, as_json)
+            return plan_disagg.run(plan, {**disaggregated, "config": cfg}, as_json)
         except ValueError as err:
             parser.error(str(err))
     est, flops = estimate_memory(plan), estimate_flops(plan)

@@ -16,9 +16,11 @@ trainer GPUs with the planner's own models (``planner.py``), and proposes the on
   receiving its 1/vllm-TP share at ``network_gbs`` (a pipelined broadcast: the time does not grow with the number of
   engines). It is counted as fully exposed: both sides stop for it.
 
-One policy version behind, a step takes ``max(generation, trainer) + transfer``; the proposed split minimises that.
-This is a throughput model (the planner's FLOPs at assumed MFUs): it cannot see the long tail of a generation batch,
-which is what the asynchronous mode hides (``benchmarks/rollout_sim.py`` simulates it). The split a run uses is
+One policy version behind, a step takes ``max(generation, trainer) + transfer``; the scan's fastest split is
+*proposed* only when it beats the colocated run. The scan is a throughput model (the planner's FLOPs at assumed
+MFUs, no generation tails); with a CONFIG, ``plan`` then prices the split it reports against the colocated run with
+tails (``step_model.compare_with_tails``: the same rules and rollout model as ``benchmarks/rollout_sim.py``, so the
+two never disagree), and that verdict is the one to go by. The split a run uses is
 ``rollout.pipeline.engine_ranks`` of an async config (``rollout.pipeline.mode=async``), which ``plan`` then prices
 on its own; ``--engine-gpus`` prices another.
 """
@@ -172,10 +174,12 @@ def scan_splits(p: PlanInput, utilization: float = 0.9, rates: TransferRates | N
     return [price_split(p, e, utilization, rates) for e in range(step, world, step)]
 
 
-def propose(splits: list[Split]) -> Split | None:
-    """The fitting split with the shortest step (``max(generation, trainer) + transfer``); None if none fits."""
+def propose(splits: list[Split], colocated_s: float | None = None) -> Split | None:
+    """The fitting split with the shortest step (``max(generation, trainer) + transfer``); None if none fits, or
+    (given the colocated run's ``colocated_s``) if even that split is not faster than the colocated run."""
     fitting = [s for s in splits if s.fits]
-    return min(fitting, key=lambda s: (s.step_s, s.engine_gpus)) if fitting else None
+    best = min(fitting, key=lambda s: (s.step_s, s.engine_gpus)) if fitting else None
+    return None if best is None or (colocated_s is not None and best.step_s >= colocated_s) else best
 
 
 def colocated_step_seconds(p: PlanInput, rates: TransferRates | None = None) -> tuple[float, float, float]:
@@ -209,9 +213,14 @@ def format_splits(p: PlanInput, splits: list[Split], utilization: float, rates: 
             continue
         rows.append(f"{head} {s.trainer_peak / GIB:>11.1f} {s.generation_s / 60:>8.1f} {s.trainer_s / 60:>9.1f} "
                     f"{s.transfer_s:>7.1f} {s.step_s / 60:>8.1f}  " + ("fits" if s.fits else "; ".join(s.problems)))
-    best = propose(splits)
-    if best is None:
+    best, fastest = propose(splits, gen + train + sync), propose(splits)
+    if fastest is None:
         rows.append("no split fits: see the problems above")
+    elif best is None:
+        rows.append(f"no split is faster than the colocated run in this throughput model: the fastest, "
+                    f"{fastest.engine_gpus} engine GPUs + {fastest.trainer_gpus} trainer GPUs, takes "
+                    f"{fastest.step_s / 60:.1f} min a step vs colocated {(gen + train + sync) / 60:.1f} min (no tails: "
+                    "see the verdict with generation tails below)")
     else:
         rows.append(f"proposed split: {best.engine_gpus} engine GPUs ({best.engine_gpus // p.vllm_tensor_parallel} "
                     f"engines) + {best.trainer_gpus} trainer GPUs (DP={best.trainer.data_parallel}): step "
@@ -222,7 +231,8 @@ def format_splits(p: PlanInput, splits: list[Split], utilization: float, rates: 
 
 # --- the command line (hooked into ``dapo-mcore plan`` by plan_cli.py) ------------------------------------
 
-OPTIONS = ("disaggregated", "engine_gpus", "engine_gpu_memory_utilization", "weight_export_gbs", "weight_network_gbs")
+OPTIONS = ("disaggregated", "engine_gpus", "engine_gpu_memory_utilization", "weight_export_gbs", "weight_network_gbs",
+           "tail_steps")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -240,6 +250,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"trainer-side weight export rate per rank, GB/s (default {TransferRates.export_gbs:g})")
     group.add_argument("--weight-network-gbs", type=float, default=TransferRates.network_gbs,
                        help=f"trainer -> engine broadcast rate per engine GPU, GB/s (default {TransferRates.network_gbs:g})")
+    group.add_argument("--tail-steps", type=int, default=1,
+                       help="with CONFIG: price the split against the colocated run with generation tails over this "
+                            "many simulated steps per training stage (the rollout model of benchmarks/rollout_sim.py; "
+                            "seconds to minutes); 0 skips it (default 1)")
 
 
 def pop_arguments(args: dict[str, Any]) -> dict[str, Any] | None:
@@ -258,12 +272,37 @@ def run(p: PlanInput, opts: dict[str, Any], as_json: bool) -> int:
         splits = [price_split(p, opts["engine_gpus"], util, rates)]
     else:
         splits = scan_splits(p, util, rates)
+    colocated = sum(colocated_step_seconds(p, rates))
+    verdict = None
+    cfg, steps = opts.get("config"), opts.get("tail_steps", 0)
+    if cfg is not None and steps and propose(splits) is not None:
+        verdict = tails_verdict(cfg, p, splits[0] if len(splits) == 1 else propose(splits), rates, steps)
     if as_json:
         print(json.dumps({"splits": [_split_json(s) for s in splits],
-                          "proposed_engine_gpus": getattr(propose(splits), "engine_gpus", None)}, indent=2))
+                          "proposed_engine_gpus": getattr(propose(splits, colocated), "engine_gpus", None),
+                          "with_tails": verdict and verdict[1]}, indent=2))
     else:
         print(format_splits(p, splits, util, rates))
+        if verdict:
+            print(verdict[0])
     return 0 if propose(splits) else 1
+
+
+def tails_verdict(cfg: Any, p: PlanInput, split: Split, rates: TransferRates, steps: int) -> tuple[str, dict[str, Any]]:
+    """The config's rollout schedule priced with generation tails (``step_model.compare_with_tails``: the model
+    ``benchmarks/rollout_sim.py`` prints), colocated vs async at ``split``: a line and its numbers."""
+    from dapo_mcore.step_model import SimSettings, colocated_input, compare_with_tails, variants_of
+
+    sync_v, async_v = variants_of(cfg)
+    sync_s, async_s = compare_with_tails(cfg, colocated_input(cfg, p), split, rates, SimSettings(steps=steps))
+    faster = sync_s / async_s
+    word = "faster" if faster > 1 else "not faster"
+    line = (f"with generation tails (the rollout model of benchmarks/rollout_sim.py: {sync_v} vs {async_v}, mean of 3 "
+            f"training stages, {steps} simulated step(s) each): colocated {sync_s / 60:.2f} min vs async at "
+            f"{split.engine_gpus}+{split.trainer_gpus} GPUs {async_s / 60:.2f} min per step: async/sync speed-up "
+            f"{faster:.2f}, async is {word}" + ("" if faster > 1 else "; keep rollout.pipeline.mode=sync"))
+    return line, {"colocated_s": sync_s, "async_s": async_s, "speedup": faster, "engine_gpus": split.engine_gpus,
+                  "variants": [sync_v, async_v], "steps": steps}
 
 
 def _split_json(s: Split) -> dict[str, Any]:

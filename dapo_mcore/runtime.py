@@ -276,7 +276,7 @@ class Components:
 
     def _report_progress(self, step: int, metrics: dict[str, Any]) -> None:
         """The live line (rank 0): steps/s and ETA; after the last step, the run's summary."""
-        from dapo_mcore.telemetry.progress import ProgressLine, format_seconds, run_summary
+        from dapo_mcore.telemetry.progress import ProgressLine, format_seconds, process_age, run_summary
 
         total = self.cfg.train.steps
         if self.progress is None:
@@ -288,7 +288,7 @@ class Components:
                         f"{rate:.2f} steps/s ETA {format_seconds(eta)}")
         if step == total:
             self.progress.close()
-            log.info("%s", run_summary(Path(self.cfg.run.dir), time.monotonic() - self.started))
+            log.info("%s", run_summary(Path(self.cfg.run.dir), process_age(), self.start_step + 1))
 
     def profile_window(self, step: int, starting: bool) -> None:
         """Start torch.profiler before step ``run.profile_steps[0]``; stop after ``[1]`` and write
@@ -389,7 +389,10 @@ def _live_terminal() -> bool:
 
 def _print_progress(step: int, total: int, m: dict[str, Any], every: int, pace: str = "") -> None:
     if every and (step % every == 0 or step == total):
+        from dapo_mcore.telemetry.progress import async_fields
+
         evals = f" heldout_avg@k={m['eval/avg_at_k']:.3f}" if "eval/avg_at_k" in m else ""
+        evals = async_fields(m) + evals
         log.info("step %d/%d  acc=%.3f usable=%.2f batches=%d loss=%.4f ent=%.3f clip=%.3f len=%.1f %.2fs%s  %s",
                  step, total, m.get("rollout/acc_mean", float("nan")), m.get("rollout/usable_group_frac", float("nan")),
                  int(m.get("rollout/gen_batches", 0)), m.get("train/loss", float("nan")),
@@ -574,6 +577,7 @@ def _build_parts(cfg: Config, launch: LaunchEnv, *, resume: bool, checkpoint: st
                         expert_parallel=cfg.parallel.expert_parallel)
     hf_dir = resolve_base_model(cfg, launch)
     if bridge is not None:
+        bridge.start()  # the run starts: no refusal (rollout.bridge.Bridge.start)
         bridge.barrier()  # the engine ranks read the base model's config and tokenizer once it exists
     hf_config = cfg.model.hf_config(cfg.tiny_base.preset) if hf_dir is None else read_hf_config(hf_dir)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or hf_dir)
@@ -605,6 +609,8 @@ def _build_parts(cfg: Config, launch: LaunchEnv, *, resume: bool, checkpoint: st
     if bridge is None:
         parts.engine_streams = _engine_streams(cfg, parts.gen_groups, engine)
         parts.rollouts = _build_rollouts(parts)
+        if launch.rank == 0 and parts.scheduler is not None and not for_eval:
+            _watch_steps(parts)
     else:
         from dapo_mcore.rollout.async_source import AsyncRollouts
 
@@ -619,6 +625,16 @@ def _build_parts(cfg: Config, launch: LaunchEnv, *, resume: bool, checkpoint: st
         _open_telemetry(parts, start)
     parts.rollouts.publish(actor.export_hf_weights())  # the engines serve exactly the actor's weights
     return parts
+
+
+def _watch_steps(parts: Components) -> None:
+    """Progress inside a step (rank 0): batches, usable groups and tokens from the rollouts, phases from the timer."""
+    from dapo_mcore.telemetry.progress import StepProgress
+
+    watch = StepProgress(parts.scheduler.target, parts.scheduler.max_rounds, parts.cfg.telemetry.progress_every_s,
+                         bar=lambda: parts.progress)
+    parts.rollouts.progress = watch
+    parts.timer.on_phase = watch.phase
 
 
 def _build_sampler(cfg: Config, records: list) -> Any:
@@ -742,7 +758,12 @@ def _open_telemetry(parts: Components, start: int) -> None:
 
     run_dir = Path(parts.cfg.run.dir)
     resume_step = start + 1 if start else 0
-    parts.writer = MetricsWriter(run_dir, enabled=parts.is_main, resume_step=resume_step)
+    sinks = []
+    if parts.is_main and parts.cfg.telemetry.wandb.project is not None:
+        from dapo_mcore.telemetry.wandb_sink import WandbSink
+
+        sinks.append(WandbSink(run_dir, parts.cfg.telemetry.wandb, to_dict(parts.cfg)))
+    parts.writer = MetricsWriter(run_dir, enabled=parts.is_main, resume_step=resume_step, sinks=sinks)
     parts.ledger = CostLedger(run_dir, enabled=parts.is_main)
     state = getattr(parts, "_resume_state", None)
     # A fresh start restores an empty ledger: lines left by a run that died before its first checkpoint go.

@@ -26,7 +26,8 @@ from dapo_mcore.actor.megatron_actor import TrainSample
 from dapo_mcore.algo.advantages import group_advantages
 from dapo_mcore.algo.dynamic_sampling import DynamicSamplingExhausted
 from dapo_mcore.algo.metrics import average_updates
-from dapo_mcore.config import Config
+from dapo_mcore.config import Config, ConfigError
+from dapo_mcore.errors import UserError
 from dapo_mcore.evaluation import eval_after
 from dapo_mcore.rollout.groups import GroupData
 from dapo_mcore.rollout.protocol import EngineError
@@ -133,16 +134,15 @@ class Trainer:
         """The actor's log-probs of the rollout tokens, compared with what the engine reported: ``mismatch/*`` over
         the tokens the current policy sampled, ``partial/*`` over those an older one did (partial rollouts: the
         policy's drift over a step plus the engine mismatch)."""
-        from dapo_mcore.rollout.mismatch import MismatchStats, mismatch_metrics, tis_weights
+        from dapo_mcore.rollout.mismatch import MismatchStats, apply_correction, mismatch_metrics
 
         logps, _ = self.p.actor.compute_logprobs(samples)
         actor_lp, engine_lp = [], []
         for s, lp in zip(samples, logps, strict=True):
             s.old_logprobs = lp
-            if self.cfg.algo.tis_cap is not None:
-                s.tis_weights = tis_weights(lp, s.extra["engine_logp"], self.cfg.algo.tis_cap)
             actor_lp.append(lp)
             engine_lp.append(s.extra["engine_logp"])
+        corr_metrics = apply_correction(samples, self.cfg.algo.correction)  # weights and rejection per sample
         flat_a, flat_e = torch.cat(actor_lp).unsqueeze(0), torch.cat(engine_lp).unsqueeze(0)
         stale = torch.cat([torch.arange(len(lp)) < s.extra.get("stale_tokens", 0) for s, lp in zip(samples, actor_lp,
                                                                                             strict=True)]).unsqueeze(0)
@@ -151,7 +151,14 @@ class Trainer:
             out.update(MismatchStats.from_tensors(flat_e, flat_a, stale, self.cfg.algo.tis_cap).metrics("partial/"))
         if getattr(self.p.actor, "routing_mismatch", None) is not None:  # MoE: experts used vs the engine's
             out["moe/routing_mismatch_frac"] = self.p.actor.routing_mismatch
-        return out
+        return {**out, **corr_metrics}
+
+    def bypass_old_logprobs(self, samples: list[TrainSample]) -> dict[str, float]:
+        """Bypass mode (algo.rollout_correction bypass): no old-log-prob pass, pi_old := the engine's log-probs. The
+        correction's weights and rejection use pi_theta inside the loss (the actor), its metrics come with training."""
+        for s in samples:
+            s.old_logprobs = s.extra["engine_logp"]
+        return {"rollout_corr/bypass": 1.0}
 
     def train(self, groups: list[GroupData], samples: list[TrainSample]) -> dict[str, float]:
         """Mini-batch updates: prompts_per_step / mini_batch_prompts optimizer steps per epoch."""
@@ -192,8 +199,11 @@ class Trainer:
         batch = self.collect()
         groups, generated, stats = batch.kept, batch.generated, batch.stats
         samples = self.make_samples(groups)
-        with p.timer.phase("old_logprobs"):
-            mismatch = self.old_logprobs(samples)
+        if self.cfg.algo.correction.bypass:  # the phase is skipped: profile shows it so (rollout_corr/bypass)
+            mismatch = self.bypass_old_logprobs(samples)
+        else:
+            with p.timer.phase("old_logprobs"):
+                mismatch = self.old_logprobs(samples)
         with p.timer.phase("train"):
             train_metrics = self.train(groups, samples)
         with p.timer.phase("sync_weights"):
@@ -259,6 +269,7 @@ class Trainer:
         renamed = {"mismatch/mean_abs_diff": keys.MISMATCH_LOGP_ABS_DIFF_MEAN,
                    "mismatch/max_abs_diff": keys.MISMATCH_LOGP_ABS_DIFF_MAX, "mismatch/kl_k1": keys.MISMATCH_KL}
         m.update({renamed.get(k, k): v for k, v in mismatch.items()})
+        m.update({k: v for k, v in tm.items() if k.startswith("rollout_corr/")})  # bypass: measured in training
         m.update(stats.as_metrics())
         return m
 
@@ -310,8 +321,13 @@ class Trainer:
             log.error("%s", exc)
             return 1
         except EngineError as exc:
-            log.error("the rollout engine failed during step %d: %s. The step was abandoned; the last checkpoint "
-                      "in %s/checkpoints is intact and the run resumes from it.", self.step + 1, exc, cfg.run.dir)
+            if os.path.exists(os.path.join(cfg.run.dir, "checkpoints", "latest")):
+                after = (f"the last checkpoint in {cfg.run.dir}/checkpoints is intact and the run resumes from it "
+                         "with the same command")
+            else:
+                after = "no checkpoint was written yet: the same command starts the run again"
+            log.error("the rollout engine failed during step %d: %s. The step was abandoned; %s.", self.step + 1,
+                      exc, after)
             return 1
         finally:
             signals.restore()
@@ -339,10 +355,22 @@ def train_main(config_path: str, overrides: list[str]) -> int:
         if not role.trainer:
             from dapo_mcore.async_runtime import run_engine_ranks
 
-            return run_engine_ranks(cfg, launch, bridge)
-    prepare_run_dir(cfg, launch)
-    parts = build_components(cfg, launch, bridge=bridge)
-    return Trainer(cfg, parts).run()
+            try:
+                return run_engine_ranks(cfg, launch, bridge)
+            finally:
+                bridge.close()
+    try:
+        try:
+            prepare_run_dir(cfg, launch)
+            parts = build_components(cfg, launch, bridge=bridge)
+        except (UserError, ConfigError) as exc:  # a refusal (another run in run.dir, ...): the engine ranks hear it, not a lost peer
+            if bridge is not None:
+                bridge.start(str(exc))
+            raise
+        return Trainer(cfg, parts).run()
+    finally:
+        if bridge is not None:
+            bridge.close()  # the weights group, also when the run failed
 
 
 def eval_main(config_path: str, overrides: list[str], checkpoint: str | None, as_json: bool = False) -> int:
@@ -352,6 +380,7 @@ def eval_main(config_path: str, overrides: list[str], checkpoint: str | None, as
     cfg, launch = read_config(config_path, [*overrides, "rollout.pipeline.mode=sync"])
     parts = build_components(cfg, launch, resume=False, checkpoint=checkpoint, for_eval=True)
     trainer = Trainer(cfg, parts)
+    trainer.step = parts.start_step  # the checkpoint's step: the in-training eval's sampling seeds, so both agree
     try:
         metrics = trainer.evaluate()
     finally:

@@ -8,7 +8,8 @@
 # --- Software: pick one of these hooks for your site (left commented on purpose) -----------------
 # module load cuda/12.8 nccl/2.26 gcc/12
 # source /path/to/venv/bin/activate                      # or: export PATH=/path/to/venv/bin:$PATH
-# Containers (enroot/pyxis): put --container-image=... --container-mounts=... in DAPO_SRUN_ARGS.
+# Containers (enroot/pyxis): DAPO_SRUN_ARGS="--container-image=/shared/img.sqsh --container-mounts=/shared:/shared"
+# (split as a shell splits words: quote an argument holding a space); docs/cluster.md step 5.
 if [[ -n "${DAPO_VENV:-}" ]]; then
     # shellcheck disable=SC1091
     source "$DAPO_VENV/bin/activate"
@@ -17,6 +18,18 @@ fi
 # --- Python --------------------------------------------------------------------------------------
 export PYTHONUNBUFFERED=1          # log lines reach the Slurm output file as they happen
 export PYTHONFAULTHANDLER=1        # stack traces of every thread on a hard crash or SIGABRT
+
+# --- Caches and the network: nodes of a cluster often have no internet, and 128 ranks must not race on ~/.cache
+# Every cache under one directory on the shared file system (default: .cache/dapo-mcore in the repo the job was
+# submitted from, git-ignored); set DAPO_CACHE_ROOT, or any one variable, to put it elsewhere (a node-local disk
+# for Triton, say). Hugging Face offline by default: model.hf_path / tokenizer paths are local directories; set
+# HF_HUB_OFFLINE=0 where nodes may download.
+export DAPO_CACHE_ROOT=${DAPO_CACHE_ROOT:-${DAPO_REPO:-${SLURM_SUBMIT_DIR:-$PWD}}/.cache/dapo-mcore}
+export HF_HOME=${HF_HOME:-$DAPO_CACHE_ROOT/huggingface}
+export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$DAPO_CACHE_ROOT/triton}
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$DAPO_CACHE_ROOT/torchinductor}
+export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-$DAPO_CACHE_ROOT/vllm}
 
 # --- Megatron / Transformer Engine -----------------------------------------------------------------
 # One hardware work queue per device, so TP communication kernels are issued in program order and

@@ -79,7 +79,16 @@ forward() {
 trap 'forward USR1' USR1
 trap 'forward TERM' TERM
 
-read -r -a extra_srun_args <<<"${DAPO_SRUN_ARGS:-}"
+# DAPO_SRUN_ARGS is split as a shell splits words: quotes keep a space inside one argument
+# (DAPO_SRUN_ARGS="--container-image=/shared/img.sqsh '--container-mounts=/shared/my data:/data'"), not on every space.
+extra_srun_args=()
+if [[ -n "${DAPO_SRUN_ARGS:-}" ]]; then
+    if ! xargs -r printf '%s\0' <<<"$DAPO_SRUN_ARGS" >/dev/null 2>&1; then
+        log "DAPO_SRUN_ARGS has an unmatched quote: $DAPO_SRUN_ARGS"
+        exit 2
+    fi
+    mapfile -d '' -t extra_srun_args < <(xargs -r printf '%s\0' <<<"$DAPO_SRUN_ARGS")
+fi
 
 # One probe task per node, in the tasks' own environment (and container): does COMMAND resolve there?
 # Checked before the real step, so a node without the venv stops the job in one line instead of

@@ -3,8 +3,10 @@
 One reference run (1 trainer rank + 1 engine rank) and the same run interrupted by kill -9 during a weight transfer,
 kill -9 of an engine rank mid-generation, and SIGTERM (checkpoint, exit 75): each resumed run's record equals the
 reference's at every step, so the steps before the interruption (a repeat of the reference) and after it (the
-resume) are both exact. Trainer DP=2 and TP=2 (3 ranks) train on the same batches; two engine ranks stream with
-partial rollouts, whose prefixes lag two versions.
+resume) are both exact. At the real shape (#35): trainer DP=2 beside two engine ranks (4 processes) is a second
+reference, TP=2 beside them trains on the same batches, and kill -9 of one of the two engine ranks resumes exactly;
+two engine ranks stream with partial rollouts, whose prefixes lag two versions. Every run's weights group refuses
+tensors off its device, as NCCL does (DAPO_MCORE_STRICT_DEVICE=1).
 """
 
 from __future__ import annotations
@@ -37,9 +39,14 @@ def _cmd(run_dir: Path, steps: int, nproc: int, *extra: str) -> list[str]:
             *ASYNC, *extra]
 
 
+def _strict(env: dict[str, str]) -> dict[str, str]:
+    """The weights group refuses tensors off its device, as NCCL does on a GPU (rollout.device_strict)."""
+    return dict(env, DAPO_MCORE_STRICT_DEVICE="1")
+
+
 def _train(run_dir: Path, env: dict[str, str], steps: int = 3, nproc: int = 2, *extra: str,
            fault: str | None = None) -> subprocess.CompletedProcess:
-    full = dict(env, DAPO_MCORE_FAULT=fault) if fault else env
+    full = _strict(dict(env, DAPO_MCORE_FAULT=fault) if fault else env)
     return subprocess.run(_cmd(run_dir, steps, nproc, *extra), env=full, cwd=ROOT, capture_output=True, text=True,
                           timeout=TIMEOUT)
 
@@ -104,7 +111,7 @@ def test_kill9_during_a_weight_transfer_or_a_generation_resumes_exactly(referenc
 
 def test_sigterm_checkpoints_exits_75_and_resumes_exactly(reference, cli_env, tmp_path):
     run = tmp_path / "run"
-    proc = subprocess.Popen(_cmd(run, 3, 2), env=cli_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(_cmd(run, 3, 2), env=_strict(cli_env), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     metrics = run / "metrics.jsonl"
     deadline = time.monotonic() + TIMEOUT
@@ -122,20 +129,50 @@ def test_sigterm_checkpoints_exits_75_and_resumes_exactly(reference, cli_env, tm
     _same(reference, run)
 
 
-@pytest.mark.parametrize("layout", ["parallel.tensor_parallel=1", "parallel.tensor_parallel=2"])
-def test_two_trainer_ranks_train_on_the_same_batches(reference, cli_env, tmp_path, layout):
-    """DP=2 or TP=2 on the trainer side, one engine rank: the engines' batches are the reference's, and the
-    training matches it within float noise (the sums run in another order)."""
-    run = tmp_path / "run"
-    proc = _train(run, cli_env, 3, 3, layout)
+TWO_ENGINES = ("rollout.pipeline.engine_ranks=2",)
+
+
+@pytest.fixture(scope="module")
+def reference_dp2(cli_env, tmp_path_factory) -> Path:
+    """The real shape (#35 item 3): trainer DP=2 beside 2 engine ranks (4 processes)."""
+    run = tmp_path_factory.mktemp("async_dp2") / "reference"
+    proc = _train(run, cli_env, 3, 4, *TWO_ENGINES)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ra, rb = _rows(reference), _rows(run)
+    return run
+
+
+def test_trainer_dp2_beside_two_engine_ranks_trains_one_version_behind(reference_dp2):
+    rows = _rows(reference_dp2)
+    assert sorted(rows) == [1, 2, 3]
+    assert [rows[s]["async/lag_max"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    _charges_devices(reference_dp2, 4)
+
+
+def test_trainer_tp2_beside_two_engine_ranks_trains_on_the_same_batches(reference_dp2, cli_env, tmp_path):
+    """TP=2 instead of DP=2 on the trainer side: the engines' batches are DP=2's, and the training matches it within
+    float noise (the sums run in another order)."""
+    run = tmp_path / "run"
+    proc = _train(run, cli_env, 3, 4, *TWO_ENGINES, "parallel.tensor_parallel=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ra, rb = _rows(reference_dp2), _rows(run)
     assert sorted(ra) == sorted(rb)
     for step in ra:
         assert ra[step]["sampling/tokens_generated"] == rb[step]["sampling/tokens_generated"], step
         assert ra[step]["async/lag_mean"] == rb[step]["async/lag_mean"]
         assert ra[step]["train/loss"] == pytest.approx(rb[step]["train/loss"], rel=1e-3, abs=1e-5), step
-    _charges_devices(run, 3)
+
+
+def test_kill9_of_one_of_two_engine_ranks_mid_generation_resumes_exactly(reference_dp2, cli_env, tmp_path):
+    """Engine rank 1 (job rank 3) is killed as it starts generating batch 2; the other engine rank, the trainer
+    ranks and torchrun stop; the resumed run's record equals the uninterrupted one's at every step."""
+    run = tmp_path / "run"
+    killed = _train(run, cli_env, 3, 4, *TWO_ENGINES, fault="generate:2@3")
+    assert killed.returncode != 0 and "killing this process (SIGKILL)" in killed.stderr, killed.stderr[-3000:]
+    assert killed.stderr.count("killing this process (SIGKILL)") == 1  # one engine rank only
+    assert len(_rows(run)) < 3
+    resumed = _train(run, cli_env, 3, 4, *TWO_ENGINES)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    _same(reference_dp2, run)
 
 
 def test_two_engine_ranks_stream_with_partial_rollouts_two_versions_behind(cli_env, tmp_path):
@@ -156,11 +193,11 @@ def test_two_engine_ranks_stream_with_partial_rollouts_two_versions_behind(cli_e
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (["rollout.pipeline.mode=async"], "rollout.pipeline.mode=async trains on responses the previous policy sampled"
-                                      "; it needs the truncated importance correction: set algo.tis_cap"),
+                                      "; it needs an off-policy correction: set algo.tis_cap"),
     (["rollout.pipeline.mode=async", "algo.tis_cap=2", "rollout.schedule.streaming=true",
       "rollout.schedule.partial=true"], "set rollout.pipeline.max_staleness=2"),
     (["rollout.pipeline.mode=async", "algo.tis_cap=2", "rollout.pipeline.engine_ranks=2"],
-     "rollout.pipeline.engine_ranks=2 leaves no rank to train on 2 ranks"),
+     "rollout.pipeline.engine_ranks=2 leaves no trainer rank of the 2 launched: launch 3 processes"),
 ])
 def test_async_configs_that_cannot_work_are_refused_naming_the_key(overrides, message):
     cfg = load_config(ROOT / "examples" / "tiny_cpu.yaml", overrides)
@@ -209,3 +246,51 @@ def test_rebucket_and_flatten_round_trip_mixed_dtypes():
         assert flat.dtype == torch.uint8 and flat.numel() == sum(t.numel() * t.element_size() for _, t in bucket)
         for (name, want), (got_name, got) in zip(bucket, unflatten_bucket(meta, flat.clone()), strict=True):
             assert name == got_name and got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_raising_train_steps_on_a_finished_run_trains_the_new_steps(reference, cli_env, tmp_path):
+    """A finished run's last checkpoint holds no pending batch: the engines generate batch s with the version they
+    get (lag 0) instead of waiting for a batch s the trainer never asked for (#35 item 7: deadlocked 3 of 3)."""
+    import shutil
+
+    run = tmp_path / "more"
+    shutil.copytree(reference, run)
+    proc = _train(run, cli_env, 4, 2, "parallel.timeout_minutes=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _rows(run)
+    assert sorted(rows) == [1, 2, 3, 4]
+    assert rows[4]["async/policy_version"] == 3.0 and rows[4]["async/lag_max"] == 0.0
+
+
+def test_a_reward_failing_during_an_engine_evaluation_stops_the_run_in_one_line(cli_env, tmp_path):
+    """The first thing the engines do is evaluate version 0 (eval.at_start): a reward that always raises fails
+    there, outside the generation loop. The trainer reports the reward's error in one line (exit 2, as in sync
+    mode; torchrun then exits 1); no rank prints a traceback (#35 item 7: the trainer said only that another rank
+    stopped)."""
+    (tmp_path / "broken_reward.py").write_text("def score(response, gt):\n    raise KeyError('no grader for ' + gt)\n")
+    env = {**cli_env, "PYTHONPATH": f"{tmp_path}:{cli_env['PYTHONPATH']}"}
+    proc = _train(tmp_path / "run", env, 2, 2, "eval.at_start=true", "reward.name=broken_reward:score",
+                  "reward.workers=1")
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if "dapo-mcore:" in line]
+    assert len(errors) == 1 and "reward broken_reward:score failed on" in errors[0] and "KeyError" in errors[0], \
+        proc.stderr[-3000:]
+    assert "on the engine ranks:" in errors[0]  # the trainer's line: the failure reached it
+    assert "exitcode: 2" in proc.stderr  # the trainer's code, as in sync mode
+    assert "dapo_mcore/" not in "".join(line for line in proc.stderr.splitlines() if line.lstrip().startswith("File"))
+    assert "another rank of the job stopped" not in proc.stderr
+
+
+def test_a_refusal_on_the_trainer_reaches_the_engine_ranks_without_a_false_resume_line(reference, cli_env, tmp_path):
+    """Another run's directory (a changed identity key): trainer rank 0 refuses in one line; the engine rank hears the
+    refusal and stops quietly instead of saying "another rank of the job stopped ... run the same command: the run
+    resumes" (#35 item 7)."""
+    import shutil
+
+    run = tmp_path / "other"
+    shutil.copytree(reference, run)
+    proc = _train(run, cli_env, 3, 2, "train.seed=7")
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if "dapo-mcore:" in line]
+    assert len(lines) == 1 and "holds another run" in lines[0], proc.stderr[-3000:]
+    assert "run the same command" not in proc.stderr and "another rank of the job stopped" not in proc.stderr

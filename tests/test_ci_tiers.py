@@ -52,7 +52,7 @@ def _fake_checkout(tmp_path: Path, tiers: dict[str, str]) -> Path:
 
 
 def _ci(repo: Path, **env: str) -> subprocess.CompletedProcess:
-    full = dict(os.environ, CI_MAIN="0", **env)
+    full = dict(os.environ, **{"CI_MAIN": "0", **env})
     full.pop("DAPO_MCORE_CI_NO_SKIPS", None)
     return subprocess.run([str(repo / ".ci" / "run")], cwd=repo, env=full, capture_output=True, text=True,
                           timeout=300, stdin=subprocess.DEVNULL)
@@ -184,3 +184,76 @@ def test_a_failing_early_install_fails_the_run_and_the_tier_tries_again(tmp_path
     line = next(ln for ln in summary if ln.startswith("install-tiers"))
     assert line.split(None, 3)[3] == "FAIL (exit 1)", summary
     assert any("10-flaky: all its installs" in ln and "FAIL (exit 4)" in ln for ln in summary), summary
+
+
+# Stand-ins for the main step's `python3 -m venv .venv && .venv/bin/pip install ... && .venv/bin/python -m pytest -q`:
+# the "suite" passes only if the file `beside-started` appears while it runs (within CI_FAKE_MAIN_WAIT seconds).
+FAKE_PYTHON3 = """#!/usr/bin/env bash
+mkdir -p .venv/bin
+printf '#!/usr/bin/env bash\\necho "Successfully installed stand-in"\\n' >.venv/bin/pip
+cat >.venv/bin/python <<'PY'
+#!/usr/bin/env bash
+for _ in $(seq 1 $(( ${CI_FAKE_MAIN_WAIT:-60} * 10 ))); do
+    [[ -f beside-started ]] && { echo "1 passed in 0.01s"; exit 0; }
+    sleep 0.1
+done
+echo "the beside-main tier did not start while the main suite ran"; exit 1
+PY
+chmod +x .venv/bin/pip .venv/bin/python
+"""
+BESIDE = "# ci-beside-main: a stand-in\n"
+
+
+def _with_main(repo: Path, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    """.ci/run with its main steps (apt, install-main, main) on stand-ins."""
+    (repo / "slurm" / "local").mkdir(parents=True)
+    (repo / "slurm" / "local" / "install.sh").write_text("true\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(FAKE_PYTHON3)
+    (bin_dir / "python3").chmod(0o755)
+    path = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+    return _ci(repo, CI_MAIN="1", PATH=path, **env)
+
+
+def test_a_beside_main_tier_runs_during_the_main_suite_after_the_installs(tmp_path):
+    repo = _fake_checkout(tmp_path, {
+        "10-after.sh": INSTALLS + "grep -q 40-beside.sh installs.txt && [[ -f beside-done ]]\n",
+        "40-beside.sh": BESIDE + INSTALLS + "echo the beside tier ran; grep -q 40-beside.sh installs.txt\n"
+                        "ci_step 'its own step' touch beside-started\nsleep 1; touch beside-done\n",
+        "50-beside-fails.sh": BESIDE + "echo beside-fails ran; exit 3\n",
+    })
+    proc = _with_main(repo, tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # 50-beside-fails
+    summary = _summary(proc)
+    assert _status(summary) == {"10-after": "pass", "40-beside": "pass", "50-beside-fails": "FAIL (exit 3)",
+                                "total": "FAIL"}, summary
+    names = [ln.split()[0] for ln in summary if not ln.startswith(" ")]
+    assert names == ["apt", "install-main", "main", "install-tiers", "40-beside", "50-beside-fails", "10-after",
+                     "total"], summary
+    main = next(ln for ln in summary if ln.startswith("main "))
+    assert main.split()[3] == "pass", proc.stdout  # the stand-in suite saw the beside tier start while it ran
+    beside = [ln for ln in summary if ln.startswith(("40-beside", "50-beside-fails"))]
+    assert all(ln.endswith("  (beside the main suite)") for ln in beside), beside
+    assert not next(ln for ln in summary if ln.startswith("10-after")).endswith(")"), summary
+    text = "\n".join(summary)
+    assert "  its own step" in text and "  40-beside: all its installs" in text
+    # each beside tier's whole output, once, after the main suite's, with its exit line
+    out = proc.stdout
+    assert out.count("the beside tier ran") == 1 and out.count("beside-fails ran") == 1, out
+    assert out.index("::: main: exit 0") < out.index("the beside tier ran") < out.index("::: 10-after:"), out
+    assert "::: 50-beside-fails: exit 3 after" in out and "(beside the main suite)" in out
+
+
+def test_ci_beside_0_runs_a_beside_main_tier_in_order_after_the_main_suite(tmp_path):
+    repo = _fake_checkout(tmp_path, {"40-beside.sh": BESIDE + "touch beside-started\n"})
+    proc = _with_main(repo, tmp_path, CI_BESIDE="0", CI_FAKE_MAIN_WAIT="1")
+    summary = _summary(proc)
+    main = next(ln for ln in summary if ln.startswith("main "))
+    assert main.split(None, 3)[3] == "FAIL (exit 1)", proc.stdout  # the tier did not run during the suite
+    assert _status(summary)["40-beside"] == "pass", proc.stdout
+    assert proc.stdout.index("::: main: exit 1") < proc.stdout.index("::: 40-beside:")
+    assert "beside the main suite" not in proc.stdout
+    # and run by hand (CI_MAIN=0) it is a tier like any other
+    proc = _ci(repo, CI_TIERS="40-*")
+    assert proc.returncode == 0 and "beside the main suite" not in proc.stdout, proc.stdout + proc.stderr

@@ -104,6 +104,18 @@ def test_clip_high_never_and_always_active():
     assert "clip-high" not in findings(sometimes)
 
 
+def test_clip_high_hints_read_the_runs_config():
+    quiet = with_series(healthy(), keys.TRAIN_CLIPFRAC_HIGH, lambda s, f: 0.0)
+    four = dict(CFG, train={"prompts_per_step": 32, "mini_batch_prompts": 8, "epochs": 1})
+    advice = findings(quiet, four)["clip-high"][0].advice
+    assert "more mini-batches" not in advice and "4 updates per step" in advice and "optim.lr (now 0.0005)" in advice
+    one = dict(CFG, train={"prompts_per_step": 32, "mini_batch_prompts": 32, "epochs": 1})
+    assert "train.mini_batch_prompts=8" in findings(quiet, one)["clip-high"][0].advice
+    loud = with_series(healthy(), keys.TRAIN_CLIPFRAC_HIGH, lambda s, f: 0.12)
+    assert "fewer mini-batches" not in findings(loud, one)["clip-high"][0].advice
+    assert "fewer mini-batches" in findings(loud, four)["clip-high"][0].advice
+
+
 def test_length_limit():
     hit = with_series(healthy(), keys.ROLLOUT_TRUNCATED_FRAC, lambda s, f: 0.4 * f)
     (f,) = findings(hit)["length-limit"]

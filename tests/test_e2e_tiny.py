@@ -193,6 +193,16 @@ LEARNING_BOUNDS = {"acc_gain": (0.10, 1.0), "eval_start": (0.15, 0.40), "eval_ga
 NEAR_REFERENCE = {"acc_mean": 0.08, "entropy_mean": 0.06}
 
 
+def test_standalone_eval_of_a_checkpoint_equals_the_in_training_eval(env, straight_run):
+    proc = _run([sys.executable, "-m", "dapo_mcore.cli", "eval", str(straight_run / "config.yaml"), "--checkpoint",
+                 str(straight_run), "--json"], env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    scores = json.loads(proc.stdout)
+    in_training = [r for r in _metrics(straight_run) if r["step"] == 8 and "eval/avg_at_k" in r][0]
+    assert scores["eval/avg_at_k"] == in_training["eval/avg_at_k"]  # the same sampling seeds (the checkpoint's step)
+    assert scores["eval/pass_at_k"] == in_training["eval/pass_at_k"]
+
+
 def test_stored_trace_is_reproduced(straight_run):
     """Same machine fingerprint as a stored trace: the fixed-seed short run must reproduce it bit for bit. Another
     machine (CPU model, kernel path, library version): it must learn like the reference trace, within bounds a

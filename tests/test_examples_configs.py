@@ -17,6 +17,7 @@ EXAMPLES = {
     "qwen2.5-32b-fp8.yaml": ("qwen2.5-32b", "dapo_qwen2.5_32b_fp8.sbatch"),
     "qwen2.5-7b.yaml": ("qwen2.5-7b", "dapo_qwen2.5_7b.sbatch"),
     "qwen2.5-32b-fp8-async.yaml": ("qwen2.5-32b", "dapo_qwen2.5_32b_fp8_async.sbatch"),
+    "qwen3-32b-fp8.yaml": ("qwen3-32b", "dapo_qwen3_32b_fp8.sbatch"),
     "qwen3-30b-a3b.yaml": ("qwen3-30b-a3b", "dapo_qwen3_30b_a3b.sbatch"),
 }
 

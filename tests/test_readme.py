@@ -27,7 +27,7 @@ TEST_LINE = 'python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e ".[
 INSTALL = re.compile(r"^(python3 -m venv \.venv|\.venv/bin/pip install .*)$")
 SHORT = "train.steps=6 eval.every=3 checkpoint.every=3"
 MAIN_RUN = ".venv/bin/dapo-mcore train examples/tiny_cpu.yaml"
-# The other training runs (GRPO baseline, TP=2, custom verifier) only have to run and log: 2 steps, no checkpoint.
+# The other training runs (GRPO baseline, TP=2, async, custom verifier) only have to run and log: 2 steps, no checkpoint.
 SHORT_OTHERS = "train.steps=2 eval.every=2 checkpoint.every=0"
 SERVERS = (".venv/bin/tensorboard",)
 """Commands that serve until stopped: they pass when they print their address."""
@@ -58,7 +58,7 @@ def test_readme_parsing_keeps_the_setup_lines_verbatim():
     assert commands[0] == SETUP and commands[1] == TEST_LINE  # CI (.ci/run) calls the test line verbatim
     run = to_run(commands)
     assert run[0] == ".venv/bin/dapo-mcore train examples/tiny_cpu.yaml" and TEST_LINE not in run
-    tp2 = [c for c in run if c.startswith(".venv/bin/torchrun")]
+    tp2 = [c for c in run if "--nproc-per-node 2" in c]
     assert tp2 and all("run.dir=" in c for c in tp2)  # never the main job's run directory
     assert all(c.split()[0].startswith((".venv/bin/", "PYTHONPATH=")) for c in run)  # no activation needed
 
@@ -113,7 +113,8 @@ def test_readme_commands_run_in_order(tmp_path):
     runs = tmp_path / "runs"
     assert "run finished: 6 steps" in outputs[MAIN_RUN]
     others = [c for c in outputs if " train " in f" {c} " and c != MAIN_RUN]
-    assert len(others) == 3 and all("run finished: 2 steps" in outputs[c] for c in others), others
+    assert len(others) == 4 and all("run finished: 2 steps" in outputs[c] for c in others), others
+    assert "wait for rollouts (engines)" in outputs[".venv/bin/dapo-mcore profile runs/tiny_cpu_async"]
     assert (runs / "tiny_cpu" / "figures" / "compare.png").is_file()
     assert (runs / "tiny_cpu_tp2" / "metrics.jsonl").is_file() and (runs / "tiny_numeric_reward" / "metrics.jsonl").is_file()
     assert "diagnose runs/tiny_cpu: 6 training steps" in outputs[".venv/bin/dapo-mcore diagnose runs/tiny_cpu"]

@@ -48,9 +48,9 @@ def test_k_is_spelled_in_labels(tmp_path):
 
 def test_compare_cli_x_axes(tmp_path, capsys):
     a, b = _run(tmp_path / "a"), _run(tmp_path / "b", tokens_per_step=300)
-    for x in ("step", "wall_seconds", "generated_tokens"):
+    for x in ("step", "wall_seconds", "generated_tokens", "device_hours"):
         out = tmp_path / f"out_{x}"
-        assert report.main([str(a), "--compare", str(b), "--out", str(out), "--x", x]) == 0
+        assert report.main([str(a), "--compare", str(b), "--out", str(out), "--x", x, "--log-x"]) == 0
         assert (out / "compare.png").read_bytes()[:4] == b"\x89PNG"
         assert (out / "update.png").is_file()
     with pytest.raises(SystemExit) as exc:
@@ -112,3 +112,27 @@ def test_the_async_timeline_draws_both_sides_only_for_an_async_run(tmp_path):
     # Both lanes are drawn: matplotlib's tab:green (generation, engines) and tab:blue (compute, trainer) appear.
     for rgb in ((44, 160, 44), (31, 119, 180)):
         assert (np.abs(pixels.astype(int) - rgb).sum(axis=2) < 8).any(), rgb
+
+
+def test_lines_of_one_axis_differ_in_style_so_equal_series_stay_visible(tmp_path):
+    records = report.load_run(_run(tmp_path / "r"))
+    for r in records:  # nothing clips high: all == low, high == dual clip (the run)
+        r.update({keys.TRAIN_CLIPFRAC: 0.01, keys.TRAIN_CLIPFRAC_LOW: 0.01, keys.TRAIN_CLIPFRAC_HIGH: 0.0,
+                  keys.TRAIN_DUAL_CLIPFRAC: 0.0})
+    fig = report.Figure()
+    ax = fig.subplots()
+    for i, (key, label) in enumerate(next(p for p in report.PANELS if p.name == "clipfrac").series):
+        report._draw(ax, records, key, label, 1, style=i)
+    styles = {(ln.get_linestyle(), ln.get_linewidth(), ln.get_marker()) for ln in ax.get_lines()}
+    assert len(styles) == 4
+
+
+def test_tis_figure_only_for_runs_that_log_it(tmp_path, caplog):
+    run = _run(tmp_path / "r")
+    records = report.load_run(run)
+    assert report._line_figure(records, next(p for p in report.PANELS if p.name == "tis"), tmp_path, 1) is None
+    assert "tis" not in caplog.text
+    for r in records:
+        r.update({"mismatch/tis_mean": 0.98, "mismatch/tis_clip_frac": 0.01})
+    path = report._line_figure(records, next(p for p in report.PANELS if p.name == "tis"), tmp_path, 1)
+    assert path is not None and path.name == "tis.png" and path.read_bytes()[:4] == b"\x89PNG"

@@ -221,6 +221,23 @@ def test_sync_order_and_weight_stream():
     assert backend.calls[-1] == ("shutdown",)
 
 
+def test_a_weight_update_on_an_awake_engine_resets_the_prefix_cache_before_the_next_generation():
+    """The async engine loop updates an awake engine and never calls wake(): the prefix cache must be reset by the
+    update itself (vLLM keys it on token hashes only; #35 item 1). Failed before: no reset between the update and the
+    generation."""
+    engine, backend = make_engine()
+    engine.update_weights(buckets(hf_state_dict(), 4))
+    engine.generate([[1, 4]], SamplingParams(n=1, seed=0))
+    engine.update_weights(buckets(hf_state_dict(), 4))
+    engine.generate([[1, 4]], SamplingParams(n=1, seed=0))
+    kinds = [c[0] for c in backend.calls]
+    finishes = [i for i, k in enumerate(kinds) if k == "finish_weight_update"]
+    generates = [i for i, k in enumerate(kinds) if k == "generate"]
+    for done, gen in zip(finishes, generates, strict=True):
+        assert "reset_prefix_cache" in kinds[done:gen], kinds
+    assert "wake_up" not in kinds
+
+
 def _record_empty_cache(monkeypatch, backend: FakeBackend) -> None:
     """torch.cuda.empty_cache appends to the backend's call log, so the order of releases and wakes is checkable."""
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: backend.calls.append(("empty_cache",)))
@@ -739,3 +756,28 @@ def test_stream_ticks_yield_per_step_and_keep_data_parallel_engines_in_lockstep(
     a.rounds = {}  # a stream on its own again: its own answers
     a.peers = [a]
     assert [i for i, _ in got] == [i for i, _ in busy.stream(prompts, params)]
+
+
+def test_launcher_ranks_gives_vllm_the_engine_sides_ranks_and_restores_the_jobs(monkeypatch):
+    """vLLM's external_launcher derives its data-parallel rank from RANK (#35 item 1b): the engine side's rank while
+    the engine is built, the job's again after (the job's messages name the job's rank)."""
+    from dapo_mcore.rollout.vllm_engine import launcher_ranks
+
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with launcher_ranks(1, 2, 2):
+        assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("1", "2", "2")
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"]) == ("2", "3") and "LOCAL_RANK" not in os.environ
+
+
+def test_data_parallel_engines_pin_the_v1_model_runner():
+    """vLLM 0.33's Model Runner V2 skips the data-parallel sync on a step with nothing scheduled (#35 item 2): with
+    data-parallel > 1 the engine pins the V1 runner unless told otherwise, and refuses V2 asked for by name."""
+    from dapo_mcore.rollout.vllm_engine import pin_model_runner
+
+    assert pin_model_runner({}, 1) == {} and pin_model_runner({"VLLM_USE_V2_MODEL_RUNNER": "1"}, 1) == {}
+    assert pin_model_runner({}, 2) == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    assert pin_model_runner({"VLLM_USE_V2_MODEL_RUNNER": "0"}, 24) == {}
+    with pytest.raises(EngineError, match="unset VLLM_USE_V2_MODEL_RUNNER"):
+        pin_model_runner({"VLLM_USE_V2_MODEL_RUNNER": "1"}, 2)

@@ -99,6 +99,15 @@ def test_engine_single_process(env, tmp_path, tied, logprobs):
     assert res["partial_greedy"]["unfinished"] > 0 and res["resume_lp_err"] < TOL, res
 
 
+def test_a_weight_update_between_generations_leaves_no_stale_prefix_cache(env, tmp_path):
+    """The async engine loop's order (an awake engine updated between generations, no wake()): after the update a
+    prompt sharing a cached 40-token prefix generates exactly as Hugging Face's model B, log-probs within TOL
+    (engine_checks.prefix_cache_check). Failed before #35: the prefix's KV blocks were model A's."""
+    _run([sys.executable, str(SCRIPT), str(tmp_path), "--check", "prefix_cache"], env)
+    res = _ranks(tmp_path, 1)[0]
+    assert res["greedy_b_same"] and res["err_b"] < TOL and res["err_a"] < TOL, res
+
+
 def test_engine_tp2_under_torchrun(env, tmp_path):
     _run([*_torchrun(2), str(SCRIPT), str(tmp_path), "--tp", "2"], env)
     r0, r1 = _ranks(tmp_path, 2)
@@ -196,12 +205,15 @@ def test_two_vllm_engine_groups_stream_in_lockstep_with_partial_rollouts(env, tm
     assert all(steps[s + 1]["sampling/groups_resumed"] > 0 for s in buffered), steps
 
 
-def test_async_run_with_a_vllm_engine_rank(env, tmp_path):
-    """rollout.pipeline.mode=async on 2 ranks: the trainer on one, a vLLM engine on the other, its weights from the
-    trainer's bucketed broadcast. Step 1 trains on version 0's batch with version 0 (engine and actor log-probs agree
-    as in sync mode); step 2 on version 0's batch with version 1 (one version behind: the lag, and TIS corrects it)."""
-    rows = _train(env, tmp_path / "run", 2, "rollout.pipeline.mode=async", "algo.tis_cap=2.0",
-                  "rollout.pipeline.bucket_mb=0.02")
+def test_async_run_with_two_vllm_engine_ranks(env, tmp_path):
+    """rollout.pipeline.mode=async on 3 ranks: the trainer on one, two vLLM engine ranks (vLLM TP=1: data-parallel 2)
+    on the others, their weights from the trainer's bucketed broadcast through a device-strict weights group. Step 1
+    trains on version 0's batch with version 0 (engine and actor log-probs agree as in sync mode); step 2 on version
+    0's batch with version 1 (one version behind: the lag, and TIS corrects it). Failed before #35: vLLM took its
+    data-parallel rank from the job's RANK (1 and 2, not the engine side's 0 and 1): "data_parallel_rank (2) must be
+    in the range [0, 2)"."""
+    rows = _train(dict(env, DAPO_MCORE_STRICT_DEVICE="1"), tmp_path / "run", 3, "rollout.pipeline.mode=async",
+                  "algo.tis_cap=2.0", "rollout.pipeline.bucket_mb=0.02", "rollout.pipeline.engine_ranks=2")
     steps = {r["step"]: r for r in rows if "async/lag_mean" in r}
     assert sorted(steps) == [1, 2], rows
     assert steps[1]["async/lag_max"] == 0.0 and steps[2]["async/lag_mean"] == 1.0

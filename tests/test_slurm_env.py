@@ -34,3 +34,14 @@ def test_srun_gets_the_batch_cpus_per_task():
     text = (SLURM / "launch.sh").read_text()
     export = text.index("export SRUN_CPUS_PER_TASK=${SRUN_CPUS_PER_TASK:-$SLURM_CPUS_PER_TASK}")
     assert export < text.index("srun --kill-on-bad-exit")
+
+
+def test_caches_go_to_the_shared_cache_root_offline_by_default_and_each_can_be_overridden():
+    env = _env_after_sourcing(SLURM_SUBMIT_DIR="/shared/dapo-mcore")
+    root = "/shared/dapo-mcore/.cache/dapo-mcore"
+    assert env["DAPO_CACHE_ROOT"] == root and env["HF_HUB_OFFLINE"] == "1"
+    assert {env[k] for k in ("HF_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "VLLM_CACHE_ROOT")} == {
+        f"{root}/huggingface", f"{root}/triton", f"{root}/torchinductor", f"{root}/vllm"}
+    env = _env_after_sourcing(DAPO_CACHE_ROOT="/lustre/c", TRITON_CACHE_DIR="/tmp/t", HF_HUB_OFFLINE="0")
+    assert env["HF_HOME"] == "/lustre/c/huggingface" and env["TRITON_CACHE_DIR"] == "/tmp/t"
+    assert env["HF_HUB_OFFLINE"] == "0"

@@ -26,6 +26,7 @@ LAUNCH = REPO / "slurm" / "launch.sh"
 # launch.sh) is survived, as srun relays it instead of dying.
 FAKE_SRUN = r"""#!/usr/bin/env bash
 trap : USR1
+printf '%s\n' "$@" >>"$FAKE_ROOT/srun_argv"
 while [[ "$1" == --* ]]; do shift; done
 if [[ " $* " == *" dapo-check "* ]]; then
     for node in $FAKE_NODES; do
@@ -180,3 +181,21 @@ def test_the_kill_grace_is_below_slurms_kill_wait(fake_slurm):
                                                                  '&& echo "KillWait                = 5 sec" || echo n1 ;;'))
     proc = launch(fake_slurm, "bash", "-c", "echo grace=$DAPO_TASK_KILL_GRACE >&2")
     assert proc.returncode == 0 and "grace=3" in proc.stderr, proc.stderr
+
+
+def test_srun_args_keep_a_quoted_space_inside_one_argument(fake_slurm):
+    _exe(fake_slurm / "n1" / "dapo-mcore", "#!/bin/sh\nexit 0\n")
+    args = "--container-image=/shared/img.sqsh '--container-mounts=/shared/my data:/data' --no-container-mount-home"
+    proc = launch(fake_slurm, "dapo-mcore", DAPO_SRUN_ARGS=args,
+                  PATH=f"{fake_slurm / 'n1'}:{fake_slurm / 'bin'}:/usr/bin:/bin")
+    assert proc.returncode == 0, proc.stderr
+    argv = (fake_slurm / "srun_argv").read_text().splitlines()
+    assert argv.count("--container-mounts=/shared/my data:/data") == 2  # the per-node check and the step
+    assert argv.count("--container-image=/shared/img.sqsh") == 2 and "data:/data'" not in argv
+
+
+def test_srun_args_with_an_unmatched_quote_stop_the_job_in_one_line(fake_slurm):
+    proc = launch(fake_slurm, "dapo-mcore", DAPO_SRUN_ARGS="--container-mounts='/a:/b")
+    assert proc.returncode == 2
+    assert [ln for ln in proc.stderr.splitlines() if "unmatched quote" in ln] and "Traceback" not in proc.stderr
+    assert not (fake_slurm / "steps").exists()

@@ -61,7 +61,8 @@ def test_sbatch_scripts_use_the_one_launch_path_and_requeue_contract(script):
 
 
 def test_gpu_recipes_ask_one_task_per_gpu():
-    for name, nodes in (("dapo_qwen2.5_32b_fp8.sbatch", 16), ("dapo_qwen2.5_7b.sbatch", 4)):
+    for name, nodes in (("dapo_qwen2.5_32b_fp8.sbatch", 16), ("dapo_qwen2.5_7b.sbatch", 4),
+                        ("dapo_qwen3_32b_fp8.sbatch", 16)):
         d = directives(SLURM_DIR / name)
         assert d["ntasks-per-node"] == d["gpus-per-node"] == "8"
         assert int(d["nodes"]) == nodes
@@ -77,7 +78,8 @@ def test_launch_forwards_signal_and_requeues_on_75():
 
 
 @pytest.mark.parametrize("name, preset", [("dapo_qwen2.5_32b_fp8.sbatch", "qwen2.5-32b"),
-                                          ("dapo_qwen2.5_7b.sbatch", "qwen2.5-7b")])
+                                          ("dapo_qwen2.5_7b.sbatch", "qwen2.5-7b"),
+                                          ("dapo_qwen3_32b_fp8.sbatch", "qwen3-32b")])
 def test_gpu_recipe_layout_lives_in_its_config_and_fits_the_allocation(name, preset, capsys):
     from dapo_mcore.plan_cli import main as plan
 
@@ -88,3 +90,21 @@ def test_gpu_recipe_layout_lives_in_its_config_and_fits_the_allocation(name, pre
     rc = plan([str(SLURM_DIR.parent / config), "model.hf_path=null", f"model.preset={preset}",
                "--nodes", d["nodes"], "--gpus-per-node", d["gpus-per-node"]])
     assert rc == 0, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name, preset", [("dapo_qwen2.5_32b_fp8.sbatch", "qwen2.5-32b"),
+                                          ("dapo_qwen2.5_7b.sbatch", "qwen2.5-7b")])
+def test_gpu_recipes_allow_the_requeues_the_planner_asks_for(name, preset, capsys):
+    from dapo_mcore.plan_cli import main as plan
+
+    text = (SLURM_DIR / name).read_text()
+    d = directives(SLURM_DIR / name)
+    config = re.search(r"config=\$\{CONFIG:-([^}]+)\}", text).group(1)
+    hours, minutes, _ = (int(x) for x in d["time"].split(":"))
+    lead = int(re.fullmatch(r"B:USR1@(\d+)", d["signal"]).group(1)) / 60
+    capsys.readouterr()
+    assert plan([str(SLURM_DIR.parent / config), "model.hf_path=null", f"model.preset={preset}", "--nodes", d["nodes"],
+                 "--gpus-per-node", d["gpus-per-node"], "--time-limit-hours", str(hours + minutes / 60),
+                 "--signal-minutes", str(lead)]) == 0
+    asked = re.search(r"submit with DAPO_MAX_REQUEUES=(\d+)", capsys.readouterr().out).group(1)
+    assert f"export DAPO_MAX_REQUEUES=${{DAPO_MAX_REQUEUES:-{asked}}}" in text

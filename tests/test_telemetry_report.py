@@ -58,7 +58,7 @@ def test_report_writes_every_figure(tmp_path, capsys):
     run = _fake_run(tmp_path / "run_a")
     assert report.main([str(run)]) == 0
     names = {p.name for p in (run / "figures").iterdir()}
-    assert names == {f"{p.name}.png" for p in report.PANELS} | {"cost.png"}
+    assert names == {f"{p.name}.png" for p in report.PANELS if not p.optional} | {"cost.png"}
     for path in (run / "figures").iterdir():
         _assert_png(path)
     assert str(run / "figures" / "cost.png") in capsys.readouterr().out

@@ -231,18 +231,30 @@ def test_rollouts_cli_prints_decoded_samples(tmp_path, capsys):
     ids = {w: i for i, w in enumerate(vocab)}
     prompt = [ids["what"], ids["is"], ids["2+2"], ids["?"]]
     store = RolloutStore(tmp_path / ROLLOUTS_DIR)
+    right, wrong = [ids["Answer:"], ids["4"], ids["<eos>"]], [ids["Answer:"], ids["5"]]
     store.append_step(7, [
-        Rollout(prompt, [ids["Answer:"], ids["4"], ids["<eos>"]], None, 1.0, True, "stop", True, 0, 0),
-        Rollout(prompt, [ids["Answer:"], ids["5"]], None, -1.0, False, "length", False, 0, 1),
+        Rollout(prompt, right, None, 1.0, True, "stop", True, 0, 0),  # group 0: kept
+        Rollout(prompt, wrong, None, -1.0, False, "length", True, 0, 0),
+        Rollout(prompt, wrong, None, -1.0, False, "length", False, 1, 1),  # group 1: all wrong, rejected
+        Rollout(prompt, wrong, None, -1.0, False, "length", False, 1, 1),
+        Rollout(prompt, right, None, 1.0, True, "stop", False, 2, 1),  # group 2: usable, not needed
+        Rollout(prompt, wrong, None, -1.0, False, "length", False, 2, 1),
     ])
     assert rollout_store.main([str(tmp_path), "--step", "7"]) == 0
     out = capsys.readouterr().out
-    assert "2 rollouts, 1 kept, 1 rejected" in out
+    assert "6 rollouts, 2 kept, 2 rejected by dynamic sampling (no mixed outcome), 2 surplus" in out
     assert "Answer: 4" in out and "Answer: 5" in out and "what is 2+2 ?" in out
     assert "finish length" in out and "reward -1.000" in out
+    assert rollout_store.main([str(tmp_path), "--which", "surplus", "--raw"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("--- [") == 2 and out.count("group 2 ") == 2 and "surplus" in out
+    (tmp_path / "config.yaml").write_text("algo:\n  dynamic_sampling: false\n")  # GRPO refuses no group
+    assert rollout_store.main([str(tmp_path), "--step", "7"]) == 0
+    assert "2 kept, 0 rejected by dynamic sampling (no mixed outcome), 4 surplus" in capsys.readouterr().out
+    (tmp_path / "config.yaml").unlink()
     assert rollout_store.main([str(tmp_path), "--which", "rejected", "--raw"]) == 0  # default: last step
     out = capsys.readouterr().out
-    assert f"{ids['Answer:']} {ids['5']}" in out and "reward +1.000" not in out
+    assert f"{ids['Answer:']} {ids['5']}" in out and "reward +1.000" not in out and out.count("group 1 ") == 2
     from dapo_mcore import cli
 
     assert cli.main(["rollouts", str(tmp_path), "--step", "8"]) == 2

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import partial
 from typing import Any
 
@@ -22,7 +22,8 @@ import torch.distributed as dist
 from dapo_mcore.actor.batch import MicroBatch, build_micro_batch, sequence_pad_multiple, to_device
 from dapo_mcore.actor.logprobs import token_entropy, token_logprobs
 from dapo_mcore.actor.nonfinite import NonFiniteGuard, grads_finite
-from dapo_mcore.algo.loss import masked_entropy_contrib, policy_loss
+from dapo_mcore.algo.loss import loss_denominators, masked_entropy_contrib, policy_loss
+from dapo_mcore.algo.rollout_correction import CorrectionStats
 from dapo_mcore.data.packing import pack_micro_batches
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,17 @@ class TrainSample:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def _merge_metric(key: str, a: float | None, b: float) -> float:
+    """Micro-batch / DP-rank merge of a metric contribution: sums, except the bypass statistics' min and max."""
+    if a is None:
+        return b
+    if key == "bypass/w_min":
+        return min(a, b)
+    if key == "bypass/w_max":
+        return max(a, b)
+    return a + b
+
+
 def _pad_stack(values: Sequence[torch.Tensor], width: int) -> torch.Tensor:
     out = torch.zeros(len(values), width)
     for i, v in enumerate(values):
@@ -98,14 +110,39 @@ def dapo_loss(mb: MicroBatch, logits: torch.Tensor, *, algo: Any, temperature: f
     [tokens, V/TP] fp32 copies to the training peak (``tests/test_planner_memory.py`` compares with the planner).
     """
     logp = mb.gather_responses(token_logprobs(logits, mb.targets, temperature, vocab_size))
+    weights, keep, loss_mask, extra = mb.tis, None, mb.loss_mask, {}
+    if algo.correction.bypass:
+        weights, keep, extra = bypass_correction(logp, mb, algo.correction)
+        loss_mask = loss_mask * keep if keep is not None else loss_mask
     loss, metrics = policy_loss(
         logp, mb.old_logp, mb.adv, mb.loss_mask, clip_low=algo.clip_low, clip_high=algo.clip_high,
         dual_clip_c=algo.dual_clip_c, agg=algo.loss_agg, global_tokens=global_tokens,
-        global_seqs=global_seqs, max_response_len=max_response_len, tis_weights=mb.tis)
+        global_seqs=global_seqs, max_response_len=max_response_len, tis_weights=weights, keep=keep)
     ent = mb.gather_responses(token_entropy(logits, temperature, vocab_size))
-    metrics["entropy"] = masked_entropy_contrib(ent, mb.loss_mask, global_tokens)
+    metrics["entropy"] = masked_entropy_contrib(ent, loss_mask, global_tokens)
+    metrics.update(extra)
     metrics["loss"] = loss.detach()
     return loss * scale, {k: v.detach().float().cpu() for k, v in metrics.items()}
+
+
+def bypass_correction(logp: torch.Tensor, mb: MicroBatch, cfg: Any
+                      ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[str, torch.Tensor]]:
+    """Bypass mode: weights and rejection of pi_theta (detached) against pi_rollout (``mb.old_logp``), batch
+    normalization deferred (the actor scales the gradients by the global mean afterwards, see ``_bypass_scale``).
+    Returns the loss's weights and keep mask (None where the correction has none) and additive ``bypass/*`` sums."""
+    from dapo_mcore.algo.rollout_correction import correction_stats
+
+    w, keep, stats = correction_stats(logp.detach() - mb.old_logp, mb.loss_mask, cfg, weight_mean=1.0)
+    kept_tokens, kept_seqs = loss_denominators(mb.loss_mask * keep)
+    extra = {f"bypass/{k}": torch.tensor(v, dtype=torch.float64)
+             for k, v in zip(BYPASS_STATS, stats.as_vector(), strict=True)}
+    extra["bypass/kept_tokens"] = torch.tensor(float(kept_tokens), dtype=torch.float64)
+    extra["bypass/kept_seqs"] = torch.tensor(float(kept_seqs), dtype=torch.float64)
+    return (w if cfg.is_level is not None else None), (keep if cfg.rs else None), extra
+
+
+BYPASS_STATS = tuple(f.name for f in fields(CorrectionStats))
+_LOSS_KEYS = ("loss", "pg_loss")  # divided by the aggregation's denominator; every other metric by kept tokens
 
 
 class MegatronActor:
@@ -362,6 +399,9 @@ class MegatronActor:
         self.set_lr(lr)
         groups = self._my_micro_batches(samples)
         mbs = [self._make_mb(samples, idx, with_loss_inputs=True) for idx in groups]
+        bypass = algo.correction.bypass
+        if bypass:  # rejection needs pi_theta: denominators are known after the forward (see _bypass_scale)
+            global_tokens = global_seqs = 1.0
         loss_fn = partial(dapo_loss, algo=algo, temperature=self.s.temperature, vocab_size=self.shape.vocab_size,
                           global_tokens=global_tokens, global_seqs=global_seqs,
                           max_response_len=self.s.max_response_len, scale=float(len(mbs) * self.dp_size))
@@ -371,20 +411,23 @@ class MegatronActor:
         sums: dict[str, float] = {}
         for res in results:
             for k, v in res.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
+                sums[k] = _merge_metric(k, sums.get(k), float(v))
         reduced = self._sum_over_dp_last_stage(sums)
+        if bypass:
+            reduced = self._bypass_scale(reduced)
         if self.router_stats is not None:
             reduced.update(self.router_stats.metrics(self.s.tensor_parallel))
         # Every rank knows the summed loss and whether any rank's gradients are non-finite: all take one branch.
         skip = self.nonfinite.check(reduced.get("loss", 0.0), grads_finite(self.chunks), lr)
+        skip = skip or bool(reduced.pop("bypass_all_rejected", 0.0))  # bypass: every token rejected
         ok, grad_norm = False, None
         if not skip:
             ok, grad_norm, _ = self.optimizer.step()
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
-        if skip:
-            return {"skipped": 1.0}
+        if skip:  # a bypass update whose tokens were all rejected still reports what the correction saw
+            return {"skipped": 1.0, **{k: v for k, v in reduced.items() if k.startswith("rollout_corr/")}}
         reduced["grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
         reduced["update_ok"] = 1.0 if ok else 0.0
         return reduced
@@ -402,7 +445,29 @@ class MegatronActor:
         for is_src, part in everything:
             if is_src:
                 for k, v in part.items():
-                    out[k] = out.get(k, 0.0) + v
+                    out[k] = _merge_metric(k, out.get(k), v)
+        return out
+
+    def _bypass_scale(self, reduced: dict[str, float]) -> dict[str, float]:
+        """Bypass mode: the micro-batches returned unnormalized sums (rejection depends on pi_theta, known only after
+        the forward). Divide the gradients (all-reduced over DP already) and the metrics by the global denominators,
+        and by the batch-normalization mean; the ``rollout_corr/*`` metrics from the summed statistics."""
+        corr = self.s.algo.correction
+        stats = CorrectionStats(**{k: reduced.pop(f"bypass/{k}") for k in BYPASS_STATS})
+        tokens, seqs = reduced.pop("bypass/kept_tokens"), reduced.pop("bypass/kept_seqs")
+        out = {k: v for k, v in reduced.items()}
+        out.update(stats.metrics())
+        out["rollout_corr/bypass"] = 1.0
+        if tokens == 0:  # every token rejected: nothing to train on (train_mini_batch skips the step)
+            out["bypass_all_rejected"] = 1.0
+            return out
+        mean_w = (stats.norm_sum / stats.norm_count if corr.is_batch_normalize and corr.is_level is not None
+                  and stats.norm_count > 0 and stats.norm_sum > 0 else 1.0)
+        agg = tokens if self.s.algo.loss_agg == "token-mean" else seqs
+        for m in self.model:
+            m.scale_gradients(1.0 / (agg * mean_w))
+        for k in list(reduced):
+            out[k] = reduced[k] / (agg * mean_w) if k in _LOSS_KEYS else reduced[k] / tokens
         return out
 
     # ---- weight export -------------------------------------------------------------------------------------

@@ -7,10 +7,14 @@ recipe; ``validate()`` refuses settings DAPO does not have (KL and entropy terms
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from dapo_mcore.algo.loss import loss_agg_names
+from dapo_mcore.algo.rollout_correction import RolloutCorrectionConfig
+
+BUILTIN_LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+"""The aggregation modes ``algo.loss`` registers (a test keeps the two equal): a config naming one of them is
+checked without importing torch; any other name is looked up in the registry (a mode registered by the user)."""
 
 
 @dataclass
@@ -64,12 +68,25 @@ class AlgoConfig:
     """Entropy bonus coefficient. DAPO logs entropy but does not optimize it: must stay 0."""
 
     tis_cap: float | None = None
-    """Truncated importance sampling cap for engine-vs-trainer log-prob mismatch (e.g. 2.0); None disables."""
+    """Truncated importance sampling cap for engine-vs-trainer log-prob mismatch (e.g. 2.0); None disables. The short
+    form of rollout_correction preset token_tis with is_threshold=tis_cap (set one or the other)."""
+
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Off-policy correction beyond token TIS: sequence IS, IcePop, rejection (Geo-RS, K3-RS) and the bypass mode
+    that skips the old-log-prob pass; `preset:` names a recipe (see docs/rollout.md)."""
+
     router_replay: str = "none"
     """MoE models: "rollout" = rollout routing replay (R3): the trainer's routers use the experts the rollout engine
     routed each token to (transformers engine), in the old-log-prob and training passes; gates stay the trainer's
     (so the router keeps its gradient). "none" = the trainer routes itself; moe/routing_mismatch_frac shows how often
     that differs from the engine."""
+
+    @property
+    def correction(self) -> RolloutCorrectionConfig:
+        """The effective correction: ``tis_cap`` as token TIS, else ``rollout_correction`` with its preset resolved."""
+        if self.tis_cap is not None:
+            return RolloutCorrectionConfig(is_level="token", is_threshold=self.tis_cap)
+        return self.rollout_correction.resolved()
 
     def validate(self) -> None:
         """Raise ValueError naming the fix for any inconsistent setting."""
@@ -79,8 +96,11 @@ class AlgoConfig:
             raise ValueError(f"algo.clip_high={self.clip_high} must be > 0; DAPO uses 0.28, GRPO 0.2")
         if self.dual_clip_c is not None and self.dual_clip_c <= 1.0:
             raise ValueError(f"algo.dual_clip_c={self.dual_clip_c} must be > 1 (e.g. 10) or None to disable")
-        if self.loss_agg not in loss_agg_names():
-            raise ValueError(f"algo.loss_agg={self.loss_agg!r} is unknown; valid: {', '.join(loss_agg_names())}")
+        if self.loss_agg not in BUILTIN_LOSS_AGGS:
+            from dapo_mcore.algo.loss import loss_agg_names
+
+            if self.loss_agg not in loss_agg_names():
+                raise ValueError(f"algo.loss_agg={self.loss_agg!r} is unknown; valid: {', '.join(loss_agg_names())}")
         if self.adv_eps <= 0.0:
             raise ValueError(f"algo.adv_eps={self.adv_eps} must be > 0 (DAPO: 1e-6)")
         if self.max_gen_batches < 0:
@@ -111,6 +131,10 @@ class AlgoConfig:
                 f"algo.tis_cap={self.tis_cap} must be >= 1 (a cap below 1 down-weights every token); "
                 "typical 2.0, or None to disable"
             )
+        self.rollout_correction.validate()
+        if self.tis_cap is not None and self.rollout_correction.active:
+            raise ValueError(f"algo.tis_cap={self.tis_cap} and algo.rollout_correction both set a correction; keep one "
+                             f"(algo.tis_cap=C is algo.rollout_correction.preset=token_tis with is_threshold=C)")
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> AlgoConfig:

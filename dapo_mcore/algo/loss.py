@@ -141,6 +141,7 @@ def policy_loss(
     global_seqs: float,
     max_response_len: int | None = None,
     tis_weights: Tensor | None = None,
+    keep: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """DAPO policy loss contribution of one micro-batch.
 
@@ -155,7 +156,11 @@ def policy_loss(
         global_tokens, global_seqs: mini-batch totals (:func:`loss_denominators`, summed and all-reduced).
         max_response_len: the constant horizon of ``seq-mean-token-sum-norm``.
         tis_weights: optional ``[B, T]`` truncated importance weights for engine-vs-actor mismatch
-            (``dapo_mcore.rollout.mismatch.tis_weights``), multiplied into the token loss without gradient.
+            (``dapo_mcore.rollout.mismatch.tis_weights``), multiplied into the token loss without gradient; or any
+            rollout-correction weights (``dapo_mcore.algo.rollout_correction.correction``).
+        keep: optional ``[B, T]`` rejection mask (``correction``'s ``keep``): a token with keep 0 leaves the loss
+            and every metric, so ``global_tokens``/``global_seqs`` must count ``mask * keep``
+            (:func:`loss_denominators` of it).
 
     Returns:
         ``(loss, metrics)``: the scalar loss contribution and detached metric contributions
@@ -169,6 +174,8 @@ def policy_loss(
     agg_fn = get_loss_agg(agg)
     _check_denominator(global_tokens, "global_tokens")
     mask = mask.to(logp.dtype)
+    if keep is not None:
+        mask = mask * keep.detach().to(logp.dtype)
     old_logp = old_logp.detach()
     advantages = advantages.detach().to(logp.dtype).expand_as(logp)
     ratio = torch.exp(logp - old_logp)

@@ -62,6 +62,7 @@ def usable_group_fraction(acc: Tensor) -> float:
     return usable_groups(acc).to(torch.float64).mean().item()
 
 
+CORRECTION_PREFIX = "rollout_corr/"
 SKIPPED = "skipped"
 """Key an update reports (alone) when it was skipped: its mini-batch had no trainable token."""
 
@@ -78,6 +79,10 @@ def average_updates(per_update: Sequence[Mapping[str, float]]) -> dict[str, floa
     out: dict[str, float] = {}
     for key in sorted({k for u in done for k in u}):
         values = [u[key] for u in done if key in u]
+        out[key] = sum(values) / len(values)
+    # Bypass mode's correction metrics describe the data, also of an update skipped because all of it was rejected.
+    for key in sorted({k for u in per_update for k in u if k.startswith(CORRECTION_PREFIX)}):
+        values = [u[key] for u in per_update if key in u]
         out[key] = sum(values) / len(values)
     out["updates"] = float(len(done))
     out["skipped_updates"] = float(len(per_update) - len(done))

@@ -176,7 +176,13 @@ def ensure_base_model(cache_dir: Path, settings: TinyBaseSettings) -> Path:
         pretrain(model, tokenizer, settings, log_path=tmp / "pretrain_log.jsonl")
     finally:
         torch.set_num_threads(threads)
-    model.save_pretrained(tmp, safe_serialization=True)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a one-file "Writing model shards" bar is noise in a run's log
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+    finally:
+        hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(tmp)
     (tmp / _DONE_MARKER).write_text("ok\n")
     try:

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from dapo_mcore import faults
+from dapo_mcore.errors import UserError
 from dapo_mcore.rollout.async_source import unflatten_bucket
 from dapo_mcore.rollout.bridge import Bridge
 from dapo_mcore.rollout.protocol import EngineError, WeightBucket
@@ -53,6 +54,9 @@ class EngineLoop:
         self.version = -1
         self.prefix_version = 0
         self.wait_s = self.transfer_s = 0.0
+        self.failed = False
+        """This rank's rollout side failed; the trainer was told, reports it (one line) and ends the run with its
+        code (2 for a user error such as a failing reward, 1 otherwise)."""
 
     def run(self) -> int:
         previous = {sig: signal.signal(sig, self._ignore) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
@@ -64,8 +68,9 @@ class EngineLoop:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         self.bridge.barrier()  # the trainer's shutdown barrier
+        self.bridge.close()
         log.info("engine rank %d: stopped after version %d", self.bridge.role.rank, self.version)
-        return 0
+        return 0  # a failure here was the trainer's to report: the job ends with its code (torchrun: the first non-zero)
 
     @staticmethod
     def _ignore(signum: int, frame: Any) -> None:
@@ -77,10 +82,12 @@ class EngineLoop:
         self._load_state(header.get("state"))
         start_version = self.version
         steps = self.cfg.train.steps
-        # A fresh start generates batch 0; a resume after s steps has batch s in the checkpoint, so s + 1.
-        k = 0 if start_version == 0 else start_version + 1
+        # A fresh start generates batch 0; a resume after s steps has batch s in the checkpoint, so s + 1, unless
+        # the checkpoint is a finished run's last (no batch after it) whose train.steps was raised: then batch s.
+        k = start_version + 1 if header.get("pending") else start_version
         self.prefix_version = max(0, start_version - 1)
         while k < steps:
+            version = self.version  # the one generating batch k: k - 1, or the start's
             faults.point("generate", k)
             try:
                 batch = self.rollouts.step_batch(k, stop=lambda: False)
@@ -95,12 +102,13 @@ class EngineLoop:
             if k > start_version:
                 self._receive()  # version k: the trainer finished step k - 1
             self._send({"kind": "batch", "step": k, "batch": batch, "state": self.rollouts.scheduler.checkpoint_state(),
-                        "version": max(0, k - 1), "prefix_version": self.prefix_version,
+                        "version": version, "prefix_version": self.prefix_version,
+                        "engine_ranks": self.bridge.role.engine_ranks,
                         "transfer_s": self.transfer_s,
                         "seconds": {"engine_generate_s": seconds.get("generate", 0.0),
                                     "engine_reward_s": seconds.get("reward", 0.0),
                                     "engine_wait_weights_s": self.wait_s, "weights_transfer_s": self.transfer_s}})
-            self.prefix_version = max(0, k - 1)
+            self.prefix_version = version
             k += 1
         while True:  # the last version (and its evaluation), then stop
             self._receive()
@@ -109,6 +117,7 @@ class EngineLoop:
     def _receive(self) -> dict[str, Any]:
         """The next version from the trainer, into the engine (bucket by bucket); evaluate it if flagged."""
         t0 = time.monotonic()
+        self.bridge.meet()  # the trainer is ready to publish (Bridge.meet)
         header = self.bridge.broadcast_header(None)
         if header.get("stop"):
             raise _Stop
@@ -121,19 +130,22 @@ class EngineLoop:
         return header
 
     def _buckets(self) -> Iterator[WeightBucket]:
-        import torch
-
         while True:
             head = self.bridge.broadcast_header(None)
             if head.get("end"):
                 return
             if head.get("stop"):  # the trainer failed half way through a version and is shutting down
                 raise _Stop
-            flat = torch.empty(int(head["bytes"]), dtype=torch.uint8, device=self.bridge.device)
+            flat = self.bridge.empty_flat(int(head["bytes"]))
             yield unflatten_bucket(head["bucket"], self.bridge.broadcast_flat(flat))
 
     def _evaluate(self) -> None:
-        groups = self.rollouts.eval_groups(self.eval_records, self.version)
+        if self.failed:  # waiting for the trainer's stop: nobody reads an evaluation
+            return
+        try:
+            groups = self.rollouts.eval_groups(self.eval_records, self.version)
+        except Exception as exc:  # noqa: BLE001 - sent to the trainer, which reports it and stops the run
+            self._fail(exc)
         self._send({"kind": "eval", "version": self.version, "groups": groups})
 
     # ---- state and messages -------------------------------------------------------------------------------------
@@ -147,14 +159,19 @@ class EngineLoop:
             self.bridge.send_object(message)
 
     def _fail(self, exc: Exception) -> None:
+        """Any failure of the rollout side (generation, a reward, an evaluation, memory): the trainer gets it and
+        reports it in one line; this rank waits for the stop and ends with the run's code, without a traceback."""
         from dapo_mcore.algo.dynamic_sampling import DynamicSamplingExhausted
 
+        self.failed = True
         if isinstance(exc, DynamicSamplingExhausted):
             self._send({"kind": "error", "error": "exhausted", "message": str(exc), "stats": exc.stats})
-        elif isinstance(exc, EngineError):
-            self._send({"kind": "error", "error": "engine", "message": str(exc)})
+        elif isinstance(exc, UserError):  # a failing reward, ...: the trainer raises it as such (one line, exit 2)
+            self._send({"kind": "error", "error": "user", "message": str(exc)})
         else:
-            self._send({"kind": "error", "error": "engine", "message": f"{type(exc).__name__}: {exc}"})
-            raise exc
+            text = str(exc) if isinstance(exc, EngineError) else f"{type(exc).__name__}: {exc}"
+            self._send({"kind": "error", "error": "engine", "message": text})
+        log.info("engine rank %d: %s: %s (the trainer reports it and stops the run)", self.bridge.role.rank,
+                 type(exc).__name__, exc)
         while True:  # the trainer reports it and says stop
             self._receive()

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from dapo_mcore import faults
+from dapo_mcore.errors import UserError
 from dapo_mcore.evaluation import eval_after
 from dapo_mcore.rollout.bridge import Bridge
 from dapo_mcore.rollout.groups import GroupData
@@ -74,6 +75,33 @@ def _is_failure(value: Any) -> bool:
     return isinstance(value, dict) and set(value) == {"error"}
 
 
+def _broadcast(value: Any, root: bool) -> Any:
+    """Trainer rank 0's ``value`` (a batch message, an evaluation's groups, a failure) on every trainer rank, packed
+    (``rollout.wire``) and sent as tensors on the trainer group's device."""
+    from dapo_mcore.rollout import wire
+
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    sizes = torch.zeros(3, dtype=torch.int64, device=device)
+    if root:
+        message = ({"groups": value} if isinstance(value, list) else
+                   wire.light(value) if isinstance(value, dict) and "batch" in value else {"value": value})
+        packed = wire.pack(message)
+        parts = [torch.frombuffer(bytearray(packed.meta), dtype=torch.uint8), packed.token_ids, packed.logprobs]
+        sizes = torch.tensor([t.numel() for t in parts], dtype=torch.int64, device=device)
+    dist.broadcast(sizes, src=0)
+    if not root:
+        parts = [torch.empty(int(n), dtype=dt) for n, dt in zip(sizes.tolist(), (torch.uint8, torch.int32,
+                                                                                   torch.float32), strict=True)]
+    parts = [t.to(device) for t in parts]
+    for t in parts:
+        if t.numel():
+            dist.broadcast(t, src=0)
+    if root:
+        return value
+    got = wire.unpack(wire.Packed(parts[0].cpu().numpy().tobytes(), parts[1].cpu(), parts[2].cpu()))
+    return got["groups"] if set(got) == {"groups"} else got["value"] if set(got) == {"value"} else got
+
+
 class AsyncRollouts:
     """The trainer ranks' RolloutSource in async mode (module docstring)."""
 
@@ -94,17 +122,26 @@ class AsyncRollouts:
         """The latest step's pipeline seconds (trainer waits, engine waits, transfers)."""
         self._start = 0
         """The version of the first publish: the steps the run starts after."""
-        self._publish_s = 0.0
         self._stopped = False
+        self._pending_at_start = False
+        """The checkpoint resumed from holds the next batch (not after the last step of a run now extended)."""
+        self._mid_version = False
+        """A publish failed between its first and last broadcast: the engines wait for a bucket, not a meeting."""
 
     # ---- start and checkpoints -------------------------------------------------------------------------------
     def resume_from(self, step: int, state: dict[str, Any], pending: bytes | None) -> None:
         """A checkpoint after ``step`` steps: the engines start from its state, the trainer trains on its batch."""
         self.fresh_start = step == 0
+        self._pending_at_start = pending is not None
         if pending is not None:
             message = pickle.loads(pending)
             self._batches[message["step"]] = message
             self.engine_state = message["state"]
+            was = message.get("engine_ranks")
+            if was is not None and was != self.bridge.role.engine_ranks:
+                log.info("resuming with rollout.pipeline.engine_ranks=%d (the checkpoint's batches came from %d): "
+                         "step %d trains on the checkpoint's batch; from the batch after it the engine groups "
+                         "differ, and so does the trajectory", self.bridge.role.engine_ranks, was, step + 1)
         self.resume_state = {"sampler": state.get("sampler"), "schedule": state.get("schedule")}
         self.version = None
         self._start = step
@@ -160,16 +197,20 @@ class AsyncRollouts:
         due = eval_after(self.cfg, version, self.fresh_start) and (self.version is not None or version == 0)
         header = {"version": version, "eval": due}
         if self.version is None:
-            header.update(start=start, state=self.resume_state)
+            header.update(start=start, state=self.resume_state, pending=self._pending_at_start)
+        self.bridge.meet()  # the engines finished the batch before this version (Bridge.meet)
+        self._mid_version = True
         self.bridge.broadcast_header(header)
+        if self.version is not None:  # returns once the engines join: they finished the next batch
+            self._waited(time.monotonic() - t0, "trainer_wait_publish_s")
         for index, bucket in enumerate(rebucket(weights, int(self.cfg.rollout.pipeline.bucket_mb * (1 << 20)))):
             meta, flat = flatten_bucket(bucket)
             self.bridge.broadcast_header({"bucket": meta, "bytes": flat.numel()})
-            self.bridge.broadcast_flat(flat.to(self.bridge.device))
+            self.bridge.broadcast_flat(flat)
             faults.point("publish", version, index)
         self.bridge.broadcast_header({"end": True})
+        self._mid_version = False
         self.version = version
-        self._publish_s = 0.0 if self.version == start else time.monotonic() - t0  # the start's is set-up time
 
     def step_batch(self, step: int, stop: Callable[[], bool]) -> StepBatch:
         """Batch ``step`` from the engines (rank 0 receives it, the other trainer ranks get it from rank 0)."""
@@ -177,11 +218,20 @@ class AsyncRollouts:
         with self.timer.phase("wait_rollouts"):
             message = self._shared(lambda: self._read(lambda: self._batches.pop(step, None)))
         self.engine_state = message["state"]
-        waited = time.monotonic() - t0 + self._publish_s - message.get("transfer_s", 0.0)
-        self.last = {"trainer_wait_s": max(waited, 0.0), **message["seconds"]}
+        self.last = {"trainer_wait_s": 0.0, **message["seconds"]}
+        self._waited(time.monotonic() - t0, "trainer_wait_batch_s")
         batch: StepBatch = message["batch"]
         batch.policy_version, batch.prefix_version = message["version"], message["prefix_version"]
         return batch
+
+    def _waited(self, seconds: float, part: str) -> None:
+        """This step's trainer wait for the engines, once: receiving the batch (``wait_rollouts``) and, inside the
+        publish (the trainer's ``sync_weights`` phase), until the engines join it having finished the next batch:
+        that part is charged to ``wait_rollouts``, so ``sync_weights`` is the transfer alone."""
+        if part == "trainer_wait_publish_s":
+            self.timer.move("sync_weights", "wait_rollouts", seconds)
+        self.last[part] = seconds
+        self.last["trainer_wait_s"] = self.last.get("trainer_wait_s", 0.0) + seconds
 
     def eval_groups(self, records: list[Any], step: int) -> list[GroupData]:
         return self._shared(lambda: self._read(lambda: self._evals.pop(step, None)))
@@ -192,8 +242,11 @@ class AsyncRollouts:
             return
         self._stopped = True
         if self.is_root:
+            if not self._mid_version:
+                self.bridge.meet()
             self.bridge.broadcast_header({"stop": True})
         self.bridge.barrier()
+        self.bridge.close()
 
     # ---- the batches channel ---------------------------------------------------------------------------------
     def _read(self, found: Callable[[], Any]) -> Any:
@@ -210,13 +263,14 @@ class AsyncRollouts:
         return hit
 
     def _shared(self, read: Callable[[], Any]) -> Any:
-        """``read()`` on trainer rank 0, its result on every trainer rank; an engine-side failure raises on all."""
-        box = [read() if self.is_root else None]
+        """``read()`` on trainer rank 0, its result on every trainer rank; an engine-side failure raises on all.
+        A batch reaches the other ranks light (``wire.light``: the kept groups whole) and packed as tensors."""
+        value = read() if self.is_root else None
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(box, src=0)
-        if _is_failure(box[0]):
-            self._raise(box[0]["error"])
-        return box[0]
+            value = _broadcast(value, self.is_root)
+        if _is_failure(value):
+            self._raise(value["error"])
+        return value
 
     @staticmethod
     def _raise(message: dict[str, Any]) -> None:
@@ -224,4 +278,6 @@ class AsyncRollouts:
 
         if message["error"] == "exhausted":
             raise DynamicSamplingExhausted(message["message"], message.get("stats") or SamplingStats())
+        if message["error"] == "user":
+            raise UserError(f"on the engine ranks: {message['message']}")
         raise EngineError(f"on the engine ranks: {message['message']}")

@@ -11,6 +11,10 @@ store prefix, so Megatron-Core on the trainer side sees a world of trainer ranks
     weights  trainer rank 0 + every engine rank: each policy version, broadcast from trainer rank 0 (NCCL on GPU)
     batches  trainer rank 0 + engine rank 0: each step's batch and each evaluation, sent by the engines (gloo)
 
+Before each version (and the stop) the members of the weights group meet on the store (``Bridge.meet``), which has
+no timeout: a collective is enqueued only once every member is there, so a generation or a training step longer than
+``parallel.timeout_minutes`` does not time the broadcast out (a rank that died is named by the roll call).
+
 Everything is torch.distributed process groups inside the one job: no service, no RPC, no broker.
 """
 
@@ -27,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from dapo_mcore.actor.parallel import LaunchEnv, choose_backend
+from dapo_mcore.rollout.device_strict import TransferDevice, strict, transfer_device
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +68,14 @@ def _group(backend: str, store: Any, rank: int, size: int, timeout: datetime.tim
 class Bridge:
     """The groups between the two sides (module docstring) and the few verbs the async mode needs."""
 
-    def __init__(self, role: Role, all_pg: Any, weights_pg: Any | None, batches_pg: Any | None, device: str):
+    def __init__(self, role: Role, all_pg: Any, weights_pg: Any | None, batches_pg: Any | None,
+                 device: TransferDevice, store: Any = None, poll: datetime.timedelta = datetime.timedelta(minutes=10)):
         self.role, self.all_pg, self.weights_pg, self.batches_pg = role, all_pg, weights_pg, batches_pg
         self.device = device
-        """Where weight buckets travel: cuda with NCCL, cpu with gloo."""
+        """Where every tensor on the weights group travels: cuda with NCCL (which refuses any other), cpu with gloo."""
+        self.store, self.poll = store, poll
+        """The meetings' store (the job's, under its own prefix) and how often a waiting member calls the roll."""
+        self._meetings = 0
 
     @property
     def sends_batches(self) -> bool:
@@ -78,37 +87,100 @@ class Bridge:
         return self.weights_pg is not None
 
     # ---- batches: engine rank 0 -> trainer rank 0 ---------------------------------------------------------------
-    def send_object(self, obj: Any) -> None:
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        self.batches_pg.send([torch.tensor([data.numel()], dtype=torch.int64)], 0, 0).wait()
-        self.batches_pg.send([data], 0, 1).wait()
+    def send_object(self, message: dict[str, Any]) -> None:
+        """A message (batch, evaluation, error): its tokens and log-probs as tensors, the rest pickled (``wire``)."""
+        from dapo_mcore.rollout import wire
 
-    def recv_object(self) -> Any:
-        size = torch.zeros(1, dtype=torch.int64)
-        self.batches_pg.recv([size], 1, 0).wait()
-        data = torch.empty(int(size.item()), dtype=torch.uint8)
-        self.batches_pg.recv([data], 1, 1).wait()
-        return pickle.loads(data.numpy().tobytes())
+        packed = wire.pack(message)
+        sizes = torch.tensor([len(packed.meta), packed.token_ids.numel(), packed.logprobs.numel()], dtype=torch.int64)
+        self.batches_pg.send([sizes], 0, 0).wait()
+        for tag, t in enumerate((torch.frombuffer(bytearray(packed.meta), dtype=torch.uint8), packed.token_ids,
+                                 packed.logprobs), start=1):
+            if t.numel():
+                self.batches_pg.send([t], 0, tag).wait()
+
+    def recv_object(self) -> dict[str, Any]:
+        from dapo_mcore.rollout import wire
+
+        sizes = torch.zeros(3, dtype=torch.int64)
+        self.batches_pg.recv([sizes], 1, 0).wait()
+        parts = [torch.empty(int(n), dtype=dt) for n, dt in zip(sizes.tolist(), (torch.uint8, torch.int32,
+                                                                                   torch.float32), strict=True)]
+        for tag, t in enumerate(parts, start=1):
+            if t.numel():
+                self.batches_pg.recv([t], 1, tag).wait()
+        return wire.unpack(wire.Packed(parts[0].numpy().tobytes(), parts[1], parts[2]))
 
     # ---- weights: trainer rank 0 -> every engine rank -----------------------------------------------------------
     def broadcast_header(self, header: dict[str, Any] | None) -> dict[str, Any]:
-        """Trainer rank 0 passes the header; every engine rank gets it."""
+        """Trainer rank 0 passes the header; every engine rank gets it. Both tensors travel on the group's device
+        (NCCL refuses host tensors); the sender does not wait on the host for them (``broadcast_flat`` does)."""
         root = self.role.trainer
         payload = pickle.dumps(header) if root else b""
-        size = torch.tensor([len(payload)], dtype=torch.int64)
+        size = self.device.to(torch.tensor([len(payload)], dtype=torch.int64))
         self.weights_pg.broadcast([size], _root()).wait()
-        data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if root
-                else torch.empty(int(size.item()), dtype=torch.uint8))
+        data = (self.device.to(torch.frombuffer(bytearray(payload), dtype=torch.uint8)) if root
+                else self.device.empty(int(size.item()), torch.uint8))
         self.weights_pg.broadcast([data], _root()).wait()
-        return header if root else pickle.loads(data.numpy().tobytes())
+        return header if root else pickle.loads(data.cpu().numpy().tobytes())
 
     def broadcast_flat(self, flat: torch.Tensor) -> torch.Tensor:
-        """One bucket's tensors flattened into one buffer (the sender's), filled in on the receivers."""
+        """One bucket's tensors flattened into one buffer, sent from the host or the device (moved here) by trainer
+        rank 0, filled in on the receivers (``empty_flat``). The sender waits on the host once per bucket, so at
+        most one bucket is in flight (``TransferDevice.synchronize``)."""
+        if self.role.trainer:
+            flat = self.device.to(flat)
         self.weights_pg.broadcast([flat], _root()).wait()
+        if self.role.trainer:
+            self.device.synchronize()
         return flat
+
+    def empty_flat(self, numel: int) -> torch.Tensor:
+        """A receiver's buffer for one bucket, on the group's device."""
+        return self.device.empty(numel, torch.uint8)
+
+    def meet(self) -> None:
+        """Trainer rank 0 and every engine rank, before each version's (or the stop's) first broadcast: wait until
+        all of them are here, on the store and without a timeout (module docstring). Every ``poll`` of waiting the
+        roll is called: a rank that stopped answering ends the wait with its name."""
+        from dapo_mcore.actor import rollcall
+
+        self._meetings += 1
+        key = f"meet/{self._meetings}"
+        if self.store.add(key, 1) == self.role.engine_ranks + 1:
+            self.store.set(key + "/all", b"1")
+            return
+        waited = datetime.timedelta(0)
+        while True:
+            try:
+                self.store.wait([key + "/all"], self.poll)
+                return
+            except dist.DistStoreError:
+                waited += self.poll
+            silent = rollcall.call()
+            if silent is not None and (silent.ranks or silent.store_down):
+                raise RuntimeError(f"the async bridge waited {waited} for the other side: {silent.describe()}")
+            log.info("async bridge: %s waited %s for the other side (generating or training); every rank answers",
+                     "the trainer" if self.role.trainer else f"engine rank {self.role.rank}", waited)
 
     def barrier(self) -> None:
         self.all_pg.barrier().wait()
+
+    def start(self, refusal: str | None = None) -> str | None:
+        """Trainer rank 0 tells the engine ranks whether the run starts (``refusal``: the one line it refused with,
+        e.g. another run in the directory); every member returns that. The engines' only word from the trainer before
+        the run exists: without it they would see a lost peer and say "run the same command", which is false."""
+        if self.weights_pg is None or self._meetings:  # another trainer rank, or told already
+            return refusal
+        self.meet()
+        return self.broadcast_header({"refusal": refusal} if self.role.trainer else None)["refusal"]
+
+    def close(self) -> None:
+        """Shut the weights group down (NCCL warns at exit, and may hang there, about a group never shut down);
+        idempotent."""
+        if self.weights_pg is not None:
+            self.weights_pg.shutdown()
+            self.weights_pg = None
 
 
 def _root() -> dist.BroadcastOptions:
@@ -116,6 +188,14 @@ def _root() -> dist.BroadcastOptions:
     opts.rootRank = 0  # trainer rank 0 is rank 0 of the weights group
     opts.rootTensor = 0
     return opts
+
+
+def _warm_up(weights_pg: Any | None, device: TransferDevice) -> None:
+    """One collective on each NCCL group of this rank now, so that its communicator (NCCL creates it lazily, at the
+    first collective) takes its device memory before vLLM takes its fraction of what is free on the engine ranks."""
+    if weights_pg is not None:
+        weights_pg.broadcast([device.to(torch.zeros(1))], _root()).wait()
+    dist.all_reduce(device.to(torch.zeros(1)))
 
 
 def init_split_world(launch: LaunchEnv, backend: str, timeout_minutes: float, engine_ranks: int) -> tuple[Role, Bridge]:
@@ -139,14 +219,16 @@ def init_split_world(launch: LaunchEnv, backend: str, timeout_minutes: float, en
 
     rollcall.start(launch.master_addr, launch.master_port, launch.rank, launch.world_size, timeout)  # names a hung rank
     trainers = launch.world_size - engine_ranks
+    device = transfer_device(backend)
     weights_pg = batches_pg = None
     if not role.trainer or role.rank == 0:  # weights: trainer rank 0 is rank 0, engine rank i is i + 1
         rank = 0 if role.trainer else role.rank + 1
-        weights_pg = _group(backend, dist.PrefixStore("dapo/weights/", store), rank, engine_ranks + 1, timeout)
+        weights_pg = strict(_group(backend, dist.PrefixStore("dapo/weights/", store), rank, engine_ranks + 1, timeout),
+                            device)
     if role.rank == 0:  # batches: trainer rank 0 and engine rank 0
         batches_pg = dist.ProcessGroupGloo(dist.PrefixStore("dapo/batches/", store), 0 if role.trainer else 1, 2,
                                            timeout)
-    device = "cuda" if backend == "nccl" else "cpu"
+    _warm_up(weights_pg, device)
     log.info("async layout: rank %d on %s is %s rank %d/%d (%d trainer ranks, %d engine ranks, %s)", launch.rank,
              socket.gethostname(), side, role.rank, role.size, trainers, engine_ranks, backend)
-    return role, Bridge(role, all_pg, weights_pg, batches_pg, device)
+    return role, Bridge(role, all_pg, weights_pg, batches_pg, device, dist.PrefixStore("dapo/bridge/", store), timeout)

@@ -64,6 +64,8 @@ class ColocatedRollouts:
         self.streams = streams
         self.exchanges = ExchangeTally()
         """Exchanges between engine groups while streaming (several groups) since start, and their wall seconds."""
+        self.progress: Any = None
+        """Rank 0's ``telemetry.progress.StepProgress`` (batches, usable groups, tokens inside a step), else None."""
         self.lockstep = getattr(engine, "groups_step_together", False)
         """The engine groups step together (vLLM's data-parallel engines): a group with nothing to stream or resume
         still streams (nothing) and ticks, or runs a one-token placeholder."""
@@ -96,14 +98,16 @@ class ColocatedRollouts:
             return dataclasses.replace(self.sampling(seed=step_seed(self.cfg.train.seed, step, slot)), n=n)
 
         def generate(records: list[PromptRecord], n: int, slot: int) -> list[Group]:
-            return [as_group(g) for g in self._generate_and_score(records, params(n, slot), slot)]
+            return self._noted(slot, [as_group(g) for g in self._generate_and_score(records, params(n, slot), slot)])
 
         def stream(records: list[PromptRecord], n: int, slot: int) -> _Stream:
             return self._stream_and_score(records, params(n, slot), slot)
 
         def resume(buffered: list[Buffered], slot: int) -> list[Group]:
-            return [as_group(g) for g in self._resume_and_score(buffered, params(1, slot), slot)]
+            return self._noted(slot, [as_group(g) for g in self._resume_and_score(buffered, params(1, slot), slot)])
 
+        if self.progress is not None:
+            self.progress.begin(step + 1)  # ``step`` steps are done: this batch is for step + 1
         kept, generated, stats = self.scheduler.collect(generate, GroupData.joined, step,
                                                         stream if self.streams else None,
                                                         resume if self.streams else None)
@@ -112,6 +116,11 @@ class ColocatedRollouts:
         for g in batch.generated:
             g.kept = id(g) in chosen
         return batch
+
+    def _noted(self, slot: int, groups: list[Group]) -> list[Group]:
+        if self.progress is not None:
+            self.progress.batch(slot, groups)
+        return groups
 
     def eval_groups(self, records: list[PromptRecord], step: int) -> list[GroupData]:
         params = self.sampling(eval_mode=True, seed=step_seed(self.cfg.train.seed + EVAL_SEED_OFFSET, step, 0))

@@ -18,12 +18,16 @@ Tensors of any shape; ``mask`` selects response tokens.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["MismatchStats", "mismatch_metrics", "tis_weights"]
+from dapo_mcore.algo.rollout_correction import RolloutCorrectionConfig, correction_packed
+
+__all__ = ["MismatchStats", "apply_correction", "mismatch_metrics", "tis_weights"]
 
 
 def tis_weights(actor_logp: Tensor, engine_logp: Tensor, cap: float) -> Tensor:
@@ -99,3 +103,22 @@ def mismatch_metrics(engine_logp: Tensor, actor_logp: Tensor, mask: Tensor,
                      tis_cap: float | None = None) -> dict[str, float]:
     """One-shot :class:`MismatchStats` metrics of a batch (see the module docstring)."""
     return MismatchStats.from_tensors(engine_logp, actor_logp, mask, tis_cap).metrics()
+
+
+def apply_correction(samples: Sequence[Any], cfg: RolloutCorrectionConfig) -> dict[str, float]:
+    """Decoupled mode: the rollout correction of a step's batch (every rank holds all of it, so the batch mean is
+    global), from each sample's ``old_logprobs`` (pi_old) and ``extra["engine_logp"]`` (pi_rollout). Sets
+    ``tis_weights`` (with IS weights) and multiplies ``loss_mask`` by the keep mask (with rejection), so the actor's
+    token denominators count kept tokens only. Returns the ``rollout_corr/*`` metrics (also without a correction)."""
+    lengths = [len(s.response_ids) for s in samples]
+    masks = [s.loss_mask if s.loss_mask is not None else torch.ones(n) for s, n in zip(samples, lengths, strict=True)]
+    log_ratio = torch.cat([s.old_logprobs.float() - s.extra["engine_logp"].float() for s in samples])
+    weights, keep, stats = correction_packed(log_ratio, lengths, torch.cat(masks).float(), cfg)
+    offset = 0
+    for s, n, mask in zip(samples, lengths, masks, strict=True):
+        if cfg.is_level is not None:
+            s.tis_weights = weights[offset:offset + n]
+        if cfg.rs:
+            s.loss_mask = mask * keep[offset:offset + n].to(mask.dtype)
+        offset += n
+    return stats.metrics()

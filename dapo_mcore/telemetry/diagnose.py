@@ -227,17 +227,46 @@ def rule_clip_high(run: Run) -> list[Finding]:
     if max(values) == 0.0:
         return [Finding("clip-high", "info", rng, "clip-high was never active",
                         f"train/clipfrac_high = 0 in all {len(values)} steps: no positive-advantage token's ratio "
-                        f"passed {bound}",
-                        "Clip-Higher changes nothing at this step size (one on-policy mini-batch per step, or a small "
-                        "lr); fine if learning progresses, otherwise more mini-batches per step or a larger lr")]
+                        f"passed {bound}", _clip_high_fix(run))]
     active = sum(v > 0 for v in values) / len(values)
     med = _median(values)
     if active >= 0.9 and med >= CLIP_HIGH_ALWAYS:
         return [Finding("clip-high", "warn", rng, "clip-high is active on many tokens in nearly every step",
                         f"train/clipfrac_high > 0 in {active:.0%} of steps, median {med:.1%} of tokens clipped at {bound}",
-                        "each update moves the policy past the trust region: lower optim.lr or use fewer mini-batches "
-                        "per step (train.mini_batch_prompts closer to train.prompts_per_step)")]
+                        "each update moves the policy past the trust region: lower optim.lr"
+                        + ("" if _updates(run) == 1 else " or use fewer mini-batches per step "
+                           "(train.mini_batch_prompts closer to train.prompts_per_step)"))]
     return []
+
+
+def _updates(run: Run) -> int | None:
+    """Optimizer updates per step from the run's config (None when it is not readable)."""
+    prompts, mini, epochs = (run.cfg("train", "prompts_per_step"), run.cfg("train", "mini_batch_prompts"),
+                             run.cfg("train", "epochs"))
+    if not all(isinstance(v, int) and v > 0 for v in (prompts, mini, epochs)):
+        return None
+    return prompts // mini * epochs
+
+
+def _clip_high_fix(run: Run) -> str:
+    """What to change when Clip-Higher never binds, from the run's own settings: more mini-batches per step only
+    where the run takes one (the ratio is exactly 1 on the first update of a step), else a larger lr."""
+    prompts, mini, epochs = (run.cfg("train", "prompts_per_step"), run.cfg("train", "mini_batch_prompts"),
+                             run.cfg("train", "epochs"))
+    lr = run.cfg("optim", "lr")
+    lr_text = f"optim.lr (now {lr:g})" if isinstance(lr, int | float) else "optim.lr"
+    updates = _updates(run)
+    if updates is None:
+        return ("Clip-Higher changes nothing at this step size; fine if learning progresses, otherwise more "
+                f"mini-batches per step (train.mini_batch_prompts < train.prompts_per_step) or a larger {lr_text}")
+    if updates <= 1:
+        return (f"Clip-Higher changes nothing with one on-policy update per step (train.prompts_per_step={prompts}, "
+                f"mini_batch_prompts={mini}, epochs={epochs}): the ratio is 1 there. Fine if learning progresses; "
+                f"otherwise several mini-batches per step (e.g. train.mini_batch_prompts={max(1, prompts // 4)}) or "
+                f"a larger {lr_text}")
+    return (f"the {updates} updates per step (train.prompts_per_step={prompts} / mini_batch_prompts={mini} x "
+            f"epochs={epochs}) never moved a token's ratio past {1 + (run.cfg('algo', 'clip_high') or 0):g}: the "
+            f"step size is small. Fine if learning progresses; otherwise a larger {lr_text}")
 
 
 def rule_length_limit(run: Run) -> list[Finding]:
@@ -278,7 +307,50 @@ def rule_mismatch(run: Run) -> list[Finding]:
                     "the rollout engine and the trainer disagree on log-probs" + (", and it is growing" if growing else ""),
                     f"|logp_engine - logp_trainer| mean {start:.3g} (steps {s_rng}) -> {end:.3g} (steps {e_rng}){kl_txt}",
                     "check the engine dtype vs model.params_dtype and that weight sync covers every tensor; "
-                    "algo.tis_cap corrects the gradient for a known mismatch")]
+                    "algo.tis_cap (or an algo.rollout_correction preset) corrects the gradient for a known mismatch")]
+
+
+OFF_POLICY_KL_FLOOR = 1e-3
+"""Off-policy k3 KL below this is numerical noise (fp32 engine vs trainer), whatever its trend."""
+OFF_POLICY_KL_LARGE = 2e-2
+OFF_POLICY_REJECT_MOST = 0.5
+
+
+def rule_off_policy(run: Run) -> list[Finding]:
+    """The rollout-vs-trainer gap (rollout_corr/*) grows or is large, or the correction rejects most tokens: which
+    algo.rollout_correction preset to try next."""
+    se = run.start_end(keys.CORR_KL_K3)
+    if se is None:
+        return []
+    start, end, s_rng, e_rng = se
+    steps = f"{s_rng.split('-')[0]}-{e_rng.split('-')[1]}"
+    bypass = run.has(keys.CORR_BYPASS)
+    rejected = run.end_mean(keys.CORR_REJECTED_TOKEN_FRAC) or 0.0
+    out = []
+    if rejected > OFF_POLICY_REJECT_MOST:
+        out.append(Finding("off-policy", "warn", steps, f"the rollout correction rejects {100 * rejected:.0f}% of "
+                           "the tokens: most of the batch trains nothing",
+                           f"{keys.CORR_REJECTED_TOKEN_FRAC} {rejected:.2f} at the end; off-policy KL (k3) {end:.3g}",
+                           "widen algo.rollout_correction.rs_thresholds" + (
+                               ", or leave bypass mode: with several mini-batches per step pi_theta drifts from "
+                               "the engine's policy and Geo-RS's +-0.1% rejects it (preset geo_rs_token_tis)"
+                               if bypass else "; Geo-RS's +-0.1% suits a small engine mismatch, not async staleness "
+                               "(preset token_tis or icepop)")))
+    growing = end > OFF_POLICY_KL_FLOOR and end > MISMATCH_GROWTH * max(start, 1e-12)
+    if growing or end > OFF_POLICY_KL_LARGE:
+        weighted = (run.end_mean(keys.CORR_IS_WEIGHT_MAX) or 1.0) != 1.0
+        if bypass:
+            advice = "leave bypass mode (preset token_tis: the old-log-prob pass returns and clips against pi_old)"
+        elif weighted:
+            advice = "reject the outlier responses too: preset geo_rs_token_tis, or seq_mis"
+        else:
+            advice = ("start a correction: preset token_tis (icepop if a few tokens carry huge weights, seq_mis for "
+                      "long responses)")
+        out.append(Finding("off-policy", "warn", steps, "the gap between the rollout policy and the trainer's"
+                           + (" grows" if growing else " is large"),
+                           f"off-policy KL (k3) {start:.3g} (steps {s_rng}) -> {end:.3g} (steps {e_rng})",
+                           f"algo.rollout_correction: {advice}"))
+    return out
 
 
 ROUTING_MISMATCH_FLOOR = 1e-3
@@ -454,14 +526,15 @@ RULES: tuple[tuple[str, tuple[str, ...], Callable[[Run], list[Finding]]], ...] =
     ("spikes", (keys.TRAIN_LOSS, keys.TRAIN_GRAD_NORM), rule_spikes),
     ("warmup", (keys.TRAIN_LR,), rule_warmup),
     ("pipeline", ("async/trainer_wait_s",), rule_pipeline),
+    ("off-policy", (keys.CORR_KL_K3,), rule_off_policy),
     ("routing-mismatch", ("moe/routing_mismatch_frac",), rule_routing_mismatch),
 )
 """(name, metrics it needs, rule). A rule runs when at least one of its metrics was logged."""
 LEVEL_RULES = frozenset({"cannot-learn", "usable-groups", "length-limit", "spikes", "warmup", "pipeline",
                          "routing-mismatch"})
 """Rules that judge levels (or non-finite values), not trends: they run on a run of any length."""
-MODE_RULES = frozenset({"pipeline", "routing-mismatch"})
-"""Rules of one mode (async; MoE): a run of the other is not told they were skipped."""
+MODE_RULES = frozenset({"pipeline", "off-policy", "routing-mismatch"})
+"""Rules of one mode (async; runs that log rollout_corr/*; MoE): a run of the other is not told they were skipped."""
 
 
 @dataclass(frozen=True)

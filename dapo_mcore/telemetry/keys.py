@@ -47,6 +47,23 @@ ROLLOUT_ADV_STD = "rollout/adv_std"
 MISMATCH_LOGP_ABS_DIFF_MEAN = "mismatch/logp_abs_diff_mean"
 MISMATCH_LOGP_ABS_DIFF_MAX = "mismatch/logp_abs_diff_max"
 MISMATCH_KL = "mismatch/kl"
+
+# --- rollout correction (algo.rollout_correction): log r = logp_train - logp_rollout per valid token -----------
+CORR_IS_WEIGHT_MEAN = "rollout_corr/is_weight_mean"
+CORR_IS_WEIGHT_MIN = "rollout_corr/is_weight_min"
+CORR_IS_WEIGHT_MAX = "rollout_corr/is_weight_max"
+CORR_ESS = "rollout_corr/ess"
+"""(sum w)^2 / (n sum w^2) over valid tokens: 1 with equal weights, small when a few weights dominate."""
+CORR_REJECTED_TOKEN_FRAC = "rollout_corr/rejected_token_frac"
+CORR_REJECTED_SEQ_FRAC = "rollout_corr/rejected_seq_frac"
+CORR_KL_K1 = "rollout_corr/kl_k1"
+CORR_KL_K3 = "rollout_corr/kl_k3"
+"""Off-policy KL(rollout || train): mean of -log r (k1) and of r - 1 - log r (k3, never negative)."""
+CORR_CHI2 = "rollout_corr/chi2"
+CORR_LOG_PPL_DIFF = "rollout_corr/log_ppl_diff"
+"""Per-response log-perplexity, trainer minus engine, averaged over responses."""
+CORR_BYPASS = "rollout_corr/bypass"
+"""1 in bypass mode: the old-log-prob phase was skipped (pi_old := the engine's log-probs)."""
 """Mean of logp_engine - logp_trainer over response tokens (k1 estimate of KL(engine || trainer))."""
 
 # --- eval: held-out set, k samples per problem --------------------------------------------------
@@ -60,9 +77,10 @@ EVAL_K = "eval/k"
 
 # --- time: wall seconds per phase of the step ---------------------------------------------------
 PHASES: tuple[str, ...] = (
-    "generate", "reward", "old_logprobs", "train", "sync_weights", "eval", "checkpoint", "step",
+    "wait_rollouts", "generate", "reward", "old_logprobs", "train", "sync_weights", "eval", "checkpoint", "step",
 )
-"""Phase names the trainer times. ``step`` wraps the whole step, so the others nest inside it."""
+"""Phase names the trainer times. ``step`` wraps the whole step, so the others nest inside it. ``wait_rollouts``:
+async mode only, the trainer waiting for the engines' batch (its ``sync_weights`` is then the weight transfer alone)."""
 STEP_PHASE = "step"
 
 

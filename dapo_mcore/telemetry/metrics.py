@@ -47,11 +47,14 @@ class MetricsWriter:
         run_dir: the run directory; created if missing.
         enabled: False on every rank but 0; then nothing is opened or written.
         resume_step: first step that will be logged again after a resume (None for a fresh run).
+        sinks: more destinations of each record, with ``log(record)`` and ``close()`` (`wandb_sink.WandbSink`).
     """
 
-    def __init__(self, run_dir: Path, enabled: bool = True, resume_step: int | None = None) -> None:
+    def __init__(self, run_dir: Path, enabled: bool = True, resume_step: int | None = None,
+                 sinks: list[Any] | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.enabled = enabled
+        self.sinks = list(sinks or [])
         self._jsonl: StepLogFile | None = None
         self._tb = None
         if not enabled:
@@ -83,8 +86,13 @@ class MetricsWriter:
                 if key != keys.STEP:
                     self._tb.add_scalar(key, value, global_step=step)
             self._tb.flush()
+        for sink in self.sinks:
+            sink.log(record)
 
     def close(self) -> None:
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            sink.close()
         if self._jsonl is not None:
             self._jsonl.close()
         if self._tb is not None:

@@ -16,7 +16,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from dapo_mcore.telemetry import keys
+from dapo_mcore.telemetry import keys, lanes
 from dapo_mcore.telemetry.report import load_run, phase_seconds
 
 PERF_KEYS: tuple[tuple[str, str, bool], ...] = (
@@ -65,6 +65,10 @@ class ProfileSummary:
     tokens: dict[str, float] = field(default_factory=dict)
     pipeline: dict[str, float] = field(default_factory=dict)
     """Async mode: the window's means of ``async/*`` (lag, waits on both sides, overlap)."""
+    engine_lane: list[PhaseRow] = field(default_factory=list)
+    """Async mode: the engines' seconds per batch (generate, score, wait for weights, receive them, eval)."""
+    skipped: list[str] = field(default_factory=list)
+    """Phases a mode skips (bypass: old_logprobs), shown as skipped rather than missing."""
 
 
 def summarize(records: Sequence[dict[str, Any]]) -> ProfileSummary:
@@ -84,12 +88,15 @@ def summarize(records: Sequence[dict[str, Any]]) -> ProfileSummary:
         untimed = wall - sum(inner.values()) if inner else wall
         inner = {**inner, "other (untimed)": untimed}
     denom = float(sum(s.sum() for s in inner.values()))
+    names = lanes.TRAINER_LABELS if lanes.is_async(records) else {}
     for phase, s in inner.items():
-        summary.phases.append(PhaseRow(phase, float(s.sum()), float(s.sum()) / denom if denom > 0 else 0.0,
-                                       float(s.mean()), float(s[-1])))
+        summary.phases.append(PhaseRow(names.get(phase, phase), float(s.sum()),
+                                       float(s.sum()) / denom if denom > 0 else 0.0, float(s.mean()), float(s[-1])))
     if keys.STEP_PHASE in phases:
         s = phases[keys.STEP_PHASE]
         summary.phases.append(PhaseRow("step (wall)", float(s.sum()), 1.0, float(s.mean()), float(s[-1])))
+    if any(keys.CORR_BYPASS in r for r in records) and "old_logprobs" not in phases:
+        summary.skipped.append("old_logprobs")
     for key, _, _ in PERF_KEYS:
         values = [float(r[key]) for r in records if key in r]
         if values:
@@ -98,6 +105,7 @@ def summarize(records: Sequence[dict[str, Any]]) -> ProfileSummary:
         key = keys.cost_key(name, cumulative=False)
         if any(key in r for r in records):
             summary.tokens[name] = float(sum(r.get(key, 0) for r in records))
+    summary.engine_lane = _engine_lane(records)
     for key in sorted({k for r in records for k in r if k.startswith("async/")}):
         values = [float(r[key]) for r in records if key in r]
         summary.pipeline[key.removeprefix("async/")] = sum(values) / len(values)
@@ -105,6 +113,20 @@ def summarize(records: Sequence[dict[str, Any]]) -> ProfileSummary:
         summary.tokens["tokens_generated_filtered"] = (summary.tokens["tokens_generated_rejected"]
                                                        - summary.tokens["tokens_generated_surplus"])
     return summary
+
+
+def _engine_lane(records: Sequence[dict[str, Any]]) -> list[PhaseRow]:
+    """The engines' seconds per batch (``telemetry.lanes``), shares of their sum; eval from the trainer's wait for it
+    when the engines do not report their own."""
+    if not lanes.is_async(records):
+        return []
+    cols = {label: [float(r.get(key) or 0.0) for r in records] for key, label in lanes.ENGINE_SECONDS
+            if any(key in r for r in records)}
+    if "eval" not in cols and any(keys.TIME_EVAL in r for r in records):
+        cols["eval"] = [float(r.get(keys.TIME_EVAL) or 0.0) for r in records]
+    total = sum(sum(v) for v in cols.values())
+    return [PhaseRow(label, sum(v), sum(v) / total if total > 0 else 0.0, sum(v) / len(v), v[-1])
+            for label, v in cols.items()]
 
 
 def _share(tokens: dict[str, float], name: str) -> str:
@@ -126,13 +148,17 @@ def render(summary: ProfileSummary, console: Console, run_name: str) -> None:
         console.print(f"{run_name}: no steps logged")
         return
     console.print(f"[bold]{run_name}[/bold]: {len(summary.steps)} steps ({summary.steps[0]}..{summary.steps[-1]})")
-    time_table = Table(title="Where time went")
+    time_table = Table(title="Where time went" + (" (trainer lane)" if summary.engine_lane else ""))
     for col in ("phase", "total s", "share", "mean s/step", "last s"):
         time_table.add_column(col, justify="left" if col == "phase" else "right")
     for row in summary.phases:
         time_table.add_row(row.phase, f"{row.total_s:.2f}", f"{100 * row.share:.1f}%",
                            f"{row.per_step_s:.3f}", f"{row.last_s:.3f}")
+    for phase in summary.skipped:
+        time_table.add_row(phase, "skipped", "", "", "", end_section=False)
     console.print(time_table if summary.phases else "no time/* metrics logged")
+    if "old_logprobs" in summary.skipped:
+        console.print("old_logprobs: skipped (bypass mode, algo.rollout_correction: pi_old := the engine's log-probs)")
     if summary.base_eval_s is not None:
         console.print(f"base evaluation (step 0, before the first step; not in the table): "
                       f"{summary.base_eval_s:.2f} s")
@@ -159,6 +185,14 @@ def render(summary: ProfileSummary, console: Console, run_name: str) -> None:
         console.print(tok_table)
     else:
         console.print("no cost/* token counters logged")
+    if summary.engine_lane:
+        engines = Table(title="Engine lane (async: seconds per batch, while the trainer trains)")
+        for col in ("phase", "total s", "share", "mean s/step", "last s"):
+            engines.add_column(col, justify="left" if col == "phase" else "right")
+        for row in summary.engine_lane:
+            engines.add_row(row.phase, f"{row.total_s:.2f}", f"{100 * row.share:.1f}%", f"{row.per_step_s:.3f}",
+                            f"{row.last_s:.3f}")
+        console.print(engines)
     if summary.pipeline:
         pipe = Table(title="Async pipeline (means per step)")
         pipe.add_column("metric")

@@ -44,6 +44,8 @@ class Panel:
     series: tuple[tuple[str, str], ...]
     split: bool = False
     """One subplot per series (quantities on different scales) instead of all on one axis."""
+    optional: bool = False
+    """Drawn only for runs that log it (e.g. ``algo.tis_cap``), without a warning for the others."""
 
 
 PANELS: tuple[Panel, ...] = (
@@ -64,7 +66,14 @@ PANELS: tuple[Panel, ...] = (
         (keys.TRAIN_GRAD_NORM, "grad norm (before clipping)"), (keys.TRAIN_PPO_KL, "ppo_kl (old - new logp)"),
         (keys.MISMATCH_KL, "engine/trainer KL (k1)"), (keys.MISMATCH_LOGP_ABS_DIFF_MEAN, "engine/trainer |dlogp| mean")),
         split=True),
+    Panel("tis", "Truncated importance sampling (algo.tis_cap)", "value", (
+        ("mismatch/tis_mean", "mean TIS weight"), ("mismatch/tis_clip_frac", "fraction of tokens at the cap"),
+        ("train/tis_weight", "TIS weight in the loss")), split=True, optional=True),
 )
+LINE_STYLES: tuple[tuple[str, float, str | None], ...] = (("-", 3.0, None), ("--", 2.2, "o"), (":", 2.0, "s"),
+                                                         ("-.", 1.4, "^"))
+"""(linestyle, width, marker) per series of a shared axis, thick to thin: a series equal to another (``all`` and
+``low`` when nothing clips high; ``high`` and ``dual clip``) still shows under it."""
 
 COMPARE_PANELS: tuple[tuple[str, str, str], ...] = (
     (keys.EVAL_AVG_AT_K, "Held-out avg@k", "accuracy"), (keys.ROLLOUT_ACC_MEAN, "Train accuracy (rollouts)", "accuracy"),
@@ -79,6 +88,7 @@ X_AXES: dict[str, tuple[str | None, str]] = {
     "step": (None, "step"),
     "generated_tokens": (keys.cost_key("tokens_generated", cumulative=True), "generated tokens (cumulative)"),
     "wall_seconds": (keys.cost_seconds_key("step", cumulative=True), "wall seconds (cumulative)"),
+    "device_hours": (keys.COST_TOTAL_DEVICE_HOURS, "device-hours (cumulative; fair across rank counts)"),
 }
 """``--x`` choices: the key holding each step's x value (None: the step itself) and the axis label."""
 
@@ -131,10 +141,16 @@ def _use_log(values: np.ndarray) -> bool:
     return len(finite) > 1 and bool(np.all(finite > 0)) and finite.max() / finite.min() > 100
 
 
-def _draw(ax: Any, records: Sequence[dict[str, Any]], key: str, label: str, smooth: int) -> np.ndarray:
+def _draw(ax: Any, records: Sequence[dict[str, Any]], key: str, label: str, smooth: int,
+          style: int | None = None) -> np.ndarray:
     x, y = series(records, key, smooth)
     sparse = len(x) < 0.5 * len(records)  # e.g. eval every N steps: show the points
-    ax.plot(x, y, marker="o" if sparse else None, markersize=3, label=label)
+    if style is None:
+        ax.plot(x, y, marker="o" if sparse else None, markersize=3, label=label)
+        return y
+    linestyle, width, marker = LINE_STYLES[style % len(LINE_STYLES)]
+    ax.plot(x, y, linestyle=linestyle, linewidth=width, marker=marker or ("o" if sparse else None), markersize=4,
+            markevery=max(1, len(x) // 12), label=label)
     return y
 
 
@@ -143,9 +159,10 @@ def _line_figure(records: Sequence[dict[str, Any]], panel: Panel, out: Path, smo
     present = [(k, _k_label(records, lbl)) for k, lbl in panel.series if any(k in r for r in records)]
     missing = [k for k, _ in panel.series if not any(k in r for r in records)]
     if not present:
-        logger.warning("skipping figure %r: none of %s were logged", panel.name, [k for k, _ in panel.series])
+        if not panel.optional:
+            logger.warning("skipping figure %r: none of %s were logged", panel.name, [k for k, _ in panel.series])
         return None
-    if missing:
+    if missing and not panel.optional:
         logger.warning("figure %r: not logged, skipped: %s", panel.name, missing)
     if panel.split:
         fig, axes = _figure(len(present), 3.6 * len(present), 3.4)
@@ -159,8 +176,8 @@ def _line_figure(records: Sequence[dict[str, Any]], panel: Panel, out: Path, smo
         fig.suptitle(panel.title)
         return _save(fig, out / f"{panel.name}.png")
     fig, ax = _figure(1, 7, 4)
-    for key, label in present:
-        _draw(ax, records, key, label, smooth)
+    for i, (key, label) in enumerate(present):
+        _draw(ax, records, key, label, smooth, style=i)
     if panel.name == "response_length" and max_len is not None:
         ax.axhline(max_len, color="gray", linestyle="--", linewidth=1, label=f"rollout.max_new_tokens={max_len}")
     ax.set(title=panel.title, xlabel="step", ylabel=panel.ylabel)
@@ -238,56 +255,69 @@ def cost_figure(records: Sequence[dict[str, Any]], out: Path) -> Path | None:
 
 
 PIPELINE_STEPS = 6
-"""Steps the async timeline shows (the last ones)."""
+"""Steps the async timeline shows by default (the last ones; ``report --pipeline-steps`` chooses others)."""
+PIPELINE_COLOURS = {"wait for rollouts": "tab:red", "wait for eval": "mistyrose", "old log-probs": "lightsteelblue",
+                    "train": "tab:blue", "publish": "tab:cyan", "checkpoint": "tab:brown", "other": "lightgray",
+                    "generate + score": "tab:green", "wait for weights": "tab:orange",
+                    "receive weights": "tab:purple", "eval": "tab:gray"}
 
 
-def pipeline_figure(records: Sequence[dict[str, Any]], out: Path) -> Path | None:
-    """Async mode: both sides over the last steps, laid out from each step's seconds (one lane per side).
+def pipeline_figure(records: Sequence[dict[str, Any]], out: Path, steps: Sequence[int] | None = None) -> Path | None:
+    """Async mode: the trainer's and the engines' lanes over ``steps`` (default: the last ``PIPELINE_STEPS``), every
+    second drawn once (``telemetry.lanes``: the trainer's bars of a step sum to its wall time; eval is on the
+    engines' lane, the trainer's lane shows its wait for it)."""
+    from dapo_mcore.telemetry import lanes
 
-    Trainer step k: it waits for batch k, computes (old log-probs, train), publishes version k+1 (which returns once
-    the engines finished batch k+1), evaluates if due. The engines' cycle for batch k ends when the trainer's wait
-    for it ends: generate + score, wait for the weights, receive them. Reconstructed from per-step seconds (no clock
-    is shared between the ranks), so it shows the shares and the order, not exact instants."""
-    rows = [r for r in records if "async/trainer_wait_s" in r][-PIPELINE_STEPS:]
-    if not rows:
+    if not lanes.is_async(records):
         return None
-    fig, ax = _figure(1, 14, 3.2)
-    colours = {"wait": "tab:red", "compute": "tab:blue", "publish": "tab:cyan", "eval": "tab:gray",
-               "generate": "tab:green", "wait weights": "tab:orange", "transfer": "tab:purple"}
-    t, used = 0.0, set()
-
-    def bar(lane: float, start: float, width: float, what: str) -> None:
-        if width > 0:
-            ax.broken_barh([(start, width)], (lane, 0.8), color=colours[what],
-                           label=None if what in used else what)
-            used.add(what)
-
-    for r in rows:
-        wait = float(r["async/trainer_wait_s"])
-        gen = float(r.get("async/engine_generate_s", 0.0)) + float(r.get("async/engine_reward_s", 0.0))
-        idle, copy = float(r.get("async/engine_wait_weights_s", 0.0)), float(r.get("async/weights_transfer_s", 0.0))
-        end_wait = t + wait
-        start = end_wait - copy - idle - gen
-        bar(0, start, gen, "generate")
-        bar(0, start + gen, idle, "wait weights")
-        bar(0, start + gen + idle, copy, "transfer")
-        compute = sum(float(r.get(keys.time_key(p), 0.0)) for p in ("old_logprobs", "train"))
-        publish = float(r.get(keys.time_key("sync_weights"), 0.0))
-        bar(1, t, wait, "wait")
-        bar(1, end_wait, compute, "compute")
-        bar(1, end_wait + compute, publish, "publish")
-        evaluation = float(r.get(keys.time_key("eval"), 0.0))
-        bar(1, end_wait + compute + publish, evaluation, "eval")
+    steps = list(steps) if steps is not None else lanes.select_steps(records, None, PIPELINE_STEPS)
+    fig, ax = _figure(1, 14, 3.4)
+    used: set[str] = set()
+    for seg in lanes.layout(records, steps):
+        ax.broken_barh([(seg.start, seg.width)], (1 if seg.lane == "trainer" else 0, 0.8),
+                       color=PIPELINE_COLOURS[seg.what], label=None if seg.what in used else seg.what)
+        used.add(seg.what)
+    t = 0.0
+    for r in (r for r in records if r[keys.STEP] in set(steps) and "async/trainer_wait_s" in r):
         ax.text(t, 1.85, f"step {r[keys.STEP]}", fontsize=7)
-        t = max(t + float(r.get(keys.TIME_STEP, wait + compute + publish + evaluation)), end_wait + compute)
-    ax.set(yticks=[0.4, 1.4], yticklabels=["engines", "trainer"], xlabel="seconds (from the per-step times)",
-           title=f"Async pipeline, steps {rows[0][keys.STEP]}-{rows[-1][keys.STEP]}")
-    ax.legend(fontsize=7, ncol=7, loc="upper right")
+        ax.axvline(t, color="black", linewidth=0.5, alpha=0.3)
+        t += float(r.get(keys.TIME_STEP) or 0.0)
+    ax.set(yticks=[0.4, 1.4], yticklabels=["engines", "trainer"], xlabel="seconds (laid out from per-step times)",
+           title=f"Async pipeline, steps {steps[0]}-{steps[-1]}")
+    ax.legend(fontsize=7, ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.28), frameon=False)
     ax.set_ylim(-0.2, 2.3)
     return _save(fig, out / "pipeline.png")
 
 
-def write_report(run_dir: Path, out: Path | None = None, smooth: int = 1) -> list[Path]:
+def correction_figure(records: Sequence[dict[str, Any]], out: Path, smooth: int = 1) -> Path | None:
+    """Rollout correction (algo.rollout_correction): the gap between the engine's and the trainer's policy and what
+    the correction did with it, per step: IS weights, effective sample size, rejected fractions, off-policy KL."""
+    if not any(keys.CORR_KL_K3 in r for r in records):
+        return None
+    panels = [
+        ("IS weights", [(keys.CORR_IS_WEIGHT_MEAN, "mean"), (keys.CORR_IS_WEIGHT_MIN, "min"),
+                        (keys.CORR_IS_WEIGHT_MAX, "max")]),
+        ("effective sample size (fraction)", [(keys.CORR_ESS, "ESS")]),
+        ("rejected fraction", [(keys.CORR_REJECTED_TOKEN_FRAC, "tokens"), (keys.CORR_REJECTED_SEQ_FRAC, "responses")]),
+        ("off-policy gap", [(keys.CORR_KL_K1, "KL k1"), (keys.CORR_KL_K3, "KL k3"), (keys.CORR_CHI2, "chi-squared"),
+                            (keys.CORR_LOG_PPL_DIFF, "log-PPL diff")]),
+    ]
+    fig, axes = _figure(len(panels), 4.2 * len(panels), 3.4)
+    for ax, (title, lines) in zip(axes, panels, strict=True):
+        for key, label in lines:
+            steps, values = series(records, key, smooth)
+            if len(steps):
+                ax.plot(steps, values, label=label)
+        ax.set(title=title, xlabel="step")
+        ax.legend(fontsize=7)
+    bypass = any(keys.CORR_BYPASS in r for r in records)
+    fig.suptitle("Rollout correction" + (" (bypass: pi_theta vs the engine, measured in training)" if bypass
+                                         else " (pi_old vs the engine)"))
+    return _save(fig, out / "rollout_correction.png")
+
+
+def write_report(run_dir: Path, out: Path | None = None, smooth: int = 1,
+                 pipeline_steps: Sequence[int] | None = None) -> list[Path]:
     """Write every figure of one run; returns the files written."""
     records = load_run(run_dir)
     out = Path(out) if out is not None else Path(run_dir) / "figures"
@@ -295,7 +325,8 @@ def write_report(run_dir: Path, out: Path | None = None, smooth: int = 1) -> lis
     max_len = _max_new_tokens(Path(run_dir))
     written = [_line_figure(records, panel, out, smooth, max_len) for panel in PANELS]
     written.append(cost_figure(records, out))
-    written.append(pipeline_figure(records, out))
+    written.append(pipeline_figure(records, out, pipeline_steps))
+    written.append(correction_figure(records, out, smooth))
     written.append(moe_figure(records, out, smooth))
     return [p for p in written if p is not None]
 
@@ -348,8 +379,10 @@ def x_values(records: Sequence[dict[str, Any]], x: str) -> dict[int, float]:
     return out
 
 
-def compare_figure(run_dirs: Sequence[Path], out_path: Path, smooth: int = 1, x: str = "generated_tokens") -> Path:
-    """A grid with a panel per key of ``COMPARE_PANELS``, one line per run, one legend below the grid."""
+def compare_figure(run_dirs: Sequence[Path], out_path: Path, smooth: int = 1, x: str = "generated_tokens",
+                   log_x: bool = False) -> Path:
+    """A grid with a panel per key of ``COMPARE_PANELS``, one line per run, one legend below the grid; ``log_x``:
+    a log x axis (runs whose costs differ by a large factor; the first point at 0 is left out there)."""
     runs = [load_run(d) for d in run_dirs]
     labels = run_labels(run_dirs)
     xlabel = X_AXES[x][1]
@@ -370,6 +403,8 @@ def compare_figure(run_dirs: Sequence[Path], out_path: Path, smooth: int = 1, x:
             sparse = len(keep) < 0.5 * len(records)
             ax.plot(px, y[keep], color=color, marker="o" if sparse else None, markersize=3, label=label)
         ax.set(title=_k_label(runs[0], title), xlabel=xlabel, ylabel=ylabel)
+        if log_x:
+            ax.set_xscale("log")
         ax.grid(alpha=0.3)
     for ax in axes[len(COMPARE_PANELS):]:
         ax.set_visible(False)
@@ -388,14 +423,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="output directory (default RUN_DIR/figures)")
     parser.add_argument("--smooth", type=int, default=1, help="trailing moving-average window (default 1: raw)")
     parser.add_argument("--x", choices=sorted(X_AXES), default="generated_tokens",
-                        help="x axis of --compare: step, generated_tokens (default: what an experiment costs) or "
-                             "wall_seconds")
+                        help="x axis of --compare: step, generated_tokens (default: what an experiment costs), "
+                             "wall_seconds, or device_hours (devices x wall time: fair across rank counts)")
+    parser.add_argument("--log-x", action="store_true", help="log x axis of --compare (runs of very different cost)")
+    parser.add_argument("--pipeline-steps", default=None, metavar="N|A-B",
+                        help=f"async runs: the steps pipeline.png draws, the last N or steps A to B (default: the "
+                             f"last {PIPELINE_STEPS})")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.smooth < 1:
         parser.error(f"--smooth {args.smooth}: use a window of 1 (raw) or more")
+    pipeline_steps = None
+    if args.pipeline_steps is not None:
+        from dapo_mcore.telemetry.lanes import select_steps
+
+        try:  # a missing run is an OSError: the CLI reports it on stderr and exits 2
+            pipeline_steps = select_steps(load_run(args.run_dir), args.pipeline_steps)
+        except ValueError as exc:
+            parser.error(str(exc))
     # Missing runs and unwritable outputs are OSErrors: the CLI reports them on stderr and exits 2.
-    written = write_report(args.run_dir, args.out, args.smooth)
+    written = write_report(args.run_dir, args.out, args.smooth, pipeline_steps)
     from dapo_mcore.telemetry.rollout_store import store_problem
 
     damaged = store_problem(args.run_dir)  # the figures do not read it; the run's user should still know
@@ -403,7 +450,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(__name__).warning("%s", damaged)
     if args.compare:
         out = args.out if args.out is not None else args.run_dir / "figures"
-        written.append(compare_figure([args.run_dir, *args.compare], out / "compare.png", args.smooth, args.x))
+        written.append(compare_figure([args.run_dir, *args.compare], out / "compare.png", args.smooth, args.x,
+                                      args.log_x))
     for path in written:
         print(path)
     return 0

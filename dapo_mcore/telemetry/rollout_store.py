@@ -486,20 +486,41 @@ def _row_column(group: zarr.Group, name: str, rows: slice) -> np.ndarray:
     return np.full(length, ADDED_ROW_COLUMNS[name], dtype=ROW_COLUMNS[name])
 
 
-def _print_step(reader: RolloutReader, step: int, limit: int, which: str, decode: Any) -> None:
+def fates(rollouts: list[Rollout], filtering: bool = True) -> list[str]:
+    """What became of each rollout: ``kept`` (trained on), ``rejected`` (its group had no mixed outcome: refused
+    by dynamic sampling) or ``surplus`` (a usable group the step did not need: generated past the target).
+    ``filtering=False`` (``algo.dynamic_sampling=false``, GRPO) refuses no group: every unkept one is surplus."""
+    outcomes: dict[tuple[int, int], set[bool]] = {}
+    for r in rollouts:
+        outcomes.setdefault((r.step, r.group_id), set()).add(bool(r.acc))
+    return ["kept" if r.kept else "rejected" if filtering and len(outcomes[(r.step, r.group_id)]) == 1 else "surplus"
+            for r in rollouts]
+
+
+def _filtering(run_dir: Path) -> bool:
+    """The run's ``algo.dynamic_sampling`` (from RUN_DIR/config.yaml; True when that is absent)."""
+    import yaml
+
+    path = run_dir / "config.yaml"
+    algo = (yaml.safe_load(path.read_text()) or {}).get("algo", {}) if path.is_file() else {}
+    return bool(algo.get("dynamic_sampling", True))
+
+
+def _print_step(reader: RolloutReader, step: int, limit: int, which: str, decode: Any, filtering: bool = True) -> None:
     rollouts = reader.read_step(step)
+    fate = fates(rollouts, filtering)
     if rollouts:
-        kept = sum(r.kept for r in rollouts)
-        print(f"step {step}: {len(rollouts)} rollouts, {kept} kept, {len(rollouts) - kept} rejected, "
+        print(f"step {step}: {len(rollouts)} rollouts, {fate.count('kept')} kept, {fate.count('rejected')} rejected by "
+              f"dynamic sampling (no mixed outcome), {fate.count('surplus')} surplus (usable, past the step's target), "
               f"acc {np.mean([r.acc for r in rollouts]):.3f}, reward {np.mean([r.reward for r in rollouts]):+.3f}, "
               f"truncated {np.mean([r.finish_reason == 'length' for r in rollouts]):.3f}")
     else:
         print(f"step {step}: no rollouts")
-    shown = [r for r in rollouts if which == "all" or r.kept == (which == "kept")][:limit]
-    for i, r in enumerate(shown):
+    shown = [(r, f) for r, f in zip(rollouts, fate, strict=True) if which in ("all", f)][:limit]
+    for i, (r, what) in enumerate(shown):
         print(f"\n--- [{i}] group {r.group_id}  gen_batch {r.gen_batch}  reward {r.reward:+.3f}  acc {r.acc}  "
-              f"kept {r.kept}  finish {r.finish_reason}{_stop_text(r, decode)}  prompt {r.prompt_len} tok  response {r.response_len} tok"
-              + (f" ({r.stale_tokens} from the previous policy)" if r.stale_tokens else ""))
+              f"{what}  finish {r.finish_reason}{_stop_text(r, decode)}  prompt {r.prompt_len} tok  "
+              f"response {r.response_len} tok" + (f" ({r.stale_tokens} from the previous policy)" if r.stale_tokens else ""))
         print(f"prompt:   {decode(r.prompt_ids)!r}")
         print(f"response: {decode(r.response_ids)!r}")
 
@@ -519,7 +540,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dir", type=Path, help="the run directory (holding rollouts.zarr)")
     parser.add_argument("--step", type=int, default=None, help="step to show (default: the last stored step)")
     parser.add_argument("--limit", type=int, default=8, help="rollouts to print (default 8)")
-    parser.add_argument("--which", choices=("all", "kept", "rejected"), default="all", help="filter by dynamic sampling")
+    parser.add_argument("--which", choices=("all", "kept", "rejected", "surplus"), default="all",
+                        help="kept (trained on), rejected (dynamic sampling refused the group: no mixed outcome) or "
+                             "surplus (a usable group past the step's target)")
     parser.add_argument("--tokenizer", type=Path, default=None, help="tokenizer directory (default RUN_DIR/tokenizer)")
     parser.add_argument("--raw", action="store_true", help="print token ids instead of decoding")
     parser.add_argument("--check", action="store_true", help="verify every stored step against its checksum")
@@ -552,5 +575,5 @@ def main(argv: list[str] | None = None) -> int:
 
         def decode(ids: np.ndarray) -> str:
             return tokenizer.decode(ids.tolist(), skip_special_tokens=False)
-    _print_step(reader, step, args.limit, args.which, decode)
+    _print_step(reader, step, args.limit, args.which, decode, _filtering(args.run_dir))
     return 0

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -34,6 +35,8 @@ class PhaseTimer:
         self._nvtx = nvtx and cuda
         self._seconds: dict[str, float] = {}
         self._active: list[str] = []
+        self.on_phase: Any = None
+        """Called with a phase's name as it opens (rank 0's ``telemetry.progress.StepProgress``), or None."""
 
     def _synchronize(self) -> None:
         if self._sync:
@@ -48,6 +51,8 @@ class PhaseTimer:
         if self._nvtx:
             torch.cuda.nvtx.range_push(name)
         self._active.append(name)
+        if self.on_phase is not None:
+            self.on_phase(name)
         start = time.perf_counter()
         try:
             yield
@@ -58,6 +63,15 @@ class PhaseTimer:
             if self._nvtx:
                 torch.cuda.nvtx.range_pop()
             self._seconds[name] = self._seconds.get(name, 0.0) + elapsed
+
+    def move(self, source: str, target: str, seconds: float) -> None:
+        """Charge ``seconds`` already spent inside phase ``source`` (open, or closed this step) to ``target`` instead,
+        e.g. the async trainer's wait for the engines inside its weight publish: every second counted once."""
+        if seconds <= 0:
+            return
+        assert source in self._active or self._seconds.get(source, 0.0) >= seconds, (source, seconds, self._seconds)
+        self._seconds[source] = self._seconds.get(source, 0.0) - seconds  # an open phase adds its elapsed at close
+        self._seconds[target] = self._seconds.get(target, 0.0) + seconds
 
     def pop_step(self) -> dict[str, float]:
         """Seconds per phase accumulated since the last call, then reset. Raises if a phase is open."""

@@ -58,14 +58,15 @@ def hf_reference(model, prompt: list[int], response: list[int], temperature: flo
     return torch.tensor(logp, dtype=torch.float64), torch.tensor(ent, dtype=torch.float64)
 
 
-def _write_workspace(ws: Path) -> dict:
+def _write_workspace(ws: Path, preset: str = "tiny") -> dict:
+    """``preset``: "tiny" (Qwen2) or "tiny-qwen3" (tests/test_qwen3_actor.py)."""
     import transformers
 
     from conversion.synthetic import save_tiny_hf_model
 
     (ws / "out").mkdir(parents=True)
     vocab = 37
-    save_tiny_hf_model(ws / "hf", seed=3, vocab_size=vocab)  # tied embeddings, GQA 4/2 heads, 2 layers
+    save_tiny_hf_model(ws / "hf", seed=3, vocab_size=vocab, preset=preset)  # tied embeddings, GQA 4/2 heads, 2 layers
     hf = transformers.AutoModelForCausalLM.from_pretrained(ws / "hf", dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(11)
     spec = {

@@ -4,6 +4,7 @@
     torchrun --nproc_per_node 2 engine_checks.py OUT_DIR --tp 2              # TP=2
     torchrun --nproc_per_node 2 engine_checks.py OUT_DIR --tp 1              # DP=2 (each rank its own prompts,
                                                                               # then one group with no prompt)
+    python engine_checks.py OUT_DIR --check prefix_cache                     # an awake update, as async does
 
 The engine is built the way a run builds it (``runtime.check_hardware`` + ``runtime._build_engine`` with the run's
 stop set, ``runtime.run_stop_tokens``, from
@@ -174,14 +175,43 @@ def partial_checks(engine: VLLMEngine, prompts, sampled, first, greedy) -> dict:
     return res
 
 
+def prefix_cache_check(out: Path) -> None:
+    """The async engine loop's order: an awake engine (never put to sleep, no wake()) on model A generates prompts
+    sharing a 40-token prefix (a full 32-token block, so the prefix cache holds it), is updated to model B, and
+    generates again: greedy tokens must be Hugging Face B's and the log-probs B's forward's. With the cache left
+    stale the prefix's KV blocks are A's (#35 item 1)."""
+    cfg, (model_a, model_b) = make_models(True)
+    model_dir = out / "model_a"
+    model_a.save_pretrained(model_dir)
+    options = VLLMEngineOptions(model_path=str(model_dir), dtype="float32", enforce_eager=True, logprobs="raw",
+                                max_model_len=128, max_prompt_len=64, seed=1, block_size=32)
+    engine = VLLMEngine(options, cfg)
+    prefix = [1] + [3 + (i * 7) % 29 for i in range(39)]
+    prompts = [prefix + tail for tail in ([3, 4], [5], [6, 7, 8])]
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=MAX_NEW, logprobs="raw")
+    items = [(k, v) for k, v in model_b.state_dict().items() if k != "lm_head.weight"]
+    res = {"err_a": max_err(model_a, prompts, engine.generate(prompts, greedy), 1.0)}
+    engine.update_weights([items[i:i + 9] for i in range(0, len(items), 9)])
+    after = engine.generate(prompts, greedy)
+    res["greedy_b_same"] = [g[0].token_ids for g in after] == [hf_greedy(model_b, p) for p in prompts]
+    res["err_b"] = max_err(model_b, prompts, after, 1.0)
+    (out / "rank0.json").write_text(json.dumps(res))
+    engine.close()
+    assert res["err_a"] < TOL and res["err_b"] < TOL and res["greedy_b_same"], res
+    print(f"prefix cache: ok {json.dumps(res)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
     ap.add_argument("--tied", type=int, default=1)
     ap.add_argument("--logprobs", choices=("processed", "raw"), default="processed")
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--check", choices=("engine", "prefix_cache"), default="engine")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.check == "prefix_cache":
+        return prefix_cache_check(args.out)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         dist.init_process_group("gloo")  # the trainer's order: its gloo world exists before vLLM joins it

@@ -1,0 +1,112 @@
+"""Where the weights group's tensors live, and a CPU stand-in for a GPU that refuses what NCCL refuses.
+
+On a GPU the weights group is a ``ProcessGroupNCCL``, which refuses any tensor not on a CUDA device
+(``check_gpu_single_tensor``: "Tensors must be CUDA and dense"); on CPU it is gloo, which takes anything. So that the
+CPU tests catch a tensor that skips the move to the device (the header's CPU size tensor did, #35), the bridge moves
+every tensor for that group through one :class:`TransferDevice`, and ``DAPO_MCORE_STRICT_DEVICE=1`` (set by the
+tests, never otherwise) makes it a :class:`SimulatedDevice` whose :class:`DeviceStrictGroup` refuses every tensor
+that did not come through it, with NCCL's error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ENV", "DeviceStrictGroup", "SimulatedDevice", "TransferDevice"]
+
+ENV = "DAPO_MCORE_STRICT_DEVICE"
+_MARK = "_dapo_on_transfer_device"
+
+
+class TransferDevice:
+    """The device of the weights group's tensors: ``cuda`` (NCCL) or ``cpu`` (gloo)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def to(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.name)
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=self.name)
+
+    def synchronize(self) -> None:
+        """Block the host until the device's queued work (a broadcast) is done: without it the sender of the
+        weights would queue every bucket at once on a GPU, each holding its buffer (up to about twice the model)."""
+        if self.name.startswith("cuda"):
+            torch.cuda.current_stream().synchronize()
+
+
+class SimulatedDevice(TransferDevice):
+    """A CPU stand-in for ``cuda``: tensors are marked as they are moved onto it or made on it; counts host syncs."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+        self.syncs = 0
+
+    def to(self, tensor: torch.Tensor) -> torch.Tensor:
+        moved = tensor.to("cpu").clone()  # a new tensor, as a move to another device makes
+        setattr(moved, _MARK, True)
+        return moved
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        made = torch.empty(numel, dtype=dtype)
+        setattr(made, _MARK, True)
+        return made
+
+    def synchronize(self) -> None:
+        self.syncs += 1
+
+    @staticmethod
+    def holds(tensor: torch.Tensor) -> bool:
+        return bool(getattr(tensor, _MARK, False))
+
+
+class DeviceStrictGroup:
+    """A gloo group that refuses tensors not on the :class:`SimulatedDevice`, as ProcessGroupNCCL refuses tensors
+    off its CUDA device; everything else passes through to the wrapped group."""
+
+    def __init__(self, group: Any, device: SimulatedDevice):
+        self._group, self.device = group, device
+
+    def _check(self, tensors: list[torch.Tensor]) -> None:
+        for t in tensors:
+            if not (SimulatedDevice.holds(t) and t.layout == torch.strided):
+                raise ValueError("Tensors must be CUDA and dense (DeviceStrictGroup: a tensor the weights group got "
+                                 "was not moved through the bridge's transfer device)")
+
+    def __getattr__(self, name: str) -> Any:
+        verb = getattr(self._group, name)
+        if name not in _COLLECTIVES:
+            return verb
+
+        def checked(tensors: list[torch.Tensor], *args: Any) -> Any:
+            self._check(tensors)
+            return verb(tensors, *args)
+
+        return checked
+
+
+_COLLECTIVES = frozenset({"broadcast", "allreduce", "send", "recv", "reduce"})
+"""The group's verbs that take a list of tensors first (the only ones the bridge uses on the weights group)."""
+
+
+def transfer_device(backend: str) -> TransferDevice:
+    """The weights group's device for ``backend``; the simulated one on gloo when ``DAPO_MCORE_STRICT_DEVICE=1``."""
+    if backend == "nccl":
+        return TransferDevice("cuda")
+    if os.environ.get(ENV) == "1":
+        log.info("%s=1: the weights group refuses tensors off its (simulated) device, as NCCL does", ENV)
+        return SimulatedDevice()
+    return TransferDevice("cpu")
+
+
+def strict(group: Any, device: TransferDevice) -> Any:
+    """``group`` wrapped in a DeviceStrictGroup where ``device`` is simulated; otherwise ``group`` itself."""
+    return DeviceStrictGroup(group, device) if isinstance(device, SimulatedDevice) else group

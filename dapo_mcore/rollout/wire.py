@@ -1,0 +1,104 @@
+"""How a step's batch (or an evaluation) travels in async mode: its tokens and log-probs as two flat tensors.
+
+A message from the engines (``rollout.async_engines``) holds every response of the step: pickled as Python lists that
+is ~5 bytes a token id and 9 a log-prob, plus pickle's per-item framing. Here the responses' token ids travel as one
+int32 tensor and their log-probs as one float32 tensor (what the engines computed them in), and only the rest (records,
+scores, counts, each response's lengths and finish reason) is pickled. ``benchmarks/bridge_bytes.py`` measures both at
+the 32B recipe's shape.
+
+A group that appears twice in a message (a kept group is also among the generated ones) travels once and is one
+object again on arrival, as pickle would have it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from typing import Any
+
+import torch
+
+from dapo_mcore.rollout.groups import GroupData
+from dapo_mcore.rollout.protocol import Response
+from dapo_mcore.rollout.source import StepBatch
+
+__all__ = ["Packed", "light", "pack", "unpack"]
+
+
+@dataclasses.dataclass
+class Packed:
+    """A message without its responses' tokens: the pickled rest and the two flat tensors."""
+
+    meta: bytes
+    token_ids: torch.Tensor
+    """int32, every response's token ids, in order."""
+    logprobs: torch.Tensor
+    """float32, every response's log-probs, in order."""
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.meta) + self.token_ids.numel() * 4 + self.logprobs.numel() * 4
+
+
+def _groups(message: dict[str, Any]) -> list[GroupData]:
+    """The message's groups, each once, in a fixed order (a batch's generated then kept; an evaluation's)."""
+    batch = message.get("batch")
+    found = ([*batch.generated, *batch.kept] if batch is not None else []) + list(message.get("groups") or [])
+    seen: dict[int, GroupData] = {}
+    for g in found:
+        seen.setdefault(id(g), g)
+    return list(seen.values())
+
+
+def _with_groups(message: dict[str, Any], swap: dict[int, GroupData]) -> dict[str, Any]:
+    out = dict(message)
+    batch = message.get("batch")
+    if batch is not None:
+        out["batch"] = dataclasses.replace(batch, kept=[swap[id(g)] for g in batch.kept],
+                                           generated=[swap[id(g)] for g in batch.generated])
+    if message.get("groups") is not None:
+        out["groups"] = [swap[id(g)] for g in message["groups"]]
+    return out
+
+
+def pack(message: dict[str, Any]) -> Packed:
+    """``message`` (a batch, an evaluation or an error) as a Packed."""
+    groups = _groups(message)
+    ids: list[int] = []
+    lps: list[float] = []
+    shapes, swap = [], {}
+    for g in groups:
+        shapes.append([(len(r.token_ids), len(r.logprobs), r.finish_reason, r.stale_tokens) for r in g.responses])
+        for r in g.responses:
+            ids += r.token_ids
+            lps += r.logprobs
+        swap[id(g)] = dataclasses.replace(g, responses=[])
+    meta = pickle.dumps({"message": _with_groups(message, swap), "shapes": shapes})
+    return Packed(meta, torch.tensor(ids, dtype=torch.int32), torch.tensor(lps, dtype=torch.float32))
+
+
+def unpack(packed: Packed) -> dict[str, Any]:
+    """The message ``pack`` was given (log-probs rounded to float32, which is what the engines computed)."""
+    meta = pickle.loads(packed.meta)
+    message, shapes = meta["message"], meta["shapes"]
+    ids, lps = packed.token_ids.tolist(), packed.logprobs.tolist()
+    at_id = at_lp = 0
+    for g, shape in zip(_groups(message), shapes, strict=True):
+        for n_ids, n_lps, finish, stale in shape:
+            g.responses.append(Response(ids[at_id:at_id + n_ids], lps[at_lp:at_lp + n_lps], finish, stale))
+            at_id, at_lp = at_id + n_ids, at_lp + n_lps
+    if (at_id, at_lp) != (len(ids), len(lps)):
+        raise ValueError(f"a packed message holds {len(ids)} token ids and {len(lps)} log-probs, its groups "
+                         f"{at_id} and {at_lp}")
+    return message
+
+
+def light(message: dict[str, Any]) -> dict[str, Any]:
+    """A batch message as the trainer ranks other than rank 0 need it: the kept groups whole, the other generated
+    groups without responses (they are counted on every rank, logged and stored on rank 0 only)."""
+    batch: StepBatch | None = message.get("batch")
+    if batch is None:
+        return message
+    kept = {id(g) for g in batch.kept}
+    swap = {id(g): g if id(g) in kept else dataclasses.replace(g, responses=[]) for g in _groups(message)}
+    return _with_groups(message, swap)

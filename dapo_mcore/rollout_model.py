@@ -1,0 +1,501 @@
+"""The pure parts of the rollout model (``dapo-mcore plan`` and ``benchmarks/rollout_sim.py``): prompt groups, an engine model, policies.
+
+A *group* is one prompt's G responses: G response lengths and one usable flag (mixed outcomes, 0 < #correct < G).
+:class:`PromptPool` draws an endless, seeded stream of groups for one stage of training; every policy reads the same
+stream. :class:`EngineSim` is an event-driven model of continuous-batching decode over several engines: each engine
+runs at most ``max_seqs`` sequences, every running sequence gains one token per decode iteration, and an iteration
+takes ``t0 + t1 * n`` seconds with n sequences running (a memory-bound decode: a fixed weight read plus a per-sequence
+part). A freed slot takes the next waiting sequence of its engine at once (FIFO). Prefill is not modelled.
+
+The generation policies make one DAPO step each:
+- :func:`batch_and_filter_step`: today's dynamic sampling. Draw ``gen_batch_prompts`` prompts, wait for the longest
+  response, keep usable groups in batch order, draw again until ``prompts_per_step`` are kept; usable groups beyond that
+  are surplus. With ``adaptive`` each round is sized from a usable-fraction estimate instead (adaptive over-sampling);
+  with ``chunk`` each round is generated in chunks (today's streaming switch over several engine groups). A batch is
+  split over the engines as ``rollout.gather.plan_shares`` does (:func:`spread`).
+- :func:`streaming_step`: prompts stream into the engines, each group is scored when its last response ends (or, with
+  ``order="prompt"``, once every earlier prompt's group has ended too, as the trainer's scheduler decides), and the
+  step stops once enough usable groups are kept; everything in flight is aborted. With ``partial=True`` the aborted
+  groups are carried into the next step (queued first) and continue from the tokens they have, for at most
+  ``max_staleness`` further steps.
+Token accounting per step: each group's tokens are counted once, in the step that decides its fate (kept, rejected,
+surplus, aborted); carried groups move tokens between steps (``carried_in`` / ``carried_out``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+_EPS = 1e-6  # tokens: a running sequence with less left than this has finished (float round-off of the clock)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of training: how long responses are and how groups split into usable / all-correct / all-wrong."""
+
+    name: str
+    mean_len: float
+    """Mean response length in tokens before the cap (over all groups)."""
+    all_correct: float
+    """Share of groups whose G responses are all right."""
+    all_wrong: float
+    """Share of groups whose G responses are all wrong."""
+
+    @property
+    def usable(self) -> float:
+        return 1.0 - self.all_correct - self.all_wrong
+
+    def __post_init__(self) -> None:
+        if self.mean_len <= 0 or min(self.all_correct, self.all_wrong) < 0 or self.usable <= 0:
+            raise ValueError(f"stage {self.name!r}: need mean_len > 0 and all_correct, all_wrong >= 0 with a sum < 1")
+
+
+@dataclass(frozen=True)
+class LengthModel:
+    """Response lengths: lognormal with a shared per-group factor, shifted by the group's outcome, capped.
+
+    log L = mu + shift(outcome) + g + e with g ~ N(0, sigma_group) per group and e ~ N(0, sigma_resp) per response,
+    rounded and clipped to [min_len, cap]; mu is set so that the uncapped mean is the stage's ``mean_len``.
+    """
+
+    sigma_group: float = 0.5
+    sigma_resp: float = 0.6
+    cap: int = 20480
+    min_len: int = 1
+    shift_all_correct: float = -0.3
+    """Log-length shift of all-correct groups (easy prompts get shorter answers)."""
+    shift_all_wrong: float = 0.4
+    """Log-length shift of all-wrong groups (hard prompts: long, often truncated answers)."""
+
+    def mu(self, stage: Stage) -> float:
+        """Location of log L that gives the stage's uncapped mean length."""
+        shift_mean = (stage.usable + stage.all_correct * math.exp(self.shift_all_correct)
+                      + stage.all_wrong * math.exp(self.shift_all_wrong))
+        var = self.sigma_group**2 + self.sigma_resp**2
+        return math.log(stage.mean_len) - var / 2 - math.log(shift_mean)
+
+
+class PromptPool:
+    """An endless seeded stream of groups of one stage; the same seed gives the same stream whatever is taken at once."""
+
+    def __init__(self, stage: Stage, group_size: int, lengths: LengthModel, seed: int, chunk: int = 1024) -> None:
+        self.stage, self.group_size, self.lengths, self.chunk = stage, group_size, lengths, chunk
+        self._rng = np.random.default_rng(seed)
+        self._len = np.zeros((0, group_size), dtype=np.int64)
+        self._usable = np.zeros(0, dtype=bool)
+        self._next = 0
+
+    def _draw_chunk(self) -> None:
+        m, s, n = self.lengths, self.stage, self.chunk
+        outcome = self._rng.choice(3, size=n, p=[s.usable, s.all_correct, s.all_wrong])
+        shift = np.array([0.0, m.shift_all_correct, m.shift_all_wrong])[outcome]
+        g = self._rng.normal(0.0, m.sigma_group, size=n) if m.sigma_group > 0 else np.zeros(n)
+        e = self._rng.normal(0.0, m.sigma_resp, size=(n, self.group_size)) if m.sigma_resp > 0 else 0.0
+        raw = np.exp(m.mu(s) + shift[:, None] + g[:, None] + e)
+        length = np.clip(np.rint(raw), m.min_len, m.cap).astype(np.int64)
+        self._len = np.concatenate([self._len[self._next:], length])
+        self._usable = np.concatenate([self._usable[self._next:], outcome == 0])
+        self._next = 0
+
+    def take(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The next k groups: lengths ``[k, G]`` and usable flags ``[k]``."""
+        while len(self._usable) - self._next < k:
+            self._draw_chunk()
+        sl = slice(self._next, self._next + k)
+        self._next += k
+        return self._len[sl].copy(), self._usable[sl].copy()
+
+
+@dataclass(frozen=True)
+class EngineModel:
+    """N engines of continuous batching; one decode iteration takes ``t0 + t1 * n`` seconds with n sequences running."""
+
+    engines: int
+    max_seqs: int
+    t0: float
+    t1: float
+
+    @classmethod
+    def from_throughput(cls, engines: int, max_seqs: int, full_tokens_per_s: float,
+                        single_tokens_per_s: float) -> EngineModel:
+        """From the decode rate of a full engine (max_seqs running) and of one lone sequence, tokens/s per engine."""
+        t0, t_full = 1.0 / single_tokens_per_s, max_seqs / full_tokens_per_s
+        if t_full < t0:
+            raise ValueError(f"full_tokens_per_s={full_tokens_per_s} is more than max_seqs={max_seqs} lone sequences "
+                             f"at {single_tokens_per_s} tokens/s; lower it or raise single_tokens_per_s")
+        return cls(engines, max_seqs, t0, (t_full - t0) / max_seqs)
+
+
+class EngineSim:
+    """Event-driven continuous batching (see module docstring). Sequences are added per group with a target engine."""
+
+    def __init__(self, model: EngineModel) -> None:
+        self.model = model
+        shape = (model.engines, model.max_seqs)
+        self.rem = np.zeros(shape)
+        self.slot = np.full(shape, -1, dtype=np.int64)
+        self.queues: list[deque[int]] = [deque() for _ in range(model.engines)]
+        self.now = 0.0
+        self.seq_len: list[int] = []
+        self.seq_base: list[float] = []
+        self.seq_group: list[int] = []
+        self.seq_done: list[bool] = []
+        self.group_left: list[int] = []
+        self.group_seqs: list[list[int]] = []
+        self.feeder = None
+        """Optional callable(engine) -> bool that adds a group to that engine when its queue runs dry."""
+        self._dirty = set(range(model.engines))
+
+    def add_group(self, engine: int, lengths: np.ndarray, progress: np.ndarray | None = None) -> int:
+        """Queue one group's responses on ``engine``; ``progress`` tokens already generated each (partial rollouts)."""
+        gid = len(self.group_left)
+        prog = np.zeros(len(lengths)) if progress is None else progress
+        seqs = []
+        for n, p in zip(lengths.tolist(), prog.tolist(), strict=True):
+            sid = len(self.seq_len)
+            self.seq_len.append(int(n))
+            self.seq_base.append(float(p))
+            self.seq_group.append(gid)
+            done = p >= n - _EPS
+            self.seq_done.append(done)
+            seqs.append(sid)
+            if not done:
+                self.queues[engine].append(sid)
+        left = sum(1 for s in seqs if not self.seq_done[s])
+        assert left > 0, "a group with every response finished is complete; do not queue it"
+        self.group_left.append(left)
+        self.group_seqs.append(seqs)
+        self._dirty.add(engine)
+        return gid
+
+    def wake(self) -> None:
+        """Let every engine ask the feeder again at the next event (the admission budget grew)."""
+        self._dirty = set(range(self.model.engines))
+
+    def progress(self, gid: int) -> np.ndarray:
+        """Tokens generated so far by each response of a group (their full length once finished)."""
+        out = np.array([self.seq_len[s] if self.seq_done[s] else self.seq_base[s] for s in self.group_seqs[gid]])
+        where = np.isin(self.slot, self.group_seqs[gid])
+        for e, c in zip(*np.nonzero(where), strict=True):
+            s = int(self.slot[e, c])
+            out[self.group_seqs[gid].index(s)] = self.seq_len[s] - self.rem[e, c]
+        return out
+
+    def _refill(self) -> None:
+        for e in sorted(self._dirty):
+            free = np.flatnonzero(self.slot[e] < 0)
+            q = self.queues[e]
+            for c in free:
+                if not q and not (self.feeder is not None and self.feeder(e)):
+                    break
+                s = q.popleft()
+                self.slot[e, c] = s
+                self.rem[e, c] = self.seq_len[s] - self.seq_base[s]
+        self._dirty = set()
+
+    def advance(self) -> list[int] | None:
+        """Run to the next finishing response(s); the groups that completed then, or None when nothing is left."""
+        self._refill()
+        active = self.slot >= 0
+        n = active.sum(axis=1)
+        if not n.any():
+            return None
+        it = self.model.t0 + self.model.t1 * n
+        dt = float(np.where(active, self.rem * it[:, None], np.inf).min())
+        self.rem -= np.where(active, (dt / it)[:, None], 0.0)
+        self.now += dt
+        finished = active & (self.rem <= _EPS)
+        completed = []
+        for e, c in zip(*np.nonzero(finished), strict=True):
+            s = int(self.slot[e, c])
+            self.slot[e, c], self.rem[e, c] = -1, 0.0
+            self.seq_done[s] = True
+            g = self.seq_group[s]
+            self.group_left[g] -= 1
+            if self.group_left[g] == 0:
+                completed.append(g)
+            self._dirty.add(int(e))
+        return completed
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """The step's shape: groups to keep, responses per group, generation batch, batch limit."""
+
+    prompts_per_step: int
+    group_size: int
+    gen_batch_prompts: int
+    max_gen_batches: int
+
+
+@dataclass
+class StepResult:
+    """What one simulated step took and generated (tokens by the fate of their group)."""
+
+    wall_s: float = 0.0
+    groups_kept: int = 0
+    prompts_drawn: int = 0
+    gen_batches: int = 0
+    kept: float = 0.0
+    rejected: float = 0.0
+    surplus: float = 0.0
+    aborted: float = 0.0
+    carried_in: float = 0.0
+    carried_out: float = 0.0
+    usable_seen: int = 0
+    """Usable groups among those completed (kept or surplus)."""
+    groups_done: int = 0
+    """Groups completed (scored)."""
+    kept_stale: float = 0.0
+    """Tokens of kept groups generated in earlier steps (by an older policy: partial rollouts)."""
+    kept_lengths: list[float] = field(default_factory=list)
+    """Mean response length of each kept group (to see which groups a policy favours)."""
+
+    @property
+    def generated(self) -> float:
+        """Tokens generated during this step."""
+        return self.kept + self.rejected + self.surplus + self.aborted + self.carried_out - self.carried_in
+
+
+def adaptive_round(missing: int, usable_estimate: float, margin: float, cap: int) -> int:
+    """Prompts for a round that should yield ``missing`` usable groups: missing / usable fraction x margin, capped."""
+    return max(1, min(cap, math.ceil(missing / max(usable_estimate, 1e-9) * margin - 1e-9)))  # 220.00000000000003 is 220
+
+
+def spread(sim: EngineSim, lengths: np.ndarray) -> None:
+    """Queue a batch of groups over the engines as ``rollout.gather.plan_shares`` splits it.
+
+    With at least as many groups as engines, group i goes whole to engine i mod N; with fewer, the engines
+    g = p, p + k, ... share group p's responses (engine g takes responses g // k, g // k + helpers, ...).
+    """
+    k, engines = len(lengths), sim.model.engines
+    if k >= engines:
+        for i in range(k):
+            sim.add_group(i % engines, lengths[i])
+        return
+    for g in range(engines):
+        p = g % k
+        part = lengths[p][g // k::len(range(p, engines, k))]
+        if len(part):
+            sim.add_group(g, part)
+
+
+def batch_and_filter_step(pool: PromptPool, recipe: Recipe, model: EngineModel,
+                          adaptive: tuple[float, float, int] | None = None, chunk: int = 0) -> StepResult:
+    """Today's dynamic sampling: whole generation batches, each waiting for its longest response.
+
+    ``adaptive=(usable_estimate, margin, cap)`` sizes each round with :func:`adaptive_round` (adaptive over-sampling)
+    instead of ``gen_batch_prompts``; the estimate is the caller's (e.g. the previous step's usable fraction).
+    ``chunk > 0``: the trainer's streaming switch with several engine groups (no stream, so chunks): each round is
+    generated ``chunk`` prompts at a time over all engines, each chunk waiting for its longest response, and the
+    step stops after the chunk that fills it.
+    """
+    sim, res = EngineSim(model), StepResult()
+    while res.groups_kept < recipe.prompts_per_step and res.gen_batches < recipe.max_gen_batches:
+        size = recipe.gen_batch_prompts
+        if adaptive is not None:
+            size = adaptive_round(recipe.prompts_per_step - res.groups_kept, *adaptive)
+        res.gen_batches += 1
+        drawn = 0
+        while drawn < size and res.groups_kept < recipe.prompts_per_step:
+            lengths, usable = pool.take(min(size - drawn, chunk or size))
+            drawn += len(usable)
+            spread(sim, lengths)
+            while sim.advance() is not None:
+                pass
+            _decide_batch(res, lengths, usable, recipe)
+    res.wall_s = sim.now
+    return res
+
+
+def _decide_batch(res: StepResult, lengths: np.ndarray, usable: np.ndarray, recipe: Recipe) -> None:
+    """Count a generated batch's groups in batch order: kept until the step is full, then surplus; or rejected."""
+    res.prompts_drawn += len(usable)
+    res.usable_seen += int(usable.sum())
+    res.groups_done += len(usable)
+    for i in range(len(usable)):
+        tok = float(lengths[i].sum())
+        if not usable[i]:
+            res.rejected += tok
+        elif res.groups_kept < recipe.prompts_per_step:
+            res.groups_kept += 1
+            res.kept += tok
+            res.kept_lengths.append(tok / recipe.group_size)
+        else:
+            res.surplus += tok
+
+
+@dataclass
+class Carried:
+    """An aborted group kept for the next step (partial rollouts)."""
+
+    lengths: np.ndarray
+    usable: bool
+    progress: np.ndarray
+    staleness: int
+
+
+def _score(res: StepResult, sim: EngineSim, usable: bool, gid: int, recipe: Recipe) -> None:
+    """Count a completed group as kept, rejected or surplus."""
+    tok = float(sum(sim.seq_len[s] for s in sim.group_seqs[gid]))
+    res.usable_seen += int(usable)
+    res.groups_done += 1
+    if not usable:
+        res.rejected += tok
+    elif res.groups_kept < recipe.prompts_per_step:
+        res.groups_kept += 1
+        res.kept += tok
+        res.kept_stale += float(sum(sim.seq_base[s] for s in sim.group_seqs[gid]))
+        res.kept_lengths.append(tok / recipe.group_size)
+    else:
+        res.surplus += tok
+
+
+def _abort(res: StepResult, sim: EngineSim, groups: list[tuple[int, bool, int]], partial: bool,
+           max_staleness: int) -> list[Carried]:
+    """Abort the in-flight ``(gid, usable, staleness)`` groups: carry them (partial rollouts) or count them aborted."""
+    carry = []
+    for g, usable, staleness in groups:
+        prog = sim.progress(g)
+        if partial and staleness < max_staleness:
+            lengths = np.array([sim.seq_len[s] for s in sim.group_seqs[g]])
+            carry.append(Carried(lengths, usable, prog, staleness + 1 if prog.sum() > 0 else 0))
+            res.carried_out += float(prog.sum())
+        else:
+            res.aborted += float(prog.sum())
+    return carry
+
+
+def streaming_step(pool: PromptPool, recipe: Recipe, model: EngineModel, carry: list[Carried], partial: bool,
+                   max_staleness: int = 1, admit: tuple[float, float, int] | None = None, order: str = "completion",
+                   chunk: int = 0) -> tuple[StepResult, list[Carried]]:
+    """Streaming dynamic sampling with abort; with ``partial`` the aborted groups carry over. Returns the new carry.
+
+    ``admit=(usable_estimate, margin, cap)`` bounds the fresh prompts (adaptive over-sampling of a stream): enough
+    for the missing groups by :func:`adaptive_round`, counting in-flight groups at the estimate, topped up whenever
+    that expectation falls below the target; without it the engines pull prompts until the step is full.
+    ``order``: ``completion`` decides each group as it finishes; ``prompt`` decides groups in admission (prompt)
+    order, each once every earlier one has finished, as the trainer's scheduler does (its kept batch is a pure
+    function of seed and data): the step is full when the first ``prompts_per_step`` usable groups in prompt order
+    and every group before them have finished; groups that finished out of order are then surplus or rejected.
+    ``chunk > 0``: streaming over engine groups as ``rollout/engine_groups.py`` does it: fresh prompts come in chunks
+    of at most ``chunk`` (never across a round of ``gen_batch_prompts``), prompt i of a chunk queued on engine
+    i mod N (round robin, no pulling by a free engine), and the next chunk starts once this one has drained; carried
+    groups are resumed first, round robin, as a chunk of their own. Without it a free engine pulls the next prompt.
+    """
+    if order not in ("completion", "prompt"):
+        raise ValueError(f"order={order!r}; use completion or prompt")
+    if chunk:
+        return _chunked_stream(pool, recipe, model, carry, partial, max_staleness, order, chunk)
+    sim, res = EngineSim(model), StepResult()
+    meta: dict[int, tuple[bool, int]] = {}  # gid -> (usable, staleness)
+    stream = deque(carry)
+    res.carried_in = float(sum(c.progress.sum() for c in carry))
+    need = recipe.prompts_per_step
+    budget = recipe.max_gen_batches * recipe.gen_batch_prompts
+    if admit is not None:
+        budget = min(budget, adaptive_round(max(need - len(carry) * admit[0], 1), *admit))
+
+    def feed(engine: int) -> bool:
+        if stream:
+            c = stream.popleft()
+            meta[sim.add_group(engine, c.lengths, c.progress)] = (c.usable, c.staleness)
+            return True
+        if res.prompts_drawn >= budget:
+            return False
+        lengths, usable = pool.take(1)
+        res.prompts_drawn += 1
+        meta[sim.add_group(engine, lengths[0])] = (bool(usable[0]), 0)
+        return True
+
+    sim.feeder = feed
+    done: set[int] = set()
+    finished: set[int] = set()  # prompt order: finished, maybe not yet decided
+    head = 0  # prompt order: the next group to decide (group ids are admission order)
+    while res.groups_kept < need:
+        completed = sim.advance()
+        if completed is None:
+            break
+        if order == "completion":
+            for g in completed:
+                done.add(g)
+                _score(res, sim, meta[g][0], g, recipe)
+        else:
+            finished.update(completed)
+            while head in finished and res.groups_kept < need:
+                done.add(head)
+                _score(res, sim, meta[head][0], head, recipe)
+                head += 1
+        if admit is None or not completed:
+            continue
+        pending = len(meta) - len(done) + len(stream) + budget - res.prompts_drawn
+        if res.groups_kept + pending * admit[0] < need:  # bad luck: admit more, sized the same way
+            budget += adaptive_round(need - res.groups_kept - pending * admit[0], *admit)
+            budget = min(budget, recipe.max_gen_batches * recipe.gen_batch_prompts)
+            sim.wake()
+    for g in sorted(finished - done):  # finished out of prompt order after the step filled: surplus or rejected
+        done.add(g)
+        _score(res, sim, meta[g][0], g, recipe)
+    res.wall_s = sim.now
+    res.gen_batches = math.ceil(res.prompts_drawn / recipe.gen_batch_prompts)
+    new_carry = list(stream)  # carried groups this step never reached keep their tokens and age
+    res.carried_out = float(sum(c.progress.sum() for c in new_carry))
+    in_flight = [(g, *meta[g]) for g in sorted(set(meta) - done)]
+    new_carry += _abort(res, sim, in_flight, partial, max_staleness)
+    if not partial:  # on-policy: nothing carries, not even the untouched prompts (they cost nothing)
+        new_carry = []
+    return res, new_carry
+
+
+def _chunked_stream(pool: PromptPool, recipe: Recipe, model: EngineModel, carry: list[Carried], partial: bool,
+                    max_staleness: int, order: str, chunk: int) -> tuple[StepResult, list[Carried]]:
+    """:func:`streaming_step` with ``chunk > 0`` (see there)."""
+    sim, res = EngineSim(model), StepResult()
+    meta: dict[int, tuple[bool, int]] = {}
+    res.carried_in = float(sum(c.progress.sum() for c in carry))
+    need, budget = recipe.prompts_per_step, recipe.max_gen_batches * recipe.gen_batch_prompts
+    for i, c in enumerate(carry):
+        meta[sim.add_group(i % model.engines, c.lengths, c.progress)] = (c.usable, c.staleness)
+
+    def next_chunk() -> bool:
+        k = min(chunk, recipe.gen_batch_prompts - res.prompts_drawn % recipe.gen_batch_prompts,
+                budget - res.prompts_drawn)
+        if k <= 0:
+            return False
+        lengths, usable = pool.take(k)
+        res.prompts_drawn += k
+        for i in range(k):
+            meta[sim.add_group(i % model.engines, lengths[i])] = (bool(usable[i]), 0)
+        return True
+
+    if not carry:
+        next_chunk()
+    done: set[int] = set()
+    finished: set[int] = set()
+    head = 0
+    while res.groups_kept < need:
+        completed = sim.advance()
+        if completed is None:
+            if next_chunk():
+                continue
+            break
+        for g in completed if order == "completion" else ():
+            done.add(g)
+            _score(res, sim, meta[g][0], g, recipe)
+        finished.update(completed if order == "prompt" else ())
+        while head in finished and res.groups_kept < need:
+            done.add(head)
+            _score(res, sim, meta[head][0], head, recipe)
+            head += 1
+    for g in sorted(finished - done):
+        done.add(g)
+        _score(res, sim, meta[g][0], g, recipe)
+    res.wall_s = sim.now
+    res.gen_batches = math.ceil(res.prompts_drawn / recipe.gen_batch_prompts)
+    in_flight = [(g, *meta[g]) for g in sorted(set(meta) - done)]
+    new_carry = _abort(res, sim, in_flight, partial, max_staleness)
+    return res, new_carry if partial else []

@@ -1,0 +1,255 @@
+"""The whole DAPO step, one model for ``dapo-mcore plan`` and ``benchmarks/rollout_sim.py``: phases composed into a step time.
+
+Pure arithmetic on seconds, so each rule can be checked by hand:
+
+* **Synchronous, colocated** (today's loop, and sync + streaming over all engines): every GPU generates, then
+  computes the old log-probs, then trains, then the weights go into the engines: the step is the sum of the phases.
+* **Asynchronous, disaggregated, one policy version behind**: while the trainer GPUs compute batch k's old
+  log-probs and updates, the engine GPUs generate batch k+1 with the weights they hold; then the weights move
+  trainer -> engines, and both sides take part in that copy (counted as fully exposed). Period k is
+  ``max(generation of batch k+1, trainer on batch k) + transfer``; the side that finishes first waits.
+
+The generation seconds come from the rollout model (``rollout_model.py``: continuous batching with each response's
+length drawn per training stage, so a batch waits for its longest response), the old log-prob and update seconds
+from the planner's FLOPs: :func:`price_variant` prices one variant on one stage, :func:`compare_with_tails` a
+config's own schedule colocated vs async at a split. ``benchmarks/rollout_sim.py`` prints every variant with them;
+``dapo-mcore plan`` prints the config's pair, so the two never disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from dapo_mcore.rollout_model import (
+    EngineModel,
+    LengthModel,
+    PromptPool,
+    Recipe,
+    Stage,
+    StepResult,
+    batch_and_filter_step,
+    streaming_step,
+)
+
+
+@dataclass(frozen=True)
+class Phases:
+    """Seconds of one step's phases (on whichever GPUs run them)."""
+
+    generation: float
+    old_logprobs: float
+    train: float
+    weight_sync: float
+
+    @property
+    def trainer(self) -> float:
+        """The trainer's work on one batch."""
+        return self.old_logprobs + self.train
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One step's wall time and who waited for whom during it."""
+
+    phases: Phases
+    step: float
+    trainer_wait: float
+    """Seconds the trainer GPUs waited for rollouts (asynchronous only)."""
+    engine_wait: float
+    """Seconds the engine GPUs waited for new weights (asynchronous only)."""
+
+
+def sync_step(phases: Phases) -> StepTime:
+    """Colocated synchronous step: the phases one after the other on the same GPUs."""
+    step = phases.generation + phases.old_logprobs + phases.train + phases.weight_sync
+    return StepTime(phases, step, 0.0, 0.0)
+
+
+def async_step(generation_next: float, trainer: Phases, transfer: float) -> StepTime:
+    """One asynchronous period: batch k+1 generated (``generation_next`` s) while the trainer works on batch k."""
+    work = trainer.trainer
+    phases = Phases(generation_next, trainer.old_logprobs, trainer.train, transfer)
+    return StepTime(phases, max(generation_next, work) + transfer, max(0.0, generation_next - work),
+                    max(0.0, work - generation_next))
+
+
+def async_steps(generation: list[float], trainer: list[Phases], transfer: float) -> list[StepTime]:
+    """Periods of a run of steps of one stage: batch k's training beside batch k+1's generation (cyclically, so
+    every simulated batch is used once on each side)."""
+    if len(generation) != len(trainer) or not generation:
+        raise ValueError("need one generation time and one trainer time per simulated step")
+    n = len(generation)
+    return [async_step(generation[(k + 1) % n], trainer[k], transfer) for k in range(n)]
+
+
+def mean_step(steps: list[StepTime]) -> StepTime:
+    """The mean of each field over ``steps``."""
+    n = len(steps)
+
+    def avg(get) -> float:
+        return sum(get(s) for s in steps) / n
+
+    phases = Phases(avg(lambda s: s.phases.generation), avg(lambda s: s.phases.old_logprobs),
+                    avg(lambda s: s.phases.train), avg(lambda s: s.phases.weight_sync))
+    return StepTime(phases, avg(lambda s: s.step), avg(lambda s: s.trainer_wait), avg(lambda s: s.engine_wait))
+
+
+# --- one step priced with generation tails: the rollout model (``rollout_model.py``) drives the phases above -------
+
+STAGES_32B = (
+    Stage("early", mean_len=1200.0, all_correct=0.10, all_wrong=0.30),
+    Stage("mid", mean_len=3000.0, all_correct=0.35, all_wrong=0.20),
+    Stage("late", mean_len=5000.0, all_correct=0.55, all_wrong=0.15),
+)
+"""Three stages of a DAPO run (assumptions, docs/results.md "#16 simulator"): the paper's mean response length grows
+from ~1k to ~5k tokens, the share of all-correct prompts grows, a hard core stays all-wrong."""
+
+SYNC_VARIANTS = ("today", "today_chunked", "sync_stream", "sync_partial", "sync_stream_rr", "sync_partial_rr")
+ASYNC_VARIANTS = ("async", "async_stream", "async_partial")
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    """The simulation's knobs (``benchmarks/rollout_sim.py``'s flags of the same names, and their defaults)."""
+
+    max_seqs: int = 128
+    kv_limit: bool = True
+    engine_tokens_per_s: float = 0.0
+    single_seq_tokens_per_s: float = 80.0
+    prompt_len: int = 256
+    sigma_group: float = 0.5
+    sigma_resp: float = 0.6
+    steps: int = 3
+    warmup: int = 1
+    max_staleness: int | None = None
+    order: str = "prompt"
+    chunk_prompts: int = 256
+    stream_chunk: int = 0
+    seed: int = 0
+
+
+def variants_of(cfg: Any) -> tuple[str, str]:
+    """(the colocated variant, the async variant) that run ``cfg``'s rollout schedule: batch-and-filter, streaming
+    with abort, or partial rollouts."""
+    s = cfg.rollout.schedule
+    if s.partial:
+        return "sync_partial_rr", "async_partial"
+    if s.streaming:
+        return "sync_stream_rr", "async_stream"
+    return "today", "async"
+
+
+def mean_running_context(pool: PromptPool, prompt_len: int) -> float:
+    """Mean KV context of a running sequence: E[L^2] / (2 E[L]) for lengths L (uniform progress) plus the prompt."""
+    lengths = pool.take(2048)[0].astype(float)
+    return float((lengths**2).mean() / (2 * lengths.mean())) + prompt_len
+
+
+def running_seqs(stage: Stage, recipe: Recipe, lengths: LengthModel, kv_tokens: int, st: Any, k: int) -> int:
+    """Running sequences per engine in a stage: max_seqs, or fewer when the KV cache cannot hold them."""
+    ctx = mean_running_context(PromptPool(stage, recipe.group_size, lengths, seed=st.seed + 1000 + k), st.prompt_len)
+    return min(st.max_seqs, int(kv_tokens / ctx)) if st.kv_limit else st.max_seqs
+
+
+def generation(variant: str, pool: PromptPool, recipe: Recipe, model: EngineModel, st: Any) -> list[StepResult]:
+    """``warmup + steps`` steps of a variant's generation policy on one prompt stream; the last ``steps``."""
+    out, carry = [], []
+    for _ in range(st.warmup + st.steps):
+        if variant in ("today", "async"):
+            res = batch_and_filter_step(pool, recipe, model)
+        elif variant == "today_chunked":
+            res = batch_and_filter_step(pool, recipe, model, chunk=st.chunk_prompts)
+        else:
+            chunk = (st.stream_chunk or recipe.gen_batch_prompts) if variant.endswith("_rr") else 0
+            res, carry = streaming_step(pool, recipe, model, carry, partial="partial" in variant,
+                                        max_staleness=st.max_staleness or 1, order=st.order, chunk=chunk)
+        out.append(res)
+    return out[st.warmup:]
+
+
+def trainer_phases(trainer: Any, results: list[StepResult], prompt_len: int) -> list[tuple[float, float]]:
+    """(old log-prob, update) seconds of each step's kept batch: the planner's FLOPs at its mean kept length."""
+    from dapo_mcore.planner import estimate_flops, estimate_step_seconds
+
+    out = []
+    for r in results:
+        t = replace(trainer, mean_prompt_len=prompt_len, mean_response_len=max(1, round(float(np.mean(r.kept_lengths)))))
+        flops = estimate_flops(t)
+        logprobs, _ = estimate_step_seconds(t, replace(flops, train=0.0))
+        out.append((logprobs, estimate_step_seconds(t, flops)[0] - logprobs))
+    return out
+
+
+def step_times(variant: str, results: list[StepResult], trainer: Any, sync_s: float, prompt_len: int) -> StepTime:
+    """Mean step time of a variant over its simulated steps (the rules at the top of this module)."""
+    phases = [Phases(r.wall_s, lp, tr, sync_s)
+              for r, (lp, tr) in zip(results, trainer_phases(trainer, results, prompt_len), strict=True)]
+    if variant in SYNC_VARIANTS:
+        return mean_step([sync_step(ph) for ph in phases])
+    return mean_step(async_steps([ph.generation for ph in phases], phases, sync_s))
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """What a stage's variant runs on: its engines' decode model and its trainer (``plan_disagg.Split`` or None)."""
+
+    recipe: Recipe
+    base: EngineModel
+    lengths: LengthModel
+    kv_colocated: int
+    sync_s: float
+    vllm_tp: int
+
+
+def price_variant(variant: str, split: Any, p: Any, pr: Pricing, stage: Stage, k: int, st: Any) -> tuple[StepTime,
+                                                                                                          list[StepResult]]:
+    """One variant on one stage (``split`` None: colocated on all of ``p``'s GPUs)."""
+    kv = pr.kv_colocated if split is None else split.engine_memory.kv_tokens
+    engines = pr.base.engines if split is None else split.engine_gpus // pr.vllm_tp
+    model = EngineModel(engines, running_seqs(stage, pr.recipe, pr.lengths, kv, st, k), pr.base.t0, pr.base.t1)
+    results = generation(variant, PromptPool(stage, pr.recipe.group_size, pr.lengths, seed=st.seed + k), pr.recipe,
+                         model, st)
+    trainer = p if split is None else split.trainer
+    return step_times(variant, results, trainer, pr.sync_s if split is None else split.transfer_s, st.prompt_len), results
+
+
+def pricing(cfg: Any, p: Any, rates: Any, st: Any) -> Pricing:
+    """The decode model the planner implies for ``cfg`` on ``p``'s GPUs (a full engine's rate from the planner's
+    generation estimate; a lone sequence at ``single_seq_tokens_per_s``)."""
+    from dapo_mcore import plan_disagg
+    from dapo_mcore.planner import estimate_flops, estimate_memory, estimate_step_seconds
+
+    world = p.tensor_parallel * p.pipeline_parallel * p.data_parallel
+    _, gen_s = estimate_step_seconds(p, estimate_flops(p))
+    tokens = p.gen_batch_prompts * p.responses_per_prompt * p.mean_response_len * p.generation_batches
+    engines = world // p.vllm_tensor_parallel
+    tokens_per_s = st.engine_tokens_per_s or tokens / gen_s / engines
+    recipe = Recipe(cfg.train.prompts_per_step, cfg.rollout.n, cfg.rollout.gen_batch_prompts, cfg.algo.max_gen_batches)
+    return Pricing(recipe, EngineModel.from_throughput(engines, st.max_seqs, tokens_per_s, st.single_seq_tokens_per_s),
+                   LengthModel(sigma_group=st.sigma_group, sigma_resp=st.sigma_resp, cap=cfg.rollout.max_new_tokens),
+                   estimate_memory(p).vllm_kv_tokens, plan_disagg.weight_sync_seconds(p, rates, disaggregated=False),
+                   p.vllm_tensor_parallel)
+
+
+def compare_with_tails(cfg: Any, p: Any, split: Any, rates: Any, st: Any = SimSettings(),
+                       stages: tuple[Stage, ...] = STAGES_32B) -> tuple[float, float]:
+    """(colocated, async at ``split``) mean step seconds over ``stages`` for ``cfg``'s rollout schedule, tails
+    included: the numbers ``benchmarks/rollout_sim.py`` prints for the same variants and split."""
+    sync_v, async_v = variants_of(cfg)
+    pr = pricing(cfg, p, rates, st)
+    sync = [price_variant(sync_v, None, p, pr, stage, k, st)[0].step for k, stage in enumerate(stages)]
+    asyn = [price_variant(async_v, split, p, pr, stage, k, st)[0].step for k, stage in enumerate(stages)]
+    return float(np.mean(sync)), float(np.mean(asyn))
+
+
+def colocated_input(cfg: Any, p: Any) -> Any:
+    """The colocated run of ``cfg`` (the sync recipe): an async config's engines take ``gpu_memory_utilization`` of
+    GPUs of their own; colocated beside the trainer they get the sync default (``VLLMConfig``'s)."""
+    if cfg.rollout.pipeline.mode != "async":
+        return p
+    from dapo_mcore.config import VLLMConfig
+
+    return replace(p, vllm_gpu_memory_utilization=VLLMConfig().gpu_memory_utilization)

@@ -1,0 +1,82 @@
+"""The async batch on the wire (#35 item 2): token ids and log-probs as int32/float32 tensors, the rest pickled."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from dapo_mcore.algo.dynamic_sampling import SamplingStats
+from dapo_mcore.data.records import PromptRecord
+from dapo_mcore.rollout import wire
+from dapo_mcore.rollout.groups import GroupData
+from dapo_mcore.rollout.protocol import Response
+from dapo_mcore.rollout.source import StepBatch
+
+pytestmark = pytest.mark.unit
+
+
+def _group(i: int, g: torch.Generator, kept: bool) -> GroupData:
+    responses = []
+    for j in range(3):
+        n = int(torch.randint(1, 9, (1,), generator=g))
+        ids = torch.randint(0, 151_000, (n,), generator=g).tolist()
+        lps = (-torch.rand(n, generator=g)).tolist()  # float32 values, as the engines compute them
+        responses.append(Response(ids, lps, "stop" if j else "length", stale_tokens=j))
+    return GroupData(record=PromptRecord(f"p{i}", "1", "synthetic", i), prompt_ids=[1, i], responses=responses,
+                     scores=[1.0, -1.0, 1.0], acc=[True, False, True], rewards=[1.0, -1.0, 1.0], gen_batch=0,
+                     preds=["1", None, "1"], kept=kept)
+
+
+def _message() -> dict:
+    g = torch.Generator().manual_seed(0)
+    generated = [_group(i, g, kept=i % 2 == 0) for i in range(5)]
+    batch = StepBatch(kept=[x for x in generated if x.kept], generated=generated, stats=SamplingStats())
+    return {"kind": "batch", "step": 3, "batch": batch, "state": {"sampler": [1, 2]}, "version": 2}
+
+
+def test_a_batch_round_trips_through_tensors_equal_and_with_its_shared_groups_shared():
+    message = _message()
+    packed = wire.pack(message)
+    assert packed.token_ids.dtype == torch.int32 and packed.logprobs.dtype == torch.float32
+    tokens = sum(len(r.token_ids) for g in message["batch"].generated for r in g.responses)
+    assert packed.token_ids.numel() == tokens  # kept groups (also generated) travel once
+    got = wire.unpack(pickle.loads(pickle.dumps(packed)))
+    assert got["batch"] == message["batch"] and got["state"] == message["state"] and got["step"] == 3
+    assert all(any(k is x for x in got["batch"].generated) for k in got["batch"].kept)
+    assert packed.nbytes < len(pickle.dumps(message))
+
+
+def test_the_other_trainer_ranks_get_the_kept_groups_whole_and_the_rest_without_responses():
+    message = _message()
+    light = wire.unpack(wire.pack(wire.light(message)))
+    assert light["batch"].kept == message["batch"].kept
+    for got, want in zip(light["batch"].generated, message["batch"].generated, strict=True):
+        assert got.acc == want.acc and got.rewards == want.rewards
+        assert got.responses == (want.responses if want.kept else [])
+
+
+def test_an_evaluation_and_an_error_round_trip():
+    groups = _message()["batch"].generated
+    assert wire.unpack(wire.pack({"kind": "eval", "version": 1, "groups": groups}))["groups"] == groups
+    error = {"kind": "error", "error": "engine", "message": "x"}
+    assert wire.unpack(wire.pack(error)) == error
+
+
+def test_a_resume_with_other_engine_ranks_says_so_in_one_line(caplog):
+    """The layout is not part of a run's identity, but the trajectory after the pending batch depends on it (#35
+    item 7: accepted silently before)."""
+    import logging
+    import types
+
+    from dapo_mcore.rollout.async_source import AsyncRollouts
+    from dapo_mcore.rollout.bridge import Role
+
+    bridge = types.SimpleNamespace(role=Role(True, 0, 1, 2))
+    pending = pickle.dumps({"step": 2, "state": {"sampler": 1}, "engine_ranks": 1})
+    with caplog.at_level(logging.INFO, logger="dapo_mcore.rollout.async_source"):
+        AsyncRollouts(None, bridge, None).resume_from(2, {}, pending)
+        AsyncRollouts(None, types.SimpleNamespace(role=Role(True, 0, 1, 1)), None).resume_from(2, {}, pending)
+    lines = [r.getMessage() for r in caplog.records if "engine_ranks" in r.getMessage()]
+    assert len(lines) == 1 and "engine_ranks=2" in lines[0] and "came from 1" in lines[0], lines
