@@ -529,6 +529,10 @@ def _validate_experts(cfg: Config, hf: dict, world_size: int) -> None:
         if shape is None:
             raise ConfigError("algo.router_replay=rollout needs an MoE model (model_type qwen3_moe); set "
                               "algo.router_replay=none for a dense model.")
+        if cfg.rollout.schedule.partial:
+            raise ConfigError("algo.router_replay=rollout with rollout.schedule.partial: a resumed partial response "
+                              "carries no routes for its earlier tokens in this version; set rollout.schedule.partial="
+                              "false or algo.router_replay=none.")
         if cfg.model.recompute != "none":
             raise ConfigError(f"algo.router_replay=rollout with model.recompute={cfg.model.recompute}: recomputed "
                               "forwards would replay another micro-batch's routes; set model.recompute=none.")

@@ -107,14 +107,18 @@ def test_expert_layout_errors_name_the_fix():
         check_expert_parallel(None, 2)
 
 
-def test_train_refuses_bad_expert_parallel_in_one_line(tiny_moe_dir, cli_env):
+@pytest.mark.parametrize(("overrides", "says"), [
+    (["parallel.expert_parallel=3"], "parallel.expert_parallel=3 does not divide num_experts=4"),
+    (["algo.router_replay=rollout", "rollout.schedule.streaming=true", "rollout.schedule.partial=true",
+      "algo.tis_cap=2"], "algo.router_replay=rollout with rollout.schedule.partial"),
+])
+def test_config_refuses_moe_misuse_in_one_line(tiny_moe_dir, cli_env, overrides, says):
     """Before any process group or run directory: exit 2, one line naming the field and the fix."""
     proc = subprocess.run([sys.executable, "-m", "dapo_mcore.cli", "config", "examples/tiny_cpu.yaml",
-                           "model.tiny_base=false", f"model.hf_path={tiny_moe_dir}", "parallel.expert_parallel=3"],
+                           "model.tiny_base=false", f"model.hf_path={tiny_moe_dir}", *overrides],
                           cwd=REPO, env=cli_env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "parallel.expert_parallel=3 does not divide num_experts=4" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert says in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_convert_round_trip_at_ep2_pp2_is_bit_exact(tiny_moe_dir, tmp_path):

@@ -291,6 +291,9 @@ class MegatronActor:
         mb.indices = indices
         mb = to_device(mb, self.device)
         routes = [s.extra.get("routed_experts") for s in chosen]
+        if self.s.router_replay and any(r is None for r in routes):
+            raise RuntimeError("algo.router_replay=rollout but a rollout carries no routed experts (an engine or path "
+                               "that does not record them); set algo.router_replay=none.")
         if self.replay is not None and routes and all(r is not None for r in routes):
             from dapo_mcore.rollout.routes import align_routes
 
