@@ -295,7 +295,7 @@ class VLLMEngineOptions:
             kwargs["max_model_len"] = self.max_model_len
         if self.block_size is not None:
             kwargs["block_size"] = self.block_size
-        if self.return_routed_experts:
+        if self.return_routed_experts:  # vLLM 0.32 also needs VLLM_USE_V2_MODEL_RUNNER=1 (set by the engine)
             kwargs["enable_return_routed_experts"] = True
         if self.external_launcher:
             kwargs["distributed_executor_backend"] = "external_launcher"
@@ -374,6 +374,10 @@ class _LLMBackend:
     def __init__(self, vllm: Any, llm_kwargs: dict[str, Any], traits: PlatformTraits):
         self._vllm = vllm
         self.traits = traits
+        if llm_kwargs.get("enable_return_routed_experts"):
+            # vLLM 0.32.0: "AuxOutput Connector requires Model Runner V2; set VLLM_USE_V2_MODEL_RUNNER=1" (and Model
+            # Runner V2 requires Triton, so on the CPU build it stops at "Model Runner V2 requires Triton").
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
         self.llm = vllm.LLM(**llm_kwargs)
         self._model = self._resolve_model()
         self._told_no_sleep = False
