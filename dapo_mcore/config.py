@@ -513,6 +513,9 @@ def _validate_layout(cfg: Config, world_size: int, launched: int | None = None) 
 
 def _validate_experts(cfg: Config, hf: dict, world_size: int) -> None:
     """Expert parallelism and the MoE layout (model/moe.py, actor/parallel.py name the fix)."""
+    if ("moe" not in str(hf.get("model_type", "")) and cfg.parallel.expert_parallel == 1
+            and cfg.algo.router_replay != "rollout"):
+        return  # a dense model without EP or replay: nothing to check, and the checks' modules import torch (3-5 s)
     from dapo_mcore.actor.parallel import expert_layout_error
     from dapo_mcore.model.moe import MoEConfigError, MoEShape, check_expert_parallel
 
