@@ -137,12 +137,17 @@ on_term() {
       kill -0 "$child" 2>/dev/null || exit 0
       echo "[launch.sh $(date '+%F %T')] rank $RANK on $(hostname) did not exit within" \
           "${DAPO_TASK_KILL_GRACE}s of SIGTERM (hung?): killing it (SIGKILL); its task exits 1" >&2
-      kill -KILL "$child" ) &
+      kill -KILL $(cat /proc/"$child"/task/*/children 2>/dev/null) "$child" 2>/dev/null ) &
     killer=$!
 }
 trap 'early=1' TERM  # until $child is known (on_term's own `&` would change $! before it is read)
 trap : USR1
-( trap - INT QUIT; exec "$@" ) <&0 &
+# The command's status comes back in a file: a trapped SIGTERM makes `wait` return 143 at once, and when the command
+# exits in that moment bash has reaped it and a second `wait` loses the status (75 would become 143: no requeue).
+# $child is a subshell that runs the command in the foreground: its own TERM/USR1 traps run only after the command
+# ends (bash defers them), and a trap, unlike an ignored signal, is reset to the default in the command.
+status_file=$(mktemp "${TMPDIR:-/tmp}/dapo-task-status.XXXXXX")
+( trap - INT QUIT; trap : TERM USR1; "$@"; echo "$?" >"$status_file" ) <&0 &
 child=$!
 trap on_term TERM
 [[ -n "${early:-}" ]] && on_term
@@ -150,6 +155,8 @@ while true; do
     wait "$child" && rc=0 || rc=$?
     kill -0 "$child" 2>/dev/null || break
 done
+[[ -s "$status_file" ]] && rc=$(<"$status_file")
+rm -f "$status_file"
 if [[ -n "$killer" ]]; then
     kill -USR2 "$killer" 2>/dev/null || true  # the command ended: stop the timer
     (( rc == 137 )) && exit 1
