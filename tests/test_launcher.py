@@ -77,7 +77,9 @@ def test_next_line_names_the_venv_script_under_torchrun(monkeypatch, tmp_path):
 
 
 @pytest.mark.distributed
-def test_ctrl_c_through_the_launcher_checkpoints_and_exits_130(cli_env, tmp_path):
+@pytest.mark.parametrize(("sig", "code", "name"), [(signal.SIGINT, 130, "SIGINT"), (signal.SIGTERM, 75, "SIGTERM")])
+def test_a_signal_through_the_launcher_checkpoints_and_returns_the_ranks_code(cli_env, tmp_path, sig, code, name):
+    """Ctrl-C: 130; SIGTERM (scancel, a pre-emption): the ranks' requeue code 75, not torchrun's 1."""
     run_dir = tmp_path / "run"
     proc = _launch(["parallel.tensor_parallel=2", f"run.dir={run_dir}", "train.steps=40", "eval.every=0",
                     "eval.at_start=false", "checkpoint.every=0", "telemetry.progress_every_s=0.001"], cli_env)
@@ -87,14 +89,14 @@ def test_ctrl_c_through_the_launcher_checkpoints_and_exits_130(cli_env, tmp_path
     for line in proc.stdout:
         seen.append(line)
         if "step 1/40" in line:
-            proc.send_signal(signal.SIGINT)  # the launcher only, as a terminal's Ctrl-C reaches it
+            proc.send_signal(sig)  # the launcher only, as a terminal's Ctrl-C reaches it
             break
         assert time.monotonic() < deadline, "".join(seen)
     out = "".join(seen) + proc.communicate(timeout=600)[0]
-    assert proc.returncode == 130, out[-3000:]
+    assert proc.returncode == code, out[-3000:]
     assert "Traceback" not in out and "ChildFailedError" not in out and "SignalException" not in out, out[-3000:]
     assert (run_dir / "checkpoints" / "latest").is_file(), out[-3000:]
-    assert out.count("SIGINT received") == 2, out[-3000:]  # forwarded once: each rank's warning, no "abandon"
+    assert out.count(f"{name} received") == 2, out[-3000:]  # forwarded once: each rank's warning, no "abandon"
     assert "exitcode" not in out, out[-3000:]  # torch's own failure notice
     inside = [ln for ln in out.splitlines() if "step 1: " in ln and "usable groups" in ln]
     assert any(" generate, batch 1/" in ln and "tokens generated" in ln for ln in inside), out[-3000:]
