@@ -184,15 +184,25 @@ class Trainer:
 
     # ---- evaluation ----------------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
-        from dapo_mcore.evaluation import summarize
-
         with self._engine_awake():
             groups = self.p.rollouts.eval_groups(self.p.eval_records, self.step)
+        return self._eval_metrics(groups, self.step)
+
+    def _eval_metrics(self, groups: list[GroupData], version: int) -> dict[str, float]:
+        """The held-out scores of an evaluation's groups; async mode labels them with the policy version evaluated
+        (an evaluation behind the trainer lands in a later step's line: ``rollout.async_source``)."""
+        from dapo_mcore.evaluation import summarize
+
         truth_norm = [self.p.normalize(g.record.ground_truth) for g in groups]
         result = summarize([g.acc for g in groups], [g.preds for g in groups],
                            [[p is not None and p == t for p in g.preds] for g, t in zip(groups, truth_norm, strict=True)],
                            [[r.length for r in g.responses] for g in groups])
-        return result.as_metrics()
+        labels = {} if self.p.rollouts.colocated else {"eval/policy_version": float(version)}
+        return {**result.as_metrics(), **labels}
+
+    def _evaluated_behind(self) -> bool:
+        """Async mode: the engines evaluate this step's version while the trainer trains the next step."""
+        return not self.p.rollouts.colocated and self.p.rollouts.evaluates_behind(self.step)
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def run_step(self) -> tuple[dict[str, Any], list[GroupData]]:
@@ -213,6 +223,9 @@ class Trainer:
         metrics = self._step_metrics(groups, generated, stats, samples, train_metrics, mismatch)
         if batch.policy_version is not None:
             metrics.update(self._pipeline_metrics(batch, samples))
+            late = p.rollouts.late_eval()  # async: an evaluation the engines ran while the trainer trained
+            if late is not None:
+                metrics.update(self._eval_metrics(late[1], late[0]))
         from dapo_mcore.telemetry.perf import StepWork
 
         work = StepWork.of(self.p.actor.s.hf_config, [len(s.prompt_ids) + len(s.response_ids) for s in samples],
@@ -293,7 +306,7 @@ class Trainer:
                     with p.timer.phase("step"):
                         metrics, generated = self.run_step()
                         self.step += 1
-                        if eval_after(cfg, self.step, fresh_start=False):
+                        if eval_after(cfg, self.step, fresh_start=False) and not self._evaluated_behind():
                             with p.timer.phase("eval"):
                                 metrics.update(self.evaluate())
                 except RolloutInterrupted:

@@ -5,8 +5,8 @@ once over the engine ranks, overlong shaping, dynamic sampling, streaming, parti
 process group, and talk to the trainer in the order ``rollout.async_source`` fixes:
 
     receive version s (weights + start step + sampler/schedule state); evaluate it if flagged
-    for k = start ...: generate batch k; receive version k (unless it is the start's); send batch k; evaluate if
-                       flagged
+    for k = start ...: generate batch k; receive version k (unless it is the start's); send batch k; evaluate
+                       version k if flagged (while the trainer trains on batch k)
     receive the last version (evaluate it if flagged), then "stop"
 
 Signals are the trainer's business (it checkpoints and tells the engines to stop): SIGTERM/SIGUSR1/SIGINT are
@@ -80,6 +80,8 @@ class EngineLoop:
     def _loop(self) -> None:
         header = self._receive()
         self._load_state(header.get("state"))
+        if header["eval"]:
+            self._evaluate()
         start_version = self.version
         steps = self.cfg.train.steps
         # A fresh start generates batch 0; a resume after s steps has batch s in the checkpoint, so s + 1, unless
@@ -99,8 +101,7 @@ class EngineLoop:
                 self._fail(exc)
                 raise _Stop from exc
             seconds = self.timer.pop_step()
-            if k > start_version:
-                self._receive()  # version k: the trainer finished step k - 1
+            header = self._receive() if k > start_version else {"eval": False}  # version k: after step k - 1
             self._send({"kind": "batch", "step": k, "batch": batch, "state": self.rollouts.scheduler.checkpoint_state(),
                         "version": version, "prefix_version": self.prefix_version,
                         "engine_ranks": self.bridge.role.engine_ranks,
@@ -108,14 +109,18 @@ class EngineLoop:
                         "seconds": {"engine_generate_s": seconds.get("generate", 0.0),
                                     "engine_reward_s": seconds.get("reward", 0.0),
                                     "engine_wait_weights_s": self.wait_s, "weights_transfer_s": self.transfer_s}})
+            if header["eval"]:  # version k, while the trainer trains on batch k (async_source: behind the trainer)
+                self._evaluate()
             self.prefix_version = version
             k += 1
         while True:  # the last version (and its evaluation), then stop
-            self._receive()
+            if self._receive()["eval"]:
+                self._evaluate()
 
     # ---- weights ------------------------------------------------------------------------------------------------
     def _receive(self) -> dict[str, Any]:
-        """The next version from the trainer, into the engine (bucket by bucket); evaluate it if flagged."""
+        """The next version from the trainer, into the engine (bucket by bucket); its header says whether the
+        caller evaluates it (where depends on the order above)."""
         t0 = time.monotonic()
         self.bridge.meet()  # the trainer is ready to publish (Bridge.meet)
         header = self.bridge.broadcast_header(None)
@@ -125,8 +130,6 @@ class EngineLoop:
         self.engine.update_weights(self._buckets())
         self.version = int(header["version"])
         self.wait_s, self.transfer_s = t1 - t0, time.monotonic() - t1
-        if header.get("eval"):
-            self._evaluate()
         return header
 
     def _buckets(self) -> Iterator[WeightBucket]:
@@ -142,11 +145,12 @@ class EngineLoop:
     def _evaluate(self) -> None:
         if self.failed:  # waiting for the trainer's stop: nobody reads an evaluation
             return
+        t0 = time.monotonic()
         try:
             groups = self.rollouts.eval_groups(self.eval_records, self.version)
         except Exception as exc:  # noqa: BLE001 - sent to the trainer, which reports it and stops the run
             self._fail(exc)
-        self._send({"kind": "eval", "version": self.version, "groups": groups})
+        self._send({"kind": "eval", "version": self.version, "groups": groups, "seconds": time.monotonic() - t0})
 
     # ---- state and messages -------------------------------------------------------------------------------------
     def _load_state(self, state: dict[str, Any] | None) -> None:

@@ -5,11 +5,20 @@ The protocol (one order, fixed, so a run is a pure function of its seed; ``rollo
     trainer rank 0 --weights--> engines   version s (the start: weights, the step to generate from, the sampler and
                                           schedule state), then one version after every training step, then "stop"
     engine rank 0  --batches--> trainer   batch k, sampled by version max(0, k - 1); an evaluation of version v when
-                                          the trainer flags it (eval.at_start, eval.every, the last step)
+                                          the trainer flags it (eval.at_start, eval.every, the last step), sent after
+                                          the batch that version's publish waited for
 
 The engines send batch k only after they hold version k, so the trainer's publish of version k returns when batch k
 is ready: while the trainer trains step k on batch k, the engines generate batch k + 1 with version k. Every trained
 token is one version old (two for the prefixes partial rollouts continue), counted in ``async/lag_*``.
+
+Evaluation runs behind the trainer: the engines evaluate version v (an eval step; not the first, the last, the one
+before it, nor any with ``eval.every: 1``: ``evaluates_behind``) while the trainer trains the next step, and the trainer takes the result at its next publish, before the meeting
+(the engines send it before they generate on): it lands in step v + 1's metrics, with ``eval/policy_version: v``.
+Version 0 (``eval.at_start``) and the last version are waited for, as nothing trains beside them. A checkpoint after
+an eval step v is taken before v's evaluation arrives; a run resumed from it has the engines evaluate its start
+version v again (the same weights and seeds), so the result lands where it would have. ``DAPO_MCORE_EVAL_INLINE=1``
+makes the trainer wait for every evaluation after its step (the baseline of ``benchmarks/async_pipeline.py``).
 
 A checkpoint after step k holds batch k + 1 (already generated, by version k) and the sampler/schedule state after
 it: a resumed run trains on exactly that batch and the engines go on from exactly that state, so kill -9, SIGTERM and
@@ -20,6 +29,7 @@ the other trainer ranks (gloo objects over the trainer's default group).
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -127,6 +137,13 @@ class AsyncRollouts:
         """The checkpoint resumed from holds the next batch (not after the last step of a run now extended)."""
         self._mid_version = False
         """A publish failed between its first and last broadcast: the engines wait for a bucket, not a meeting."""
+        self.behind = os.environ.get("DAPO_MCORE_EVAL_INLINE") != "1"
+        """Evaluations run behind the trainer (module docstring); off: the trainer waits for each after its step."""
+        self._late: int | None = None
+        """The version the engines evaluate behind the trainer, taken at the next publish (every trainer rank)."""
+        self._arrived: tuple[int, Any] | None = None
+        """That evaluation once taken (trainer rank 0: its groups or the engines' failure), until ``late_eval``."""
+        self._engines_failed = False
 
     # ---- start and checkpoints -------------------------------------------------------------------------------
     def resume_from(self, step: int, state: dict[str, Any], pending: bytes | None) -> None:
@@ -187,17 +204,21 @@ class AsyncRollouts:
         start = self._start
         version = start if self.version is None else self.version + 1
         t0 = time.monotonic()
+        due, previous = self._eval_due(version), self._late
+        self._late = version if due and self.evaluates_behind(version) else None
+        self._arrived = None if previous is None else (previous, None)
         if not self.is_root:
             for _ in weights:
                 pass
             self.version = version
             return
-        # The start's version is evaluated only at a fresh start (eval.at_start): a resume evaluated it before its
-        # checkpoint, and an evaluation nobody reads would block the engines' channel.
-        due = eval_after(self.cfg, version, self.fresh_start) and (self.version is not None or version == 0)
         header = {"version": version, "eval": due}
         if self.version is None:
             header.update(start=start, state=self.resume_state, pending=self._pending_at_start)
+        if previous is not None:  # the engines send it before they generate on: take it, then meet
+            self._arrived = (previous, self._read(lambda: self._evals.pop(previous, None)))
+            self._waited(time.monotonic() - t0, "trainer_wait_eval_s")
+            t0 = time.monotonic()
         self.bridge.meet()  # the engines finished the batch before this version (Bridge.meet)
         self._mid_version = True
         self.bridge.broadcast_header(header)
@@ -211,6 +232,32 @@ class AsyncRollouts:
         self.bridge.broadcast_header({"end": True})
         self._mid_version = False
         self.version = version
+
+    def _eval_due(self, version: int) -> bool:
+        """Whether the engines evaluate ``version`` once they hold it. The start's version only at a fresh start
+        (eval.at_start) or when the run resumes from an eval step's checkpoint whose evaluation ran behind the trainer
+        (module docstring): otherwise it was evaluated before the checkpoint, and an evaluation nobody reads would
+        block the engines' channel."""
+        if self.version is not None:
+            return eval_after(self.cfg, version, False)
+        if version == 0:
+            return eval_after(self.cfg, 0, self.fresh_start)
+        return self.evaluates_behind(version) and self._pending_at_start and eval_after(self.cfg, version, False)
+
+    def late_eval(self) -> tuple[int, list[GroupData]] | None:
+        """Collective over the trainer ranks, after a publish: the evaluation that ran behind the trainer and
+        arrived in it, as (version, groups) on every trainer rank, or None. An engine failure raises on all."""
+        if self._arrived is None:
+            return None
+        version, value = self._arrived
+        self._arrived = None
+        return version, self._shared(lambda: value)
+
+    def evaluates_behind(self, step: int) -> bool:
+        """The evaluation after ``step`` steps (an eval step) runs behind the trainer and arrives with the next step
+        (``late_eval``), whose line must hold no evaluation of its own (one per line): not version 0 nor the last
+        (nothing trains beside them), nor the one before the last, nor any with ``eval.every: 1``."""
+        return self.behind and self.cfg.eval.every > 1 and 0 < step < self.cfg.train.steps - 1
 
     def step_batch(self, step: int, stop: Callable[[], bool]) -> StepBatch:
         """Batch ``step`` from the engines (rank 0 receives it, the other trainer ranks get it from rank 0)."""
@@ -227,8 +274,9 @@ class AsyncRollouts:
     def _waited(self, seconds: float, part: str) -> None:
         """This step's trainer wait for the engines, once: receiving the batch (``wait_rollouts``) and, inside the
         publish (the trainer's ``sync_weights`` phase), until the engines join it having finished the next batch:
-        that part is charged to ``wait_rollouts``, so ``sync_weights`` is the transfer alone."""
-        if part == "trainer_wait_publish_s":
+        that part (and the wait for an evaluation behind the trainer) is charged to ``wait_rollouts``, so
+        ``sync_weights`` is the transfer alone."""
+        if part in ("trainer_wait_publish_s", "trainer_wait_eval_s"):
             self.timer.move("sync_weights", "wait_rollouts", seconds)
         self.last[part] = seconds
         self.last["trainer_wait_s"] = self.last.get("trainer_wait_s", 0.0) + seconds
@@ -242,6 +290,8 @@ class AsyncRollouts:
             return
         self._stopped = True
         if self.is_root:
+            if self._late is not None and not self._mid_version and not self._engines_failed:
+                self._read(lambda: self._evals.pop(self._late, None))  # the engines send it before they meet
             if not self._mid_version:
                 self.bridge.meet()
             self.bridge.broadcast_header({"stop": True})
@@ -258,7 +308,9 @@ class AsyncRollouts:
                 self._batches[message["step"]] = message
             elif kind == "eval":
                 self._evals[message["version"]] = message["groups"]
+                self.last["engine_eval_s"] = message["seconds"]
             else:
+                self._engines_failed = True
                 return {"error": message}
         return hit
 
