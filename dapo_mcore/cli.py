@@ -79,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     debug = os.environ.get("DAPO_MCORE_DEBUG", "") not in ("", "0")
     if argv[:1] == ["--debug"]:
         debug, argv = True, argv[1:]
+    if argv[:1] == ["train"] and "RANK" in os.environ and "--nproc-per-node" not in argv:
+        from dapo_mcore import startup
+
+        startup.arm(_report_line)  # Ctrl-C before the first step: every rank exits 130 at once, one line
     if sys.stderr.isatty():  # live, coloured progress in a terminal; plain lines in logs and pipes
         from rich.logging import RichHandler
 
@@ -290,7 +294,13 @@ def _shield_exit() -> None:
 
 def entry() -> None:
     """The ``dapo-mcore`` console script and ``python -m dapo_mcore.cli``: `main`, then exit with its code."""
-    code = main()
+    try:
+        code = main()
+    except KeyboardInterrupt:  # before a command's own handling (imports, a lone process's start-up): one line
+        from dapo_mcore.startup import LINE
+
+        _report_line(LINE)
+        code = 130
     _shield_exit()
     if code == 130:
         _exit_interrupted()

@@ -55,6 +55,11 @@ class _Signals:
         self.requested: str | None = None
         self._interrupts = 0
         self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)}
+        from dapo_mcore import startup
+
+        startup.disarm()  # start-up is over (dapo_mcore.startup): a Ctrl-C now checkpoints after the step
+        if startup.interrupted():  # it came as the async run started, before this handler
+            self._handle(signal.SIGINT, None)
 
     def _handle(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name

@@ -68,7 +68,7 @@ def test_profile_rows_sum_to_the_step_time_with_no_wait_in_sync_weights(slow_eng
     assert wait.total_s > publish.total_s and rows["other (untimed)"].share < 0.1, rows
     assert "sync_weights" not in rows and {row.phase for row in summary.engine_lane} >= {
         "generate", "score", "wait for weights", "receive weights", "eval"}
-    line = next(x for x in run_summary(run).splitlines() if x.startswith("time: "))
+    line = next(x for x in run_summary(run).splitlines() if x.startswith("step time by phase: "))
     assert "wait for rollouts (engines)" in line and "sync_weights" not in line and "other" not in line.split(
         "wait for rollouts")[0], line
 

@@ -143,13 +143,20 @@ class Bridge:
         """Trainer rank 0 and every engine rank, before each version's (or the stop's) first broadcast: wait until
         all of them are here, on the store and without a timeout (module docstring). Every ``poll`` of waiting the
         roll is called: a rank that stopped answering ends the wait with its name."""
-        from dapo_mcore.actor import rollcall
-
         self._meetings += 1
         key = f"meet/{self._meetings}"
         if self.store.add(key, 1) == self.role.engine_ranks + 1:
             self.store.set(key + "/all", b"1")
-            return
+        else:
+            self._wait_all(key)
+        if self._meetings == 2:  # the first version's: both sides are up, start-up is over (dapo_mcore.startup)
+            from dapo_mcore import startup
+
+            startup.disarm(record=self.role.trainer)
+
+    def _wait_all(self, key: str) -> None:
+        from dapo_mcore.actor import rollcall
+
         waited = datetime.timedelta(0)
         while True:
             try:

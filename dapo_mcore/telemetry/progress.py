@@ -166,7 +166,8 @@ def run_summary(run_dir: Path, process_seconds: float | None = None, first_step_
         lines.append(f"this process: {format_seconds(process_seconds)} of wall time from its start ({ran}; imports, "
                      "model building, the base model's pre-training or cache load, evaluations and checkpoints "
                      "included)")
-    evals = [(r[keys.STEP], r[keys.EVAL_AVG_AT_K], r.get(keys.EVAL_K)) for r in records if keys.EVAL_AVG_AT_K in r]
+    evals = [(int(r.get("eval/policy_version", r[keys.STEP])), r[keys.EVAL_AVG_AT_K], r.get(keys.EVAL_K))
+             for r in records if keys.EVAL_AVG_AT_K in r]  # async: the version evaluated, not the line it landed in
     if evals:
         k = f"avg@{int(evals[-1][2])}" if evals[-1][2] else "avg@k"
         lines.append(f"held-out {k}: {evals[0][1]:.3f} (step {evals[0][0]}) -> {evals[-1][1]:.3f} "

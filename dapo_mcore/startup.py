@@ -1,0 +1,84 @@
+"""Ctrl-C during a distributed run's start-up: every rank exits 130 at once, with one line and no traceback.
+
+Start-up (imports, the model and engine builds, the barriers and the bridge's meetings before the first version)
+spends long stretches inside C++ calls (a store wait, a gloo barrier) where a Python signal handler never runs: a
+rank that got SIGINT there went on waiting until torchrun killed it, and the others printed ``KeyboardInterrupt``
+tracebacks through whatever they were importing or building. ``arm()`` blocks SIGINT in the main thread (and in
+every thread started after it) and a watcher thread takes it with ``sigtimedwait``: one line, then exit 130
+(``os._exit``: before the first step nothing of the run can be lost; a resume finds its last checkpoint as it was).
+
+``disarm()`` ends start-up: the run's own handling applies from then on (the trainer checkpoints after the step and
+exits 130, the engines wait for its stop). In async mode both sides disarm as the first version's meeting returns
+(``Bridge.meet``), so neither leaves while the other waits for it; ``record=True`` keeps a SIGINT that arrives
+before the trainer's handler is installed for it (``interrupted``). Only under torchrun/srun (``RANK`` set) and
+only for ``train``; a lone process's Ctrl-C is ``cli.entry``'s one line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+__all__ = ["LINE", "arm", "disarm", "interrupted"]
+
+LINE = ("dapo-mcore: interrupted (Ctrl-C) during start-up, before the first step: nothing was lost; run the same "
+        "command to start (or resume) the run")
+
+_watcher: threading.Thread | None = None
+_stop = threading.Event()
+_interrupted = False
+
+
+def arm(report: Callable[[str], None]) -> None:
+    """Start-up begins: SIGINT goes to the watcher (module docstring), which reports ``LINE`` and exits 130."""
+    global _watcher
+    if _watcher is not None or threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started with SIGINT ignored (nohup, &): leave it so
+        return
+    _stop.clear()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    _watcher = threading.Thread(target=_watch, args=(report,), name="dapo-mcore-startup-sigint", daemon=True)
+    _watcher.start()
+
+
+def _watch(report: Callable[[str], None]) -> None:
+    while not _stop.is_set():
+        if signal.sigtimedwait({signal.SIGINT}, 0.1) is None:
+            continue
+        try:
+            report(LINE)
+            sys.stderr.flush()
+        finally:
+            os._exit(130)
+
+
+def disarm(record: bool = False) -> None:
+    """Start-up is over: SIGINT reaches the main thread's handler again; ``record``: a handler that notes it for the
+    trainer's (``interrupted``) until that one is installed. No-op when not armed."""
+    global _watcher
+    if _watcher is None:
+        return
+    _stop.set()
+    _watcher.join()
+    _watcher = None
+    if record:
+        signal.signal(signal.SIGINT, _record)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _record(signum: int, frame: object) -> None:
+    global _interrupted
+    _interrupted = True
+    log.warning("SIGINT received as the run starts: it checkpoints after its first step and exits 130")
+
+
+def interrupted() -> bool:
+    """A SIGINT arrived between ``disarm(record=True)`` and the trainer's own handler."""
+    return _interrupted
