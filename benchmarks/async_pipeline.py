@@ -4,7 +4,12 @@ For each task (``max4``: examples/tiny_cpu.yaml; ``chain``: examples/tiny_cpu_ch
 vary), two real CLI runs on ``--nproc`` gloo processes:
 - ``sync``: every process trains (data parallel) and generates (its own engine group), one phase after the other;
 - ``async``: ``--nproc - 1`` trainer processes and one engine process; the engine generates step n+1's batch with
-  the policy after step n-1 while the trainer trains step n (algo.tis_cap=2 corrects the lag).
+  the policy after step n-1 while the trainer trains step n (algo.tis_cap=2 corrects the lag);
+- ``async2``: the same ``--nproc - 1`` trainer processes beside two engine ranks (two engine groups; one process
+  more);
+- ``async2-inline``: the same, with the trainer waiting for each evaluation after its step
+  (``DAPO_MCORE_EVAL_INLINE=1``, the behaviour before #35 item 6): against ``async2`` it gives the eval-overlap gain,
+  the trainer's seconds spent on evaluations (``time/eval`` + ``async/trainer_wait_eval_s``) before and after.
 Per run: wall seconds of the steps (the sum of ``time/step``: set-up excluded), held-out avg@4 at the end, the lag
 of the trained tokens, and for async the share of generation hidden behind training. Run from the repository root:
 ``.venv/bin/python benchmarks/async_pipeline.py [--steps 40] [--nproc 2]``.
@@ -23,16 +28,22 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"max4": ROOT / "examples" / "tiny_cpu.yaml", "chain": ROOT / "examples" / "tiny_cpu_chain.yaml"}
-ASYNC = ("rollout.pipeline.mode=async", "rollout.pipeline.engine_ranks=1")
+MODES = {"sync": (), "async": ("rollout.pipeline.mode=async", "rollout.pipeline.engine_ranks=1"),
+         "async2": ("rollout.pipeline.mode=async", "rollout.pipeline.engine_ranks=2"),
+         "async2-inline": ("rollout.pipeline.mode=async", "rollout.pipeline.engine_ranks=2")}
 
 
-def run(task: str, mode: str, steps: int, nproc: int, out: Path, eval_every: int) -> dict[str, float]:
+def run(task: str, mode: str, steps: int, nproc: int, out: Path, eval_every: int,
+        overrides: list[str]) -> dict[str, float]:
     run_dir = out / f"{task}-{mode}"
-    extra = [*ASYNC] if mode == "async" else []
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "-m", "dapo_mcore.cli",
+    extra = list(MODES[mode])
+    procs = nproc + 1 if mode.startswith("async2") else nproc  # the second engine rank is one process more
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "-m", "dapo_mcore.cli",
            "train", str(CONFIGS[task]), f"run.dir={run_dir}", f"train.steps={steps}", "checkpoint.every=0",
-           f"eval.every={eval_every}", "algo.tis_cap=2.0", *extra]
+           f"eval.every={eval_every}", "algo.tis_cap=2.0", *extra, *overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    if mode.endswith("-inline"):
+        env["DAPO_MCORE_EVAL_INLINE"] = "1"
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"{task}/{mode} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -44,7 +55,9 @@ def run(task: str, mode: str, steps: int, nproc: int, out: Path, eval_every: int
                "lag_mean": sum(r.get("async/lag_mean", 0.0) for r in stepped) / len(stepped),
                "overlap": sum(r.get("async/overlap_frac", 0.0) for r in stepped) / len(stepped),
                "trainer_wait_s": sum(r.get("async/trainer_wait_s", r.get("time/generate", 0.0)) for r in stepped),
-               "eval_s": sum(r.get("time/eval", 0.0) for r in stepped)}
+               "eval_s": sum(r.get("time/eval", 0.0) for r in stepped),
+               "trainer_eval_s": sum(r.get("time/eval", 0.0) + r.get("async/trainer_wait_eval_s", 0.0) for r in stepped),
+               "engine_eval_s": sum(r.get("async/engine_eval_s", 0.0) for r in stepped)}
     return out_row
 
 
@@ -54,20 +67,31 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--tasks", default="max4,chain")
+    ap.add_argument("--modes", default="sync,async,async2,async2-inline")
+    ap.add_argument("overrides", nargs="*", help="key=value for every run, e.g. train.epochs=4 (a trainer-bound step)")
     args = ap.parse_args()
     results: dict[tuple[str, str], dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="async-bench-") as tmp:
         for task in args.tasks.split(","):
-            for mode in ("sync", "async"):
-                results[task, mode] = run(task, mode, args.steps, args.nproc, Path(tmp), args.eval_every)
+            for mode in args.modes.split(","):
+                results[task, mode] = run(task, mode, args.steps, args.nproc, Path(tmp), args.eval_every,
+                                          args.overrides)
                 r = results[task, mode]
                 print(f"{task:6s} {mode:5s} wall {r['wall_s']:7.1f} s (eval {r['eval_s']:5.1f} s)  held-out "
                       f"avg@4 {r['base_avg_at_4']:.3f} -> {r['avg_at_4']:.3f}  lag {r['lag_mean']:.2f}  "
-                      f"trainer waited {r['trainer_wait_s']:6.1f} s  overlap {r['overlap']:.2f}", flush=True)
+                      f"trainer waited {r['trainer_wait_s']:6.1f} s  overlap {r['overlap']:.2f}  trainer on evals "
+                      f"{r['trainer_eval_s']:5.1f} s", flush=True)
     for task in args.tasks.split(","):
-        s, a = results[task, "sync"], results[task, "async"]
-        print(f"{task}: sync/async wall {s['wall_s'] / a['wall_s']:.2f}x; held-out avg@4 async - sync "
-              f"{a['avg_at_4'] - s['avg_at_4']:+.3f} after {args.steps} steps")
+        s = results[task, "sync"]
+        for mode in (m for m in args.modes.split(",") if m.startswith("async")):
+            a = results[task, mode]
+            print(f"{task}: sync/{mode} wall {s['wall_s'] / a['wall_s']:.2f}x; held-out avg@4 {mode} - sync "
+                  f"{a['avg_at_4'] - s['avg_at_4']:+.3f} after {args.steps} steps")
+        if (task, "async2-inline") in results and (task, "async2") in results:
+            before, after = results[task, "async2-inline"], results[task, "async2"]
+            print(f"{task}: eval overlap (2 engine ranks): the trainer's seconds on evaluations {before['trainer_eval_s']:.1f} "
+                  f"-> {after['trainer_eval_s']:.1f} (engines evaluated {after['engine_eval_s']:.1f} s); wall "
+                  f"{before['wall_s']:.1f} -> {after['wall_s']:.1f} s ({before['wall_s'] / after['wall_s']:.2f}x)")
     last = "chain" if ("chain", "sync") in results else args.tasks.split(",")[-1]
     print(f"async_over_sync_wall: {results[last, 'sync']['wall_s'] / results[last, 'async']['wall_s']:.3f}")
 
