@@ -80,3 +80,25 @@ def test_a_resume_with_other_engine_ranks_says_so_in_one_line(caplog):
         AsyncRollouts(None, types.SimpleNamespace(role=Role(True, 0, 1, 1)), None).resume_from(2, {}, pending)
     lines = [r.getMessage() for r in caplog.records if "engine_ranks" in r.getMessage()]
     assert len(lines) == 1 and "engine_ranks=2" in lines[0] and "came from 1" in lines[0], lines
+
+
+def test_the_pipeline_lanes_draw_an_evaluation_behind_the_trainer_where_it_ran():
+    """#35 item 6: the evaluation of version 2 ran on the engines at the start of step 3, before batch 4's generation,
+    and the trainer waited for its remainder inside step 3's publish: drawn so, every second once."""
+    from dapo_mcore.telemetry import lanes
+
+    r = {"step": 3, "time/step": 2.0, "time/wait_rollouts": 1.0, "async/trainer_wait_s": 1.0, "time/train": 0.5,
+         "async/trainer_wait_eval_s": 0.4, "async/trainer_wait_publish_s": 0.3, "time/sync_weights": 0.2,
+         "async/engine_eval_s": 0.6, "eval/policy_version": 2.0}
+    nxt = {"step": 4, "async/engine_generate_s": 1.0, "async/engine_reward_s": 0.1,
+           "async/engine_wait_weights_s": 0.2, "async/weights_transfer_s": 0.2}
+    trainer = lanes.trainer_segments(r, 0.0)
+    assert [s.what for s in trainer] == ["wait for rollouts", "train", "wait for eval", "wait for rollouts", "publish",
+                                         "other"]
+    assert sum(s.width for s in trainer) == pytest.approx(2.0)
+    engines = lanes.engine_segments(r, nxt, publish_end=1.7)
+    assert [s.what for s in engines] == ["eval", "generate + score", "wait for weights", "receive weights"]
+    assert engines[0].width == 0.6 and engines[-1].start + engines[-1].width == pytest.approx(1.7)
+    # The last version's evaluation (on the trainer's path, labelled with its own step) comes after the publish.
+    last = dict(r, **{"eval/policy_version": 3.0})
+    assert [s.what for s in lanes.engine_segments(last, nxt, publish_end=1.7)][-1] == "eval"

@@ -7,7 +7,8 @@ evaluation when one is due (``time/eval``), and what no phase timed. ``time/wait
 rollouts (``async/trainer_wait_batch_s`` + ``async/trainer_wait_publish_s``).
 
 Engine lane during step n: generate and score batch n + 1, wait for version n + 1, receive it (the transfer ends when
-the trainer's publish ends), evaluate it when due. Those seconds travel with batch n + 1, so they are in step n + 1's
+the trainer's publish ends), evaluate it when due (an evaluation behind the trainer, ``eval/policy_version`` < n:
+first, before generating; the trainer's wait for it, ``async/trainer_wait_eval_s``, is drawn before its publish). Those seconds travel with batch n + 1, so they are in step n + 1's
 record. No clock is shared between the ranks: the lanes are laid out from per-step seconds (shares and order, not
 exact instants).
 """
@@ -61,10 +62,11 @@ def trainer_segments(r: dict[str, Any], t: float) -> list[Segment]:
     """Step ``r`` on the trainer lane from ``t``; the widths sum to its ``time/step``."""
     step, wall = r[keys.STEP], _f(r, keys.TIME_STEP)
     wait = _f(r, keys.time_key("wait_rollouts"))
-    at_publish = _f(r, "async/trainer_wait_publish_s") if "async/trainer_wait_publish_s" in r else 0.0
-    parts = [("checkpoint", _f(r, keys.TIME_CHECKPOINT)), ("wait for rollouts", wait - at_publish),
+    at_publish = _f(r, "async/trainer_wait_publish_s")
+    behind = _f(r, "async/trainer_wait_eval_s")  # an evaluation behind the trainer, taken in this publish
+    parts = [("checkpoint", _f(r, keys.TIME_CHECKPOINT)), ("wait for rollouts", wait - at_publish - behind),
              ("old log-probs", _f(r, keys.TIME_OLD_LOGPROBS)), ("train", _f(r, keys.TIME_TRAIN)),
-             ("wait for rollouts", at_publish), ("publish", _f(r, keys.TIME_SYNC_WEIGHTS)),
+             ("wait for eval", behind), ("wait for rollouts", at_publish), ("publish", _f(r, keys.TIME_SYNC_WEIGHTS)),
              ("wait for eval", _f(r, keys.TIME_EVAL))]
     parts.append(("other", max(wall - sum(w for _, w in parts), 0.0)))
     out = []
@@ -76,18 +78,21 @@ def trainer_segments(r: dict[str, Any], t: float) -> list[Segment]:
 
 
 def engine_segments(r: dict[str, Any], nxt: dict[str, Any] | None, publish_end: float) -> list[Segment]:
-    """The engines during step ``r``: batch n + 1 (``nxt``'s seconds) ends at ``publish_end``, then eval if due."""
+    """The engines during step ``r``: batch n + 1 (``nxt``'s seconds) ends at ``publish_end``, then eval if due; an
+    evaluation behind the trainer (of version n - 1, labelled so in ``r``) comes first, before the generation."""
     step, out = r[keys.STEP], []
+    evaluation = _f(r, "async/engine_eval_s") if "async/engine_eval_s" in r else _f(r, keys.TIME_EVAL)
+    behind = "eval/policy_version" in r and _f(r, "eval/policy_version") < step
     if nxt is not None:
         gen = _f(nxt, "async/engine_generate_s") + _f(nxt, "async/engine_reward_s")
         idle, copy = _f(nxt, "async/engine_wait_weights_s"), _f(nxt, "async/weights_transfer_s")
-        t = publish_end - copy - idle - gen
-        for what, width in (("generate + score", gen), ("wait for weights", idle), ("receive weights", copy)):
+        t = publish_end - copy - idle - gen - (evaluation if behind else 0.0)
+        for what, width in (("eval", evaluation if behind else 0.0), ("generate + score", gen),
+                            ("wait for weights", idle), ("receive weights", copy)):
             if width > 0:
                 out.append(Segment("engines", what, t, width, step))
             t += width
-    evaluation = _f(r, "async/engine_eval_s") if "async/engine_eval_s" in r else _f(r, keys.TIME_EVAL)
-    if evaluation > 0:
+    if evaluation > 0 and not behind:
         out.append(Segment("engines", "eval", publish_end, evaluation, step))
     return out
 
