@@ -404,13 +404,14 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
-    def validate(self, world_size: int = 1) -> None:
+    def validate(self, world_size: int = 1, check_files: bool = True) -> None:
         """Check every rule that can be checked before anything is allocated (hardware-independent: GPU-only
-        settings are refused by ``runtime.check_hardware``, so cluster configs validate on a laptop)."""
+        settings are refused by ``runtime.check_hardware``, so cluster configs validate on a laptop;
+        ``check_files=False`` also leaves out whether the dataset files exist on this machine)."""
         self.model.validate()
         for section in (self.algo, self.data, self.tiny_base):
             try:
-                section.validate()
+                section.validate(check_files) if section is self.data else section.validate()
             except ConfigError:
                 raise
             except ValueError as exc:  # component configs raise ValueError; report it as a config error
