@@ -17,7 +17,8 @@ from pathlib import Path
 
 import yaml
 
-from dapo_mcore.config import Config, ignored_async_keys, load_config, trainer_world
+from dapo_mcore.config import Config, load_config
+from dapo_mcore.config_rules import ignored_async_keys, trainer_world
 from dapo_mcore.configtree import ConfigError, to_dict
 
 log = logging.getLogger(__name__)
