@@ -17,7 +17,8 @@ from pathlib import Path
 
 import yaml
 
-from dapo_mcore.config import Config, ignored_async_keys, load_config, trainer_world
+from dapo_mcore.config import Config, load_config
+from dapo_mcore.config_rules import ignored_async_keys, trainer_world
 from dapo_mcore.configtree import ConfigError, to_dict
 
 log = logging.getLogger(__name__)
@@ -35,11 +36,12 @@ def world_size_from_env(environ: dict[str, str] | None = None) -> int:
     return 1
 
 
-def precheck(config_path: str, overrides: list[str], world_size: int | None = None, warn: bool = True) -> Config:
+def precheck(config_path: str, overrides: list[str], world_size: int | None = None, warn: bool = True,
+             check_files: bool = True) -> Config:
     """Load and validate (raises ConfigError with the key and the fix); imports no torch model code. ``warn``: log
     (once, on rank 0) the async-only settings a sync config sets and ignores."""
     cfg = load_config(config_path, overrides)
-    cfg.validate(world_size or world_size_from_env())
+    cfg.validate(world_size or world_size_from_env(), check_files=check_files)
     ignored = ignored_async_keys(cfg)
     if warn and ignored and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
         log.warning("%s only apply to rollout.pipeline.mode=async; this config is sync, so they are ignored (set "
@@ -135,13 +137,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="processes to validate the layout for (default: from torchrun/Slurm variables, else 1)")
     args = parser.parse_intermixed_args(argv)  # overrides may follow --world-size
     world = args.world_size or world_size_from_env()
-    cfg = precheck(args.config, args.overrides, world)
+    cfg = precheck(args.config, args.overrides, world, check_files=False)  # a cluster config, checked on a laptop
     check_run_dir(cfg)
     sys.stdout.write(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     sys.stdout.write("# derived\n" + "".join(f"# {line}\n" for line in describe_layout(cfg, world)))
-    refusal = hardware_refusal(cfg)
-    if refusal:
-        sys.stderr.write(f"warning: on this machine train would refuse: {refusal}\n")
+    for refusal in (missing_inputs(cfg), hardware_refusal(cfg)):
+        if refusal:
+            sys.stderr.write(f"warning: on this machine train would refuse: {refusal}\n")
     return 0
 
 
@@ -155,6 +157,16 @@ def check_run_dir(cfg: Config) -> None:
         raise ConfigError(f"run.dir={str(run_dir)!r} exists and is not a directory; choose another run.dir.")
     check_writable(run_dir, "run.dir")
     refuse_other_run(cfg)
+
+
+def missing_inputs(cfg: Config) -> str | None:
+    """The dataset-file refusal ``train`` would give here (a file absent from this machine), or None: ``config``
+    checks cluster configs on laptops, so it warns instead."""
+    try:
+        cfg.data.validate()
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 def hardware_refusal(cfg: Config) -> str | None:

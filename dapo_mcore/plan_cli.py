@@ -179,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     plan, names, max_tp, steps, engine_ranks, cfg = _plan_from_args(parser, args)
     if disaggregated is None and engine_ranks is not None:
         # An async config prices its own split (rollout.pipeline.engine_ranks): the colocated estimate is not its.
-        disaggregated = {**split_opts, "engine_gpus": engine_ranks}
+        disaggregated = {**split_opts, "engine_gpus": engine_ranks,
+                         "requeue": (steps, time_limit_h, lead_min) if steps else None}
     if disaggregated is not None:
         try:
             return plan_disagg.run(plan, {**disaggregated, "config": cfg}, as_json)

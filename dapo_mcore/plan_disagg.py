@@ -285,6 +285,11 @@ def run(p: PlanInput, opts: dict[str, Any], as_json: bool) -> int:
         print(format_splits(p, splits, util, rates))
         if verdict:
             print(verdict[0])
+        if verdict and opts.get("requeue"):  # an async config: its own step time, tails included, sets the requeues
+            from dapo_mcore.plan_cli import requeue_line
+
+            train_steps, time_limit_h, lead_min = opts["requeue"]
+            print(requeue_line(train_steps, verdict[1]["async_s"], time_limit_h, lead_min))
     return 0 if propose(splits) else 1
 
 

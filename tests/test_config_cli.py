@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dapo_mcore.config_cli import main, resolve_eval_checkpoint, world_size_from_env
+from dapo_mcore.config_cli import main, precheck, resolve_eval_checkpoint, world_size_from_env
 from dapo_mcore.configtree import ConfigError
 
 pytestmark = pytest.mark.unit
@@ -97,3 +97,16 @@ def test_config_refuses_what_train_refuses(tmp_path, capsys):
     with pytest.raises(ConfigError, match="holds another run"):
         main([tiny, f"run.dir={run}"])
     assert main([tiny, f"run.dir={run}", "run.overwrite=true"]) == 0
+
+
+def test_config_checks_a_cluster_config_on_a_laptop(capsys, tmp_path):
+    """`config` validates the layout of a cluster config whose dataset files live on the cluster: a missing file
+    is a warning naming what `train` would refuse here, not the end of the check (issue 35's 128-rank example)."""
+    cfg = str(ROOT / "examples/qwen2.5-32b-fp8-async.yaml")
+    assert main([cfg, "model.hf_path=null", "model.preset=qwen2.5-32b", "--world-size", "128"]) == 0
+    out, err = capsys.readouterr()
+    assert "32 trainer ranks (0-31) + 96 engine ranks (32-127)" in out
+    assert "train would refuse: data.train='/data/dapo/dapo-math-17k.parquet': no such file" in err
+    missing = str(tmp_path / "nope.parquet")
+    with pytest.raises(ConfigError, match="no such file"):  # train itself still refuses it, before anything starts
+        precheck(str(ROOT / "examples/tiny_cpu.yaml"), [f"data.train={missing}"])

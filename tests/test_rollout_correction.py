@@ -252,7 +252,8 @@ def test_bypass_refuses_an_moe_model_with_a_router_aux_loss(tmp_path):
     import json
     from pathlib import Path
 
-    from dapo_mcore.config import ConfigError, _validate_bypass, load_config
+    from dapo_mcore.config import ConfigError, load_config
+    from dapo_mcore.config_rules import _validate_bypass
 
     tiny = Path(__file__).resolve().parents[1] / "examples" / "tiny_cpu.yaml"
     for coef, refused in ((0.001, True), (0.0, False)):

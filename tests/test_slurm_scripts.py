@@ -93,7 +93,10 @@ def test_gpu_recipe_layout_lives_in_its_config_and_fits_the_allocation(name, pre
 
 
 @pytest.mark.parametrize("name, preset", [("dapo_qwen2.5_32b_fp8.sbatch", "qwen2.5-32b"),
-                                          ("dapo_qwen2.5_7b.sbatch", "qwen2.5-7b")])
+                                          ("dapo_qwen2.5_7b.sbatch", "qwen2.5-7b"),
+                                          ("dapo_qwen2.5_32b_fp8_async.sbatch", "qwen2.5-32b"),
+                                          ("dapo_qwen3_32b_fp8.sbatch", "qwen3-32b"),
+                                          ("dapo_qwen3_30b_a3b.sbatch", "qwen3-30b-a3b")])
 def test_gpu_recipes_allow_the_requeues_the_planner_asks_for(name, preset, capsys):
     from dapo_mcore.plan_cli import main as plan
 

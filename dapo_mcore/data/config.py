@@ -36,11 +36,12 @@ class DataConfig:
     wrap_raw_problems: bool = True
     """Give raw problem strings (e.g. {"prompt": "...", "answer": "..."} jsonl) DAPO's math-prompt wording."""
 
-    def validate(self) -> None:
-        """Raise ValueError naming the fix for the first bad field."""
-        check_source("data.train", self.train)
+    def validate(self, check_files: bool = True) -> None:
+        """Raise ValueError naming the fix for the first bad field; ``check_files=False`` leaves out whether the
+        dataset files exist here (a cluster config checked on a laptop)."""
+        check_source("data.train", self.train, check_files)
         if self.eval:
-            check_source("data.eval", self.eval)
+            check_source("data.eval", self.eval, check_files)
         if not 0.0 < self.heldout_fraction < 1.0:
             raise ValueError(f"data.heldout_fraction={self.heldout_fraction} must lie in (0, 1), e.g. 0.2")
         if self.max_prompt_len < 1:
@@ -49,8 +50,8 @@ class DataConfig:
             raise ValueError(f"data.truncation={self.truncation!r}; use one of {', '.join(TRUNCATION_MODES)}")
 
 
-def check_source(field_name: str, spec: str) -> None:
-    """Validate a ``task:<name>`` or file-path source spec."""
+def check_source(field_name: str, spec: str, check_files: bool = True) -> None:
+    """Validate a ``task:<name>`` or file-path source spec (``check_files``: also that the file exists here)."""
     if spec.startswith(TASK_PREFIX):
         name = spec[len(TASK_PREFIX):]
         if name not in task_names():
@@ -61,6 +62,8 @@ def check_source(field_name: str, spec: str) -> None:
     if path.suffix not in SUFFIXES:
         raise ValueError(f"{field_name}={spec!r}: expected task:<name> or a path ending in "
                          f"{' or '.join(SUFFIXES)}")
+    if not check_files:
+        return
     if path.is_dir():
         raise ValueError(f"{field_name}={spec!r} is a directory; give the .parquet/.jsonl file inside it (e.g. "
                          f"{field_name}={str(path / 'train.parquet')!r}) or task:<name>")
