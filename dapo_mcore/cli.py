@@ -93,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
                             datefmt="%H:%M:%S")
     # Megatron logs every config and parameter name at INFO; keep its warnings only.
     logging.getLogger("megatron").setLevel(logging.WARNING)
-    if _rank() != 0:  # progress and start-up lines once, from rank 0; every rank's warnings and errors stay
+    # Progress and start-up lines once, from rank 0; every rank's warnings and errors stay. DAPO_MCORE_LOG_ALL_RANKS=1
+    # keeps every rank's INFO lines (which rank loaded what, on which host: debugging a multi-node launch).
+    if _rank() != 0 and os.environ.get("DAPO_MCORE_LOG_ALL_RANKS") != "1":
         logging.getLogger().setLevel(logging.WARNING)
     parser = _parser()
     if argv and argv[0] in _DELEGATED:

@@ -58,7 +58,8 @@ def cluster(tmp_path_factory, tiny_cache):
 def submit(c: TwoNodeCluster, out: Path, *args: str, **env: str) -> str:
     """`sbatch -N 2 slurm/tiny_cpu.sbatch ARGS` from the repo root, as a user would; returns the job id."""
     proc = subprocess.run(["sbatch", "--parsable", "-N", "2", f"--output={out}", str(TINY), *args], cwd=REPO,
-                          env=dict(c.job_env, **env), capture_output=True, text=True, timeout=120)
+                          env=dict(c.job_env, DAPO_MCORE_LOG_ALL_RANKS="1", **env), capture_output=True, text=True,
+                          timeout=120)  # every rank's INFO lines: the tests read what each rank loaded, and where
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip().split(";")[0]
 
