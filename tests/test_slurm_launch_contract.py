@@ -98,10 +98,15 @@ def test_a_failure_after_the_requeue_signal_is_not_requeued(fake_slurm, code):
     assert f"the step failed with {code}, not 75: not requeueing" in proc.stderr
 
 
+TERM_THE_STEP = "kill -TERM $PPID $(cut -d' ' -f4 /proc/$PPID/stat)"
+"""slurmstepd's SIGTERM to the task's processes above the command: the wrapper's subshell that runs it ($PPID) and the
+wrapper itself (its parent)."""
+
+
 def test_the_task_wrapper_outlives_sigterm_and_reports_the_commands_code(fake_slurm):
     """srun --kill-on-bad-exit sends SIGTERM to every process of the step when the first rank exits 75: the wrapper
     shell must survive it and exit 75 with its command, or srun reports the signal (143) and nothing is requeued."""
-    proc = launch(fake_slurm, "bash", "-c", "kill -TERM $PPID; sleep 0.5; exit 75")
+    proc = launch(fake_slurm, "bash", "-c", f"{TERM_THE_STEP}; sleep 0.5; exit 75")
     assert "step exited with 75" in proc.stderr, proc.stderr
     assert proc.returncode == 0 and requeues(fake_slurm) == ["requeue 42"]
 
@@ -168,7 +173,7 @@ def test_a_task_that_ignores_sigterm_is_killed_by_its_wrapper_and_does_not_outra
     """A hung rank: srun's SIGTERM (sent when a peer exits 75 after its collective timed out) cannot end it. Its
     wrapper kills it after DAPO_TASK_KILL_GRACE seconds and exits 1, below the peers' 75: left to Slurm's SIGKILL
     (after KillWait) the task would die of a signal, which srun reports above every exit code (137: no requeue)."""
-    proc = launch(fake_slurm, "bash", "-c", "trap '' TERM; kill -TERM $PPID; exec sleep 60",
+    proc = launch(fake_slurm, "bash", "-c", f"trap '' TERM; {TERM_THE_STEP}; exec sleep 60",
                   DAPO_TASK_KILL_GRACE="1")
     assert "step exited with 1" in proc.stderr, proc.stderr
     assert "rank 0 on " in proc.stderr and "did not exit within 1s of SIGTERM (hung?): killing it" in proc.stderr
