@@ -179,6 +179,21 @@ def bench_model(name: str, overrides: dict, args, work: Path, device: torch.devi
     return out
 
 
+def start_one_process() -> None:
+    """A one-process Megatron world (gloo on CPU) on a free local port, model-parallel groups of 1."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    from dapo_mcore.actor.parallel import init_distributed, init_model_parallel, read_launch_env
+
+    init_distributed(read_launch_env(), "auto")
+    init_model_parallel(1, 1, seed=1)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="tiny,h512", help=f"comma-separated subset of {', '.join(MODELS)}")
@@ -192,17 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        import socket
+    from dapo_mcore.actor.parallel import shutdown
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    from dapo_mcore.actor.parallel import init_distributed, init_model_parallel, read_launch_env, shutdown
-
-    init_distributed(read_launch_env(), "auto")
-    init_model_parallel(1, 1, seed=1)
+    start_one_process()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     print(f"device {device}, threads {torch.get_num_threads()}, torch {torch.__version__}, "
           f"load average {os.getloadavg()[0]:.2f} (start)", flush=True)

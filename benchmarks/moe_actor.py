@@ -80,17 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        import socket
+    from actor_overhead import start_one_process
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    from dapo_mcore.actor.parallel import init_distributed, init_model_parallel, read_launch_env, shutdown
+    from dapo_mcore.actor.parallel import shutdown
 
-    init_distributed(read_launch_env(), "auto")
-    init_model_parallel(1, 1, seed=1)
+    start_one_process()
     print(f"threads {torch.get_num_threads()}, torch {torch.__version__}, load average {os.getloadavg()[0]:.2f} "
           "(start)", flush=True)
     result = run(args)
