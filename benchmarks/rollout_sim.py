@@ -10,9 +10,9 @@ GPUs (default ``examples/qwen2.5-32b-fp8.yaml`` at 128 GPUs):
 ``rollout/engine_groups.py`` builds it (prompts round robin per chunk of ``--stream-chunk``, drained between chunks);
 (c) ``async``: engines on their own GPUs, the trainer on the others, one policy version behind, batch-and-filter;
 (d) ``async_stream``: async + streaming/abort; (e) ``async_partial``: async + partial rollouts.
-Generation is simulated (``rollout_sim_core.py``); old log-probs, updates and the memory of each side are the
+Generation is simulated (``dapo_mcore/rollout_model.py``); old log-probs, updates and the memory of each side are the
 planner's (``dapo_mcore/planner.py``, ``dapo_mcore/plan_disagg.py``: FLOPs at 35% MFU, KV cache per engine); the
-step rules are in ``rollout_sim_step.py``. Async variants run on every engine/trainer split the planner accepts
+step rules are in ``dapo_mcore/step_model.py``. Async variants run on every engine/trainer split the planner accepts
 and report their best. Every assumption is printed first. Last line: ``sim_step_time_ratio: X`` = today's mean step
 time / the best variant's (mean over the three stages).
 

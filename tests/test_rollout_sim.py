@@ -1,4 +1,4 @@
-"""The rollout simulator's pure parts (benchmarks/rollout_sim_core.py) against hand-computed timelines and counts."""
+"""The rollout simulator's pure parts (dapo_mcore/rollout_model.py, dapo_mcore/step_model.py) against hand-computed timelines and counts."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from benchmarks.rollout_sim import _trainer_phases, tiny_steps
-from benchmarks.rollout_sim_core import (
+from dapo_mcore.rollout_model import (
     Carried,
     EngineModel,
     EngineSim,
@@ -23,7 +23,7 @@ from benchmarks.rollout_sim_core import (
     spread,
     streaming_step,
 )
-from benchmarks.rollout_sim_step import Phases, async_step, async_steps, mean_step, sync_step
+from dapo_mcore.step_model import Phases, async_step, async_steps, mean_step, sync_step
 
 
 class ListPool:
