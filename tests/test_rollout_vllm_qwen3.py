@@ -8,33 +8,12 @@ sampled tokens match the Megatron actor's. Same skip rule as ``test_rollout_vllm
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
-from pathlib import Path
 
-import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "examples" / "tiny_cpu_vllm.yaml"
-TOL = 1e-4
-_HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-_REQUIRED = os.environ.get("DAPO_MCORE_REQUIRE_VLLM") == "1"
-
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(not _HAVE_VLLM and not _REQUIRED,
-                       reason="vLLM is not installed (the vllm tier runs in .venv-vllm: see .ci/tiers/10-vllm.sh)"),
-]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from tests.test_rollout_vllm_cpu import CONFIG, ROOT, TOL, _free_port, pytestmark  # noqa: F401 (the same skip rule)
 
 
 def test_tiny_qwen3_dapo_run_on_vllm_tp2(tmp_path):
