@@ -156,7 +156,7 @@ class Trainer:
         out = mismatch_metrics(flat_e, flat_a, ~stale, self.cfg.algo.tis_cap)
         if bool(stale.any()):
             out.update(MismatchStats.from_tensors(flat_e, flat_a, stale, self.cfg.algo.tis_cap).metrics("partial/"))
-        if getattr(self.p.actor, "routing_mismatch", None) is not None:  # MoE: experts used vs the engine's
+        if self.p.actor.routing_mismatch is not None:  # MoE: experts used vs the engine's
             out["moe/routing_mismatch_frac"] = self.p.actor.routing_mismatch
         return {**out, **corr_metrics}
 
