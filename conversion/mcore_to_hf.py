@@ -120,12 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="dir whose tokenizer files are copied into the output "
                    "(default: RUN/tokenizer for a trainer checkpoint RUN/checkpoints/step_N, else the checkpoint's "
                    "tokenizer/ copy, if present)")
-    p.add_argument("--format", choices=("dapo", "torch_dist"), default="dapo",
-                   help="the input: dapo (this project's checkpoint) or torch_dist (a megatron-core dist checkpoint: "
-                        "Megatron-LM's --save dir, one of its iter_* dirs, or a bare one; any TP/PP, any vocab "
-                        "padding; needs --hf-config)")
+    p.add_argument("--format", choices=("auto", "dapo", "torch_dist"), default="auto",
+                   help="the input: dapo (this project's checkpoint), torch_dist (a megatron-core dist checkpoint: "
+                        "a Megatron-LM or Megatron-Bridge save dir, one of its iter_* dirs, or a bare one; any "
+                        "TP/PP, any vocab padding), or auto (told apart by their files; the default)")
     p.add_argument("--hf-config", default=None,
-                   help="for --format torch_dist: the HF dir whose config.json (and tokenizer files) describe the model")
+                   help="for torch_dist: the HF dir whose config.json (and tokenizer files) describe the model; "
+                        "optional for a Megatron-Bridge checkpoint (its run_config.yaml and tokenizer/ are used)")
     p.add_argument("--io", choices=tuple(IO_MODES), default="auto",
                    help="shard writes: O_DIRECT (direct), page cache (buffered), or O_DIRECT where allowed (auto)")
     p.add_argument("--no-progress", action="store_true")
@@ -147,10 +148,15 @@ def main(argv: list[str] | None = None) -> int:
     return run(_main, args)
 
 
+def input_format(path: str | Path) -> str:
+    """'dapo' for this project's checkpoints (trainer or converted), else 'torch_dist'."""
+    path = Path(path)
+    return "dapo" if any((c / ckpt.METADATA_FILE).is_file() for c in (path, path / "model")) else "torch_dist"
+
+
 def _main(args) -> int:
-    if args.format == "torch_dist":
-        if not args.hf_config:
-            raise WeightsError("--format torch_dist needs --hf-config DIR (the HF dir with the model's config.json).")
+    fmt = input_format(args.mcore) if args.format == "auto" else args.format
+    if fmt == "torch_dist":
         from conversion.torch_dist import run_collective
 
         run_collective(1, 1, "torch_dist_to_hf", args.mcore, args.hf_config, args.out,

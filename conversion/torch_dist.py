@@ -28,12 +28,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dapo_mcore.weights.errors import InputFileError, InputMissingError, WeightsError
+from dapo_mcore.weights import dist_checkpoint
+from dapo_mcore.weights.errors import InputFileError, WeightsError
 
 log = logging.getLogger(__name__)
 
-TRACKER = "latest_checkpointed_iteration.txt"
-EMBEDDING_KEY = "embedding.word_embeddings.weight"
+TRACKER = dist_checkpoint.TRACKER
+EMBEDDING_KEY = dist_checkpoint.EMBEDDING_KEY
 
 
 def megatron_lm_args(hf_config: dict[str, Any], *, tp: int, pp: int, padded_vocab: int, divisible_by: int,
@@ -57,19 +58,8 @@ def megatron_lm_args(hf_config: dict[str, Any], *, tp: int, pp: int, padded_voca
 
 
 def checkpoint_dir(path: str | Path) -> Path:
-    """The dist-checkpoint dir of a Megatron-LM save dir (via its tracker file) or of a bare checkpoint dir."""
-    path = Path(path)
-    tracker = path / TRACKER
-    if tracker.is_file():
-        text = tracker.read_text().strip()
-        sub = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else None
-        if sub is None:
-            raise InputFileError(f"{tracker} holds {text!r}; Megatron-LM writes an iteration number or 'release'.")
-        path = path / sub
-    if not (path / "metadata.json").is_file():
-        raise InputMissingError(f"{path} is not a Megatron-Core distributed checkpoint (no metadata.json); pass "
-                                f"the --save dir of Megatron-LM (with {TRACKER}) or one of its iter_* dirs.")
-    return path
+    """The dist-checkpoint dir of a Megatron-LM / Megatron-Bridge save dir, an iter_* dir or a bare one."""
+    return dist_checkpoint.find(path).path
 
 
 def run_collective(tp: int, pp: int, name: str, *args, **kwargs):
@@ -159,35 +149,33 @@ class _on_rank0:  # noqa: N801  (used like a contextlib helper)
         return self.cm.__exit__(*exc) if self.cm is not None else False
 
 
-def torch_dist_to_hf(ckpt: str | Path, hf_config_dir: str | Path, out_dir: str | Path, *,
+def torch_dist_to_hf(ckpt: str | Path, hf_config_dir: str | Path | None, out_dir: str | Path, *,
                      max_shard_bytes: int = 5 * 10**9) -> Path:
-    """Collective (run it in one process): a torch_dist checkpoint -> an HF dir, padding stripped."""
-    from megatron.core import dist_checkpointing
+    """Collective (run it in one process): a torch_dist checkpoint -> an HF dir, padding stripped.
 
+    `hf_config_dir` None: the model's shape comes from a Megatron-Bridge checkpoint's run_config.yaml and the
+    tokenizer from its ``tokenizer/`` dir (when it has one).
+    """
     from dapo_mcore.weights.atomic import atomic_directory, check_target_free
     from dapo_mcore.weights.hf_checkpoint import (
         HFShardedWriter,
         copy_tokenizer_files,
-        read_hf_config,
         write_hf_config,
     )
     from dapo_mcore.weights.layout import ParallelLayout
     from dapo_mcore.weights.live import live_tensors
     from dapo_mcore.weights.registry import get_mapping
 
-    src = checkpoint_dir(ckpt)
-    hf_config = read_hf_config(hf_config_dir)
+    found = dist_checkpoint.find(ckpt)
+    src = found.path
+    hf_config = _hf_config_for(found, hf_config_dir)
     check_target_free(out_dir)
-    meta = dist_checkpointing.load_tensors_metadata(os.fspath(src))
-    embed = next((t for k, t in meta.items() if k.endswith(EMBEDDING_KEY)), None)
-    if embed is None:
-        raise InputFileError(f"{src} holds no {EMBEDDING_KEY}; is it a GPT model checkpoint?")
-    padded, dtype = embed.global_shape[0], embed.dtype
+    padded, dtype = dist_checkpoint.embedding_rows(found)
     if padded < hf_config["vocab_size"]:
         raise InputFileError(f"{src}: the embedding has {padded} rows, fewer than vocab_size="
-                             f"{hf_config['vocab_size']} in {hf_config_dir}/config.json; is it the same model?")
+                             f"{hf_config['vocab_size']} in the model's config; is it the same model?")
     model = _build(hf_config, 1, 1, dtype, padded)  # divisible_by = padded: exactly the checkpoint's padding
-    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, os.fspath(src))
+    loaded = dist_checkpoint.load({"model": model.sharded_state_dict()}, found)
     model.load_state_dict(loaded["model"])
     mapping = get_mapping(hf_config)
     layout = ParallelLayout(make_vocab_size_divisible_by=padded)
@@ -201,6 +189,26 @@ def torch_dist_to_hf(ckpt: str | Path, hf_config_dir: str | Path, out_dir: str |
                 writer.write(name, tensor)
         writer.close()
         write_hf_config(tmp, hf_config, dtype)
-        copy_tokenizer_files(hf_config_dir, tmp)
+        tokenizer_dir = hf_config_dir if hf_config_dir is not None else _bridge_tokenizer(src)
+        if tokenizer_dir is not None:
+            copy_tokenizer_files(tokenizer_dir, tmp)
     log.info("wrote HF checkpoint %s from %s (padded vocab %d -> %d)", out_dir, src, padded, hf_config["vocab_size"])
     return Path(out_dir)
+
+
+def _hf_config_for(found: dist_checkpoint.DistCheckpoint, hf_config_dir: str | Path | None) -> dict[str, Any]:
+    """The HF config: `hf_config_dir`'s config.json, else the HF config in a Bridge checkpoint's run_config.yaml."""
+    from dapo_mcore.weights.hf_checkpoint import read_hf_config
+
+    if hf_config_dir is not None:
+        return read_hf_config(hf_config_dir)
+    if found.run_config is None:
+        raise WeightsError(f"{found.path} carries no run_config.yaml (it is not a Megatron-Bridge checkpoint); pass "
+                           "--hf-config DIR, the Hugging Face dir whose config.json describes the model.")
+    return dist_checkpoint.hf_config_from_run_config(found.run_config, found.path)
+
+
+def _bridge_tokenizer(ckpt_dir: Path) -> Path | None:
+    """The tokenizer files a Megatron-Bridge import saves in its iteration dir (``tokenizer/``), if any."""
+    candidate = ckpt_dir / "tokenizer"
+    return candidate if candidate.is_dir() and any(candidate.iterdir()) else None

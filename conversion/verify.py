@@ -121,7 +121,8 @@ def _prompt_ids(args, hf_dir: Path, vocab_size: int) -> torch.Tensor:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dapo-mcore convert verify", description=__doc__.split("\n")[0])
     p.add_argument("--hf", required=True, help="HF dir: the reference model (and the weights unless --mcore)")
-    p.add_argument("--mcore", default=None, help="canonical Megatron checkpoint to load instead of the HF weights")
+    p.add_argument("--mcore", default=None, help="Megatron checkpoint to load instead of the HF weights: this "
+                   "project's, or a megatron-core dist checkpoint (Megatron-LM's or Megatron-Bridge's save dir)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--vpp", type=int, default=1)
@@ -163,7 +164,11 @@ def checkpoint_dtype(hf_dir: Path, mcore: str | None) -> str:
     (their common floating dtype; float32 when they mix dtypes)."""
     if mcore:
         from dapo_mcore.weights import checkpoint as ckpt
+        from dapo_mcore.weights import dist_checkpoint
 
+        if dist_checkpoint.is_dist_checkpoint(mcore):
+            _, dtype = dist_checkpoint.embedding_rows(dist_checkpoint.find(mcore))
+            return str(dtype).removeprefix("torch.")
         return ckpt.read_meta(ckpt.resolve_checkpoint_dir(mcore)).dtype
     from dapo_mcore.weights.safetensors_io import SafetensorsDirSource
 
@@ -171,6 +176,20 @@ def checkpoint_dtype(hf_dir: Path, mcore: str | None) -> str:
     if len(dtypes) == 1 and str(next(iter(dtypes))).removeprefix("torch.") in DEFAULT_ATOL:
         return str(next(iter(dtypes))).removeprefix("torch.")
     return "float32"
+
+
+def _dist_checkpoint_rows(mcore: str | None, tp: int) -> int | None:
+    """For a dist checkpoint: the per-TP-rank vocabulary rows that rebuild exactly its padding (None otherwise)."""
+    from dapo_mcore.weights import dist_checkpoint
+    from dapo_mcore.weights.errors import WeightsError
+
+    if not mcore or not dist_checkpoint.is_dist_checkpoint(mcore):
+        return None
+    rows, _ = dist_checkpoint.embedding_rows(dist_checkpoint.find(mcore))
+    if rows % tp:
+        raise WeightsError(f"{mcore}: its vocabulary of {rows} rows does not split over --tp {tp}; use a --tp that "
+                           "divides it.")
+    return rows // tp  # Megatron pads to a multiple of divisible_by x TP: this reproduces `rows` exactly
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(args) -> int:
     from dapo_mcore.actor.parallel import init_distributed, init_model_parallel, read_launch_env, shutdown
     from dapo_mcore.model.qwen import build_gpt_model, transformer_config
+    from dapo_mcore.weights import dist_checkpoint
     from dapo_mcore.weights.hf_checkpoint import read_hf_config
     from dapo_mcore.weights.live import load_hf_into_model, load_megatron_checkpoint_into_model
     from dapo_mcore.weights.registry import get_mapping
@@ -201,11 +221,14 @@ def _main(args) -> int:
         tconfig = transformer_config(hf_config, tensor_parallel=args.tp, pipeline_parallel=args.pp,
                                      virtual_pipeline=args.vpp if args.vpp > 1 else None, params_dtype=dtype,
                                      expert_parallel=args.ep)
+        dist_rows = _dist_checkpoint_rows(args.mcore, args.tp)
         chunks = build_gpt_model(hf_config, tconfig, spec=args.layer_spec,
-                                 make_vocab_size_divisible_by=args.vocab_divisible_by)
+                                 make_vocab_size_divisible_by=dist_rows or args.vocab_divisible_by)
         for chunk in chunks:  # as the actor does: Megatron's torch norms ignore params_dtype
             chunk.to(dtype=dtype)
-        if args.mcore:
+        if dist_rows:
+            dist_checkpoint.load_into_model(chunks, args.mcore)
+        elif args.mcore:
             load_megatron_checkpoint_into_model(chunks, args.mcore)
         else:
             load_hf_into_model(chunks, hf_dir, args.layer_spec, args.vocab_divisible_by)
