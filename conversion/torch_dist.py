@@ -93,17 +93,29 @@ def _build(hf_config: dict[str, Any], tp: int, pp: int, dtype: torch.dtype, divi
     return chunk.to(dtype=dtype)  # Megatron's torch norms ignore params_dtype
 
 
+LAYOUTS = ("megatron-lm", "bridge")
+"""Save-dir layouts: Megatron-LM's (``release/`` + ``common.pt`` args) or Megatron-Bridge's (``iter_0000000/`` +
+``run_config.yaml``, the vocabulary padded only where TP needs it)."""
+
+
 def hf_to_torch_dist(hf_dir: str | Path, out_dir: str | Path, *, dtype: torch.dtype | None = None,
-                     divisible_by: int = 128) -> Path:
-    """Collective over the job (world size = TP x PP): write `hf_dir` as a Megatron-LM torch_dist checkpoint."""
+                     divisible_by: int = 128, layout: str = "megatron-lm", vocab_padding: str | None = None) -> Path:
+    """Collective over the job (world size = TP x PP): write `hf_dir` as a torch_dist checkpoint in `layout`.
+
+    `vocab_padding`: "megatron" (multiples of `divisible_by` x TP) or "tp" (only where TP needs it); None: the
+    layout's own (Megatron-LM's rule for megatron-lm, Megatron-Bridge's for bridge).
+    """
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
     from dapo_mcore.weights.atomic import atomic_directory, check_target_free
-    from dapo_mcore.weights.hf_checkpoint import read_hf_config
+    from dapo_mcore.weights.hf_checkpoint import TOKENIZER_DIR, copy_tokenizer_files, read_hf_config
     from dapo_mcore.weights.live import load_hf_into_model
     from dapo_mcore.weights.safetensors_io import SafetensorsDirSource
 
+    if layout not in LAYOUTS:
+        raise WeightsError(f"unknown torch_dist layout {layout!r}; choose one of {', '.join(LAYOUTS)}.")
+    vocab_padding = vocab_padding or ("tp" if layout == "bridge" else "megatron")
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     hf_config = read_hf_config(hf_dir)
     if dtype is None:
@@ -111,29 +123,42 @@ def hf_to_torch_dist(hf_dir: str | Path, out_dir: str | Path, *, dtype: torch.dt
         dtype = source.dtype(next(iter(source.meta)))
     check_target_free(out_dir)
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
-    model = _build(hf_config, tp, pp, torch.float32, divisible_by)
-    load_hf_into_model([model], hf_dir, "local", divisible_by)
+    rows = _padded_rows(hf_config["vocab_size"], divisible_by, tp, vocab_padding)
+    model = _build(hf_config, tp, pp, torch.float32, rows // tp)
+    load_hf_into_model([model], hf_dir, "local", rows // tp)
     model.to(dtype=dtype)
-    padded = model.embedding.word_embeddings.weight.shape[0] * tp if ps.is_pipeline_first_stage() else None
-    box = [padded]
-    dist.broadcast_object_list(box, src=0)
-    common = {"checkpoint_version": 3.0, "iteration": 0,
-              "args": megatron_lm_args(hf_config, tp=tp, pp=pp, padded_vocab=box[0], divisible_by=divisible_by,
-                                       dtype=dtype)}
+    common: dict[str, Any] = {"checkpoint_version": 3.0, "iteration": 0}
+    if layout == "megatron-lm":
+        common["args"] = megatron_lm_args(hf_config, tp=tp, pp=pp, padded_vocab=rows, divisible_by=divisible_by,
+                                          dtype=dtype)
+    sub = "release" if layout == "megatron-lm" else "iter_0000000"
     tmp_box: list[Any] = [None]
     with _on_rank0(atomic_directory(out_dir)) as tmp:
         tmp_box[0] = os.fspath(tmp) if tmp is not None else None
         dist.broadcast_object_list(tmp_box, src=0)
-        release = Path(tmp_box[0]) / "release"
+        ckpt_dir = Path(tmp_box[0]) / sub
         if dist.get_rank() == 0:
-            release.mkdir()
+            ckpt_dir.mkdir()
         dist.barrier()
-        dist_checkpointing.save({"model": model.sharded_state_dict(), **common}, os.fspath(release))
+        dist_checkpointing.save({"model": model.sharded_state_dict(), **common}, os.fspath(ckpt_dir))
         dist.barrier()
         if dist.get_rank() == 0:
-            (Path(tmp_box[0]) / TRACKER).write_text("release\n")
-    log.info("wrote torch_dist checkpoint %s (saved at tp=%d pp=%d, padded vocab %d)", out_dir, tp, pp, box[0])
+            if layout == "bridge":
+                from conversion.bridge_config import write_bridge_files
+
+                copied = copy_tokenizer_files(hf_dir, ckpt_dir / TOKENIZER_DIR)
+                write_bridge_files(ckpt_dir, hf_config, tp=tp, pp=pp, dtype=dtype, padded_rows=rows,
+                                   tokenizer_model=os.fspath(hf_dir.resolve()) if copied else None)
+            (Path(tmp_box[0]) / TRACKER).write_text("release\n" if layout == "megatron-lm" else "0")
+    log.info("wrote torch_dist checkpoint %s in %s's layout (saved at tp=%d pp=%d, vocabulary %d rows for %d)",
+             out_dir, layout, tp, pp, rows, hf_config["vocab_size"])
     return out_dir
+
+
+def _padded_rows(vocab_size: int, divisible_by: int, tp: int, vocab_padding: str) -> int:
+    from dapo_mcore.model.qwen import padded_vocab_size
+
+    return padded_vocab_size(vocab_size, divisible_by, tp, padding=vocab_padding)
 
 
 class _on_rank0:  # noqa: N801  (used like a contextlib helper)

@@ -37,6 +37,8 @@ _DELEGATED: dict[str, tuple[str, str, str]] = {
 _CONVERT: dict[str, tuple[str, str, str]] = {
     "hf-to-mcore": ("conversion.hf_to_mcore", "main", "Hugging Face dir -> Megatron checkpoint at a TP/PP layout"),
     "mcore-to-hf": ("conversion.mcore_to_hf", "main", "Megatron or trainer checkpoint -> Hugging Face safetensors"),
+    "mcore-to-bridge": ("conversion.mcore_to_bridge", "main",
+                        "this project's (or a trainer) checkpoint -> a Megatron-Bridge checkpoint"),
     "verify": ("conversion.verify", "main", "logit parity between Hugging Face and Megatron on given weights"),
 }
 
