@@ -100,3 +100,24 @@ def test_old_padding_mcore_path_loads_into_a_tp_model_with_equal_logits(tmp_path
     assert got.shape == want.shape == (2, 12, 32)
     assert torch.equal(got, want)
     assert (got - ref).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("flags, rows", [((), 38), (("--vocab-padding", "megatron"), 256),
+                                         (("--vocab-padding", "megatron", "--vocab-divisible-by", "16"), 64)])
+def test_cli_vocab_padding_and_mcore_to_hf_reads_both(tmp_path, flags, rows):
+    """`convert hf-to-mcore` pads by --vocab-padding (default tp) and records it; mcore-to-hf gives HF back bit for
+    bit whichever rule (it reads the padded size from the metadata). Vocabulary 37 at TP 2: tp pads to 38."""
+    from safetensors.torch import load_file
+
+    from conversion.hf_to_mcore import main as hf_to_mcore_main
+    from conversion.mcore_to_hf import main as mcore_to_hf_main
+
+    model, _, _ = _hf(tmp_path, 37)
+    assert hf_to_mcore_main(["--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "m"), "--tp", "2",
+                             "--no-progress", *flags]) == 0
+    meta = read_meta(tmp_path / "m")
+    assert meta.layout.vocab_padding == ("tp" if not flags else "megatron") and meta.padded_vocab_size == rows
+    assert mcore_to_hf_main(["--mcore", str(tmp_path / "m"), "--out", str(tmp_path / "back"), "--no-progress"]) == 0
+    got = {k: v for f in sorted((tmp_path / "back").glob("*.safetensors")) for k, v in load_file(f).items()}
+    ref = model.state_dict()
+    assert sorted(got) == sorted(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
