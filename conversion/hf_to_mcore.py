@@ -7,7 +7,8 @@ read straight into reused staging buffers that a thread writes out with O_DIRECT
 is the staging buffers plus one memory-mapped tensor; every HF byte is read once (norms once per TP rank).
 
     python -m conversion.hf_to_mcore --hf DIR --out DIR --tp 2 --pp 2 [--vpp 1] [--ep 1] [--layer-spec local]
-        [--vocab-divisible-by 128] [--dtype bfloat16] [--io auto|direct|buffered] [--format dapo|torch_dist] [--debug]
+        [--vocab-padding tp|megatron] [--vocab-divisible-by 128] [--dtype bfloat16] [--io auto|direct|buffered]
+        [--format dapo|torch_dist] [--debug]
 
 The HF directory's tokenizer, generation config and chat template are copied into ``<out>/tokenizer/`` so that
 `mcore_to_hf` can put them back. User errors print one line and exit 2 (`--debug` for the traceback).
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 
 from conversion.entry import add_debug_flag, report_written, run
+from dapo_mcore.model.vocab import VOCAB_PADDINGS
 from dapo_mcore.weights import checkpoint as ckpt
 from dapo_mcore.weights.errors import WeightsError
 from dapo_mcore.weights.hf_checkpoint import (
@@ -122,7 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models): one rank file per "
                    "(tp, pp, ep) rank holding its experts, Megatron's mp_rank_TT_PPP_EEE")
     p.add_argument("--layer-spec", choices=LAYER_SPECS, default="local")
-    p.add_argument("--vocab-divisible-by", type=int, default=128)
+    p.add_argument("--vocab-padding", choices=VOCAB_PADDINGS, default="tp",
+                   help="tp: keep the vocabulary unless tensor parallelism needs padding (what Megatron-Bridge and "
+                        "the trainer's default model.vocab_padding=tp load); megatron: pad to a multiple of "
+                        "--vocab-divisible-by x tp (Megatron-LM's rule, dapo-mcore's before issue #38)")
+    p.add_argument("--vocab-divisible-by", type=int, default=128,
+                   help="divisor of the padding rule (megatron: rows are a multiple of it x tp; tp: caps the power "
+                        "of two used when tp does not divide the vocabulary)")
     p.add_argument("--dtype", choices=tuple(DTYPE_NAMES), default=None,
                    help="cast to this dtype (default: keep the checkpoint's dtype)")
     p.add_argument("--format", choices=("dapo", "torch_dist"), default="dapo",
@@ -153,7 +161,8 @@ def _main(args) -> int:
             report_written(args.out)
         return 0
     layout = ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp, layer_spec=args.layer_spec,
-                            make_vocab_size_divisible_by=args.vocab_divisible_by, ep=args.ep)
+                            make_vocab_size_divisible_by=args.vocab_divisible_by, ep=args.ep,
+                            vocab_padding=args.vocab_padding)
     dtype = parse_dtype(args.dtype) if args.dtype else None
     convert_hf_to_mcore(args.hf, args.out, layout, dtype=dtype, progress=not args.no_progress,
                         direct=io_mode(args.io))

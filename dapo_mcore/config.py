@@ -21,6 +21,7 @@ from dapo_mcore.data.config import DataConfig
 from dapo_mcore.data.tiny_base_settings import TinyBaseSettings
 from dapo_mcore.model.hf_config import HFConfigError, QwenShape
 from dapo_mcore.model.presets import PRESET_NAMES, preset_config
+from dapo_mcore.model.vocab import VOCAB_PADDINGS
 
 __all__ = ["Config", "ConfigError", "load_config", "write_resolved"]
 
@@ -63,7 +64,14 @@ class ModelConfig:
     params_dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype. float32 on CPU; bfloat16 on GPU (the optimizer keeps fp32 main weights)."""
     make_vocab_size_divisible_by: int = 128
-    """Pad the vocabulary to a multiple of this times tensor_parallel (Megatron's convention); padded logits are masked."""
+    """The divisor of `vocab_padding` (Megatron-LM's --make-vocab-size-divisible-by); padded logits are masked."""
+    vocab_padding: Literal["tp", "megatron"] = "tp"
+    """How many rows the embedding and output layer get (dapo_mcore.model.vocab): `tp` keeps the vocabulary as it is
+    when tensor_parallel divides it, else pads to the next multiple of (the largest power of two <=
+    make_vocab_size_divisible_by that divides it) x tensor_parallel: what Megatron-Bridge's models load (Qwen2.5's
+    151,936 rows stay 151,936 at TP 1-8). `megatron` pads to a multiple of make_vocab_size_divisible_by x
+    tensor_parallel: Megatron-LM's rule and dapo-mcore's only one before issue #38 (152,064 rows at TP 2). On resume
+    the checkpoint's rule wins; a model.mcore_path of the other rule is re-padded on load (real rows unchanged)."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation: selective = attention core only; full = every layer (most memory saved, ~33% more compute)."""
     fp8: FP8Config = field(default_factory=FP8Config)
@@ -106,6 +114,9 @@ class ModelConfig:
             raise ConfigError(f"model.preset={self.preset!r} is unknown; choose one of {', '.join(PRESET_NAMES)}.")
         if self.make_vocab_size_divisible_by < 1:
             raise ConfigError("model.make_vocab_size_divisible_by must be >= 1.")
+        if self.vocab_padding not in VOCAB_PADDINGS:
+            raise ConfigError(f"model.vocab_padding={self.vocab_padding!r} is unknown; use tp (Megatron-Bridge's "
+                              "layout) or megatron (Megatron-LM's rule).")
         if self.attention != "auto" and self.layer_spec == "transformer_engine":
             raise ConfigError(f"model.attention={self.attention} applies to the local layer spec; with "
                               "model.layer_spec=transformer_engine set model.attention=auto (TE's attention).")

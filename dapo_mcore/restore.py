@@ -4,29 +4,31 @@ state after it, and the telemetry files cut back to that step."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import torch.distributed as dist
 
 from dapo_mcore.components import Components
-from dapo_mcore.config import ConfigError
+from dapo_mcore.config import Config, ConfigError
 from dapo_mcore.configtree import to_dict
 
 log = logging.getLogger(__name__)
 
 
-def restore(parts: Components, *, resume: bool, checkpoint: str | None) -> int:
-    """Load the checkpoint to start from (the run's latest intact one, or `checkpoint`); the step to continue after.
+def find_start_checkpoint(cfg: Config, *, resume: bool, checkpoint: str | None, is_main: bool) -> Path | None:
+    """The checkpoint the run starts from: `checkpoint` (``--checkpoint``), else the run's latest intact one, or None
+    (``--checkpoint base``, or no checkpoint yet). Collective (``find_latest`` shares its checksum work).
 
-    Training (`resume`) first removes what interrupted saves left behind. A run may resume at another layout
-    (the checkpoint reshards); run.resume_weights_only=true starts the optimizer fresh.
+    Training (`resume`) first removes what interrupted saves left behind. Called before the actor is built: the
+    model's vocabulary padding follows the checkpoint's (``adopt_checkpoint_padding``).
     """
     from dapo_mcore.actor import checkpoint as ckpt
 
-    root = Path(parts.cfg.run.dir) / "checkpoints"
+    root = Path(cfg.run.dir) / "checkpoints"
     if checkpoint == "base":
-        return 0
-    if resume and parts.is_main:
+        return None
+    if resume and is_main:
         ckpt.remove_partials(root)
     if dist.is_initialized():
         dist.barrier()
@@ -36,8 +38,35 @@ def restore(parts: Components, *, resume: bool, checkpoint: str | None) -> int:
         if problems:
             raise ckpt.CheckpointError(f"--checkpoint {checkpoint} is corrupt: {'; '.join(problems)}. Choose "
                                        "another checkpoint of the run.")
-    else:
-        target = ckpt.find_latest(root)
+        return target
+    return ckpt.find_latest(root)
+
+
+def adopt_checkpoint_padding(cfg: Config, target: Path | None, *, is_main: bool) -> Config:
+    """`cfg` with model.vocab_padding set to the rule the checkpoint `target` was written with (metadata without the
+    key: ``megatron``, the only rule before issue #38), so a run continues exactly as it trained (the padded rows
+    change the output layer's GEMM and softmax shapes) whatever its config says; logged once when it differs."""
+    from dapo_mcore.weights import checkpoint as wckpt
+
+    if target is None:
+        return cfg
+    saved = wckpt.read_meta(target / "model").layout.vocab_padding
+    if saved == cfg.model.vocab_padding:
+        return cfg
+    if is_main:
+        log.info("checkpoint %s pads the vocabulary by the %r rule: model.vocab_padding=%s is used instead of %s "
+                 "(on resume the checkpoint's padding wins)", target.name, saved, saved, cfg.model.vocab_padding)
+    return replace(cfg, model=replace(cfg.model, vocab_padding=saved))
+
+
+def restore(parts: Components, target: Path | None) -> int:
+    """Load `target` (``find_start_checkpoint``); the step to continue after (0 without a checkpoint).
+
+    A run may resume at another layout (the checkpoint reshards); run.resume_weights_only=true starts the optimizer
+    fresh.
+    """
+    from dapo_mcore.actor import checkpoint as ckpt
+
     if target is None:
         return 0
     state = ckpt.load_checkpoint(target, parts.actor, weights_only=parts.cfg.run.resume_weights_only)

@@ -27,7 +27,7 @@ _IDENTITY_SECTIONS = ("model", "algo", "data", "rollout", "train", "optim", "tin
 # ...except these keys (and everything under them): how a run is laid out or how long it runs, not what it learns.
 # The parallel section is not identity at all: checkpoints reshard to any layout (actor.checkpoint).
 _NOT_IDENTITY = ("train.steps", "train.micro_batch_tokens", "model.layer_spec", "model.make_vocab_size_divisible_by",
-                 "model.recompute", "rollout.vllm", "optim.skip_nonfinite_updates", "rollout.pipeline.engine_ranks",
+                 "model.vocab_padding", "model.recompute", "rollout.vllm", "optim.skip_nonfinite_updates", "rollout.pipeline.engine_ranks",
                  "rollout.pipeline.bucket_mb")
 
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from dapo_mcore.actor.parallel import LaunchEnv, read_launch_env
 from dapo_mcore.components import Components
 from dapo_mcore.config import Config, ConfigError, load_config, write_resolved
-from dapo_mcore.restore import open_telemetry, restore
+from dapo_mcore.restore import adopt_checkpoint_padding, find_start_checkpoint, open_telemetry, restore
 from dapo_mcore.run_dir import claim_run_dir
 
 log = logging.getLogger(__name__)
@@ -130,6 +130,7 @@ def _actor_settings(cfg: Config, hf_config: dict[str, Any], pad_id: int):
         virtual_pipeline=cfg.parallel.virtual_pipeline, sequence_parallel=cfg.parallel.sequence_parallel,
         expert_parallel=cfg.parallel.expert_parallel, router_replay=cfg.algo.router_replay == "rollout",
         layer_spec=cfg.model.layer_spec, attention=cfg.model.attention, params_dtype=dtype, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
+        vocab_padding=cfg.model.vocab_padding,
         recompute=cfg.model.recompute, fp8=cfg.model.fp8, distributed_optimizer=cfg.parallel.distributed_optimizer,
         offload_for_rollout=cfg.parallel.offload_for_rollout,
         lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay,
@@ -258,6 +259,9 @@ def _build_parts(cfg: Config, launch: LaunchEnv, *, resume: bool, checkpoint: st
     train_records = _drop_long(train_records, tokenizer, cfg, "train", filter_by_length)
     eval_records = _drop_long(eval_records, tokenizer, cfg, "eval", filter_by_length)
     log_dtype_rule(cfg, hf_dir)
+    start_from = find_start_checkpoint(cfg, resume=resume and not for_eval, checkpoint=checkpoint,
+                                       is_main=launch.rank == 0)
+    cfg = adopt_checkpoint_padding(cfg, start_from, is_main=launch.rank == 0)  # built as the checkpoint was: it continues exactly
     actor = MegatronActor(_actor_settings(cfg, hf_config, tokenizer.pad_token_id))
     if cfg.model.mcore_path:
         actor.load_megatron(cfg.model.mcore_path)
@@ -290,7 +294,7 @@ def _build_parts(cfg: Config, launch: LaunchEnv, *, resume: bool, checkpoint: st
         parts.rollouts = AsyncRollouts(cfg, bridge, parts.timer)
     parts._closers.extend(parts_closers)
     parts._closers.append(engine.close if engine is not None else parts.rollouts.close)
-    start = restore(parts, resume=resume and not for_eval, checkpoint=checkpoint)
+    start = restore(parts, start_from)
     parts.start_step = start
     if not for_eval:
         if launch.rank == 0:

@@ -111,7 +111,8 @@ def save_checkpoint(root: Path, step: int, actor, trainer_state: dict[str, Any],
         # Gathers over DP to DP rank 0, which writes: every DP rank must take part.
         actor.optimizer.save_parameter_state(str(partial / "optim" / f"{shard_name(tp_rank, pp_rank)}_dist.pt"))
     save_megatron_checkpoint(actor.chunks, partial / "model", actor.s.hf_config,
-                             make_vocab_size_divisible_by=actor.s.make_vocab_size_divisible_by)
+                             make_vocab_size_divisible_by=actor.s.make_vocab_size_divisible_by,
+                             vocab_padding=actor.s.vocab_padding)
     if actor.s.distributed_optimizer:
         if dp_rank == 0:
             wckpt.torch_save(actor.optimizer.state_dict(), partial / "optim" / f"{shard_name(tp_rank, pp_rank)}.pt")
@@ -370,7 +371,8 @@ def load_checkpoint(ckpt: Path, actor, *, weights_only: bool = False) -> dict[st
     if not weights_only and optim_state.has_canonical_state(optim_dir):
         apply_optimizer = optim_state.read_optimizer(actor, optim_dir)
     load_megatron_checkpoint_into_model(actor.chunks, ckpt / "model", reshard=True,
-                                        make_vocab_size_divisible_by=actor.s.make_vocab_size_divisible_by)
+                                        make_vocab_size_divisible_by=actor.s.make_vocab_size_divisible_by,
+                                        vocab_padding=actor.s.vocab_padding)
     if weights_only:
         log.info("run.resume_weights_only=true: the optimizer starts fresh")
         actor.refresh_main_params()  # the fresh optimizer's fp32 main copies must take the loaded weights

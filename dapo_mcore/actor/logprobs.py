@@ -2,7 +2,8 @@
 
 Each tensor-parallel rank holds logits for its slice of the (padded) vocabulary. Logits are divided by the
 sampling temperature first, so the numbers match what the rollout engine sampled from. The columns that only pad
-the vocabulary (Megatron pads it to a multiple of ``make_vocab_size_divisible_by * TP``) cost nothing where the
+the vocabulary (``model.vocab_padding``: as far as TP needs, or Megatron-LM's multiple of
+``make_vocab_size_divisible_by * TP``) cost nothing where the
 kernel can skip them: entropy, and log-probs at TP=1, work on a view of the real columns (a vocabulary of 32
 padded to 128 is 4x less work). Log-probs at TP>1 use Megatron's ``vocab_parallel_cross_entropy`` (a max, a sum
 of exponentials and the target logit all-reduced over the TP group: three scalars per token, never the

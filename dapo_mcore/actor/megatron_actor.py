@@ -44,6 +44,7 @@ class ActorSettings:
     attention: str = "auto"  # core attention of the local spec: auto (= sdpa) | sdpa | megatron_local
     params_dtype: torch.dtype = torch.float32
     make_vocab_size_divisible_by: int = 128
+    vocab_padding: str = "megatron"  # model.vocab_padding (the trainer passes it; see model/vocab.py)
     recompute: str = "none"
     fp8: Any = None
     distributed_optimizer: bool = False
@@ -171,7 +172,7 @@ class MegatronActor:
         self.tconfig = tconfig
         chunks = build_gpt_model(settings.hf_config, tconfig, spec=settings.layer_spec,
                                  make_vocab_size_divisible_by=settings.make_vocab_size_divisible_by,
-                                 attention=settings.attention)
+                                 attention=settings.attention, vocab_padding=settings.vocab_padding)
         for chunk in chunks:
             # Megatron's torch norms ignore params_dtype (fp32 weights in a bf16 model): cast like its Float16Module
             # does, so every parameter has one dtype (PP weight broadcasts allocate by dtype; fused rms_norm needs it).
@@ -221,7 +222,8 @@ class MegatronActor:
         from dapo_mcore.weights.live import load_hf_into_model
 
         load_hf_into_model(self.chunks, hf_dir, layer_spec=self.s.layer_spec,
-                           make_vocab_size_divisible_by=self.s.make_vocab_size_divisible_by)
+                           make_vocab_size_divisible_by=self.s.make_vocab_size_divisible_by,
+                           vocab_padding=self.s.vocab_padding)
         self.refresh_main_params()
 
     def load_megatron(self, directory: str) -> None:
@@ -231,7 +233,8 @@ class MegatronActor:
         from dapo_mcore.weights.live import load_megatron_checkpoint_into_model
 
         load_megatron_checkpoint_into_model(self.chunks, Path(directory), reshard=True, cast=True,
-                                            make_vocab_size_divisible_by=self.s.make_vocab_size_divisible_by)
+                                            make_vocab_size_divisible_by=self.s.make_vocab_size_divisible_by,
+                                            vocab_padding=self.s.vocab_padding)
         self.refresh_main_params()
 
     def refresh_main_params(self) -> None:

@@ -40,7 +40,8 @@ def _inner(optimizer) -> list:
 def _targets(actor) -> tuple[dict[str, tuple[torch.Tensor, torch.optim.Optimizer]], object, int, int]:
     """Checkpoint key -> (the tensor the optimizer updates for that parameter, its torch optimizer); that tensor
     is the parameter itself, or its fp32 main copy (``param.main_param``) in a bf16 model."""
-    layout, tp_rank, pp_rank = live_layout(actor.chunks, actor.s.layer_spec, actor.s.make_vocab_size_divisible_by)
+    layout, tp_rank, pp_rank = live_layout(actor.chunks, actor.s.layer_spec, actor.s.make_vocab_size_divisible_by,
+                                           actor.s.vocab_padding)
     owner = {id(p): opt for opt in _inner(actor.optimizer) for g in opt.param_groups for p in g["params"]}
     out = {}
     for key, param in live_tensors(actor.chunks, layout).items():

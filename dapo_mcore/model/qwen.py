@@ -9,7 +9,6 @@ Reading the config (families, refusals) lives in ``dapo_mcore.model.hf_config``;
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 import torch
@@ -24,13 +23,9 @@ from dapo_mcore.model.hf_config import (  # noqa: F401  (re-exported: the model'
     sliding_window_layers,
 )
 from dapo_mcore.model.moe import MoEShape, moe_transformer_kwargs
+from dapo_mcore.model.vocab import VOCAB_PADDINGS, padded_vocab_size  # noqa: F401  (the padding rule's home name)
 
 log = logging.getLogger(__name__)
-
-def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
-    """Megatron's padding: the smallest multiple of ``divisible_by * tensor_parallel`` >= ``vocab_size``."""
-    multiple = divisible_by * tensor_parallel
-    return int(math.ceil(vocab_size / multiple) * multiple)
 
 
 def transformer_config(hf: dict[str, Any], *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
@@ -126,13 +121,18 @@ def moe_spec(tconfig, kind: str, attention: str, vp_stage: int | None):
 
 
 def build_gpt_model(hf: dict[str, Any], tconfig, *, spec: str = "local", make_vocab_size_divisible_by: int = 128,
-                    attention: str = "auto") -> list:
-    """Build this rank's GPTModel chunks (one per virtual pipeline stage). Parallel state must be initialized."""
+                    attention: str = "auto", vocab_padding: str = "megatron") -> list:
+    """Build this rank's GPTModel chunks (one per virtual pipeline stage). Parallel state must be initialized.
+
+    The embedding and output layer hold ``padded_vocab_size(vocab, make_vocab_size_divisible_by, tp, vocab_padding)``
+    rows. The default rule stays Megatron-LM's for callers that pass an exact row count as the divisor at TP 1; the
+    trainer passes ``model.vocab_padding`` (whose default is ``tp``)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
     shape = QwenShape.from_hf(hf)
-    vocab = padded_vocab_size(shape.vocab_size, make_vocab_size_divisible_by, tconfig.tensor_model_parallel_size)
+    vocab = padded_vocab_size(shape.vocab_size, make_vocab_size_divisible_by, tconfig.tensor_model_parallel_size,
+                              vocab_padding)
     spec_obj = layer_spec(spec, attention, qk_layernorm=shape.qk_norm)
     vpp = tconfig.virtual_pipeline_model_parallel_size or 1
     chunks = []

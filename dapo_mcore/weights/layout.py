@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dapo_mcore.model.vocab import VOCAB_PADDINGS
 from dapo_mcore.weights.errors import WeightsError
 
 LAYER_SPECS = ("local", "transformer_engine")
@@ -36,7 +37,12 @@ class ParallelLayout:
     layer_spec: str = "local"
     """Megatron layer spec naming: `local` (separate norms) or `transformer_engine` (norms fused into linears)."""
     make_vocab_size_divisible_by: int = 128
-    """The vocabulary is padded to a multiple of this times `tp` (Megatron's rule)."""
+    """The divisor of the vocabulary padding rule `vocab_padding` (model.vocab.padded_vocab_size)."""
+    vocab_padding: str = "megatron"
+    """How the vocabulary is padded (model.vocab): `tp` (only as far as tensor parallelism needs; Megatron-Bridge's
+    models) or `megatron` (a multiple of make_vocab_size_divisible_by * tp, Megatron-LM's rule). The dataclass default
+    is `megatron`, the rule of every checkpoint written before the field existed; the trainer and the converter pass
+    theirs (both default to `tp`)."""
     ep: int = 1
     """Expert-parallel size (MoE models): each layer's experts are split into this many equal groups."""
 
@@ -46,6 +52,8 @@ class ParallelLayout:
                 raise LayoutError(f"{name}={getattr(self, name)} must be >= 1.")
         if self.layer_spec not in LAYER_SPECS:
             raise LayoutError(f"unknown layer_spec {self.layer_spec!r}; choose one of {', '.join(LAYER_SPECS)}.")
+        if self.vocab_padding not in VOCAB_PADDINGS:
+            raise LayoutError(f"unknown vocab_padding {self.vocab_padding!r}; choose one of {', '.join(VOCAB_PADDINGS)}.")
 
     def check_model(self, *, num_layers: int, num_heads: int, num_kv_heads: int, ffn_hidden_size: int) -> None:
         """Raise LayoutError naming the fix when this layout cannot split the model."""
@@ -94,7 +102,7 @@ class ParallelLayout:
 
     def as_dict(self) -> dict:
         out = dict(tp=self.tp, pp=self.pp, vpp=self.vpp, layer_spec=self.layer_spec,
-                   make_vocab_size_divisible_by=self.make_vocab_size_divisible_by)
+                   make_vocab_size_divisible_by=self.make_vocab_size_divisible_by, vocab_padding=self.vocab_padding)
         if self.ep > 1:  # dense checkpoints' metadata stay as they were
             out["ep"] = self.ep
         return out

@@ -50,14 +50,16 @@ def detect_layer_spec(model_chunks: list[torch.nn.Module]) -> str:
     return "transformer_engine" if any(n.endswith("linear_qkv.layer_norm_weight") for n in names) else "local"
 
 
-def live_layout(model_chunks: list, layer_spec: str, make_vocab_size_divisible_by: int) -> tuple[ParallelLayout, int, int]:
-    """(layout, tp rank, pp rank) of this process, from Megatron's parallel state."""
+def live_layout(model_chunks: list, layer_spec: str, make_vocab_size_divisible_by: int,
+                vocab_padding: str = "megatron") -> tuple[ParallelLayout, int, int]:
+    """(layout, tp rank, pp rank) of this process, from Megatron's parallel state; the vocabulary padding (divisor
+    and rule) is the one the chunks were built with (``build_gpt_model``), which parallel state does not know."""
     from megatron.core import parallel_state as ps
 
     layout = ParallelLayout(tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
                             vpp=len(model_chunks), layer_spec=layer_spec,
                             make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-                            ep=ps.get_expert_model_parallel_world_size())
+                            ep=ps.get_expert_model_parallel_world_size(), vocab_padding=vocab_padding)
     found = detect_layer_spec(model_chunks)
     if found != layer_spec:
         raise ckpt.CheckpointError(f"layer_spec={layer_spec!r} but the live model uses the {found!r} spec names.")
@@ -107,12 +109,12 @@ def _copy_in(params: dict[str, torch.Tensor], values: dict[str, torch.Tensor]) -
 
 
 def load_hf_into_model(model_chunks: list, hf_dir: str | Path, layer_spec: str = "local",
-                       make_vocab_size_divisible_by: int = 128) -> None:
+                       make_vocab_size_divisible_by: int = 128, vocab_padding: str = "megatron") -> None:
     """Stream this rank's slices of an HF checkpoint dir (memory-mapped safetensors) into the live model."""
     hf_dir = Path(hf_dir)
     hf_config = json.loads((hf_dir / "config.json").read_text())
     mapping = get_mapping(hf_config)
-    layout, tp_rank, pp_rank = live_layout(model_chunks, layer_spec, make_vocab_size_divisible_by)
+    layout, tp_rank, pp_rank = live_layout(model_chunks, layer_spec, make_vocab_size_divisible_by, vocab_padding)
     mapping.check_layout(layout)
     source = SafetensorsDirSource(hf_dir)
     check_hf_tensors(mapping, source, dtype=None, allow_mixed_dtypes=True)
@@ -138,20 +140,22 @@ def _meta_mismatches(meta: ckpt.CheckpointMeta, layout: ParallelLayout, padded_v
 
 def load_megatron_checkpoint_into_model(model_chunks: list, directory: str | Path, *, reshard: bool = False,
                                         make_vocab_size_divisible_by: int | None = None,
-                                        cast: bool = False) -> ckpt.CheckpointMeta:
+                                        vocab_padding: str | None = None, cast: bool = False) -> ckpt.CheckpointMeta:
     """Load this rank's tensors of a canonical checkpoint; raises CheckpointError on any mismatch before writing.
 
     With `reshard`, a checkpoint of another TP/PP/VPP layout (or layer spec, or vocabulary padding) is resharded
-    to the live model's (`weights.reshard`); `make_vocab_size_divisible_by` is then the live model's (default:
-    the checkpoint's). Without it, only a checkpoint of the live layout loads. With `cast`, a checkpoint of another
+    to the live model's (`weights.reshard`: padding rows are stripped and re-added, real rows bit-identical);
+    `make_vocab_size_divisible_by` and `vocab_padding` are then the live model's (default: the checkpoint's). Without it, only a checkpoint of the live layout loads. With `cast`, a checkpoint of another
     dtype is cast to the live model's (the trainer's rule: model.params_dtype decides, as for an HF checkpoint).
     """
     directory = ckpt.resolve_checkpoint_dir(directory)
     meta = ckpt.read_meta(directory)
     mapping = get_mapping(meta.hf_config)
     divisible = make_vocab_size_divisible_by or meta.layout.make_vocab_size_divisible_by
+    padding = vocab_padding or meta.layout.vocab_padding
     layout, tp_rank, pp_rank = live_layout(model_chunks, detect_layer_spec(model_chunks),
-                                           divisible if reshard else meta.layout.make_vocab_size_divisible_by)
+                                           divisible if reshard else meta.layout.make_vocab_size_divisible_by,
+                                           padding if reshard else meta.layout.vocab_padding)
     params = live_tensors(model_chunks, layout)
     dtype = dtype_name(next(iter(params.values())).dtype)
     problems = _meta_mismatches(meta, layout, _live_padded_vocab(model_chunks, layout, mapping), dtype)
@@ -187,6 +191,10 @@ def load_megatron_checkpoint_into_model(model_chunks: list, directory: str | Pat
     _copy_in(params, state)
     resharded = "" if meta.layout == layout else f" (resharded from tp={meta.layout.tp} pp={meta.layout.pp} " \
                                                 f"vpp={meta.layout.vpp})"
+    live_rows = _live_padded_vocab(model_chunks, layout, mapping)
+    if meta.padded_vocab_size != live_rows:
+        resharded += (f" (vocabulary re-padded: {meta.padded_vocab_size} rows, {meta.layout.vocab_padding} padding -> "
+                      f"{live_rows} rows, {layout.vocab_padding} padding)")
     log.info("loaded %s rank (tp %d, pp %d): %d tensors%s", directory, tp_rank, pp_rank, len(state), resharded)
     return meta
 
@@ -201,12 +209,13 @@ def _live_padded_vocab(model_chunks: list, layout: ParallelLayout, mapping: Mode
 
 
 def save_megatron_checkpoint(model_chunks: list, directory: str | Path, hf_config: dict[str, Any], *,
-                             make_vocab_size_divisible_by: int = 128) -> None:
+                             make_vocab_size_divisible_by: int = 128, vocab_padding: str = "megatron") -> None:
     """Collective: write the live model as a canonical checkpoint (DP rank 0 of each TP/PP rank writes)."""
     from megatron.core import parallel_state as ps
 
     mapping = get_mapping(hf_config)
-    layout, tp_rank, pp_rank = live_layout(model_chunks, detect_layer_spec(model_chunks), make_vocab_size_divisible_by)
+    layout, tp_rank, pp_rank = live_layout(model_chunks, detect_layer_spec(model_chunks), make_vocab_size_divisible_by,
+                                           vocab_padding)
     params = live_tensors(model_chunks, layout)
     ep_rank = live_ep_rank(layout)
     expected = expected_rank(mapping, layout, pp_rank, ep_rank)

@@ -99,7 +99,8 @@ class ModelMapping:
                         self.padded_vocab_size(layout))
 
     def padded_vocab_size(self, layout: ParallelLayout) -> int:
-        return self._padded_vocab_fn(self.vocab_size, layout.make_vocab_size_divisible_by, layout.tp)
+        return self._padded_vocab_fn(self.vocab_size, layout.make_vocab_size_divisible_by, layout.tp,
+                                     layout.vocab_padding)
 
     def check_layout(self, layout: ParallelLayout) -> None:
         layout.check_model(num_layers=self.num_layers, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
