@@ -30,23 +30,16 @@ def _callable(target: str) -> dict[str, Any]:
     return {"_target_": target, "_call_": False}
 
 
-def _power_of_two_divisor(vocab_size: int, cap: int = 128) -> int:
-    """Bridge's make_vocab_size_divisible_by: the largest power of two <= `cap` dividing the vocabulary."""
-    base = cap
-    while vocab_size % base:
-        base //= 2
-    return base
-
-
 def bridge_run_config(hf_config: dict[str, Any], *, tp: int, pp: int, dtype: torch.dtype, padded_rows: int,
-                      tokenizer_model: str | None) -> dict[str, Any]:
+                      vocab_padding: str, divisible_by: int, tokenizer_model: str | None) -> dict[str, Any]:
     """Megatron-Bridge's run_config.yaml (as a dict) for the model of `hf_config` saved at `tp` x `pp`."""
     from dapo_mcore.model.qwen import QwenShape
+    from dapo_mcore.model.vocab import _power_of_two_divisor, padded_vocab_size
 
     s = QwenShape.from_hf(hf_config)
     model_type = hf_config["model_type"]
     dtype_name = str(dtype).removeprefix("torch.")
-    divisor = _power_of_two_divisor(s.vocab_size)
+    divisor = _power_of_two_divisor(s.vocab_size, 128)  # what Bridge's import writes
     model: dict[str, Any] = {
         "_target_": PROVIDERS[model_type],
         "num_layers": s.num_layers, "hidden_size": s.hidden_size, "ffn_hidden_size": s.ffn_hidden_size,
@@ -62,10 +55,12 @@ def bridge_run_config(hf_config: dict[str, Any], *, tp: int, pp: int, dtype: tor
         "params_dtype": _callable(f"torch.{dtype_name}"), "bf16": dtype == torch.bfloat16,
         "fp16": dtype == torch.float16,
         "make_vocab_size_divisible_by": divisor, "should_pad_vocab": padded_rows != s.vocab_size,
+        # should_pad_vocab=False (Bridge's default) keeps the vocabulary; where TP needed padding, the divisor
+        # below makes Bridge's calculate_padded_vocab_size(vocab, divisor, tp) land on the rows written
     }
-    if padded_rows != s.vocab_size and padded_rows != -(-s.vocab_size // (divisor * tp)) * divisor * tp:
-        raise ValueError(f"padded vocabulary {padded_rows} is not Megatron-Bridge's rule for {s.vocab_size} at "
-                         f"tp={tp}")  # an internal invariant: the bridge layout pads by Bridge's rule only
+    if padded_rows != s.vocab_size:  # Bridge then pads to a multiple of make_vocab_size_divisible_by x TP
+        model["make_vocab_size_divisible_by"] = divisible_by if vocab_padding == "megatron" else divisor
+        assert padded_vocab_size(s.vocab_size, model["make_vocab_size_divisible_by"], tp) == padded_rows
     if model_type == "qwen3_moe":  # as Bridge's Qwen3MoEBridge.provider_bridge sets them
         from dapo_mcore.model.moe import MoEShape
 
@@ -98,13 +93,13 @@ def train_state() -> dict[str, torch.Tensor]:
     return state
 
 
-def write_bridge_files(ckpt_dir: Path, hf_config: dict[str, Any], *, tp: int, pp: int, dtype: torch.dtype,
-                       padded_rows: int, tokenizer_model: str | None) -> None:
-    """run_config.yaml and train_state.pt into the iteration dir, latest_train_state.pt into the save dir."""
+def write_bridge_files(ckpt_dir: Path, hf_config: dict[str, Any], *, tokenizer_model: str | None,
+                       **model_kwargs: Any) -> None:
+    """run_config.yaml and train_state.pt into the iteration dir, latest_train_state.pt into the save dir
+    (`model_kwargs`: `bridge_run_config`'s tp, pp, dtype, padded_rows, vocab_padding, divisible_by)."""
     import yaml
 
-    config = bridge_run_config(hf_config, tp=tp, pp=pp, dtype=dtype, padded_rows=padded_rows,
-                               tokenizer_model=tokenizer_model)
+    config = bridge_run_config(hf_config, tokenizer_model=tokenizer_model, **model_kwargs)
     (ckpt_dir / "run_config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     torch.save(train_state(), ckpt_dir / "train_state.pt")
     torch.save(train_state(), ckpt_dir.parent / "latest_train_state.pt")

@@ -133,10 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "of two used when tp does not divide the vocabulary)")
     p.add_argument("--dtype", choices=tuple(DTYPE_NAMES), default=None,
                    help="cast to this dtype (default: keep the checkpoint's dtype)")
-    p.add_argument("--format", choices=("dapo", "torch_dist"), default="dapo",
+    p.add_argument("--format", choices=("dapo", "torch_dist", "bridge"), default="dapo",
                    help="dapo: this project's per-rank safetensors (what the trainer loads); torch_dist: "
-                        "megatron-core dist checkpoint in Megatron-LM's layout (needs torchrun with tp*pp "
-                        "processes when tp or pp > 1; layout-free on load)")
+                        "megatron-core dist checkpoint in Megatron-LM's layout (release/, args in common.pt); bridge: "
+                        "the same tensors in Megatron-Bridge's layout (iter_0000000/, run_config.yaml), which "
+                        "AutoBridge.export_ckpt and Bridge's training loader read. torch_dist and bridge need torchrun "
+                        "with tp*pp processes when tp or pp > 1 and load at any layout")
     p.add_argument("--io", choices=tuple(IO_MODES), default="auto",
                    help="rank file writes: O_DIRECT (direct), page cache (buffered), or O_DIRECT where the "
                         "filesystem allows it, falling back when it refuses (auto)")
@@ -151,12 +153,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args) -> int:
-    if args.format == "torch_dist":
+    if args.format in ("torch_dist", "bridge"):
         from conversion.torch_dist import run_collective
 
         dtype = parse_dtype(args.dtype) if args.dtype else None
         run_collective(args.tp, args.pp, "hf_to_torch_dist", args.hf, args.out, dtype=dtype,
-                       divisible_by=args.vocab_divisible_by)
+                       divisible_by=args.vocab_divisible_by, vocab_padding=args.vocab_padding,
+                       layout="megatron-lm" if args.format == "torch_dist" else "bridge")
         if os.environ.get("RANK", "0") == "0":
             report_written(args.out)
         return 0

@@ -99,11 +99,11 @@ LAYOUTS = ("megatron-lm", "bridge")
 
 
 def hf_to_torch_dist(hf_dir: str | Path, out_dir: str | Path, *, dtype: torch.dtype | None = None,
-                     divisible_by: int = 128, layout: str = "megatron-lm", vocab_padding: str | None = None) -> Path:
+                     divisible_by: int = 128, layout: str = "megatron-lm", vocab_padding: str = "tp") -> Path:
     """Collective over the job (world size = TP x PP): write `hf_dir` as a torch_dist checkpoint in `layout`.
 
-    `vocab_padding`: "megatron" (multiples of `divisible_by` x TP) or "tp" (only where TP needs it); None: the
-    layout's own (Megatron-LM's rule for megatron-lm, Megatron-Bridge's for bridge).
+    `vocab_padding`: "tp" (pad only where TP needs it: what Megatron-Bridge loads) or "megatron" (multiples of
+    `divisible_by` x TP). Megatron-LM's args then carry a ``make_vocab_size_divisible_by`` that reproduces the rows.
     """
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
@@ -115,7 +115,6 @@ def hf_to_torch_dist(hf_dir: str | Path, out_dir: str | Path, *, dtype: torch.dt
 
     if layout not in LAYOUTS:
         raise WeightsError(f"unknown torch_dist layout {layout!r}; choose one of {', '.join(LAYOUTS)}.")
-    vocab_padding = vocab_padding or ("tp" if layout == "bridge" else "megatron")
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     hf_config = read_hf_config(hf_dir)
     if dtype is None:
@@ -129,8 +128,8 @@ def hf_to_torch_dist(hf_dir: str | Path, out_dir: str | Path, *, dtype: torch.dt
     model.to(dtype=dtype)
     common: dict[str, Any] = {"checkpoint_version": 3.0, "iteration": 0}
     if layout == "megatron-lm":
-        common["args"] = megatron_lm_args(hf_config, tp=tp, pp=pp, padded_vocab=rows, divisible_by=divisible_by,
-                                          dtype=dtype)
+        common["args"] = megatron_lm_args(hf_config, tp=tp, pp=pp, padded_vocab=rows,
+                                          divisible_by=_megatron_lm_divisor(rows, divisible_by, tp), dtype=dtype)
     sub = "release" if layout == "megatron-lm" else "iter_0000000"
     tmp_box: list[Any] = [None]
     with _on_rank0(atomic_directory(out_dir)) as tmp:
@@ -148,7 +147,8 @@ def hf_to_torch_dist(hf_dir: str | Path, out_dir: str | Path, *, dtype: torch.dt
 
                 copied = copy_tokenizer_files(hf_dir, ckpt_dir / TOKENIZER_DIR)
                 write_bridge_files(ckpt_dir, hf_config, tp=tp, pp=pp, dtype=dtype, padded_rows=rows,
-                                   tokenizer_model=os.fspath(hf_dir.resolve()) if copied else None)
+                                   vocab_padding=vocab_padding, divisible_by=divisible_by,
+                                   tokenizer_model=os.fspath(hf_dir.resolve()) if "tokenizer_config.json" in copied else None)
             (Path(tmp_box[0]) / TRACKER).write_text("release\n" if layout == "megatron-lm" else "0")
     log.info("wrote torch_dist checkpoint %s in %s's layout (saved at tp=%d pp=%d, vocabulary %d rows for %d)",
              out_dir, layout, tp, pp, rows, hf_config["vocab_size"])
@@ -156,9 +156,18 @@ def hf_to_torch_dist(hf_dir: str | Path, out_dir: str | Path, *, dtype: torch.dt
 
 
 def _padded_rows(vocab_size: int, divisible_by: int, tp: int, vocab_padding: str) -> int:
-    from dapo_mcore.model.qwen import padded_vocab_size
+    from dapo_mcore.model.vocab import padded_vocab_size
 
     return padded_vocab_size(vocab_size, divisible_by, tp, padding=vocab_padding)
+
+
+def _megatron_lm_divisor(rows: int, divisible_by: int, tp: int) -> int:
+    """The largest power of two d <= `divisible_by` with `rows` a multiple of d x tp: Megatron-LM's
+    ``--make-vocab-size-divisible-by`` that rebuilds exactly `rows` from the tokenizer's vocabulary."""
+    d = 1
+    while d * 2 <= divisible_by and rows % (d * 2 * tp) == 0:
+        d *= 2
+    return d
 
 
 class _on_rank0:  # noqa: N801  (used like a contextlib helper)

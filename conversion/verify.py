@@ -129,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models; inside data parallel)")
     p.add_argument("--layer-spec", default="local", choices=("local", "transformer_engine"))
     p.add_argument("--vocab-divisible-by", type=int, default=128)
+    p.add_argument("--vocab-padding", choices=("tp", "megatron"), default="tp",
+                   help="how the model's vocabulary is padded for the HF weights (a --mcore checkpoint brings its own)")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="compute dtype of both models (default: the checkpoint's own: --mcore's, else --hf's weights)")
     p.add_argument("--prompt", action="append", help="prompt text (repeatable; needs tokenizer files in --hf)")
@@ -178,18 +180,23 @@ def checkpoint_dtype(hf_dir: Path, mcore: str | None) -> str:
     return "float32"
 
 
-def _dist_checkpoint_rows(mcore: str | None, tp: int) -> int | None:
-    """For a dist checkpoint: the per-TP-rank vocabulary rows that rebuild exactly its padding (None otherwise)."""
+def _vocab_rule(args) -> tuple[int, str]:
+    """(divisible_by, padding) that build the model with exactly the vocabulary rows of what is loaded: a dist
+    checkpoint's rows, this project's checkpoint's recorded rule, else --vocab-divisible-by / --vocab-padding."""
+    from dapo_mcore.weights import checkpoint as ckpt
     from dapo_mcore.weights import dist_checkpoint
     from dapo_mcore.weights.errors import WeightsError
 
-    if not mcore or not dist_checkpoint.is_dist_checkpoint(mcore):
-        return None
-    rows, _ = dist_checkpoint.embedding_rows(dist_checkpoint.find(mcore))
-    if rows % tp:
-        raise WeightsError(f"{mcore}: its vocabulary of {rows} rows does not split over --tp {tp}; use a --tp that "
-                           "divides it.")
-    return rows // tp  # Megatron pads to a multiple of divisible_by x TP: this reproduces `rows` exactly
+    if not args.mcore:
+        return args.vocab_divisible_by, args.vocab_padding
+    if not dist_checkpoint.is_dist_checkpoint(args.mcore):
+        layout = ckpt.read_meta(ckpt.resolve_checkpoint_dir(args.mcore)).layout
+        return layout.make_vocab_size_divisible_by, layout.vocab_padding
+    rows, _ = dist_checkpoint.embedding_rows(dist_checkpoint.find(args.mcore))
+    if rows % args.tp:
+        raise WeightsError(f"{args.mcore}: its vocabulary of {rows} rows does not split over --tp {args.tp}; use a "
+                           "--tp that divides it.")
+    return rows // args.tp, "megatron"  # a multiple of (rows / tp) x tp: exactly `rows`
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -221,17 +228,17 @@ def _main(args) -> int:
         tconfig = transformer_config(hf_config, tensor_parallel=args.tp, pipeline_parallel=args.pp,
                                      virtual_pipeline=args.vpp if args.vpp > 1 else None, params_dtype=dtype,
                                      expert_parallel=args.ep)
-        dist_rows = _dist_checkpoint_rows(args.mcore, args.tp)
-        chunks = build_gpt_model(hf_config, tconfig, spec=args.layer_spec,
-                                 make_vocab_size_divisible_by=dist_rows or args.vocab_divisible_by)
+        divisible_by, padding = _vocab_rule(args)
+        chunks = build_gpt_model(hf_config, tconfig, spec=args.layer_spec, make_vocab_size_divisible_by=divisible_by,
+                                 vocab_padding=padding)
         for chunk in chunks:  # as the actor does: Megatron's torch norms ignore params_dtype
             chunk.to(dtype=dtype)
-        if dist_rows:
+        if args.mcore and dist_checkpoint.is_dist_checkpoint(args.mcore):
             dist_checkpoint.load_into_model(chunks, args.mcore)
         elif args.mcore:
             load_megatron_checkpoint_into_model(chunks, args.mcore)
         else:
-            load_hf_into_model(chunks, hf_dir, args.layer_spec, args.vocab_divisible_by)
+            load_hf_into_model(chunks, hf_dir, args.layer_spec, args.vocab_divisible_by, vocab_padding=padding)
         ids = _prompt_ids(args, hf_dir, hf_config["vocab_size"])
         got = megatron_logits(chunks, ids, hf_config["vocab_size"]).cpu()
         if dist.get_rank() != 0:

@@ -158,7 +158,11 @@ def checkpoint_dtype(cfg: Config, hf_dir: Path | None) -> str | None:
     dtype), or None (random init, mixed dtypes)."""
     if cfg.model.mcore_path:
         from dapo_mcore.weights import checkpoint as ckpt
+        from dapo_mcore.weights import dist_checkpoint
 
+        if dist_checkpoint.is_dist_checkpoint(cfg.model.mcore_path):
+            return str(dist_checkpoint.embedding_rows(dist_checkpoint.find(cfg.model.mcore_path))[1]).removeprefix(
+                "torch.")
         return ckpt.read_meta(ckpt.resolve_checkpoint_dir(cfg.model.mcore_path)).dtype
     if hf_dir is None or not any(hf_dir.glob("*.safetensors")):
         return None

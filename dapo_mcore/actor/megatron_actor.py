@@ -227,11 +227,17 @@ class MegatronActor:
         self.refresh_main_params()
 
     def load_megatron(self, directory: str) -> None:
-        """Load a canonical Megatron checkpoint (``dapo-mcore convert`` output, any layout: resharded to this one)."""
+        """Load a Megatron checkpoint: this project's (``dapo-mcore convert`` output, any layout: resharded to this
+        one) or a megatron-core dist checkpoint (Megatron-LM's or Megatron-Bridge's save dir, any layout)."""
         from pathlib import Path
 
+        from dapo_mcore.weights import dist_checkpoint
         from dapo_mcore.weights.live import load_megatron_checkpoint_into_model
 
+        if dist_checkpoint.is_dist_checkpoint(directory):
+            dist_checkpoint.load_into_model(self.chunks, directory)
+            self.refresh_main_params()
+            return
         load_megatron_checkpoint_into_model(self.chunks, Path(directory), reshard=True, cast=True,
                                             make_vocab_size_divisible_by=self.s.make_vocab_size_divisible_by,
                                             vocab_padding=self.s.vocab_padding)
