@@ -238,4 +238,5 @@ def load_into_model(model_chunks: list, path: str | Path) -> DistCheckpoint:
     loaded = load(sharded, found)
     for i, chunk in enumerate(model_chunks):
         chunk.load_state_dict(loaded[f"model{i}"])
+    log.info("loaded %s (a %s dist checkpoint, vocabulary %d rows)", found.path, found.origin, rows)
     return found
