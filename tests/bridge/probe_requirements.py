@@ -26,13 +26,12 @@ import yaml
 HERE = Path(__file__).resolve().parent
 DATA = HERE.parents[0] / "data" / "bridge"
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(DATA))
 
 import bridge_cpu  # noqa: E402
 
 bridge_cpu.apply_cpu_workarounds()
 
-from make_fixtures import differences, load_safetensors_dir  # noqa: E402
+from bridge_tensors import hf_differences  # noqa: E402
 
 
 def export_ok(bridge, ckpt: Path, hf: Path) -> str:
@@ -42,7 +41,7 @@ def export_ok(bridge, ckpt: Path, hf: Path) -> str:
         except BaseException as exc:  # a SystemExit or assert from deep inside Bridge is a result here, not a crash
             last = traceback.format_exception_only(type(exc), exc)[-1].strip()
             return f"FAILS: {last[:300]}"
-        bad = differences(load_safetensors_dir(hf), load_safetensors_dir(Path(out)))
+        bad = hf_differences(hf, Path(out))
     return "ok" if not bad else f"NOT bit-exact: {bad[:3]}"
 
 

@@ -28,6 +28,9 @@ import torch
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
 HARNESS = REPO / "tests" / "bridge" / "bridge_cpu.py"
+sys.path.insert(0, str(HARNESS.parent))
+
+from bridge_tensors import hf_differences, load_safetensors_dir  # noqa: E402
 
 COMMON = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0)
@@ -67,39 +70,16 @@ def bridge_import(name: str, tp: int) -> None:
     subprocess.run(cmd, cwd=cwd, check=True)
 
 
-def load_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(path.glob("*.safetensors")):
-        tensors.update(load_file(file))
-    return tensors
-
-
-def differences(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> list[str]:
-    """Every way `got` is not bit-identical to `expected` (missing/extra names, dtype, shape, values)."""
-    out = [f"missing {k}" for k in sorted(set(expected) - set(got))]
-    out += [f"extra {k}" for k in sorted(set(got) - set(expected))]
-    for k in sorted(set(expected) & set(got)):
-        a, b = expected[k], got[k]
-        if a.dtype != b.dtype or a.shape != b.shape:
-            out.append(f"{k}: {b.dtype} {tuple(b.shape)} != {a.dtype} {tuple(a.shape)}")
-        elif not torch.equal(a, b):
-            out.append(f"{k}: values differ (max abs {(a.float() - b.float()).abs().max().item():g})")
-    return out
-
-
 def check_export(name: str, tp: int) -> int:
     """Bridge's export_ckpt of <name>/bridge_tp<tp>, compared with <name>/hf; returns the number of tensors."""
     cwd = HERE / name
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([sys.executable, str(HARNESS), "export", "--mcore", f"bridge_tp{tp}", "--out", tmp,
                         "--hf", "hf"], cwd=cwd, check=True)
-        expected, got = load_safetensors_dir(cwd / "hf"), load_safetensors_dir(Path(tmp))
-    bad = differences(expected, got)
+        bad = hf_differences(cwd / "hf", Path(tmp))
     if bad:
         raise SystemExit(f"{name} bridge_tp{tp}: Bridge's export is not the original HF model: {bad[:5]}")
-    return len(expected)
+    return len(load_safetensors_dir(cwd / "hf"))
 
 
 def main() -> None:
