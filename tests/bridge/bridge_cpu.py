@@ -23,10 +23,13 @@ and Megatron; the project's Bridge tests call it through this script, in its own
     python tests/bridge/bridge_cpu.py versions
     torchrun --nproc-per-node N tests/bridge/bridge_cpu.py import --hf HF_DIR --out SAVE_DIR --tp N [--dtype bf16]
     python tests/bridge/bridge_cpu.py export --mcore SAVE_DIR --out HF_OUT [--hf HF_DIR]
+    python tests/bridge/bridge_cpu.py resolve --mcore SAVE_DIR
 
 `import` is `AutoBridge.import_ckpt` (with the provider's tensor_model_parallel_size set to N); `export` is
 `AutoBridge.export_ckpt` (one process: Bridge gathers TP shards itself), its bridge `AutoBridge.from_hf_pretrained` of
---hf or, without it, of the HF directory Bridge recorded in the checkpoint (run_config.yaml model.hf_model_id). Each prints one line `bridge_cpu: megatron-bridge X megatron-core Y torch Z transformers W`.
+--hf or, without it, of the HF directory Bridge recorded in the checkpoint (run_config.yaml model.hf_model_id).
+`resolve` is the first half of Bridge's training-side load (a fine-tune from checkpoint.pretrained_checkpoint):
+which iteration it picks (latest_train_state.pt, else the tracker, whose "0" it rejects) and the (TP, PP) it reads. Each prints one line `bridge_cpu: megatron-bridge X megatron-core Y torch Z transformers W`.
 """
 
 from __future__ import annotations
@@ -217,6 +220,25 @@ def export_ckpt(mcore: str, out: str, hf_dir: str | None) -> None:
     AutoBridge.from_hf_pretrained(hf_dir).export_ckpt(mcore, out, show_progress=False)
 
 
+def resolve(mcore: str) -> dict:
+    """What Bridge's training-side loader (checkpoint.pretrained_checkpoint / checkpoint.load = mcore) resolves before
+    it loads any tensor: whether it sees a checkpoint, which iteration directory, and the (TP, PP) it compares with the
+    run's (read from run_config.yaml's model section, a KeyError when absent)."""
+    from megatron.bridge.training.checkpointing import _resolve_checkpoint_iteration, read_run_config
+    from megatron.bridge.training.utils.checkpoint_utils import (
+        checkpoint_exists,
+        get_checkpoint_name,
+        get_checkpoint_run_config_filename,
+    )
+
+    exists = checkpoint_exists(mcore)
+    iteration, release = _resolve_checkpoint_iteration(mcore, None)
+    name = get_checkpoint_name(mcore, iteration, release)
+    model = read_run_config(get_checkpoint_run_config_filename(name))["model"]
+    return {"exists": exists, "iteration": iteration, "release": release, "dir": Path(name).name,
+            "tp_pp": [model["tensor_model_parallel_size"], model["pipeline_model_parallel_size"]]}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -230,6 +252,8 @@ def main(argv: list[str] | None = None) -> None:
     exp.add_argument("--mcore", required=True)
     exp.add_argument("--out", required=True)
     exp.add_argument("--hf", default=None)
+    res = sub.add_parser("resolve", help="what Bridge's training-side loader resolves in a save dir (one json line)")
+    res.add_argument("--mcore", required=True)
     args = parser.parse_args(argv)
 
     apply_cpu_workarounds()
@@ -239,6 +263,10 @@ def main(argv: list[str] | None = None) -> None:
         import_ckpt(args.hf, args.out, args.tp, args.dtype)
     elif args.cmd == "export":
         export_ckpt(args.mcore, args.out, args.hf)
+    elif args.cmd == "resolve":
+        import json
+
+        print("bridge_cpu resolve: " + json.dumps(resolve(args.mcore)), flush=True)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,10 @@ original HF model (the committed tiny Qwen2 models of tests/data/bridge, or a mo
 
 - Bridge's import, live, then `dapo-mcore convert mcore-to-hf` of its save dir: the original HF tensors, TP1 and TP2
   (also: Bridge's own export of the same import, so a harness problem is told apart from a reader problem).
-- `dapo-mcore convert hf-to-mcore --format bridge`, then Bridge's export_ckpt: the original HF tensors, TP1 and TP2.
+- `dapo-mcore convert hf-to-mcore --format bridge`, then Bridge's export_ckpt: the original HF tensors, TP1 and TP2;
+  and Bridge's training-side loader resolves it as it resolves its own import (iteration 0 in iter_0000000, TP, PP):
+  a tracker "0" without latest_train_state.pt is rejected there (megatron/bridge/training/checkpointing.py
+  read_metadata asserts iteration > 0 or release).
 - Qwen2.5's real vocabulary (151,936, hidden 16) through the same at TP2: stored with 151,936 rows, not padded, as
   Bridge's own import stores it.
 - tests/data/bridge/minimal_run_config.yaml in place of a fixture's run_config.yaml: Bridge still exports it exactly.
@@ -16,6 +19,7 @@ original HF model (the committed tiny Qwen2 models of tests/data/bridge, or a mo
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -70,6 +74,17 @@ def bridge_export(mcore: Path, out: Path, hf: Path) -> None:
          "Bridge export_ckpt")
 
 
+def bridge_resolve(save: Path) -> dict:
+    """What Bridge's training-side loader (a fine-tune from checkpoint.pretrained_checkpoint) resolves in `save`."""
+    proc = _run([_bridge_python(), HARNESS, "resolve", "--mcore", save], save.parent, "Bridge's checkpoint resolution")
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("bridge_cpu resolve: ")][-1]
+    return json.loads(line.removeprefix("bridge_cpu resolve: "))
+
+
+def _resolved(tp: int) -> dict:
+    return {"exists": True, "iteration": 0, "release": False, "dir": "iter_0000000", "tp_pp": [tp, 1]}
+
+
 def _dapo_mcore() -> Path:
     """The dapo-mcore console script of the environment running this test."""
     return Path(sys.executable).with_name("dapo-mcore")
@@ -105,6 +120,7 @@ def test_bridge_import_runs_live_and_exports_back(live_import, tmp_path):
     hf, save, tp = live_import
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "0"
     assert sorted(p.name for p in (save / "iter_0000000").glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(tp)]
+    assert bridge_resolve(save) == _resolved(tp)  # the reference for what dapo-mcore writes
     bridge_export(save, tmp_path / "back", hf)
     _assert_same(hf, tmp_path / "back", f"Bridge import -> Bridge export at TP{tp}")
 
@@ -120,6 +136,8 @@ def test_dapo_mcore_reads_a_live_bridge_import(live_import, tmp_path):
 def test_bridge_exports_what_dapo_mcore_writes(model, tp, tmp_path):
     hf = DATA / model / "hf"
     dapo_hf_to_bridge(hf, tmp_path / "save", tp)
+    if model == MODELS[0]:  # Bridge's training side finds it as it finds its own (tracker, iteration, TP/PP)
+        assert bridge_resolve(tmp_path / "save") == _resolved(tp)
     bridge_export(tmp_path / "save", tmp_path / "back", hf)
     _assert_same(hf, tmp_path / "back", f"{model}: dapo-mcore hf-to-mcore --format bridge (TP{tp}) -> Bridge export")
 
