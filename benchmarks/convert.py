@@ -11,6 +11,17 @@ the time the conversions spent in fsync (files + directories, before the rename;
 and the load average. Deletes everything after.
 
     python benchmarks/convert.py [--layers 2] [--tp 2] [--pp 2] [--workdir DIR] [--also-out /dev/shm]
+
+With --against-bridge: dapo-mcore against NVIDIA Megatron-Bridge (AutoBridge, what cluster users of Megatron convert
+with) on one Qwen2 model built from a config (bf16, untied, Qwen2.5's vocabulary 151,936; --hidden 512 and --layers 2:
+~161M parameters), TP1. Each round, in a fresh subprocess each and in this order: dapo-mcore HF -> Megatron (its
+default dapo format; also --format bridge once the converter has it), Bridge's import_ckpt, dapo-mcore Megatron -> HF
+(of its own output), Bridge's export_ckpt (of its own output). Bridge runs in its own virtualenv (--bridge-python,
+default .venv-bridge/bin/python; see .ci/tiers/50-bridge.sh) through tests/bridge/bridge_cpu.py. Prints, per step, the
+median over --rounds of the conversion call and of the whole process (imports included), the load average, and last
+`convert_over_bridge: X`: dapo-mcore's HF -> Megatron call time over Bridge's.
+
+    python benchmarks/convert.py --against-bridge [--bridge-python PATH] [--hidden 512] [--layers 2] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -92,6 +103,115 @@ def run_measured(code: str, *args: str) -> tuple[dict, int]:
     return json.loads(out.strip().splitlines()[-1]), peak
 
 
+DAPO_TIMED = """
+import json, sys, time
+from conversion import hf_to_mcore, mcore_to_hf
+main = {"hf-to-mcore": hf_to_mcore.main, "mcore-to-hf": mcore_to_hf.main}[sys.argv[1]]
+t0 = time.perf_counter()
+rc = main(sys.argv[2:])
+print(json.dumps({"seconds": time.perf_counter() - t0, "rc": rc}))
+"""
+
+BRIDGE_TIMED = """
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+import bridge_cpu
+bridge_cpu.apply_cpu_workarounds()
+t0 = time.perf_counter()
+if sys.argv[2] == "import":
+    bridge_cpu.import_ckpt(sys.argv[3], sys.argv[4], tp=1, dtype=None)
+else:
+    bridge_cpu.export_ckpt(sys.argv[3], sys.argv[4], sys.argv[5])
+print(json.dumps({"seconds": time.perf_counter() - t0}))
+"""
+
+
+def _timed(cmd: list[str]) -> tuple[float, float]:
+    """Run `cmd` (which prints a json line with "seconds" last); return (call seconds, whole-process seconds)."""
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cmd[:4]} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    if out.get("rc", 0) != 0:
+        raise RuntimeError(f"{cmd[:4]} returned {out['rc']}: {proc.stderr[-2000:]}")
+    return out["seconds"], wall
+
+
+def _dapo_has_bridge_format() -> bool:
+    from conversion.hf_to_mcore import build_parser
+
+    return "bridge" in build_parser().format_help()
+
+
+def against_bridge(args: argparse.Namespace) -> int:
+    """dapo-mcore vs Megatron-Bridge, HF -> Megatron and back, interleaved rounds (see the module docstring)."""
+    import statistics
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    bridge_python = Path(args.bridge_python)
+    if not bridge_python.exists():
+        raise SystemExit(f"convert.py --against-bridge: no Megatron-Bridge python at {bridge_python}; pass "
+                         "--bridge-python (.ci/tiers/50-bridge.sh's install() builds .venv-bridge)")
+    harness = str(REPO / "tests" / "bridge")
+    work = Path(tempfile.mkdtemp(prefix="dapo_convert_vs_bridge_", dir=args.workdir))
+    load0 = os.getloadavg()
+    try:
+        torch.manual_seed(0)
+        config = Qwen2Config(vocab_size=151_936, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
+                             num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=2,
+                             max_position_embeddings=4096, tie_word_embeddings=False, dtype=torch.bfloat16)
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+        n_params = sum(t.numel() for t in model.parameters())
+        model.save_pretrained(work / "hf")
+        del model
+        hf = str(work / "hf")
+        steps = {"dapo-mcore HF->Megatron (dapo)": lambda r: _timed(
+            [sys.executable, "-c", DAPO_TIMED, "hf-to-mcore", "--hf", hf, "--out", str(work / f"dapo{r}"),
+             "--no-progress"])}
+        if _dapo_has_bridge_format():
+            steps["dapo-mcore HF->Megatron (--format bridge)"] = lambda r: _timed(
+                [sys.executable, "-c", DAPO_TIMED, "hf-to-mcore", "--hf", hf, "--out", str(work / f"dapob{r}"),
+                 "--format", "bridge", "--no-progress"])
+        steps["Bridge import_ckpt"] = lambda r: _timed(
+            [str(bridge_python), "-c", BRIDGE_TIMED, harness, "import", hf, str(work / f"bridge{r}")])
+        steps["dapo-mcore Megatron->HF"] = lambda r: _timed(
+            [sys.executable, "-c", DAPO_TIMED, "mcore-to-hf", "--mcore", str(work / f"dapo{r}"), "--out",
+             str(work / f"dapo_back{r}"), "--no-progress"])
+        steps["Bridge export_ckpt"] = lambda r: _timed(
+            [str(bridge_python), "-c", BRIDGE_TIMED, harness, "export", str(work / f"bridge{r}"),
+             str(work / f"bridge_back{r}"), hf])
+        times: dict[str, list[tuple[float, float]]] = {name: [] for name in steps}
+        print(f"Qwen2 from config: hidden {args.hidden}, {args.layers} layers, vocab 151,936, untied, bf16, "
+              f"{n_params / 1e6:.1f}M parameters; TP1; {args.rounds} interleaved rounds")
+        for r in range(args.rounds):
+            for name, step in steps.items():
+                times[name].append(step(r))
+            for d in work.iterdir():
+                if d.name != "hf":
+                    shutil.rmtree(d)
+        print(f"{'step':44s} {'call s (median)':>16s} {'process s (median)':>19s}   all calls")
+        med = {}
+        for name, vals in times.items():
+            med[name] = statistics.median(v[0] for v in vals)
+            print(f"{name:44s} {med[name]:16.2f} {statistics.median(v[1] for v in vals):19.2f}   "
+                  + " ".join(f"{v[0]:.2f}" for v in vals))
+        print("load average (1/5/15 min) at start: {:.1f} {:.1f} {:.1f}, at end: {:.1f} {:.1f} {:.1f} ({} CPUs)".format(
+            *load0, *os.getloadavg(), os.cpu_count()))
+        proc_med = {name: statistics.median(v[1] for v in vals) for name, vals in times.items()}
+        print(f"whole processes, dapo-mcore over Bridge: HF->Megatron "
+              f"{proc_med['dapo-mcore HF->Megatron (dapo)'] / proc_med['Bridge import_ckpt']:.2f}, Megatron->HF "
+              f"{proc_med['dapo-mcore Megatron->HF'] / proc_med['Bridge export_ckpt']:.2f}; calls, Megatron->HF "
+              f"{med['dapo-mcore Megatron->HF'] / med['Bridge export_ckpt']:.2f}")
+        print(f"convert_over_bridge: {med['dapo-mcore HF->Megatron (dapo)'] / med['Bridge import_ckpt']:.2f}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=2)
@@ -101,7 +221,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--also-out", default="/dev/shm",
                    help="also convert into this dir (e.g. a tmpfs, to separate converter cost from disk writes); "
                         "'' to skip")
+    p.add_argument("--against-bridge", action="store_true",
+                   help="compare with Megatron-Bridge's import_ckpt/export_ckpt instead (see the module docstring)")
+    p.add_argument("--bridge-python", default=str(REPO / ".venv-bridge" / "bin" / "python"),
+                   help="the Megatron-Bridge virtualenv's python (with --against-bridge)")
+    p.add_argument("--hidden", type=int, default=512, help="hidden size of the --against-bridge model")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (with --against-bridge)")
     args = p.parse_args(argv)
+    if args.against_bridge:
+        return against_bridge(args)
 
     from conversion.synthetic import write_synthetic_hf_checkpoint
     from dapo_mcore.model.presets import preset_config
