@@ -206,3 +206,20 @@ def test_training_starts_from_a_bridge_checkpoint(cli_env, finished_two_steps, t
         return [{k: r[k] for k in keys if k in r} for r in rows if "train/loss" in r]
 
     assert len(trace(run_dir)) == 2 and trace(run_dir) == trace(finished_two_steps)
+
+
+@pytest.mark.e2e
+def test_trainer_checkpoint_goes_to_bridge_layout(finished_two_steps, tmp_path):
+    """A DAPO-trained checkpoint (RUN/checkpoints/step_N) -> `convert mcore-to-bridge` -> Bridge's layout, whose
+    weights are the trained ones bit for bit (its mcore-to-hf equals the trainer checkpoint's own), with the run's
+    tokenizer inside; the bridge tier has Bridge's export_ckpt read this command's output."""
+    step = finished_two_steps / "checkpoints" / "step_000002"
+    _run("-m", "dapo_mcore.cli", "convert", "mcore-to-bridge", "--mcore", os.fspath(step), "--out",
+         os.fspath(tmp_path / "bridge"))
+    assert (tmp_path / "bridge" / "iter_0000000" / "tokenizer" / "tokenizer_config.json").is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["bridge"]  # no staging copy left beside it
+    _run("-m", "dapo_mcore.cli", "convert", "mcore-to-hf", "--mcore", os.fspath(step), "--out",
+         os.fspath(tmp_path / "direct"), "--no-progress")
+    _run("-m", "dapo_mcore.cli", "convert", "mcore-to-hf", "--mcore", os.fspath(tmp_path / "bridge"), "--out",
+         os.fspath(tmp_path / "via_bridge"))
+    _assert_bit_exact(_hf_tensors(tmp_path / "via_bridge"), _hf_tensors(tmp_path / "direct"))

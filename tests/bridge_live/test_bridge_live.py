@@ -197,3 +197,17 @@ def test_minimal_run_config_still_exports_exactly(tp, tmp_path):
     shutil.rmtree(save / "iter_0000000" / "tokenizer")
     bridge_export(save, tmp_path / "back", src / "hf")
     _assert_same(src / "hf", tmp_path / "back", f"minimal run_config.yaml at TP{tp} -> Bridge export")
+
+
+def test_bridge_exports_a_dapo_checkpoint_through_mcore_to_bridge(tmp_path):
+    """This project's own checkpoint (the format trainer checkpoints hold, written at TP2) -> `dapo-mcore convert
+    mcore-to-bridge` at TP2 -> Bridge's export_ckpt: the original HF tensors, bit for bit."""
+    hf = DATA / "qwen2_tied_bf16" / "hf"
+    _run([_dapo_mcore(), "convert", "hf-to-mcore", "--hf", hf, "--out", tmp_path / "dapo", "--tp", "2",
+          "--no-progress"], tmp_path, "dapo-mcore convert hf-to-mcore (dapo format, TP2)")
+    _run([*_torchrun(sys.executable, 2), _dapo_mcore(), "convert", "mcore-to-bridge", "--mcore", tmp_path / "dapo",
+          "--out", tmp_path / "save", "--tp", "2"], tmp_path, "dapo-mcore convert mcore-to-bridge at TP2")
+    assert bridge_resolve(tmp_path / "save") == _resolved(2)
+    assert not list(tmp_path.glob(".save.hf-staging-*"))  # the staging copy is gone
+    bridge_export(tmp_path / "save", tmp_path / "back", hf)
+    _assert_same(hf, tmp_path / "back", "dapo checkpoint -> mcore-to-bridge (TP2) -> Bridge export")
