@@ -4,7 +4,8 @@
 # on PyPI, so this tier installs 0.19.2 into a Python 3.11 virtualenv with --no-deps --ignore-requires-python (with its
 # dependencies it tries to build numpy from source) plus triton, which it imports at module load
 # (shared/notes/megatron-newer.md). It prints the megatron-core version it runs, then the tiny e2e run, the actor's
-# log-prob/entropy/parity tests and the conversion round trip against it. The tiny-base cache is the main suite's
+# log-prob/entropy/parity tests, the conversion round trip and the reading of Megatron-Bridge's own checkpoints (issue 38)
+# against it. The tiny-base cache is the main suite's
 # (.ci/run exports it): the base is pre-trained with 0.16.1's model code, which 0.19.2 loads like any checkpoint.
 set -euo pipefail
 source .ci/lib.sh
@@ -22,4 +23,5 @@ echo "::: mcore-newest: megatron-core ${version}"
 DAPO_MCORE_CI_NO_SKIPS=1 .venv-mcore-newest/bin/python -m pytest -q -p no:cacheprovider \
     tests/test_e2e_tiny.py::test_tiny_run_learns_and_writes_every_artifact \
     tests/test_actor_logprobs.py tests/test_actor_entropy.py tests/test_actor_parity.py \
-    tests/test_conversion_roundtrip.py tests/test_gpu_stack.py
+    tests/test_conversion_roundtrip.py tests/test_gpu_stack.py \
+    tests/test_bridge_interop.py::test_bridge_written_checkpoint_converts_back_bit_exactly
