@@ -206,6 +206,10 @@ def against_bridge(args: argparse.Namespace) -> int:
               f"{proc_med['dapo-mcore HF->Megatron (dapo)'] / proc_med['Bridge import_ckpt']:.2f}, Megatron->HF "
               f"{proc_med['dapo-mcore Megatron->HF'] / proc_med['Bridge export_ckpt']:.2f}; calls, Megatron->HF "
               f"{med['dapo-mcore Megatron->HF'] / med['Bridge export_ckpt']:.2f}")
+        like = "dapo-mcore HF->Megatron (--format bridge)"
+        if like in med:  # the same output as Bridge's (a torch_dist checkpoint in Bridge's layout), like for like
+            print(f"same format as Bridge (--format bridge) over Bridge: call {med[like] / med['Bridge import_ckpt']:.2f}, "
+                  f"whole process {proc_med[like] / proc_med['Bridge import_ckpt']:.2f}")
         print(f"convert_over_bridge: {med['dapo-mcore HF->Megatron (dapo)'] / med['Bridge import_ckpt']:.2f}")
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -89,6 +89,7 @@ def _build(hf_config: dict[str, Any], tp: int, pp: int, dtype: torch.dtype, divi
     from dapo_mcore.model.qwen import build_gpt_model, transformer_config
 
     tconfig = transformer_config(hf_config, tensor_parallel=tp, pipeline_parallel=pp, params_dtype=dtype)
+    tconfig.perform_initialization = False  # every weight is overwritten by the load: random init is wasted time
     (chunk,) = build_gpt_model(hf_config, tconfig, spec="local", make_vocab_size_divisible_by=divisible_by)
     return chunk.to(dtype=dtype)  # Megatron's torch norms ignore params_dtype
 
@@ -123,9 +124,8 @@ def hf_to_torch_dist(hf_dir: str | Path, out_dir: str | Path, *, dtype: torch.dt
     check_target_free(out_dir)
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     rows = _padded_rows(hf_config["vocab_size"], divisible_by, tp, vocab_padding)
-    model = _build(hf_config, tp, pp, torch.float32, rows // tp)
-    load_hf_into_model([model], hf_dir, "local", rows // tp)
-    model.to(dtype=dtype)
+    model = _build(hf_config, tp, pp, dtype, rows // tp)
+    load_hf_into_model([model], hf_dir, "local", rows // tp)  # casts to `dtype` on copy, as .to(dtype) would
     common: dict[str, Any] = {"checkpoint_version": 3.0, "iteration": 0}
     if layout == "megatron-lm":
         common["args"] = megatron_lm_args(hf_config, tp=tp, pp=pp, padded_vocab=rows,

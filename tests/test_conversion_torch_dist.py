@@ -42,7 +42,8 @@ def _worker(ws: Path) -> None:
         common = dist_checkpointing.load_common_state_dict(os.fspath(ws / "mlm" / "release"))
         out["common"] = {"checkpoint_version": common["checkpoint_version"], "iteration": common["iteration"],
                          "tp": common["args"].tensor_model_parallel_size,
-                         "padded": common["args"].padded_vocab_size}
+                         "padded": common["args"].padded_vocab_size,
+                         "divisible_by": common["args"].make_vocab_size_divisible_by}
 
         def megatron_lm_model(padded: int) -> GPTModel:  # as Megatron-LM's gpt_builders does (local impl)
             cfg = transformer_config(hf_config)
@@ -98,7 +99,9 @@ def test_megatron_lm_layout_and_common_state(result):
     out, ws = result
     assert out["tracker"] == "release"
     assert {"metadata.json", "common.pt", ".metadata"} <= set(out["files"])
-    assert out["common"] == {"checkpoint_version": 3.0, "iteration": 0, "tp": 1, "padded": 128}
+    # the default vocabulary padding is tp (issue 38): 96 rows stay 96, and Megatron-LM's args carry the divisor
+    # (the largest power of two <= 128 whose multiple is 96) that makes Megatron-LM rebuild exactly 96 rows
+    assert out["common"] == {"checkpoint_version": 3.0, "iteration": 0, "tp": 1, "padded": 96, "divisible_by": 32}
 
 
 @pytest.mark.unit

@@ -211,3 +211,20 @@ def test_bridge_exports_a_dapo_checkpoint_through_mcore_to_bridge(tmp_path):
     assert not list(tmp_path.glob(".save.hf-staging-*"))  # the staging copy is gone
     bridge_export(tmp_path / "save", tmp_path / "back", hf)
     _assert_same(hf, tmp_path / "back", "dapo checkpoint -> mcore-to-bridge (TP2) -> Bridge export")
+
+
+def test_qwen3_both_ways_at_tp2(tmp_path):
+    """Qwen3 dense (q/k norm, no QKV bias, head_dim != hidden/heads): ours -> Bridge's export_ckpt, and Bridge's
+    import_ckpt -> ours (the model read from run_config.yaml alone, as qwen3), each bit for bit at TP2."""
+    from conversion.synthetic import save_tiny_hf_model
+
+    hf = tmp_path / "hf"
+    save_tiny_hf_model(hf, preset="tiny-qwen3", vocab_size=300)
+    dapo_hf_to_bridge(hf, tmp_path / "ours", 2)
+    bridge_export(tmp_path / "ours", tmp_path / "ours_back", hf)
+    _assert_same(hf, tmp_path / "ours_back", "Qwen3: dapo-mcore --format bridge (TP2) -> Bridge export")
+    bridge_import(hf, tmp_path / "theirs", 2)
+    _run([_dapo_mcore(), "convert", "mcore-to-hf", "--mcore", tmp_path / "theirs", "--out", tmp_path / "theirs_back"],
+         tmp_path, "dapo-mcore convert mcore-to-hf of Bridge's Qwen3 checkpoint (no --hf-config)")
+    _assert_same(hf, tmp_path / "theirs_back", "Qwen3: Bridge import (TP2) -> dapo-mcore mcore-to-hf")
+    assert json.loads((tmp_path / "theirs_back" / "config.json").read_text())["model_type"] == "qwen3"
