@@ -51,7 +51,9 @@ class ModelConfig:
     hf_path: str | None = None
     """Hugging Face model directory (config.json + safetensors). Converted to Megatron on start unless `mcore_path` is set."""
     mcore_path: str | None = None
-    """A Megatron checkpoint made by `dapo-mcore convert hf-to-mcore` (skips conversion at start)."""
+    """A Megatron checkpoint to start from instead of `hf_path`'s weights: one made by `dapo-mcore convert hf-to-mcore`
+    or a trainer checkpoint (any layout: resharded), or a megatron-core dist checkpoint (a Megatron-LM or
+    Megatron-Bridge save dir, any layout; its vocabulary rows must match `vocab_padding`'s)."""
     preset: str | None = None
     """A named shape with random weights (for planning and benchmarks): one of the presets in dapo_mcore.model.presets."""
     tiny_base: bool = False

@@ -180,22 +180,29 @@ def test_unreadable_formats_say_what_reads_them(tmp_path):
         assert not (tmp_path / f"out-{path.name}").exists()
 
 
-@pytest.mark.e2e
-def test_training_starts_from_a_bridge_checkpoint(cli_env, finished_two_steps, tmp_path):
-    """model.mcore_path at a Megatron-Bridge checkpoint of the tiny default's base model (our --format bridge, which
-    Bridge's export_ckpt reads bit-exactly in the bridge tier) starts the same run as the base model itself: the
-    2-step trace equals the finished 2-step run's exactly."""
+@pytest.fixture(scope="module")
+def tiny_base_bridge(cli_env, tmp_path_factory) -> Path:
+    """The tiny default's base model as a Megatron-Bridge checkpoint (our --format bridge, which Bridge's export_ckpt
+    reads bit-exactly in the bridge tier)."""
     from dapo_mcore.config import load_config
     from dapo_mcore.data.base_model import ensure_base_model
-    from tests.conftest import TWO_STEPS
 
     base = ensure_base_model(Path(cli_env["DAPO_MCORE_CACHE"]) / "tiny_base",
-                             load_config(ROOT / "examples" / "tiny_cpu.yaml").tiny_base)  # a cache hit
-    _run("-m", "conversion.hf_to_mcore", "--hf", os.fspath(base), "--out", os.fspath(tmp_path / "bridge"),
-         "--format", "bridge")
+                             load_config(ROOT / "examples" / "tiny_cpu.yaml").tiny_base)
+    out = tmp_path_factory.mktemp("tiny_base_bridge") / "bridge"
+    _run("-m", "conversion.hf_to_mcore", "--hf", os.fspath(base), "--out", os.fspath(out), "--format", "bridge")
+    return out
+
+
+@pytest.mark.e2e
+def test_training_starts_from_a_bridge_checkpoint(cli_env, finished_two_steps, tiny_base_bridge, tmp_path):
+    """model.mcore_path at a Megatron-Bridge checkpoint of the tiny default's base model starts the same run as the
+    base model itself: the 2-step trace equals the finished 2-step run's exactly."""
+    from tests.conftest import TWO_STEPS
+
     run_dir = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "dapo_mcore.cli", "train", str(ROOT / "examples" / "tiny_cpu.yaml"),
-                           f"run.dir={run_dir}", *TWO_STEPS, f"model.mcore_path={tmp_path / 'bridge'}"], env=cli_env,
+                           f"run.dir={run_dir}", *TWO_STEPS, f"model.mcore_path={tiny_base_bridge}"], env=cli_env,
                           cwd=ROOT, capture_output=True, text=True, timeout=3600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "(a megatron-bridge dist checkpoint, vocabulary 32 rows)" in proc.stderr
@@ -223,3 +230,16 @@ def test_trainer_checkpoint_goes_to_bridge_layout(finished_two_steps, tmp_path):
     _run("-m", "dapo_mcore.cli", "convert", "mcore-to-hf", "--mcore", os.fspath(tmp_path / "bridge"), "--out",
          os.fspath(tmp_path / "via_bridge"))
     _assert_bit_exact(_hf_tensors(tmp_path / "via_bridge"), _hf_tensors(tmp_path / "direct"))
+
+
+@pytest.mark.e2e
+def test_a_bridge_checkpoint_of_another_padding_is_refused_in_one_line(cli_env, tiny_base_bridge, tmp_path):
+    """The same checkpoint (32 rows) under Megatron-LM's padding (64 rows here): one line naming both sizes and
+    model.vocab_padding, exit 2, no traceback."""
+    proc = subprocess.run([sys.executable, "-m", "dapo_mcore.cli", "train", str(ROOT / "examples" / "tiny_cpu.yaml"),
+                           f"run.dir={tmp_path / 'run'}", "train.steps=1", "model.vocab_padding=megatron",
+                           "model.make_vocab_size_divisible_by=64", f"model.mcore_path={tiny_base_bridge}"],
+                          env=cli_env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert "holds a vocabulary of 32 rows, the model here has 64" in proc.stderr and "model.vocab_padding" in proc.stderr
