@@ -56,6 +56,16 @@ def run(body: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> 
         return 128 + stop
 
 
+def parse_and_run(parser: argparse.ArgumentParser, body: Callable[[argparse.Namespace], int],
+                  argv: list[str] | None) -> int:
+    """A conversion command's `main`: parse `argv`, log INFO lines as ``LEVEL name: message``, `run` the body."""
+    import logging
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    return run(body, args)
+
+
 def report_written(out: str) -> None:
     """Print ``wrote OUT`` once OUT is complete; from then on a stop signal no longer changes the exit code (0)."""
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from conversion.entry import add_debug_flag, report_written, run
+from conversion.entry import add_debug_flag, parse_and_run, report_written
 from dapo_mcore.model.vocab import VOCAB_PADDINGS
 from dapo_mcore.weights import checkpoint as ckpt
 from dapo_mcore.weights.errors import WeightsError
@@ -147,9 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    return run(_main, args)
+    return parse_and_run(build_parser(), _main, argv)
 
 
 def _main(args) -> int:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from conversion.entry import add_debug_flag, report_written, run
+from conversion.entry import add_debug_flag, parse_and_run, report_written
 from conversion.hf_to_mcore import _progress
 from dapo_mcore.weights import checkpoint as ckpt
 from dapo_mcore.weights.errors import WeightsError
@@ -143,9 +143,7 @@ def _run_tokenizer(src: Path) -> Path | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    return run(_main, args)
+    return parse_and_run(build_parser(), _main, argv)
 
 
 def input_format(path: str | Path) -> str:

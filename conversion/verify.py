@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from conversion.entry import add_debug_flag, run
+from conversion.entry import add_debug_flag, parse_and_run
 
 log = logging.getLogger(__name__)
 
@@ -200,9 +200,7 @@ def _vocab_rule(args) -> tuple[int, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    return run(_main, args)
+    return parse_and_run(build_parser(), _main, argv)
 
 
 def _main(args) -> int:
