@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from conversion.entry import add_debug_flag, parse_and_run, report_written
+from conversion.entry import EXIT_USAGE, add_debug_flag, parse_and_run, report_written
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +51,20 @@ def _main(args) -> int:
     ckpt.read_meta(ckpt.resolve_checkpoint_dir(args.mcore))  # not ours: one line, before any process group
     ckpt.check_target_free(out)
     _setup(args.tp, args.pp)
-    staging: list[str | None] = [None]
+    staging: list[str | None] = [None, None]  # [staging dir, rank 0's error]
     try:
         if dist.get_rank() == 0:
-            staging[0] = tempfile.mkdtemp(prefix=f".{out.name}.hf-staging-", dir=out.parent)
-            tokenizer = args.tokenizer or _run_tokenizer(Path(args.mcore))
-            convert_mcore_to_hf(args.mcore, Path(staging[0]) / "hf", tokenizer_dir=tokenizer)
+            try:
+                staging[0] = tempfile.mkdtemp(prefix=f".{out.name}.hf-staging-", dir=out.parent)
+                tokenizer = args.tokenizer or _run_tokenizer(Path(args.mcore))
+                convert_mcore_to_hf(args.mcore, Path(staging[0]) / "hf", tokenizer_dir=tokenizer)
+            except BaseException as err:  # the other ranks wait in the broadcast: tell them, then raise here
+                staging[1] = str(err) or type(err).__name__
+                dist.broadcast_object_list(staging, src=0)
+                raise
         dist.broadcast_object_list(staging, src=0)
+        if staging[1] is not None:
+            return EXIT_USAGE  # rank 0 says why, in one line
         hf_to_torch_dist(Path(staging[0]) / "hf", out, layout="bridge")
     finally:
         if dist.get_rank() == 0 and staging[0] is not None:

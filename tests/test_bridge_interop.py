@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "bridge"
@@ -243,3 +243,26 @@ def test_a_bridge_checkpoint_of_another_padding_is_refused_in_one_line(cli_env, 
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert "holds a vocabulary of 32 rows, the model here has 64" in proc.stderr and "model.vocab_padding" in proc.stderr
+
+
+def test_mcore_to_bridge_failing_on_rank0_ends_every_rank(tmp_path):
+    """mcore-to-bridge at TP2 of a checkpoint with a NaN weight: rank 0's HF export refuses it; rank 1 (waiting for
+    the staging copy) ends too instead of hanging, with one line in all, and neither output nor staging dir stays."""
+    from conversion.synthetic import save_tiny_hf_model
+
+    save_tiny_hf_model(tmp_path / "hf")
+    _run("-m", "conversion.hf_to_mcore", "--hf", os.fspath(tmp_path / "hf"), "--out", os.fspath(tmp_path / "d"),
+         "--no-progress")
+    rank_file = next((tmp_path / "d").rglob("*.safetensors"))
+    tensors = load_file(os.fspath(rank_file))
+    name = next(iter(tensors))
+    tensors[name].view(-1)[0] = float("nan")
+    save_file(tensors, os.fspath(rank_file))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+           "conversion.mcore_to_bridge", "--mcore", os.fspath(tmp_path / "d"), "--out", os.fspath(tmp_path / "b"),
+           "--tp", "2"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("dapo-mcore convert:")]
+    assert len(lines) == 1 and "NaN or inf" in lines[0], proc.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "hf"]
