@@ -7,7 +7,7 @@
 #                      its training (save/load) modules need; transformers 5.12.1 is Bridge's cap. Bridge runs on CPU
 #                      through tests/bridge/bridge_cpu.py, which patches nothing on disk.
 #   .venv-bridge-dapo  the project as users install it (megatron-core 0.16.1), which runs pytest and dapo-mcore.
-# tests/bridge_live is not collected by the main suite (its conftest); it is named here explicitly.
+# tests/bridge_live is not collected by the main suite (tests/conftest.py); it is named here explicitly.
 set -euo pipefail
 source .ci/lib.sh
 
