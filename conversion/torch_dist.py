@@ -7,14 +7,21 @@ with `dist_checkpointing.save` in Megatron-LM's layout::
     <out>/latest_checkpointed_iteration.txt     "release"
     <out>/release/{metadata.json, common.pt, .metadata, __*_*.distcp}
 
+or in Megatron-Bridge's (``layout="bridge"``: what AutoBridge.export_ckpt and Bridge's training loader read)::
+
+    <out>/latest_checkpointed_iteration.txt     "0"
+    <out>/latest_train_state.pt
+    <out>/iter_0000000/{metadata.json, .metadata, __*_*.distcp, run_config.yaml, train_state.pt, tokenizer/}
+
 ``common.pt`` holds what Megatron-LM's ``load_checkpoint`` reads besides tensors: ``checkpoint_version`` 3.0,
 ``iteration`` 0 and ``args`` (an ``argparse.Namespace`` with the model and parallel sizes). The format is
 layout-free: a checkpoint saved at TP2/PP2 loads at TP1 (dist_checkpointing reshards on load).
 
-`torch_dist_to_hf` reads such a checkpoint (ours, Megatron-LM's ``iter_*``/``release`` dirs, or a bare
-dist-checkpoint dir), builds a TP1 model whose vocabulary has the checkpoint's padded size (any padding rule:
-Megatron-LM's multiple of 128·TP, Megatron-Bridge's, none), loads, strips the padding and writes HF safetensors.
-The HF config comes from `--hf-config` (the original HF dir). Runs as one process or under torchrun.
+`torch_dist_to_hf` reads such a checkpoint (ours, a Megatron-LM or Megatron-Bridge save dir, one iter_* dir, or a
+bare dist-checkpoint dir: `dapo_mcore.weights.dist_checkpoint`, on any megatron-core), builds a TP1 model whose
+vocabulary has the checkpoint's padded size (any padding rule: Megatron-LM's multiple of 128·TP, Megatron-Bridge's,
+none), loads, strips the padding and writes HF safetensors. The HF config comes from `--hf-config` (the original HF
+dir) or, for a Megatron-Bridge checkpoint, from its run_config.yaml. Runs as one process or under torchrun.
 """
 
 from __future__ import annotations
@@ -55,11 +62,6 @@ def megatron_lm_args(hf_config: dict[str, Any], *, tp: int, pp: int, padded_voca
         tokenizer_type="HuggingFaceTokenizer", bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         params_dtype=dtype, no_save_optim=True, no_save_rng=True, ckpt_format="torch_dist",
         transformer_impl="local")
-
-
-def checkpoint_dir(path: str | Path) -> Path:
-    """The dist-checkpoint dir of a Megatron-LM / Megatron-Bridge save dir, an iter_* dir or a bare one."""
-    return dist_checkpoint.find(path).path
 
 
 def run_collective(tp: int, pp: int, name: str, *args, **kwargs):
