@@ -20,9 +20,8 @@ from typing import Any
 
 import torch
 
-PROVIDERS = {"qwen2": "megatron.bridge.models.gpt_provider.GPTModelProvider",
-             "qwen3": "megatron.bridge.models.gpt_provider.GPTModelProvider",
-             "qwen3_moe": "megatron.bridge.models.gpt_provider.GPTModelProvider"}
+PROVIDER = "megatron.bridge.models.gpt_provider.GPTModelProvider"
+"""Bridge 0.6.2's Qwen2, Qwen3 and Qwen3-MoE bridges all build this provider (with their own field values)."""
 
 
 def _callable(target: str) -> dict[str, Any]:
@@ -41,7 +40,7 @@ def bridge_run_config(hf_config: dict[str, Any], *, tp: int, pp: int, dtype: tor
     dtype_name = str(dtype).removeprefix("torch.")
     divisor = _power_of_two_divisor(s.vocab_size, 128)  # what Bridge's import writes
     model: dict[str, Any] = {
-        "_target_": PROVIDERS[model_type],
+        "_target_": PROVIDER,
         "num_layers": s.num_layers, "hidden_size": s.hidden_size, "ffn_hidden_size": s.ffn_hidden_size,
         "num_attention_heads": s.num_heads, "num_query_groups": s.num_kv_heads, "kv_channels": s.head_dim,
         "vocab_size": s.vocab_size, "seq_length": s.max_position_embeddings,
@@ -101,5 +100,6 @@ def write_bridge_files(ckpt_dir: Path, hf_config: dict[str, Any], *, tokenizer_m
 
     config = bridge_run_config(hf_config, tokenizer_model=tokenizer_model, **model_kwargs)
     (ckpt_dir / "run_config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    torch.save(train_state(), ckpt_dir / "train_state.pt")
-    torch.save(train_state(), ckpt_dir.parent / "latest_train_state.pt")
+    state = train_state()
+    torch.save(state, ckpt_dir / "train_state.pt")
+    torch.save(state, ckpt_dir.parent / "latest_train_state.pt")

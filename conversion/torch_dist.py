@@ -111,6 +111,7 @@ def hf_to_torch_dist(hf_dir: str | Path, out_dir: str | Path, *, dtype: torch.dt
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
+    from dapo_mcore.model.vocab import _power_of_two_divisor, padded_vocab_size
     from dapo_mcore.weights.atomic import atomic_directory, check_target_free
     from dapo_mcore.weights.hf_checkpoint import TOKENIZER_DIR, copy_tokenizer_files, read_hf_config
     from dapo_mcore.weights.live import load_hf_into_model
@@ -125,13 +126,13 @@ def hf_to_torch_dist(hf_dir: str | Path, out_dir: str | Path, *, dtype: torch.dt
         dtype = source.dtype(next(iter(source.meta)))
     check_target_free(out_dir)
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
-    rows = _padded_rows(hf_config["vocab_size"], divisible_by, tp, vocab_padding)
+    rows = padded_vocab_size(hf_config["vocab_size"], divisible_by, tp, padding=vocab_padding)
     model = _build(hf_config, tp, pp, dtype, rows // tp)
     load_hf_into_model([model], hf_dir, "local", rows // tp)  # casts to `dtype` on copy, as .to(dtype) would
     common: dict[str, Any] = {"checkpoint_version": 3.0, "iteration": 0}
-    if layout == "megatron-lm":
+    if layout == "megatron-lm":  # its divisor: the largest power of two whose multiple x TP is exactly `rows`
         common["args"] = megatron_lm_args(hf_config, tp=tp, pp=pp, padded_vocab=rows,
-                                          divisible_by=_megatron_lm_divisor(rows, divisible_by, tp), dtype=dtype)
+                                          divisible_by=_power_of_two_divisor(rows // tp, divisible_by), dtype=dtype)
     sub = "release" if layout == "megatron-lm" else "iter_0000000"
     tmp_box: list[Any] = [None]
     with _on_rank0(atomic_directory(out_dir)) as tmp:
@@ -155,21 +156,6 @@ def hf_to_torch_dist(hf_dir: str | Path, out_dir: str | Path, *, dtype: torch.dt
     log.info("wrote torch_dist checkpoint %s in %s's layout (saved at tp=%d pp=%d, vocabulary %d rows for %d)",
              out_dir, layout, tp, pp, rows, hf_config["vocab_size"])
     return out_dir
-
-
-def _padded_rows(vocab_size: int, divisible_by: int, tp: int, vocab_padding: str) -> int:
-    from dapo_mcore.model.vocab import padded_vocab_size
-
-    return padded_vocab_size(vocab_size, divisible_by, tp, padding=vocab_padding)
-
-
-def _megatron_lm_divisor(rows: int, divisible_by: int, tp: int) -> int:
-    """The largest power of two d <= `divisible_by` with `rows` a multiple of d x tp: Megatron-LM's
-    ``--make-vocab-size-divisible-by`` that rebuilds exactly `rows` from the tokenizer's vocabulary."""
-    d = 1
-    while d * 2 <= divisible_by and rows % (d * 2 * tp) == 0:
-        d *= 2
-    return d
 
 
 class _on_rank0:  # noqa: N801  (used like a contextlib helper)
