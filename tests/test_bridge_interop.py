@@ -268,3 +268,22 @@ def test_mcore_to_bridge_failing_on_rank0_ends_every_rank(tmp_path):
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("dapo-mcore convert:")]
     assert len(lines) == 1 and "NaN or inf" in lines[0], proc.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "hf"]
+
+
+def test_run_config_of_qwen3_moe_reads_back_as_the_hf_config():
+    """Our run_config for a Qwen3-MoE model read back by the reader: the same architecture facts (experts, top-k,
+    expert FFN, top-k normalization as Bridge stores it, moe_router_pre_softmax = not norm_topk_prob); and a section
+    without moe_router_pre_softmax takes megatron-core's default (False: normalized top-k)."""
+    from conversion.bridge_config import bridge_run_config
+    from conversion.synthetic_moe import tiny_moe_config
+    from dapo_mcore.weights.dist_checkpoint import hf_config_from_run_config
+
+    hf = tiny_moe_config()
+    config = bridge_run_config(hf, tp=1, pp=1, dtype=torch.float32, padded_rows=hf["vocab_size"], vocab_padding="tp",
+                               divisible_by=128, tokenizer_model=None)
+    back = hf_config_from_run_config(config, Path("."))
+    for key in ("model_type", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                "hidden_size", "num_hidden_layers", "num_key_value_heads", "head_dim", "vocab_size"):
+        assert back[key] == hf[key], key
+    del config["model"]["moe_router_pre_softmax"]
+    assert hf_config_from_run_config(config, Path("."))["norm_topk_prob"] is True

@@ -164,7 +164,7 @@ def hf_config_from_run_config(run_config: dict, where: Path) -> dict[str, Any]:
     if kind == "qwen3_moe":
         hf.update(num_experts=int(model["num_moe_experts"]), num_experts_per_tok=int(model["moe_router_topk"]),
                   moe_intermediate_size=int(model["moe_ffn_hidden_size"]), decoder_sparse_step=1,
-                  mlp_only_layers=[], norm_topk_prob=bool(model.get("moe_router_pre_softmax") is False),
+                  mlp_only_layers=[], norm_topk_prob=not model.get("moe_router_pre_softmax", False),
                   router_aux_loss_coef=float(model.get("moe_aux_loss_coeff") or 0.0))
     return hf
 
