@@ -36,7 +36,7 @@ def _variant(rank: int, args: argparse.Namespace, every: int | None) -> dict[str
     from dapo_mcore.data.records import PromptRecord
     from dapo_mcore.data.sampler import PromptSampler
     from dapo_mcore.model.presets import preset_config
-    from dapo_mcore.reward.math_verifier import RewardResult
+    from dapo_mcore.reward.result import RewardResult
     from dapo_mcore.rollout import HFEngine
     from dapo_mcore.rollout.colocated import ColocatedRollouts, EngineGroups
     from dapo_mcore.rollout.scheduler import RolloutScheduler

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dapo_mcore.reward import audit
-from dapo_mcore.reward.math_verifier import RewardResult
+from dapo_mcore.reward.result import RewardResult
 
 pytestmark = pytest.mark.unit
 

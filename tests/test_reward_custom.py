@@ -12,9 +12,10 @@ import pytest
 
 from dapo_mcore.config import ConfigError, RewardConfig
 from dapo_mcore.reward import audit
-from dapo_mcore.reward.math_verifier import RewardResult, compute_score, compute_score_strict
+from dapo_mcore.reward.math_verifier import compute_score, compute_score_strict
 from dapo_mcore.reward.pool import RewardPool
 from dapo_mcore.reward.registry import get_reward
+from dapo_mcore.reward.result import RewardResult
 
 pytestmark = pytest.mark.unit
 
@@ -89,7 +90,7 @@ def test_import_path_reward_in_the_pool_with_timeout(plugin):
 
 
 def test_trainer_scorer_uses_the_import_path(plugin):
-    from dapo_mcore.runtime import make_scorer
+    from dapo_mcore.run.runtime import make_scorer
 
     closers: list = []
     score = make_scorer(RewardConfig(name=f"{plugin}:as_bool", workers=1), closers)

@@ -13,14 +13,15 @@ import pytest
 from dapo_mcore.config import ConfigError, RewardConfig
 from dapo_mcore.errors import NonFiniteError, UserError
 from dapo_mcore.reward.guard import FailureBreaker, InProcessScorer, RewardFailingError, as_result
-from dapo_mcore.reward.math_verifier import RewardResult, compute_score
+from dapo_mcore.reward.math_verifier import compute_score
 from dapo_mcore.reward.pool import RewardPool
+from dapo_mcore.reward.result import RewardResult
 from tests.gloo_workers import run_gloo_workers
 
 PLUGIN = '''
 import math, os, time
 import numpy as np
-from dapo_mcore.reward.math_verifier import RewardResult
+from dapo_mcore.reward.result import RewardResult
 
 def always_raises(response, gt):
     raise ValueError(f"cannot parse {gt!r}")
@@ -143,7 +144,7 @@ def test_numpy_and_torch_scalars_are_verdicts(plugin):
 
 @pytest.mark.unit
 def test_a_nan_reward_stops_naming_the_reward_and_the_answer(plugin):
-    from dapo_mcore.runtime import make_scorer
+    from dapo_mcore.run.runtime import make_scorer
 
     closers: list = []
     score = make_scorer(RewardConfig(name=f"{plugin}:nan_for_long", workers=1), closers)

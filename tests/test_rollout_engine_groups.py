@@ -25,7 +25,7 @@ class _Tokenizer:
 
 
 def _score(texts, truths):
-    from dapo_mcore.reward.math_verifier import RewardResult
+    from dapo_mcore.reward.result import RewardResult
 
     out = []
     for t in texts:

@@ -76,7 +76,7 @@ def _rollouts(rank: int, score):
 
 
 def _verdict(rank: int):
-    from dapo_mcore.reward.math_verifier import RewardResult
+    from dapo_mcore.reward.result import RewardResult
 
     # Deliberately rank-dependent: a reward (or a timed worker pool) that answers differently on each rank.
     return lambda texts, truths: [RewardResult(1.0 if rank == 0 else -1.0, rank == 0, f"r{rank}") for _ in texts]

@@ -1,13 +1,13 @@
 """Rule-based rewards: the DAPO math verifier, a registry of reward functions, a bounded worker pool."""
 
 from dapo_mcore.reward.math_verifier import (
-    RewardResult,
     compute_score,
     extract_answer,
     normalize_answer,
     validate_ground_truth,
 )
 from dapo_mcore.reward.registry import decode_tail, get_reward, register_reward, reward_names
+from dapo_mcore.reward.result import RewardResult
 
 __all__ = [
     "RewardResult",

@@ -22,8 +22,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dapo_mcore.reward.math_verifier import RewardResult, normalize_answer
+from dapo_mcore.reward.math_verifier import normalize_answer
 from dapo_mcore.reward.registry import decode_tail, get_reward
+from dapo_mcore.reward.result import RewardResult
 
 KINDS = ("format", "hedge", "window", "blind")
 _FILLER = "We simplify the expression step by step and check every case carefully. "

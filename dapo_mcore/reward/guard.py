@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from dapo_mcore.errors import NonFiniteError, UserError
-from dapo_mcore.reward.math_verifier import RewardResult
+from dapo_mcore.reward.result import RewardResult, as_result, failure
 
 log = logging.getLogger(__name__)
 
@@ -34,38 +34,6 @@ MIN_SEEN_FRAC = 0.5
 
 class RewardFailingError(UserError):
     """The reward function fails on too many answers: the run stops rather than train on nothing."""
-
-
-def failure(reason: str) -> RewardResult:
-    """The verdict for an answer whose reward failed: wrong, with the reason, marked as a failure."""
-    return RewardResult(-1.0, False, None, reason, failed=True)
-
-
-def as_result(out: Any) -> RewardResult:
-    """A reward function's return value as a RewardResult: a RewardResult, a bool (+1/-1) or a real number (the
-    score; correct when > 0), numpy and torch scalars included (np.bool_, np.float64, a 0-d tensor). Raises
-    TypeError for anything else (a string, a list, None)."""
-    if type(out) is RewardResult and type(out.score) is float and type(out.acc) is bool:
-        return out  # the registered rewards' verdicts: nothing to convert
-    out = _scalar(out)
-    if isinstance(out, RewardResult):
-        score, acc = _scalar(out.score), _scalar(out.acc)
-        if not isinstance(acc, bool) or not isinstance(score, int | float) or isinstance(score, bool):
-            raise TypeError(f"returned RewardResult(score={score!r}, acc={acc!r}); score must be a number, acc a bool")
-        return RewardResult(float(score), acc, out.pred, out.reason, out.failed)
-    if isinstance(out, bool):
-        return RewardResult(1.0 if out else -1.0, out, None)
-    if isinstance(out, int | float):
-        return RewardResult(float(out), float(out) > 0, None)
-    raise TypeError(f"returned {type(out).__name__}; return a RewardResult, a bool or a number")
-
-
-def _scalar(value: Any) -> Any:
-    """numpy / torch scalars (0-d) as Python values; anything else unchanged."""
-    if getattr(value, "shape", None) == () and callable(getattr(value, "item", None)) \
-            and not isinstance(value, bool | int | float):
-        return value.item()
-    return value
 
 
 class FailureBreaker:

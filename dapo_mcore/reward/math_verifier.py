@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass
 
 from dapo_mcore.reward.registry import decode_tail, register_reward
+from dapo_mcore.reward.result import RewardResult
 
 TAIL_CHARS = 300
 """Characters at the end of the response the verifier reads (the longest MATH-500 answer has 159)."""
@@ -54,23 +54,6 @@ _UNWRAP = tuple(re.compile(rf"\\{cmd}\{{([^}}\n]*)\}}") for cmd in ("text", "tex
 _BOXED = re.compile(r"\\boxed\{(.*)\}")
 _FRAC_SHORT = re.compile(r"frac([^{])(.)")
 _SQRT_SHORT = re.compile(r"sqrt([^{])")
-
-
-@dataclass(frozen=True, slots=True)
-class RewardResult:
-    """The verdict on one response."""
-
-    score: float
-    """+1.0 correct, -1.0 otherwise."""
-    acc: bool
-    """Correct or not (dynamic sampling filters on this, not on the shaped reward)."""
-    pred: str | None
-    """The normalized prediction; None when nothing was extracted."""
-    reason: str | None = None
-    """Why there is no prediction (no answer line, worker timeout/crash, ...); None for a plain comparison."""
-    failed: bool = False
-    """The reward function failed on this answer (raised, timed out, crashed, returned no verdict): scored wrong,
-    and counted by the run's circuit breaker (reward.guard)."""
 
 
 def normalize_answer(answer: str) -> str:

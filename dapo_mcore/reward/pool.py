@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from dapo_mcore.reward.guard import FailureBreaker, RewardFailingError, as_result, failure
-from dapo_mcore.reward.math_verifier import RewardResult
+from dapo_mcore.reward.guard import FailureBreaker, RewardFailingError
 from dapo_mcore.reward.registry import decode_tail, get_reward
+from dapo_mcore.reward.result import RewardResult, as_result, failure
 
 logger = logging.getLogger(__name__)
 

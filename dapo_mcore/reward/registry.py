@@ -87,7 +87,7 @@ class ImportedReward:
         return ImportedReward, (self.path,)
 
     def __call__(self, response: str | bytes, ground_truth: str, **kwargs: Any) -> Any:
-        from dapo_mcore.reward.guard import as_result
+        from dapo_mcore.reward.result import as_result
 
         out = self.fn(response, ground_truth, **kwargs)
         try:
