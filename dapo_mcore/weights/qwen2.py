@@ -12,7 +12,6 @@ from typing import Any
 
 from dapo_mcore.model.qwen import QwenShape, padded_vocab_size
 from dapo_mcore.weights.mapping import ModelMapping, Scope, TensorRule
-from dapo_mcore.weights.registry import register_mapping
 from dapo_mcore.weights.transforms import Split
 
 _L = "decoder.layers.{i}."
@@ -59,6 +58,3 @@ def qwen_mapping(hf_config: dict[str, Any], rules: tuple[TensorRule, ...]) -> Mo
 
 def qwen2_mapping(hf_config: dict[str, Any]) -> ModelMapping:
     return qwen_mapping(hf_config, QWEN2_RULES)
-
-
-register_mapping("qwen2", qwen2_mapping)

@@ -24,7 +24,6 @@ from dapo_mcore.weights.qwen2 import (
     QKV,
     qwen_mapping,
 )
-from dapo_mcore.weights.registry import register_mapping
 from dapo_mcore.weights.transforms import Split
 
 Q_NORM = TensorRule(_L + "self_attention.q_layernorm.weight", _L + "self_attention.q_layernorm.weight",
@@ -39,6 +38,3 @@ QWEN3_RULES: tuple[TensorRule, ...] = (EMBEDDING, INPUT_NORM, QKV, Q_NORM, K_NOR
 
 def qwen3_mapping(hf_config: dict[str, Any]) -> ModelMapping:
     return qwen_mapping(hf_config, QWEN3_RULES)
-
-
-register_mapping("qwen3", qwen3_mapping)

@@ -18,7 +18,6 @@ from dapo_mcore.model.moe import MoEShape
 from dapo_mcore.model.qwen import QwenShape, padded_vocab_size
 from dapo_mcore.weights.layout import LayoutError, ParallelLayout
 from dapo_mcore.weights.mapping import ModelMapping, Placement, Scope, TensorRule
-from dapo_mcore.weights.registry import register_mapping
 from dapo_mcore.weights.transforms import Split
 
 _L = "decoder.layers.{i}."
@@ -97,9 +96,6 @@ def qwen3_moe_mapping(hf_config: dict[str, Any]) -> ModelMapping:
         ffn_hidden_size=shape.ffn_hidden_size, vocab_size=shape.vocab_size, tie_embeddings=shape.tie_embeddings,
         padded_vocab_fn=padded_vocab_size,
     )
-
-
-register_mapping("qwen3_moe", qwen3_moe_mapping)
 
 
 def per_expert_views(params: dict[str, Any]) -> dict[str, Any]:

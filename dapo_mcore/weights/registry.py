@@ -1,7 +1,9 @@
 """Model families with an HF <-> Megatron weight mapping, keyed by Hugging Face ``model_type``.
 
-A family registers a factory ``hf_config -> ModelMapping``; ``get_mapping`` dispatches on the config's
-``model_type`` and lists the supported types when it is unknown.
+Each built-in family is one row of ``_builtin()``: its ``model_type`` and the factory ``hf_config -> ModelMapping`` of
+its mapping module (the modules never import this one: the arrows point one way). ``register_mapping`` adds a
+family from outside the package; ``get_mapping`` dispatches on the config's ``model_type`` and lists the supported
+types when it is unknown.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ class UnsupportedModelError(WeightsError):
 
 
 def register_mapping(model_type: str, factory: MappingFactory) -> None:
-    """Register the mapping factory of one HF `model_type` (once)."""
+    """Register the mapping factory of one HF `model_type` (once; a built-in type counts as registered)."""
+    _load_builtin()
     if model_type in _REGISTRY:
         raise ValueError(f"a weight mapping for model_type {model_type!r} is already registered.")
     _REGISTRY[model_type] = factory
@@ -42,5 +45,13 @@ def get_mapping(hf_config: dict[str, Any]) -> ModelMapping:
     return _REGISTRY[model_type](hf_config)
 
 
+def _builtin() -> dict[str, MappingFactory]:
+    """The families this package ships (imported on first use: the mapping modules import torch)."""
+    from dapo_mcore.weights import qwen2, qwen3, qwen3_moe
+
+    return {"qwen2": qwen2.qwen2_mapping, "qwen3": qwen3.qwen3_mapping, "qwen3_moe": qwen3_moe.qwen3_moe_mapping}
+
+
 def _load_builtin() -> None:
-    from dapo_mcore.weights import qwen2, qwen3, qwen3_moe  # noqa: F401  (register themselves on import)
+    for model_type, factory in _builtin().items():
+        _REGISTRY.setdefault(model_type, factory)
