@@ -31,7 +31,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,57 +38,12 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.gpu_measure import error_text, free_port, worker_main  # noqa: E402
+from benchmarks.gpu_measure import Plan, error_text, free_port, worker_main  # noqa: E402
 
 log = logging.getLogger("gpu_check")
 
 SECTIONS = ("env", "parity", "throughput", "pytest", "tiny")
 WORKER_SECTIONS = ("parity", "throughput")
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What one mode measures: the GPU check proper, or the CPU smoke run of the same plumbing."""
-
-    smoke: bool
-    """True for the CPU smoke mode (tiny shapes, fp32 matmul rate)."""
-    parity_preset: str
-    """Model preset of the parity check (dapo_mcore.model.presets)."""
-    parity_overrides: dict[str, Any]
-    """HF config fields replaced in the parity preset (e.g. fewer layers)."""
-    parity_prompts: int
-    """Random prompts the HF engine samples responses for."""
-    parity_n: int
-    """Responses sampled per prompt."""
-    parity_prompt_len: int
-    """Tokens per prompt."""
-    parity_new_tokens: int
-    """Longest sampled response."""
-    bench_models: tuple[tuple[str, str, dict[str, Any]], ...]
-    """(label, preset, overrides) of each model the throughput section measures."""
-    bench_budgets: tuple[int, ...]
-    """Tokens per micro-batch (the actor's micro_batch_tokens), ascending: a budget that runs out of memory ends
-    the model's list early without losing the smaller ones."""
-    bench_seq_len: int
-    """Tokens of every benchmark sequence (prompt + response)."""
-    bench_minibatch_tokens: int
-    """Tokens of the mini-batch that one train step / log-prob pass covers (split into micro-batches by budget)."""
-    bench_iters: int
-    """Timed repetitions per measurement, after one warm-up."""
-    matmul_n: int
-    """Square matmul size of the peak-rate measurement."""
-    tiny_steps: int
-    """train.steps of the tiny DAPO job."""
-    tiny_overrides: tuple[str, ...]
-    """Extra dotted overrides of the tiny job (smoke mode shrinks it)."""
-    pytest_paths: tuple[str, ...]
-    """What pytest collects."""
-    budget_s: float
-    """Wall-clock budget of the whole check; sections get what is left, minus the floors of later sections."""
-    caps: dict[str, float] = field(default_factory=dict)
-    """Most seconds a section may take."""
-    floors: dict[str, float] = field(default_factory=dict)
-    """Fewest seconds worth starting a section with (reserved for it while earlier sections run)."""
 
 
 def gpu_plan() -> Plan:
@@ -189,8 +143,8 @@ def section_env(plan: Plan) -> dict[str, Any]:
     cache = cache_root() / "tiny_base"
     info["tiny_base_cache"] = sorted(p.name for p in cache.glob("*")) if cache.is_dir() else []
     problems = [f"{k} is not installed" for k in ("megatron-core", "transformers", "zarr") if info[k] is None]
-    from dapo_mcore.gpu_stack import check_gpu_stack
     from dapo_mcore.model.fp8 import MissingGPUExtra
+    from dapo_mcore.model.gpu_stack import check_gpu_stack
 
     try:  # the start-up gate every section meets again (dapo-mcore train, gpu_measure's workers)
         check_gpu_stack(transformer_engine=False, vllm=False)
@@ -281,7 +235,7 @@ def _wait_all(runs: dict[str, dict[str, Any]], deadline: float) -> None:
 
 
 def cache_root() -> Path:
-    """Where the runtime caches the tiny base model (``$DAPO_MCORE_CACHE``, as dapo_mcore.runtime reads it)."""
+    """Where the runtime caches the tiny base model (``$DAPO_MCORE_CACHE``, as dapo_mcore.run.runtime reads it)."""
     return Path(os.environ.get("DAPO_MCORE_CACHE", Path.home() / ".cache" / "dapo-mcore"))
 
 

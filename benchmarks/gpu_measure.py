@@ -13,15 +13,58 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-if TYPE_CHECKING:
-    from benchmarks.gpu_check import Plan
+
+@dataclass(frozen=True)
+class Plan:
+    """What one mode measures: the GPU check proper, or the CPU smoke run of the same plumbing."""
+
+    smoke: bool
+    """True for the CPU smoke mode (tiny shapes, fp32 matmul rate)."""
+    parity_preset: str
+    """Model preset of the parity check (dapo_mcore.model.presets)."""
+    parity_overrides: dict[str, Any]
+    """HF config fields replaced in the parity preset (e.g. fewer layers)."""
+    parity_prompts: int
+    """Random prompts the HF engine samples responses for."""
+    parity_n: int
+    """Responses sampled per prompt."""
+    parity_prompt_len: int
+    """Tokens per prompt."""
+    parity_new_tokens: int
+    """Longest sampled response."""
+    bench_models: tuple[tuple[str, str, dict[str, Any]], ...]
+    """(label, preset, overrides) of each model the throughput section measures."""
+    bench_budgets: tuple[int, ...]
+    """Tokens per micro-batch (the actor's micro_batch_tokens), ascending: a budget that runs out of memory ends
+    the model's list early without losing the smaller ones."""
+    bench_seq_len: int
+    """Tokens of every benchmark sequence (prompt + response)."""
+    bench_minibatch_tokens: int
+    """Tokens of the mini-batch that one train step / log-prob pass covers (split into micro-batches by budget)."""
+    bench_iters: int
+    """Timed repetitions per measurement, after one warm-up."""
+    matmul_n: int
+    """Square matmul size of the peak-rate measurement."""
+    tiny_steps: int
+    """train.steps of the tiny DAPO job."""
+    tiny_overrides: tuple[str, ...]
+    """Extra dotted overrides of the tiny job (smoke mode shrinks it)."""
+    pytest_paths: tuple[str, ...]
+    """What pytest collects."""
+    budget_s: float
+    """Wall-clock budget of the whole check; sections get what is left, minus the floors of later sections."""
+    caps: dict[str, float] = field(default_factory=dict)
+    """Most seconds a section may take."""
+    floors: dict[str, float] = field(default_factory=dict)
+    """Fewest seconds worth starting a section with (reserved for it while earlier sections run)."""
 
 
 # ---- small helpers -------------------------------------------------------------------------------------------
@@ -49,7 +92,7 @@ def start_single_process_world(seed: int = 1234) -> str:
     GPU-stack gate as ``dapo-mcore``'s start-up (the parity and throughput sections build the local-spec actor:
     megatron-core only)."""
     from dapo_mcore.actor.parallel import LaunchEnv, init_distributed, init_model_parallel
-    from dapo_mcore.gpu_stack import check_gpu_stack
+    from dapo_mcore.model.gpu_stack import check_gpu_stack
 
     check_gpu_stack(transformer_engine=False, vllm=False)
     backend = init_distributed(LaunchEnv(0, 1, 0, "127.0.0.1", free_port(), "single"), "auto")
