@@ -133,7 +133,7 @@ def build_base(args: argparse.Namespace) -> None:
     """Pre-train (or find cached) the config's tiny base once, so parallel runs do not all pre-train it."""
     from dapo_mcore.config import load_config
     from dapo_mcore.data.base_model import ensure_base_model
-    from dapo_mcore.runtime import _cache_root
+    from dapo_mcore.run.runtime import _cache_root
 
     cfg = load_config(args.config, [])
     ensure_base_model(_cache_root() / "tiny_base", cfg.tiny_base)

@@ -10,9 +10,9 @@ GPUs (default ``examples/qwen2.5-32b-fp8.yaml`` at 128 GPUs):
 ``rollout/engine_groups.py`` builds it (prompts round robin per chunk of ``--stream-chunk``, drained between chunks);
 (c) ``async``: engines on their own GPUs, the trainer on the others, one policy version behind, batch-and-filter;
 (d) ``async_stream``: async + streaming/abort; (e) ``async_partial``: async + partial rollouts.
-Generation is simulated (``dapo_mcore/rollout_model.py``); old log-probs, updates and the memory of each side are the
-planner's (``dapo_mcore/planner.py``, ``dapo_mcore/plan_disagg.py``: FLOPs at 35% MFU, KV cache per engine); the
-step rules are in ``dapo_mcore/step_model.py``. Async variants run on every engine/trainer split the planner accepts
+Generation is simulated (``dapo_mcore/plan/rollout_model.py``); old log-probs, updates and the memory of each side are the
+planner's (``dapo_mcore/plan/planner.py``, ``dapo_mcore/plan/disagg.py``: FLOPs at 35% MFU, KV cache per engine); the
+step rules are in ``dapo_mcore/plan/step_model.py``. Async variants run on every engine/trainer split the planner accepts
 and report their best. Every assumption is printed first. Last line: ``sim_step_time_ratio: X`` = today's mean step
 time / the best variant's (mean over the three stages).
 
@@ -43,9 +43,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python benchmarks/rollout_sim.py` from anywhere
 
-from dapo_mcore import plan_disagg  # noqa: E402
-from dapo_mcore.planner import PlanInput  # noqa: E402
-from dapo_mcore.rollout_model import (  # noqa: E402
+from dapo_mcore.plan import disagg as plan_disagg  # noqa: E402
+from dapo_mcore.plan.planner import PlanInput  # noqa: E402
+from dapo_mcore.plan.rollout_model import (  # noqa: E402
     EngineModel,
     LengthModel,
     PromptPool,
@@ -55,7 +55,7 @@ from dapo_mcore.rollout_model import (  # noqa: E402
     batch_and_filter_step,
     streaming_step,
 )
-from dapo_mcore.step_model import (  # noqa: E402
+from dapo_mcore.plan.step_model import (  # noqa: E402
     ASYNC_VARIANTS,
     STAGES_32B,
     SYNC_VARIANTS,
@@ -65,9 +65,9 @@ from dapo_mcore.step_model import (  # noqa: E402
     step_times,
     trainer_phases,
 )
-from dapo_mcore.step_model import mean_running_context as _mean_running_context  # noqa: E402
+from dapo_mcore.plan.step_model import mean_running_context as _mean_running_context  # noqa: E402
 
-# STAGES_32B (dapo_mcore/step_model.py): the stage assumptions, stated in docs/results.md.
+# STAGES_32B (dapo_mcore/plan/step_model.py): the stage assumptions, stated in docs/results.md.
 POLICIES = ("batch_filter", "batch_adaptive", "stream_abort", "stream_partial", "stream_adaptive",
             "stream_adaptive_partial")
 # Adaptive over-sampling: a round of (missing groups / last step's usable fraction) x 1.2 prompts, at most 4 x the
@@ -117,9 +117,9 @@ def recipe_from_config(path: str) -> tuple[Recipe, int, int]:
 
 def planner_decode(path: str, gpus: int, preset: str) -> tuple[float, int]:
     """(response tokens/s per engine, KV-cache tokens per engine) implied by the planner for this config."""
+    from dapo_mcore.commands.plan import plan_input_from_config
     from dapo_mcore.config import load_config
-    from dapo_mcore.plan_cli import plan_input_from_config
-    from dapo_mcore.planner import estimate_flops, estimate_memory, estimate_step_seconds
+    from dapo_mcore.plan.planner import estimate_flops, estimate_memory, estimate_step_seconds
 
     cfg = load_config(path, ["model.hf_path=null", f"model.preset={preset}"])
     p = plan_input_from_config(cfg, gpus)
@@ -192,10 +192,10 @@ _step_times = step_times
 
 def run_step(args: argparse.Namespace) -> list[str]:
     """The whole step (generation, old log-probs, updates, weight sync) of every variant, per stage, priced by the
-    model ``dapo-mcore plan`` uses (``dapo_mcore/step_model.py``)."""
+    model ``dapo-mcore plan`` uses (``dapo_mcore/plan/step_model.py``)."""
+    from dapo_mcore.commands.plan import plan_input_from_config
     from dapo_mcore.config import load_config
-    from dapo_mcore.plan_cli import plan_input_from_config
-    from dapo_mcore.step_model import colocated_input, pricing, variants_of
+    from dapo_mcore.plan.step_model import colocated_input, pricing, variants_of
 
     cfg = load_config(args.config, ["model.hf_path=null", f"model.preset={args.preset}"])
     p = colocated_input(cfg, plan_input_from_config(cfg, args.gpus))

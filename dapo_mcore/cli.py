@@ -17,10 +17,9 @@ import traceback
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from dapo_mcore import __version__
-from dapo_mcore.configtree import ConfigError
+from dapo_mcore.config.tree import ConfigError
 from dapo_mcore.errors import EXIT_USAGE, UserError, describe_os_error
 
 # name -> (module, function, one-line help). Delegated commands parse their own arguments.
@@ -29,10 +28,10 @@ _DELEGATED: dict[str, tuple[str, str, str]] = {
     "profile": ("dapo_mcore.telemetry.profile", "main", "summarize where a run's time and tokens went"),
     "rollouts": ("dapo_mcore.telemetry.rollout_store", "main", "print decoded rollouts of a step from the zarr store"),
     "audit-reward": ("dapo_mcore.reward.audit", "main", "probe the math verifier with shortcut answers"),
-    "plan": ("dapo_mcore.plan_cli", "main", "estimate per-GPU memory and FLOPs of a layout before queueing"),
+    "plan": ("dapo_mcore.commands.plan", "main", "estimate per-GPU memory and FLOPs of a layout before queueing"),
     "diagnose": ("dapo_mcore.telemetry.diagnose", "main", "explain why a run stalled, from its metrics and ledger"),
-    "config": ("dapo_mcore.config_cli", "main", "print the resolved config and its layout (runs nothing)"),
-    "data": ("dapo_mcore.data_check", "main", "check prompt files (columns, prompt format, duplicates) before a job"),
+    "config": ("dapo_mcore.commands.config", "main", "print the resolved config and its layout (runs nothing)"),
+    "data": ("dapo_mcore.commands.data_check", "main", "check prompt files (columns, prompt format, duplicates) before a job"),
 }
 _CONVERT: dict[str, tuple[str, str, str]] = {
     "hf-to-mcore": ("conversion.hf_to_mcore", "main", "Hugging Face dir -> Megatron checkpoint at a TP/PP layout"),
@@ -82,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--debug"]:
         debug, argv = True, argv[1:]
     if argv[:1] == ["train"] and "RANK" in os.environ and "--nproc-per-node" not in argv:
-        from dapo_mcore import startup
+        from dapo_mcore.signals import startup
 
         startup.arm(_report_line)  # Ctrl-C before the first step: every rank exits 130 at once, one line
     if sys.stderr.isatty():  # live, coloured progress in a terminal; plain lines in logs and pipes
@@ -126,7 +125,8 @@ def _run_training_command(args: argparse.Namespace) -> int:
     """train / eval: config and paths are checked before Megatron and the trainer are imported."""
     import shlex
 
-    from dapo_mcore.config_cli import precheck, resolve_eval_checkpoint
+    from dapo_mcore.commands.config import precheck
+    from dapo_mcore.run.checkpoints import finished_step, resolve_eval_checkpoint
 
     extra = shlex.split(os.environ.get(ENV_OVERRIDES, ""))
     if extra and _rank() == 0:
@@ -135,7 +135,7 @@ def _run_training_command(args: argparse.Namespace) -> int:
         if args.nproc_per_node < 1 or "RANK" in os.environ:
             raise UserError(f"--nproc-per-node {args.nproc_per_node}: give N >= 1, and not under torchrun/srun "
                             "(they start the processes themselves)")
-        from dapo_mcore import launcher
+        from dapo_mcore.commands import launcher
 
         rest = ["--checkpoint", args.checkpoint] if args.command == "eval" and args.checkpoint else []
         rest += ["--json"] if args.command == "eval" and args.json else []
@@ -164,41 +164,6 @@ def _run_training_command(args: argparse.Namespace) -> int:
         from dapo_mcore.config import load_config
 
         raise UserError(lost_peer_line(exc, Path(load_config(args.config, overrides).run.dir), args.command)) from exc
-
-
-def finished_step(cfg) -> int | None:
-    """The step of run.dir's latest complete checkpoint when it has done cfg.train.steps and holds this very config
-    (config.yaml equal to it), else None: then the trainer decides (a resume, a changed config refused, ...).
-    Read without torch, so ``train`` on a finished run answers in a second, not after building the model."""
-    import yaml
-
-    from dapo_mcore.config_cli import resolve_eval_checkpoint
-    from dapo_mcore.configtree import to_dict
-
-    run_dir = Path(cfg.run.dir)
-    if cfg.run.overwrite or cfg.run.resume != "auto" or not (run_dir / "config.yaml").is_file():
-        return None
-    from dapo_mcore.config import Config
-
-    def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-        if isinstance(tree, dict):
-            return {k: v for key, sub in tree.items() for k, v in flat(sub, f"{prefix}{key}.").items()}
-        return {prefix.rstrip("."): tree}
-
-    stored = flat(yaml.safe_load((run_dir / "config.yaml").read_text()))
-    asked, default = (flat(yaml.safe_load(yaml.safe_dump(to_dict(c)))) for c in (cfg, Config()))
-    for tree in (stored, asked):  # a run directory moved or copied elsewhere is the same run
-        tree.pop("run.dir", None)
-    # a setting newer than the run's config.yaml, left at its default, is the same run (run_dir.identity_diff's rule)
-    stored.update({k: v for k, v in asked.items() if k not in stored and k in default and default[k] == v})
-    if stored != asked:
-        return None
-    try:
-        latest = Path(resolve_eval_checkpoint(str(run_dir)) or "")
-    except ConfigError:  # no complete checkpoint: nothing is finished
-        return None
-    step = int(latest.name.removeprefix("step_")) if latest.name.startswith("step_") else -1
-    return step if step >= cfg.train.steps else None
 
 
 _TIMED_OUT = ("ms for recv operation to complete", "ms for send operation to complete",
@@ -301,7 +266,7 @@ def entry() -> None:
     try:
         code = main()
     except KeyboardInterrupt:  # before a command's own handling (imports, a lone process's start-up): one line
-        from dapo_mcore.startup import LINE
+        from dapo_mcore.signals.startup import LINE
 
         _report_line(LINE)
         code = 130
@@ -387,7 +352,7 @@ def _guard(fn: Callable[[], int], debug: bool = False) -> int:
 
 
 def _report_line(line: str) -> None:
-    """Print a user error's one line; a rank under `dapo_mcore.launcher` hands it to the launcher instead, which
+    """Print a user error's one line; a rank under `dapo_mcore.commands.launcher` hands it to the launcher instead, which
     prints each distinct line once (not once per rank)."""
     error_dir = os.environ.get("DAPO_MCORE_ERROR_DIR")
     if error_dir and "RANK" in os.environ:

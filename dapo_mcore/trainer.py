@@ -26,16 +26,16 @@ from dapo_mcore.actor.megatron_actor import TrainSample
 from dapo_mcore.algo.advantages import group_advantages
 from dapo_mcore.algo.dynamic_sampling import DynamicSamplingExhausted
 from dapo_mcore.algo.metrics import average_updates
-from dapo_mcore.components import Components
 from dapo_mcore.config import Config, ConfigError
 from dapo_mcore.errors import UserError
-from dapo_mcore.evaluation import eval_after
 from dapo_mcore.rollout.groups import GroupData
 from dapo_mcore.rollout.protocol import EngineError
 from dapo_mcore.rollout.source import RolloutInterrupted, StepBatch
-from dapo_mcore.run_dir import prepare_run_dir
-from dapo_mcore.runtime import build_components, read_config
+from dapo_mcore.run.components import Components
+from dapo_mcore.run.directory import prepare_run_dir
+from dapo_mcore.run.runtime import build_components, read_config
 from dapo_mcore.telemetry import keys
+from dapo_mcore.telemetry.evaluation import eval_after
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +55,9 @@ class _Signals:
         self.requested: str | None = None
         self._interrupts = 0
         self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)}
-        from dapo_mcore import startup
+        from dapo_mcore.signals import startup
 
-        startup.disarm()  # start-up is over (dapo_mcore.startup): a Ctrl-C now checkpoints after the step
+        startup.disarm()  # start-up is over (dapo_mcore.signals.startup): a Ctrl-C now checkpoints after the step
         if startup.interrupted():  # it came as the async run started, before this handler
             self._handle(signal.SIGINT, None)
 
@@ -196,7 +196,7 @@ class Trainer:
     def _eval_metrics(self, groups: list[GroupData], version: int) -> dict[str, float]:
         """The held-out scores of an evaluation's groups; async mode labels them with the policy version evaluated
         (an evaluation behind the trainer lands in a later step's line: ``rollout.async_source``)."""
-        from dapo_mcore.evaluation import summarize
+        from dapo_mcore.telemetry.evaluation import summarize
 
         truth_norm = [self.p.normalize(g.record.ground_truth) for g in groups]
         result = summarize([g.acc for g in groups], [g.preds for g in groups],
@@ -373,7 +373,7 @@ def train_main(config_path: str, overrides: list[str]) -> int:
         role, bridge = init_split_world(launch, cfg.parallel.backend, cfg.parallel.timeout_minutes,
                                         cfg.rollout.pipeline.engine_ranks)
         if not role.trainer:
-            from dapo_mcore.async_runtime import run_engine_ranks
+            from dapo_mcore.run.async_runtime import run_engine_ranks
 
             try:
                 return run_engine_ranks(cfg, launch, bridge)
@@ -406,7 +406,7 @@ def eval_main(config_path: str, overrides: list[str], checkpoint: str | None, as
     finally:
         parts.close()
     if launch.rank == 0:
-        from dapo_mcore.evaluation import format_scores
+        from dapo_mcore.telemetry.evaluation import format_scores
 
         sys.stdout.write(format_scores(metrics, as_json))
     return 0

@@ -41,7 +41,7 @@ export NVTE_FUSED_ATTN=${NVTE_FUSED_ATTN:-1}
 # Deterministic-ish TE kernels are slower; leave off for production, set 0 to debug numerics.
 export NVTE_ALLOW_NONDETERMINISTIC_ALGO=${NVTE_ALLOW_NONDETERMINISTIC_ALGO:-1}
 # vLLM colocated with Megatron: expandable segments limit fragmentation when vLLM sleeps and wakes. Needs vLLM
-# >= 0.20.1 (before its PR #40812 sleep mode asserts against it); dapo_mcore/gpu_stack.py refuses older vLLM.
+# >= 0.20.1 (before its PR #40812 sleep mode asserts against it); dapo_mcore/model/gpu_stack.py refuses older vLLM.
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 
 # --- NCCL ------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dapo_mcore.config_cli import main
+from dapo_mcore.commands.config import main
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +58,7 @@ ASYNC = ("rollout.pipeline.mode=async", "algo.tis_cap=2")
     (("parallel.tensor_parallel=2", "rollout.pipeline.engine_ranks=2"), 5, "launch 4 or 6 processes", None),
 ])
 def test_async_refusals_speak_of_trainer_ranks(overrides, world, says, not_says):
-    from dapo_mcore.configtree import ConfigError
+    from dapo_mcore.config.tree import ConfigError
 
     with pytest.raises(ConfigError) as info:
         _tiny(*ASYNC, *overrides).validate(world)
@@ -73,18 +73,18 @@ def test_the_launch_counts_a_refusal_suggests_are_accepted():
 
 
 def test_async_only_keys_in_sync_mode_warn_once_in_one_line(tmp_path, caplog, monkeypatch):
-    from dapo_mcore.config_cli import precheck
+    from dapo_mcore.commands.config import precheck
 
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("SLURM_PROCID", raising=False)
     tiny = str(ROOT / "examples" / "tiny_cpu.yaml")
-    with caplog.at_level("WARNING", logger="dapo_mcore.config_cli"):
+    with caplog.at_level("WARNING", logger="dapo_mcore.commands.config"):
         precheck(tiny, ["rollout.pipeline.engine_ranks=4", "rollout.pipeline.bucket_mb=64"], 1)
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "\n" not in lines[0], lines
     assert "rollout.pipeline.engine_ranks=4, rollout.pipeline.bucket_mb=64" in lines[0] and "ignored" in lines[0]
     caplog.clear()
-    with caplog.at_level("WARNING", logger="dapo_mcore.config_cli"):
+    with caplog.at_level("WARNING", logger="dapo_mcore.commands.config"):
         precheck(tiny, [], 1)  # defaults: nothing to say
         precheck(tiny, [*ASYNC, "rollout.pipeline.engine_ranks=1", "rollout.pipeline.bucket_mb=64"], 2)  # async
         precheck(tiny, ["rollout.pipeline.bucket_mb=64"], 1, warn=False)  # eval of an async run's config

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from dapo_mcore.config_cli import main, precheck, resolve_eval_checkpoint, world_size_from_env
-from dapo_mcore.configtree import ConfigError
+from dapo_mcore.commands.config import main, precheck, world_size_from_env
+from dapo_mcore.config.tree import ConfigError
+from dapo_mcore.run.checkpoints import resolve_eval_checkpoint
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[1]

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from dapo_mcore.evaluation import format_scores, summarize
+from dapo_mcore.telemetry.evaluation import format_scores, summarize
 
 pytestmark = pytest.mark.unit
 

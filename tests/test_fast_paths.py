@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dapo_mcore import cli
 from dapo_mcore.algo.config import BUILTIN_LOSS_AGGS
 from dapo_mcore.algo.loss import loss_agg_names
 from dapo_mcore.config import load_config
+from dapo_mcore.run.checkpoints import finished_step
 from tests.conftest import TWO_STEPS, copy_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,7 +28,7 @@ def _probe(code: str, env: dict[str, str]) -> str:
 
 @pytest.mark.unit
 def test_the_config_side_imports_no_torch(cli_env):
-    code = ("import sys; from dapo_mcore.config_cli import precheck; "
+    code = ("import sys; from dapo_mcore.commands.config import precheck; "
             f"precheck({TINY!r}, []); print('torch' in sys.modules)")
     assert _probe(code, cli_env) == "False"
 
@@ -45,16 +45,16 @@ def test_train_on_a_finished_run_answers_without_torch(finished_two_steps, cli_e
             f"rc = cli.main(['train', {TINY!r}, 'run.dir={run}', *{list(TWO_STEPS)!r}]); print(rc, 'torch' in sys.modules)")
     assert _probe(code, cli_env) == "0 False"
     cfg = load_config(TINY, [f"run.dir={run}", *TWO_STEPS])
-    assert cli.finished_step(cfg) == 2
+    assert finished_step(cfg) == 2
     cfg.train.steps = 3  # more steps asked: the trainer resumes
-    assert cli.finished_step(cfg) is None
+    assert finished_step(cfg) is None
     cfg.train.steps, cfg.algo.clip_high = 2, 0.3  # another run's config: the trainer refuses it, not this path
-    assert cli.finished_step(cfg) is None
+    assert finished_step(cfg) is None
     cfg.algo.clip_high = load_config(TINY, []).algo.clip_high
     stored = yaml.safe_load((run / "config.yaml").read_text())
     del stored["telemetry"]  # a run from before the telemetry section existed: the same run at the defaults
     (run / "config.yaml").write_text(yaml.safe_dump(stored))
-    assert cli.finished_step(cfg) == 2
+    assert finished_step(cfg) == 2
 
 
 @pytest.mark.unit

@@ -127,7 +127,7 @@ def test_missing_model_directory_is_a_config_error(tmp_path):
 # ------------------------------------------------------------------------------------------ GPU-only features
 def test_fp8_on_cpu_is_refused_before_anything_starts():
     from dapo_mcore.model.fp8 import MissingGPUExtra, check_fp8
-    from dapo_mcore.runtime import check_hardware
+    from dapo_mcore.run.runtime import check_hardware
 
     if _has_cuda():
         pytest.skip("this machine has CUDA")
@@ -145,7 +145,7 @@ def test_fp8_on_cpu_is_refused_before_anything_starts():
 def test_transformer_engine_spec_on_cpu_is_refused():
     from dapo_mcore.model.fp8 import MissingGPUExtra
     from dapo_mcore.model.qwen import layer_spec, transformer_config
-    from dapo_mcore.runtime import check_hardware
+    from dapo_mcore.run.runtime import check_hardware
 
     if _has_cuda():
         pytest.skip("this machine has CUDA")

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dapo_mcore.gpu_stack import SUPPORTED, check_gpu_stack, release
 from dapo_mcore.model.fp8 import MissingGPUExtra
+from dapo_mcore.model.gpu_stack import SUPPORTED, check_gpu_stack, release
 from dapo_mcore.rollout.vllm_engine import SUPPORTED_VLLM
 
 pytestmark = pytest.mark.unit

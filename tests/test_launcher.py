@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dapo_mcore import launcher
+from dapo_mcore.commands import launcher
 from dapo_mcore.telemetry import progress
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -98,7 +98,7 @@ def test_layer_spec_swaps_only_the_core_attention():
 
 def test_config_attention_field_and_validation():
     from dapo_mcore.config import Config, ConfigError
-    from dapo_mcore.configtree import from_dict
+    from dapo_mcore.config.tree import from_dict
 
     cfg = from_dict(Config, {"model": {"tiny_base": True}})
     assert cfg.model.attention == "auto"

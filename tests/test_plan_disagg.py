@@ -1,4 +1,4 @@
-"""``dapo-mcore plan --disaggregated`` (dapo_mcore/plan_disagg.py) on the 32B recipe at 128 GPUs.
+"""``dapo-mcore plan --disaggregated`` (dapo_mcore/plan/disagg.py) on the 32B recipe at 128 GPUs.
 
 Memory and seconds are checked against hand formulas from the model's shape, not against the module's own output.
 """
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from dapo_mcore.commands.plan import main, plan_input_from_config
 from dapo_mcore.config import load_config
 from dapo_mcore.model.presets import preset_config
-from dapo_mcore.plan_cli import main, plan_input_from_config
-from dapo_mcore.plan_disagg import (
+from dapo_mcore.plan.disagg import (
     TransferRates,
     colocated_step_seconds,
     engine_memory,
@@ -23,7 +23,7 @@ from dapo_mcore.plan_disagg import (
     scan_splits,
     weight_sync_seconds,
 )
-from dapo_mcore.planner import GIB, estimate_flops, estimate_memory, estimate_step_seconds
+from dapo_mcore.plan.planner import GIB, estimate_flops, estimate_memory, estimate_step_seconds
 from dapo_mcore.telemetry.flops import ModelShape
 
 CFG_32B = str(Path(__file__).resolve().parent.parent / "examples" / "qwen2.5-32b-fp8.yaml")

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from dapo_mcore.commands.plan import main
 from dapo_mcore.model.presets import preset_config
-from dapo_mcore.plan_cli import main
-from dapo_mcore.planner import (
+from dapo_mcore.plan.planner import (
     GIB,
     LayoutDoesNotFit,
     PlanInput,

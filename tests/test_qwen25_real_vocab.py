@@ -151,9 +151,9 @@ class GreedyVLLMBackend:
 def test_both_engines_stop_on_generation_config_tokenizer_and_configured_ids(model_dir, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    from dapo_mcore import runtime
     from dapo_mcore.rollout import SamplingParams
     from dapo_mcore.rollout import vllm_engine as ve
+    from dapo_mcore.run import runtime
 
     tok = load_tokenizer(model_dir)
     hf_config = read_hf_config(model_dir)

@@ -9,7 +9,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from dapo_mcore.model.presets import preset_config
-from dapo_mcore.planner import PlanInput, estimate_memory
+from dapo_mcore.plan.planner import PlanInput, estimate_memory
 from dapo_mcore.telemetry.flops import ModelShape, sequence_forward_flops
 
 pytestmark = pytest.mark.unit

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from dapo_mcore.config import TelemetryConfig
-from dapo_mcore.restore import open_telemetry
+from dapo_mcore.run.restore import open_telemetry
 from dapo_mcore.telemetry import keys
 from dapo_mcore.telemetry.jsonl import read_jsonl
 from dapo_mcore.telemetry.ledger import LEDGER_FILE, CostLedger

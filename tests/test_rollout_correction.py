@@ -224,7 +224,7 @@ def test_an_older_tis_cap_run_directory_resumes(tmp_path):
 
     from dapo_mcore.actor.parallel import LaunchEnv
     from dapo_mcore.config import ConfigError, load_config, write_resolved
-    from dapo_mcore.run_dir import prepare_run_dir
+    from dapo_mcore.run.directory import prepare_run_dir
 
     tiny = Path(__file__).resolve().parents[1] / "examples" / "tiny_cpu.yaml"
     rank0 = LaunchEnv(rank=0, world_size=2, local_rank=0, master_addr="127.0.0.1", master_port=29500, source="test")
@@ -253,7 +253,7 @@ def test_bypass_refuses_an_moe_model_with_a_router_aux_loss(tmp_path):
     from pathlib import Path
 
     from dapo_mcore.config import ConfigError, load_config
-    from dapo_mcore.config_rules import _validate_bypass
+    from dapo_mcore.config.rules import _validate_bypass
 
     tiny = Path(__file__).resolve().parents[1] / "examples" / "tiny_cpu.yaml"
     for coef, refused in ((0.001, True), (0.0, False)):

@@ -292,8 +292,8 @@ def test_run_config_refuses_a_bad_schedule_naming_the_key():
 def test_checkpoint_state_carries_history_and_estimate_only_when_switched_on():
     from types import SimpleNamespace
 
-    from dapo_mcore.components import Components
-    from dapo_mcore.runtime import _build_sampler, _build_scheduler
+    from dapo_mcore.run.components import Components
+    from dapo_mcore.run.runtime import _build_sampler, _build_scheduler
 
     def parts(*overrides):
         from dapo_mcore.config import load_config

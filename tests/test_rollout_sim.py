@@ -1,4 +1,4 @@
-"""The rollout simulator's pure parts (dapo_mcore/rollout_model.py, dapo_mcore/step_model.py) against hand-computed timelines and counts."""
+"""The rollout simulator's pure parts (dapo_mcore/plan/rollout_model.py, dapo_mcore/plan/step_model.py) against hand-computed timelines and counts."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from benchmarks.rollout_sim import _trainer_phases, tiny_steps
-from dapo_mcore.rollout_model import (
+from dapo_mcore.plan.rollout_model import (
     Carried,
     EngineModel,
     EngineSim,
@@ -23,7 +23,7 @@ from dapo_mcore.rollout_model import (
     spread,
     streaming_step,
 )
-from dapo_mcore.step_model import Phases, async_step, async_steps, mean_step, sync_step
+from dapo_mcore.plan.step_model import Phases, async_step, async_steps, mean_step, sync_step
 
 
 class ListPool:
@@ -282,7 +282,7 @@ def test_async_steps_pair_each_batch_with_the_next_generation():
 
 def test_trainer_phases_follow_the_kept_length():
     from dapo_mcore.model.presets import preset_config
-    from dapo_mcore.planner import PlanInput
+    from dapo_mcore.plan.planner import PlanInput
     from dapo_mcore.telemetry.flops import ModelShape, sequence_forward_flops
 
     p = PlanInput(model=preset_config("qwen2.5-32b"), tensor_parallel=8, pipeline_parallel=2, data_parallel=8,

@@ -548,9 +548,9 @@ def test_vllm_generates_and_syncs_weights_on_gpu(tmp_path, monkeypatch):
 
 
 def test_check_hardware_accepts_vllm_where_its_cpu_build_is_installed(monkeypatch):
-    from dapo_mcore import runtime
     from dapo_mcore.config import load_config
     from dapo_mcore.model.fp8 import MissingGPUExtra
+    from dapo_mcore.run import runtime
 
     cfg = load_config(os.path.join(os.path.dirname(__file__), "..", "examples", "tiny_cpu_vllm.yaml"), [])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -8,7 +8,7 @@ import pytest
 
 from dapo_mcore.actor.parallel import LaunchEnv
 from dapo_mcore.config import ConfigError, load_config, write_resolved
-from dapo_mcore.run_dir import identity_diff, prepare_run_dir
+from dapo_mcore.run.directory import identity_diff, prepare_run_dir
 
 pytestmark = pytest.mark.unit
 

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from dapo_mcore import run_lock
+from dapo_mcore.run import lock as run_lock
 from tests.gloo_workers import run_gloo_workers
 
 HOLD = textwrap.dedent("""
     import sys, time
-    from dapo_mcore import run_lock
+    from dapo_mcore.run import lock as run_lock
     lock = run_lock.acquire(sys.argv[1])
     print("held", flush=True)
     time.sleep(600)
@@ -109,7 +109,7 @@ def test_a_holder_that_never_wrote_its_name_is_still_refused(tmp_path):
 def test_overwrite_empties_the_directory_only_once_the_lock_is_held(tmp_path):
     from dapo_mcore.actor.parallel import LaunchEnv
     from dapo_mcore.config import load_config
-    from dapo_mcore.run_dir import claim_run_dir, prepare_run_dir
+    from dapo_mcore.run.directory import claim_run_dir, prepare_run_dir
 
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints" / "step_000001").mkdir(parents=True)

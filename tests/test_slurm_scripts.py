@@ -81,7 +81,7 @@ def test_launch_forwards_signal_and_requeues_on_75():
                                           ("dapo_qwen2.5_7b.sbatch", "qwen2.5-7b"),
                                           ("dapo_qwen3_32b_fp8.sbatch", "qwen3-32b")])
 def test_gpu_recipe_layout_lives_in_its_config_and_fits_the_allocation(name, preset, capsys):
-    from dapo_mcore.plan_cli import main as plan
+    from dapo_mcore.commands.plan import main as plan
 
     text = (SLURM_DIR / name).read_text()
     d = directives(SLURM_DIR / name)
@@ -98,7 +98,7 @@ def test_gpu_recipe_layout_lives_in_its_config_and_fits_the_allocation(name, pre
                                           ("dapo_qwen3_32b_fp8.sbatch", "qwen3-32b"),
                                           ("dapo_qwen3_30b_a3b.sbatch", "qwen3-30b-a3b")])
 def test_gpu_recipes_allow_the_requeues_the_planner_asks_for(name, preset, capsys):
-    from dapo_mcore.plan_cli import main as plan
+    from dapo_mcore.commands.plan import main as plan
 
     text = (SLURM_DIR / name).read_text()
     d = directives(SLURM_DIR / name)

@@ -43,7 +43,7 @@ def test_no_mfu_without_a_peak_and_a_configured_peak_wins():
 def test_decoded_tokens_count_each_token_in_the_step_that_decoded_it():
     """Generation throughput with partial rollouts: a step's carried tokens are its own, and the resumed prefixes
     that the next step's finished groups contain are not that step's."""
-    from dapo_mcore.components import _decoded_tokens
+    from dapo_mcore.run.components import _decoded_tokens
 
     step_s = {"sampling/tokens_generated": 100, "sampling/tokens_aborted": 20, "sampling/tokens_partial_buffered": 30}
     step_s1 = {"sampling/tokens_generated": 130, "sampling/tokens_resumed_stale": 30}

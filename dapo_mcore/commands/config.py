@@ -1,7 +1,7 @@
 """``dapo-mcore config CONFIG [key=value ...]``, and the checks every command runs before anything heavy.
 
-``precheck`` loads and validates a config and ``resolve_eval_checkpoint`` turns ``eval --checkpoint`` into a
-checkpoint directory: both run before Megatron (and the trainer) is imported, so a typo in a key or a path costs
+``precheck`` loads and validates a config (``run/checkpoints.py`` turns ``eval --checkpoint`` into a checkpoint
+directory): both run before Megatron (and the trainer) is imported, so a typo in a key or a path costs
 a fraction of a second, not the seconds of imports and model building it used to. ``main`` prints the resolved
 config and the layout it implies, and starts nothing.
 """
@@ -11,18 +11,16 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import sys
 from pathlib import Path
 
 import yaml
 
 from dapo_mcore.config import Config, load_config
-from dapo_mcore.config_rules import ignored_async_keys, trainer_world
-from dapo_mcore.configtree import ConfigError, to_dict
+from dapo_mcore.config.rules import ignored_async_keys, trainer_world
+from dapo_mcore.config.tree import ConfigError, to_dict
 
 log = logging.getLogger(__name__)
-_STEP_DIR = re.compile(r"step_(\d+)")
 
 
 def world_size_from_env(environ: dict[str, str] | None = None) -> int:
@@ -47,34 +45,6 @@ def precheck(config_path: str, overrides: list[str], world_size: int | None = No
         log.warning("%s only apply to rollout.pipeline.mode=async; this config is sync, so they are ignored (set "
                     "rollout.pipeline.mode=async, or remove them)", ", ".join(ignored))
     return cfg
-
-
-def resolve_eval_checkpoint(checkpoint: str | None) -> str | None:
-    """``eval --checkpoint``: ``base``, a checkpoint directory, or a run directory (its latest complete checkpoint).
-
-    The run directory's ``checkpoints/latest`` marker is followed when it names a complete checkpoint, else the
-    newest complete ``step_*`` is used (the trainer's resume rule, minus reading the tensors).
-    """
-    if checkpoint is None or checkpoint == "base":
-        return checkpoint
-    path = Path(checkpoint)
-    if not path.is_dir():
-        raise ConfigError(f"--checkpoint {checkpoint}: no such directory; give a run directory (its latest "
-                          "checkpoint is used), a checkpoint directory (RUN/checkpoints/step_N) or 'base'.")
-    if (path / "COMPLETE").is_file():
-        return str(path)
-    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    complete = sorted((int(m.group(1)), p) for p in root.iterdir()
-                      if p.is_dir() and (m := _STEP_DIR.fullmatch(p.name)) and (p / "COMPLETE").is_file())
-    marker = root / "latest"
-    if marker.is_file():
-        named = root / marker.read_bytes().decode("utf-8", errors="replace").strip()
-        if (named / "COMPLETE").is_file():
-            return str(named)
-    if not complete:
-        raise ConfigError(f"--checkpoint {checkpoint}: holds no complete checkpoint (looked for "
-                          f"{root}/step_N/COMPLETE); train first, or pass --checkpoint base.")
-    return str(complete[-1][1])
 
 
 def describe_layout(cfg: Config, world_size: int) -> list[str]:
@@ -150,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 def check_run_dir(cfg: Config) -> None:
     """The run-directory refusals of ``train`` (another run's directory, resume=never, not writable), writing
     nothing."""
-    from dapo_mcore.run_dir import check_writable, refuse_other_run
+    from dapo_mcore.run.directory import check_writable, refuse_other_run
 
     run_dir = Path(cfg.run.dir)
     if run_dir.exists() and not run_dir.is_dir():
@@ -173,7 +143,7 @@ def hardware_refusal(cfg: Config) -> str | None:
     """What ``runtime.check_hardware`` would refuse on this machine (GPU-only settings without the GPU stack), or
     None. A warning, not an error: cluster configs are checked on laptops."""
     from dapo_mcore.model.fp8 import MissingGPUExtra
-    from dapo_mcore.runtime import check_hardware
+    from dapo_mcore.run.runtime import check_hardware
 
     try:
         check_hardware(cfg)

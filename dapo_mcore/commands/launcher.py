@@ -72,13 +72,13 @@ def launch(command: str, nproc: int, config: str, overrides: list[str], extra: l
            flags: list[str] | None = None) -> int:
     """Validate ``config`` for ``nproc`` ranks, then run ``dapo-mcore COMMAND [FLAGS] CONFIG OVERRIDES`` on them (the
     ranks add ``extra``, DAPO_MCORE_EXTRA_OVERRIDES, themselves); their exit code."""
-    from dapo_mcore.config_cli import precheck
+    from dapo_mcore.commands.config import precheck
 
     # A ConfigError: the caller's one line, exit 2. eval evaluates an async run's checkpoint colocated (as each rank's
     # own check does); the ranks' rank 0 logs the warnings, once.
     checked = [*overrides, *extra, *(["rollout.pipeline.mode=sync"] if command == "eval" else [])]
     cfg = precheck(config, checked, world_size=nproc, warn=False)
-    from dapo_mcore.cli import finished_step
+    from dapo_mcore.run.checkpoints import finished_step
 
     if command == "train" and finished_step(cfg) is not None:  # no rank to start for a finished run
         logging.getLogger(__name__).info("run already finished %d steps (%s); nothing to do", finished_step(cfg),

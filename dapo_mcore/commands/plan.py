@@ -1,6 +1,6 @@
 """``dapo-mcore plan``: the capacity planner's command line and its bridge from a project config.
 
-The estimates themselves live in ``planner.py``; this module turns a YAML config (or ``--model`` flags) into a
+The estimates themselves live in ``plan/planner.py``; this module turns a YAML config (or ``--model`` flags) into a
 ``PlanInput``, prints the report, and exits 0 when the layout fits, 1 when it does not.
 """
 
@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from dataclasses import asdict, fields
 from typing import Any
 
-from dapo_mcore import plan_disagg
-from dapo_mcore.planner import (
+from dapo_mcore.plan import disagg as plan_disagg
+from dapo_mcore.plan.planner import (
     CONFIG_KEYS,
     GIB,
     TRAINER_FIXED,
@@ -26,6 +25,7 @@ from dapo_mcore.planner import (
     estimate_step_seconds,
     format_report,
 )
+from dapo_mcore.plan.step_model import requeue_line
 
 
 def plan_input_from_config(cfg: Any, world_size: int, **planner_settings: Any) -> PlanInput:
@@ -72,20 +72,6 @@ def _parse_bool(text: str) -> bool:
 
 MARGIN = 0.1
 """Share of GPU memory a fitting layout should leave free; less gets a warning (the memory model is an estimate)."""
-
-
-def requeue_line(steps: int, step_seconds: float, time_limit_h: float, lead_min: float) -> str:
-    """How many jobs of ``time_limit_h`` (the last ``lead_min`` minutes spent checkpointing) ``steps`` need at the
-    estimated step time, and the DAPO_MAX_REQUEUES that lets the run finish (slurm/env.sh defaults to 20)."""
-    usable_s = max(time_limit_h * 3600 - lead_min * 60, step_seconds)
-    per_job = max(1, int(usable_s // step_seconds))
-    jobs = math.ceil(steps / per_job)
-    need = jobs - 1
-    note = "" if need <= 20 else f": more than DAPO_MAX_REQUEUES=20 (the run would stop near step {21 * per_job})"
-    return (f"time: {steps} steps x ~{step_seconds / 60:.0f} min (estimate, one generation batch) = "
-            f"{steps * step_seconds / 3600:.0f} h = {jobs} jobs of {time_limit_h:g} h ({per_job} steps each), "
-            f"{need} requeues{note}; submit with DAPO_MAX_REQUEUES={math.ceil(need * 1.5)} (1.5x for dynamic "
-            f"sampling's extra batches and failures)")
 
 
 def headroom_warning(plan: PlanInput, est: Any, margin: float) -> str | None:

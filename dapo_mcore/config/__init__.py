@@ -16,7 +16,7 @@ import yaml
 
 from dapo_mcore.algo.config import AlgoConfig
 from dapo_mcore.algo.schedule_config import ScheduleConfig
-from dapo_mcore.configtree import ConfigError, apply_overrides, from_dict, read_yaml, to_dict
+from dapo_mcore.config.tree import ConfigError, apply_overrides, from_dict, read_yaml, to_dict
 from dapo_mcore.data.config import DataConfig
 from dapo_mcore.data.tiny_base_settings import TinyBaseSettings
 from dapo_mcore.model.hf_config import HFConfigError, QwenShape
@@ -437,7 +437,7 @@ class Config:
         """The layout, batch and rollout rules alone (no dataset files or reward registry needed): what a
         cluster config can be checked against on a laptop, e.g. by ``dapo-mcore plan``. In async mode the layout
         rules apply to the ranks that train (``trainer_world``)."""
-        from dapo_mcore import config_rules as rules
+        from dapo_mcore.config import rules
 
         if self.rollout.pipeline.mode == "async":
             rules.validate_split(self, world_size)

@@ -7,8 +7,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import TYPE_CHECKING
 
-from dapo_mcore.config import PipelineConfig
-from dapo_mcore.configtree import ConfigError
+from dapo_mcore.config.tree import ConfigError
 
 if TYPE_CHECKING:
     from dapo_mcore.config import Config
@@ -214,8 +213,8 @@ def ignored_async_keys(cfg: Config) -> list[str]:
     pipe = cfg.rollout.pipeline
     if pipe.mode == "async":
         return []
-    default = PipelineConfig()
-    return [f"rollout.pipeline.{f.name}={getattr(pipe, f.name)}" for f in fields(PipelineConfig)
+    default = type(pipe)()  # the tree's own class: this module reads the tree and never imports it
+    return [f"rollout.pipeline.{f.name}={getattr(pipe, f.name)}" for f in fields(pipe)
             if f.name != "mode" and getattr(pipe, f.name) != getattr(default, f.name)]
 
 

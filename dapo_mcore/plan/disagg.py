@@ -33,7 +33,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from dapo_mcore.planner import (
+from dapo_mcore.plan.planner import (
     GIB,
     LayoutDoesNotFit,
     PlanInput,
@@ -43,31 +43,7 @@ from dapo_mcore.planner import (
     estimate_memory,
     estimate_step_seconds,
 )
-from dapo_mcore.telemetry.flops import ModelShape
-
-
-@dataclass(frozen=True)
-class TransferRates:
-    """Assumed rates of moving the policy's bf16 weights into the engines, GB/s per GPU."""
-
-    export_gbs: float = 40.0
-    """Trainer-side export of full HF tensors (TP gather over NVLink, PP stages over InfiniBand), per rank. The
-    export measured 0.55-0.63 of a plain transfer of the same bytes on CPU (benchmarks/weight_sync.py)."""
-    network_gbs: float = 25.0
-    """Trainer -> engine broadcast over InfiniBand per receiving GPU: half of a 400 Gb/s NDR port (50 GB/s)."""
-
-    def __post_init__(self) -> None:
-        if min(self.export_gbs, self.network_gbs) <= 0:
-            raise ValueError("weight transfer rates must be > 0 GB/s (e.g. --weight-export-gbs 40 --weight-network-gbs 25)")
-
-
-def weight_sync_seconds(p: PlanInput, rates: TransferRates, disaggregated: bool) -> float:
-    """Seconds per step to put the updated bf16 weights into the engines (colocated: no network hop)."""
-    model_bytes = 2.0 * ModelShape.from_hf(p.model).num_params()
-    seconds = model_bytes / (rates.export_gbs * 1e9)
-    if disaggregated:
-        seconds += model_bytes / p.vllm_tensor_parallel / (rates.network_gbs * 1e9)
-    return seconds
+from dapo_mcore.plan.transfer import TransferRates, weight_sync_seconds
 
 
 @dataclass
@@ -229,7 +205,7 @@ def format_splits(p: PlanInput, splits: list[Split], utilization: float, rates: 
     return "\n".join(rows)
 
 
-# --- the command line (hooked into ``dapo-mcore plan`` by plan_cli.py) ------------------------------------
+# --- the command line (hooked into ``dapo-mcore plan`` by commands/plan.py) ------------------------------------
 
 OPTIONS = ("disaggregated", "engine_gpus", "engine_gpu_memory_utilization", "weight_export_gbs", "weight_network_gbs",
            "tail_steps")
@@ -286,7 +262,7 @@ def run(p: PlanInput, opts: dict[str, Any], as_json: bool) -> int:
         if verdict:
             print(verdict[0])
         if verdict and opts.get("requeue"):  # an async config: its own step time, tails included, sets the requeues
-            from dapo_mcore.plan_cli import requeue_line
+            from dapo_mcore.plan.step_model import requeue_line
 
             train_steps, time_limit_h, lead_min = opts["requeue"]
             print(requeue_line(train_steps, verdict[1]["async_s"], time_limit_h, lead_min))
@@ -296,7 +272,7 @@ def run(p: PlanInput, opts: dict[str, Any], as_json: bool) -> int:
 def tails_verdict(cfg: Any, p: PlanInput, split: Split, rates: TransferRates, steps: int) -> tuple[str, dict[str, Any]]:
     """The config's rollout schedule priced with generation tails (``step_model.compare_with_tails``: the model
     ``benchmarks/rollout_sim.py`` prints), colocated vs async at ``split``: a line and its numbers."""
-    from dapo_mcore.step_model import SimSettings, colocated_input, compare_with_tails, variants_of
+    from dapo_mcore.plan.step_model import SimSettings, colocated_input, compare_with_tails, variants_of
 
     sync_v, async_v = variants_of(cfg)
     sync_s, async_s = compare_with_tails(cfg, colocated_input(cfg, p), split, rates, SimSettings(steps=steps))

@@ -18,12 +18,13 @@ config's own schedule colocated vs async at a split. ``benchmarks/rollout_sim.py
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
-from dapo_mcore.rollout_model import (
+from dapo_mcore.plan.rollout_model import (
     EngineModel,
     LengthModel,
     PromptPool,
@@ -172,7 +173,7 @@ def generation(variant: str, pool: PromptPool, recipe: Recipe, model: EngineMode
 
 def trainer_phases(trainer: Any, results: list[StepResult], prompt_len: int) -> list[tuple[float, float]]:
     """(old log-prob, update) seconds of each step's kept batch: the planner's FLOPs at its mean kept length."""
-    from dapo_mcore.planner import estimate_flops, estimate_step_seconds
+    from dapo_mcore.plan.planner import estimate_flops, estimate_step_seconds
 
     out = []
     for r in results:
@@ -219,8 +220,8 @@ def price_variant(variant: str, split: Any, p: Any, pr: Pricing, stage: Stage, k
 def pricing(cfg: Any, p: Any, rates: Any, st: Any) -> Pricing:
     """The decode model the planner implies for ``cfg`` on ``p``'s GPUs (a full engine's rate from the planner's
     generation estimate; a lone sequence at ``single_seq_tokens_per_s``)."""
-    from dapo_mcore import plan_disagg
-    from dapo_mcore.planner import estimate_flops, estimate_memory, estimate_step_seconds
+    from dapo_mcore.plan.planner import estimate_flops, estimate_memory, estimate_step_seconds
+    from dapo_mcore.plan.transfer import weight_sync_seconds
 
     world = p.tensor_parallel * p.pipeline_parallel * p.data_parallel
     _, gen_s = estimate_step_seconds(p, estimate_flops(p))
@@ -230,7 +231,7 @@ def pricing(cfg: Any, p: Any, rates: Any, st: Any) -> Pricing:
     recipe = Recipe(cfg.train.prompts_per_step, cfg.rollout.n, cfg.rollout.gen_batch_prompts, cfg.algo.max_gen_batches)
     return Pricing(recipe, EngineModel.from_throughput(engines, st.max_seqs, tokens_per_s, st.single_seq_tokens_per_s),
                    LengthModel(sigma_group=st.sigma_group, sigma_resp=st.sigma_resp, cap=cfg.rollout.max_new_tokens),
-                   estimate_memory(p).vllm_kv_tokens, plan_disagg.weight_sync_seconds(p, rates, disaggregated=False),
+                   estimate_memory(p).vllm_kv_tokens, weight_sync_seconds(p, rates, disaggregated=False),
                    p.vllm_tensor_parallel)
 
 
@@ -253,3 +254,17 @@ def colocated_input(cfg: Any, p: Any) -> Any:
     from dapo_mcore.config import VLLMConfig
 
     return replace(p, vllm_gpu_memory_utilization=VLLMConfig().gpu_memory_utilization)
+
+
+def requeue_line(steps: int, step_seconds: float, time_limit_h: float, lead_min: float) -> str:
+    """How many jobs of ``time_limit_h`` (the last ``lead_min`` minutes spent checkpointing) ``steps`` need at the
+    estimated step time, and the DAPO_MAX_REQUEUES that lets the run finish (slurm/env.sh defaults to 20)."""
+    usable_s = max(time_limit_h * 3600 - lead_min * 60, step_seconds)
+    per_job = max(1, int(usable_s // step_seconds))
+    jobs = math.ceil(steps / per_job)
+    need = jobs - 1
+    note = "" if need <= 20 else f": more than DAPO_MAX_REQUEUES=20 (the run would stop near step {21 * per_job})"
+    return (f"time: {steps} steps x ~{step_seconds / 60:.0f} min (estimate, one generation batch) = "
+            f"{steps * step_seconds / 3600:.0f} h = {jobs} jobs of {time_limit_h:g} h ({per_job} steps each), "
+            f"{need} requeues{note}; submit with DAPO_MAX_REQUEUES={math.ceil(need * 1.5)} (1.5x for dynamic "
+            f"sampling's extra batches and failures)")

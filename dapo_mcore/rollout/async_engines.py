@@ -21,11 +21,11 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from dapo_mcore import faults
 from dapo_mcore.errors import UserError
 from dapo_mcore.rollout.async_source import unflatten_bucket
 from dapo_mcore.rollout.bridge import Bridge
 from dapo_mcore.rollout.protocol import EngineError, WeightBucket
+from dapo_mcore.signals import faults
 
 log = logging.getLogger(__name__)
 

@@ -38,13 +38,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dapo_mcore import faults
 from dapo_mcore.errors import UserError
-from dapo_mcore.evaluation import eval_after
 from dapo_mcore.rollout.bridge import Bridge
 from dapo_mcore.rollout.groups import GroupData
 from dapo_mcore.rollout.protocol import EngineError, WeightBucket
 from dapo_mcore.rollout.source import StepBatch
+from dapo_mcore.signals import faults
+from dapo_mcore.telemetry.evaluation import eval_after
 
 log = logging.getLogger(__name__)
 

@@ -149,8 +149,8 @@ class Bridge:
             self.store.set(key + "/all", b"1")
         else:
             self._wait_all(key)
-        if self._meetings == 2:  # the first version's: both sides are up, start-up is over (dapo_mcore.startup)
-            from dapo_mcore import startup
+        if self._meetings == 2:  # the first version's: both sides are up, start-up is over (dapo_mcore.signals.startup)
+            from dapo_mcore.signals import startup
 
             startup.disarm(record=self.role.trainer)
 

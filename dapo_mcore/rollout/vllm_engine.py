@@ -39,12 +39,12 @@ import socket
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
-from dapo_mcore.gpu_stack import SUPPORTED, release
+from dapo_mcore.model.gpu_stack import SUPPORTED, release
 from dapo_mcore.rollout.protocol import (
     EngineError,
     Response,
@@ -53,6 +53,7 @@ from dapo_mcore.rollout.protocol import (
     check_prompts,
     check_resume,
 )
+from dapo_mcore.rollout.vllm_backend import VLLMBackend
 from dapo_mcore.rollout.vllm_outputs import VLLMGroupStream, completion_tokens, responses_from_outputs
 from dapo_mcore.rollout.weight_sync import SyncTracker, hf_param_shapes
 
@@ -337,35 +338,6 @@ def build_requests(prompts: Sequence[Sequence[int]], params: SamplingParams,
             logprobs=None if params.logprobs == "none" else 0, detokenize=False, ignore_eos=False,
         ))
     return inputs, sampling
-
-
-class VLLMBackend(Protocol):
-    """The few vLLM calls the engine makes; tests replace it with a recording fake.
-
-    A sync is ``begin_weight_update()``, ``load_weights(bucket)`` per bucket, ``finish_weight_update()``."""
-
-    def generate(self, inputs: list[dict], sampling: list[dict]) -> list[Any]: ...
-    def sleep(self, level: int) -> bool:
-        """Release memory at ``level``; False where the platform has no sleep mode (nothing was released)."""
-        ...
-    def wake_up(self, tags: list[str]) -> None: ...
-    def begin_weight_update(self) -> None: ...
-    def load_weights(self, weights: list[tuple[str, Tensor]]) -> None: ...
-    def finish_weight_update(self) -> None: ...
-    def reset_prefix_cache(self) -> None: ...
-    def shutdown(self) -> None: ...
-    def add_requests(self, request_ids: list[str], inputs: list[dict], sampling: list[dict]) -> None:
-        """Queue requests whose outputs come back step by step, as deltas (see ``step``)."""
-        ...
-    def step(self) -> list[Any]:
-        """One engine step; a RequestOutput per sample that produced tokens in it, carrying only those tokens (and
-        their log-probs) as a one-element ``outputs`` with the sample's ``index``; ``finished`` is True on the
-        output that ends the request's last sample."""
-        ...
-    def has_unfinished(self) -> bool: ...
-    def abort(self, request_ids: list[str]) -> None:
-        """Abort requests (all their samples)."""
-        ...
 
 
 class _LLMBackend:

@@ -22,7 +22,7 @@ __all__ = ["run_engine_ranks"]
 def _build_engine(cfg: Config, launch: LaunchEnv, role: Any, *args: Any) -> Any:
     """The engine over the engine side's process group; vLLM reads that group's ranks, not the job's
     (``vllm_engine.launcher_ranks``)."""
-    from dapo_mcore import runtime
+    from dapo_mcore.run import runtime
 
     if cfg.rollout.engine != "vllm":
         return runtime._build_engine(cfg, *args)
@@ -33,11 +33,11 @@ def _build_engine(cfg: Config, launch: LaunchEnv, role: Any, *args: Any) -> Any:
 
 
 def run_engine_ranks(cfg: Config, launch: LaunchEnv, bridge: Any) -> int:
-    from dapo_mcore import runtime
     from dapo_mcore.data.sources import filter_by_length, load_prompt_records, prompt_encoder
     from dapo_mcore.data.tokenizer import load_tokenizer
     from dapo_mcore.rollout.async_engines import EngineLoop
     from dapo_mcore.rollout.colocated import ColocatedRollouts, EngineGroups
+    from dapo_mcore.run import runtime
     from dapo_mcore.telemetry.timers import PhaseTimer
     from dapo_mcore.weights.hf_checkpoint import read_hf_config
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from dapo_mcore.config import Config, ConfigError
-from dapo_mcore.configtree import to_dict
+from dapo_mcore.config.tree import to_dict
 
 if TYPE_CHECKING:  # torch stays unimported on the config side (config_cli reads the run directory's identity)
     from dapo_mcore.actor.parallel import LaunchEnv
@@ -60,11 +60,11 @@ def refuse_other_run(cfg: Config) -> None:
 
 
 def claim_run_dir(cfg: Config, launch: LaunchEnv) -> Any:
-    """Collective: lock the run directory for this run (rank 0 holds it; see ``dapo_mcore.run_lock``), then apply
+    """Collective: lock the run directory for this run (rank 0 holds it; see ``dapo_mcore.run.lock``), then apply
     run.overwrite (delete everything in it but the lock). Returns the lock on rank 0, else None."""
     import torch.distributed as dist
 
-    from dapo_mcore import run_lock
+    from dapo_mcore.run import lock as run_lock
 
     run_dir = Path(cfg.run.dir)
     lock = run_lock.claim(run_dir, launch.rank, enabled=cfg.run.lock)
@@ -81,7 +81,7 @@ def claim_run_dir(cfg: Config, launch: LaunchEnv) -> Any:
 
 
 def _empty_run_dir(run_dir: Path) -> None:
-    from dapo_mcore.run_lock import LOCK_NAME
+    from dapo_mcore.run.lock import LOCK_NAME
 
     entries = [p for p in run_dir.iterdir() if p.name != LOCK_NAME] if run_dir.is_dir() else []
     if entries:

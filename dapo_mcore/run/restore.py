@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from dapo_mcore.components import Components
 from dapo_mcore.config import Config, ConfigError
-from dapo_mcore.configtree import to_dict
+from dapo_mcore.config.tree import to_dict
+from dapo_mcore.run.components import Components
 
 log = logging.getLogger(__name__)
 

@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 
 from dapo_mcore.actor.parallel import LaunchEnv, read_launch_env
-from dapo_mcore.components import Components
 from dapo_mcore.config import Config, ConfigError, load_config, write_resolved
-from dapo_mcore.restore import adopt_checkpoint_padding, find_start_checkpoint, open_telemetry, restore
-from dapo_mcore.run_dir import claim_run_dir
+from dapo_mcore.run.components import Components
+from dapo_mcore.run.directory import claim_run_dir
+from dapo_mcore.run.restore import adopt_checkpoint_padding, find_start_checkpoint, open_telemetry, restore
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +44,8 @@ def check_hardware(cfg: Config) -> None:
 
     Kept out of ``Config.validate`` so that cluster configs can be validated and planned on a laptop.
     """
-    from dapo_mcore.gpu_stack import check_gpu_stack
     from dapo_mcore.model.fp8 import MissingGPUExtra, check_fp8, require_transformer_engine
+    from dapo_mcore.model.gpu_stack import check_gpu_stack
 
     check_gpu_stack(transformer_engine=cfg.model.layer_spec == "transformer_engine", vllm=cfg.rollout.engine == "vllm")
 

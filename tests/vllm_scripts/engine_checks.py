@@ -35,7 +35,7 @@ from dapo_mcore.config import load_config  # noqa: E402
 from dapo_mcore.data.tokenizer import build_tiny_tokenizer  # noqa: E402
 from dapo_mcore.model.presets import preset_config  # noqa: E402
 from dapo_mcore.rollout import SamplingParams, VLLMEngine, VLLMEngineOptions  # noqa: E402
-from dapo_mcore.runtime import _build_engine, check_hardware, run_stop_tokens  # noqa: E402
+from dapo_mcore.run.runtime import _build_engine, check_hardware, run_stop_tokens  # noqa: E402
 
 TOL = 1e-4
 EOS = 2
