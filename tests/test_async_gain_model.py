@@ -1,4 +1,4 @@
-"""Issue 35 item 5: one model of async gains. ``dapo-mcore plan`` and ``benchmarks/rollout_sim.py`` price the 32B
+"""One model of async gains. ``dapo-mcore plan`` and ``benchmarks/rollout_sim.py`` price the 32B
 async recipe against the sync one with the same step model (``dapo_mcore/step_model.py``, generation tails included)
 and must agree on whether it is faster; the recipe's header states the gain that model gives for its settings."""
 
