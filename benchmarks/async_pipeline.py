@@ -1,4 +1,4 @@
-"""Today's synchronous loop vs the async mode (#26), same processes, same steps, side by side.
+"""Today's synchronous loop vs the async mode, same processes, same steps, side by side.
 
 For each task (``max4``: examples/tiny_cpu.yaml; ``chain``: examples/tiny_cpu_chain.yaml, whose response lengths
 vary), two real CLI runs on ``--nproc`` gloo processes:
@@ -8,7 +8,7 @@ vary), two real CLI runs on ``--nproc`` gloo processes:
 - ``async2``: the same ``--nproc - 1`` trainer processes beside two engine ranks (two engine groups; one process
   more);
 - ``async2-inline``: the same, with the trainer waiting for each evaluation after its step
-  (``DAPO_MCORE_EVAL_INLINE=1``, the behaviour before #35 item 6): against ``async2`` it gives the eval-overlap gain,
+  (``DAPO_MCORE_EVAL_INLINE=1``, evaluation on the trainer's path): against ``async2`` it gives the eval-overlap gain,
   the trainer's seconds spent on evaluations (``time/eval`` + ``async/trainer_wait_eval_s``) before and after.
 Per run: wall seconds of the steps (the sum of ``time/step``: set-up excluded), held-out avg@4 at the end, the lag
 of the trained tokens, and for async the share of generation hidden behind training. Run from the repository root:

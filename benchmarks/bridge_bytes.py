@@ -1,4 +1,4 @@
-"""Bytes a step's batch costs in async mode (#35 item 2), before and after ``rollout.wire``, by a shape-only model.
+"""Bytes a step's batch costs in async mode, before and after ``rollout.wire``, by a shape-only model.
 
 The 32B async recipe (examples/qwen2.5-32b-fp8-async.yaml) draws 1536 prompts x 16 responses of up to 20480 tokens a
 generation batch, keeps 512 groups, and trains on 32 ranks. Such a batch (503 M tokens at full length) is not built:

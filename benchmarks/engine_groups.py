@@ -1,4 +1,4 @@
-"""What streaming over several engine groups costs and saves (#26 item 2), on 2 gloo ranks, side by side.
+"""What streaming over several engine groups costs and saves, on 2 gloo ranks, side by side.
 
 Two ranks, each its own transformers engine on the same tiny random Qwen2 (``--stop-ids`` of its 32 tokens end a response,
 so lengths vary), collect ``--steps`` steps of ``--target`` usable groups of ``--n`` responses with the rollout scheduler, no

@@ -1,4 +1,4 @@
-"""The prepared GPU check (issue 9): one script that a session with a lent H200 runs once to record numbers.
+"""The prepared GPU check: one script that a machine with an H100/H200 runs once to record numbers.
 
 Sections, in the order they run (the ones whose numbers nothing else can give first, so a late overrun costs least):
 

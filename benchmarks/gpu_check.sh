@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check (issue 9) in one command. Two modes, both from the repository root:
+# The GPU check in one command. Two modes, both from the repository root:
 #
 #   bash benchmarks/gpu_check.sh prepare    on the development machine (it reaches PyPI): puts the cp312 wheels the
 #                                           device image lacks into .whl/ and the tiny base model into

@@ -1,6 +1,6 @@
 """Simulated 32B DAPO steps: today's loop vs streaming over all engines vs asynchronous disaggregated layouts.
 
-Default (issue 26): the WHOLE step (generation, old log-probs, updates, weight sync) of each variant on the recipe's
+Default: the WHOLE step (generation, old log-probs, updates, weight sync) of each variant on the recipe's
 GPUs (default ``examples/qwen2.5-32b-fp8.yaml`` at 128 GPUs):
 (a) ``today``: synchronous, colocated, batch-and-filter rounds of 1,536 prompts (what the recipe runs);
 (a') ``today_chunked``: today's ``rollout.schedule.streaming`` with several engine groups (no stream: chunks of
@@ -16,14 +16,14 @@ step rules are in ``dapo_mcore/plan/step_model.py``. Async variants run on every
 and report their best. Every assumption is printed first. Last line: ``sim_step_time_ratio: X`` = today's mean step
 time / the best variant's (mean over the three stages).
 
-``--generation-only``: the #16 simulator (generation wall time of the scheduling policies, completion order):
+``--generation-only``: the generation simulator (generation wall time of the scheduling policies, completion order):
 ``batch_filter`` (today), ``batch_adaptive`` (rounds sized from the last step's usable fraction),
 ``stream_abort`` and ``stream_partial`` (aborted groups continue next step, at most ``--max-staleness`` steps), and
 ``stream_adaptive[_partial]``: the stream's fresh prompts bounded from the last step's usable fraction. Last line
 ``sim_generation_time_ratio: X`` (batch-and-filter / streaming+abort wall time, mean over stages).
 
 The stage assumptions (mean length and all-correct / all-wrong shares) are ``STAGES_32B`` below and in
-docs/results.md ("#16 simulator"). Decode speed: a full engine decodes the planner's implied rate (its generation
+docs/results.md ("Step and generation simulator"). Decode speed: a full engine decodes the planner's implied rate (its generation
 estimate at 10% decode MFU, response tokens per second per engine) and a lone sequence ``--single-seq-tokens-per-s``.
 
 ``--calibrate-tiny RUN_DIR`` replays a real tiny run instead: each step's usable fraction, outcome shares and mean
@@ -372,9 +372,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=1, help="steps run first (partial rollouts need a carry)")
     ap.add_argument("--max-staleness", type=int, default=None,
                     help="steps an aborted group may be carried (default: 1, the trainer's bound; 2 with "
-                         "--generation-only, as in #16)")
+                         "--generation-only)")
     ap.add_argument("--generation-only", action="store_true",
-                    help="the #16 simulator: generation time of the scheduling policies only (completion order)")
+                    help="the generation simulator: generation time of the scheduling policies only (completion order)")
     ap.add_argument("--order", choices=("prompt", "completion"), default="prompt",
                     help="streaming decides groups in prompt order (the trainer's scheduler) or as they finish")
     ap.add_argument("--chunk-prompts", type=int, default=256,

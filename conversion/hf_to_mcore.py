@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-padding", choices=VOCAB_PADDINGS, default="tp",
                    help="tp: keep the vocabulary unless tensor parallelism needs padding (what Megatron-Bridge and "
                         "the trainer's default model.vocab_padding=tp load); megatron: pad to a multiple of "
-                        "--vocab-divisible-by x tp (Megatron-LM's rule, dapo-mcore's before issue #38)")
+                        "--vocab-divisible-by x tp (Megatron-LM's rule, dapo-mcore's in older versions)")
     p.add_argument("--vocab-divisible-by", type=int, default=128,
                    help="divisor of the padding rule (megatron: rows are a multiple of it x tp; tp: caps the power "
                         "of two used when tp does not divide the vocabulary)")

@@ -1,6 +1,6 @@
 """A real two-node Slurm cluster on one machine: each "node" in its own network namespace (test helper).
 
-As observed in ../shared/notes/slurm-multinode.md: a Linux bridge on a private subnet with one veth per namespace,
+The layout: a Linux bridge on a private subnet with one veth per namespace,
 ``ctl`` (slurmctld), ``n1`` and ``n2`` (one slurmd each), the bridge's own address in the root namespace so that
 ``sbatch``/``squeue``/``scontrol`` work from the test. Each daemon runs under
 ``nsenter --net=/run/netns/NS unshare --uts --mount`` (not ``ip netns exec``, which remounts /sys and hides the

@@ -1,9 +1,9 @@
-"""The async disaggregated mode (#26 items 3-4) in real runs: gloo ranks, the transformers engine, the tiny base.
+"""The async disaggregated mode in real runs: gloo ranks, the transformers engine, the tiny base.
 
 One reference run (1 trainer rank + 1 engine rank) and the same run interrupted by kill -9 during a weight transfer,
 kill -9 of an engine rank mid-generation, and SIGTERM (checkpoint, exit 75): each resumed run's record equals the
 reference's at every step, so the steps before the interruption (a repeat of the reference) and after it (the
-resume) are both exact. At the real shape (#35): trainer DP=2 beside two engine ranks (4 processes) is a second
+resume) are both exact. At the real shape: trainer DP=2 beside two engine ranks (4 processes) is a second
 reference, TP=2 beside them trains on the same batches, and kill -9 of one of the two engine ranks resumes exactly;
 two engine ranks stream with partial rollouts, whose prefixes lag two versions. Every run's weights group refuses
 tensors off its device, as NCCL does (DAPO_MCORE_STRICT_DEVICE=1).
@@ -134,7 +134,7 @@ TWO_ENGINES = ("rollout.pipeline.engine_ranks=2",)
 
 @pytest.fixture(scope="module")
 def reference_dp2(cli_env, tmp_path_factory) -> Path:
-    """The real shape (#35 item 3): trainer DP=2 beside 2 engine ranks (4 processes)."""
+    """The real shape: trainer DP=2 beside 2 engine ranks (4 processes)."""
     run = tmp_path_factory.mktemp("async_dp2") / "reference"
     proc = _train(run, cli_env, 3, 4, *TWO_ENGINES)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -251,7 +251,7 @@ def test_rebucket_and_flatten_round_trip_mixed_dtypes():
 
 def test_raising_train_steps_on_a_finished_run_trains_the_new_steps(reference, cli_env, tmp_path):
     """A finished run's last checkpoint holds no pending batch: the engines generate batch s with the version they
-    get (lag 0) instead of waiting for a batch s the trainer never asked for (#35 item 7: deadlocked 3 of 3)."""
+    get (lag 0) instead of waiting for a batch s the trainer never asked for (a deadlock otherwise)."""
     import shutil
 
     run = tmp_path / "more"
@@ -266,8 +266,8 @@ def test_raising_train_steps_on_a_finished_run_trains_the_new_steps(reference, c
 def test_a_reward_failing_during_an_engine_evaluation_stops_the_run_in_one_line(cli_env, tmp_path):
     """The first thing the engines do is evaluate version 0 (eval.at_start): a reward that always raises fails
     there, outside the generation loop. The trainer reports the reward's error in one line (exit 2, as in sync
-    mode; torchrun then exits 1); no rank prints a traceback (#35 item 7: the trainer said only that another rank
-    stopped)."""
+    mode; torchrun then exits 1); no rank prints a traceback (not only "another rank
+    stopped")."""
     (tmp_path / "broken_reward.py").write_text("def score(response, gt):\n    raise KeyError('no grader for ' + gt)\n")
     env = {**cli_env, "PYTHONPATH": f"{tmp_path}:{cli_env['PYTHONPATH']}"}
     proc = _train(tmp_path / "run", env, 2, 2, "eval.at_start=true", "reward.name=broken_reward:score",
@@ -285,7 +285,7 @@ def test_a_reward_failing_during_an_engine_evaluation_stops_the_run_in_one_line(
 def test_a_refusal_on_the_trainer_reaches_the_engine_ranks_without_a_false_resume_line(reference, cli_env, tmp_path):
     """Another run's directory (a changed identity key): trainer rank 0 refuses in one line; the engine rank hears the
     refusal and stops quietly instead of saying "another rank of the job stopped ... run the same command: the run
-    resumes" (#35 item 7)."""
+    resumes"."""
     import shutil
 
     run = tmp_path / "other"

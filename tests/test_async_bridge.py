@@ -1,4 +1,4 @@
-"""The async bridge's weights group as NCCL sees it (#35 item 1): every tensor on the device, one host sync a bucket.
+"""The async bridge's weights group as NCCL sees it: every tensor on the device, one host sync a bucket.
 
 Three gloo ranks (trainer rank 0 + two engine ranks) built by ``init_split_world`` with
 ``DAPO_MCORE_STRICT_DEVICE=1``: the weights group refuses any tensor that was not moved onto its (simulated) device,
@@ -83,10 +83,10 @@ def _worker(rank, world, port, queue):
 
 
 def test_a_version_crosses_a_device_strict_weights_group_to_two_engine_ranks(monkeypatch):
-    """Fails on the code before #35 (the header's size and bytes were host tensors: "Tensors must be CUDA and
+    """Fails on a header sent as host tensors (the header's size and bytes were host tensors: "Tensors must be CUDA and
     dense"). The sender waits on the host once per bucket. The engine ranks join 9 s after the trainer publishes, past
     the groups' 6 s timeout: the trainer waits at the meeting (Bridge.meet, on the store), not in the broadcast
-    (before #35 its header broadcast timed out)."""
+    (a header broadcast would time out there)."""
     import torch
 
     monkeypatch.setenv("DAPO_MCORE_STRICT_DEVICE", "1")

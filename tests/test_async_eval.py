@@ -1,4 +1,4 @@
-"""Evaluation off the trainer's path in async mode (#35 item 6), at the real shape: trainer DP=2 beside two engine
+"""Evaluation off the trainer's path in async mode, at the real shape: trainer DP=2 beside two engine
 ranks (4 gloo processes, the weights group refusing tensors off its device).
 
 The engines evaluate an eval step's version while the trainer trains the next step: the eval step's line records no

@@ -1,4 +1,4 @@
-"""Issue 35 item 5: one model of async gains. ``dapo-mcore plan`` and ``benchmarks/rollout_sim.py`` price the 32B
+"""One model of async gains. ``dapo-mcore plan`` and ``benchmarks/rollout_sim.py`` price the 32B
 async recipe against the sync one with the same step model (``dapo_mcore/plan/step_model.py``, generation tails included)
 and must agree on whether it is faster; the recipe's header states the gain that model gives for its settings."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks import rollout_sim
-from dapo_mcore.commands.plan import main as plan_main
 from dapo_mcore.config import load_config
+from dapo_mcore.commands.plan import main as plan_main
 
 pytestmark = pytest.mark.e2e  # two simulations of 3 stages x 2 steps of 24k responses: ~1 min on 2 idle cores
 ROOT = Path(__file__).resolve().parents[1]

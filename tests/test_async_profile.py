@@ -1,4 +1,4 @@
-"""Issue 35 item 4 in a real async run (1 trainer rank + 1 engine rank, the tiny base): every second attributed once.
+"""The async profile in a real async run (1 trainer rank + 1 engine rank, the tiny base): every second attributed once.
 
 The engines are made the bottleneck (generation batches of 1024 prompts against a 16-prompt training step), so the
 trainer waits for them every step inside its weight publish: that wait must be charged to ``wait_rollouts``, not to

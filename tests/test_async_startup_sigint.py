@@ -1,4 +1,4 @@
-"""Ctrl-C during an async run's start-up (#35 item 7): SIGINT to the job's process group while the ranks import,
+"""Ctrl-C during an async run's start-up: SIGINT to the job's process group while the ranks import,
 while the trainer joins the start-up barrier (the engine ranks wait at the start meeting), and while it builds its
 model (the engine ranks wait at the first version's meeting): every rank exits 130 at once, with at most one line and no traceback
 (``dapo_mcore.signals.startup``). The ranks are started directly (RANK/WORLD_SIZE/MASTER_*), one process group, so each

@@ -1,4 +1,4 @@
-"""The async batch on the wire (#35 item 2): token ids and log-probs as int32/float32 tensors, the rest pickled."""
+"""The async batch on the wire: token ids and log-probs as int32/float32 tensors, the rest pickled."""
 
 from __future__ import annotations
 
@@ -65,8 +65,8 @@ def test_an_evaluation_and_an_error_round_trip():
 
 
 def test_a_resume_with_other_engine_ranks_says_so_in_one_line(caplog):
-    """The layout is not part of a run's identity, but the trajectory after the pending batch depends on it (#35
-    item 7: accepted silently before)."""
+    """The layout is not part of a run's identity, but the trajectory after the pending batch depends on it (a
+    resume with another layout is logged, not accepted silently)."""
     import logging
     import types
 
@@ -83,7 +83,7 @@ def test_a_resume_with_other_engine_ranks_says_so_in_one_line(caplog):
 
 
 def test_the_pipeline_lanes_draw_an_evaluation_behind_the_trainer_where_it_ran():
-    """#35 item 6: the evaluation of version 2 ran on the engines at the start of step 3, before batch 4's generation,
+    """Evaluation off the trainer's path: the evaluation of version 2 ran on the engines at the start of step 3, before batch 4's generation,
     and the trainer waited for its remainder inside step 3's publish: drawn so, every second once."""
     from dapo_mcore.telemetry import lanes
 

@@ -1,4 +1,4 @@
-"""Megatron-Bridge interop (issue #38) against checkpoints Megatron-Bridge wrote itself (tests/data/bridge, written by
+"""Megatron-Bridge interop against checkpoints Megatron-Bridge wrote itself (tests/data/bridge, written by
 Bridge 0.6.2 on megatron-core 0.19.2: no common.pt, the common state inside the .distcp, tracker "0" -> iter_0000000,
 run_config.yaml), read here on whatever megatron-core this venv has (0.16.1 in the main suite, 0.19.2 in the
 mcore-newest tier); and our `--format bridge` output compared with Bridge's own files for the same HF model. The live

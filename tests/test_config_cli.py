@@ -83,7 +83,7 @@ def test_config_errors_and_bad_eval_paths_come_before_heavy_imports(tmp_path):
 
 
 def test_config_refuses_what_train_refuses(tmp_path, capsys):
-    """Issue 30 item 3: overrides after --world-size; sequence parallel on the local spec, the distributed optimizer
+    """Overrides after --world-size; sequence parallel on the local spec, the distributed optimizer
     on gloo and another run's directory are refused by `config`, as `train` refuses them, before anything starts."""
     tiny = str(ROOT / "examples/tiny_cpu.yaml")
     assert main([tiny, "--world-size", "2", "parallel.tensor_parallel=2", f"run.dir={tmp_path / 'r'}"]) == 0
@@ -102,7 +102,7 @@ def test_config_refuses_what_train_refuses(tmp_path, capsys):
 
 def test_config_checks_a_cluster_config_on_a_laptop(capsys, tmp_path):
     """`config` validates the layout of a cluster config whose dataset files live on the cluster: a missing file
-    is a warning naming what `train` would refuse here, not the end of the check (issue 35's 128-rank example)."""
+    is a warning naming what `train` would refuse here, not the end of the check (the 32B async recipe at 128 ranks)."""
     cfg = str(ROOT / "examples/qwen2.5-32b-fp8-async.yaml")
     assert main([cfg, "model.hf_path=null", "model.preset=qwen2.5-32b", "--world-size", "128"]) == 0
     out, err = capsys.readouterr()

@@ -99,7 +99,7 @@ def test_megatron_lm_layout_and_common_state(result):
     out, ws = result
     assert out["tracker"] == "release"
     assert {"metadata.json", "common.pt", ".metadata"} <= set(out["files"])
-    # the default vocabulary padding is tp (issue 38): 96 rows stay 96, and Megatron-LM's args carry the divisor
+    # the default vocabulary padding is tp: 96 rows stay 96, and Megatron-LM's args carry the divisor
     # (the largest power of two <= 128 whose multiple is 96) that makes Megatron-LM rebuild exactly 96 rows
     assert out["common"] == {"checkpoint_version": 3.0, "iteration": 0, "tp": 1, "padded": 96, "divisible_by": 32}
 

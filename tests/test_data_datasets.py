@@ -102,7 +102,7 @@ def test_numeric_ground_truth_is_taken_as_its_string(tmp_path):
 
 
 def test_files_people_have_give_one_line_errors(tmp_path):
-    """#29 item 5: a non-UTF-8 jsonl, a parquet whose prompt is an empty list or a struct without content, a
+    """Unreadable datasets: a non-UTF-8 jsonl, a parquet whose prompt is an empty list or a struct without content, a
     directory: DatasetFormatError (one line, exit 2 through the CLI), never UnicodeDecodeError/ArrowInvalid."""
     bad = tmp_path / "latin1.jsonl"
     bad.write_bytes(json.dumps({"prompt": "ok", "answer": "1"}).encode() + b"\n" +

@@ -170,8 +170,8 @@ def test_too_few_steps_skips_the_trend_rules_only():
 
 
 def test_a_short_dead_run_says_why_it_cannot_learn(tmp_path, capsys):
-    """Issue 30 item 7: 3 steps, 100% truncation, 0 usable groups, loss 0 got '0 warning(s)' and 'metrics not
-    logged'."""
+    """A dead run (3 steps, 100% truncation, 0 usable groups, loss 0) gets warnings, not '0 warning(s)' and
+    'metrics not logged'."""
     dead = [{keys.STEP: s, keys.ROLLOUT_USABLE_GROUP_FRAC: 0.0, keys.ROLLOUT_TRUNCATED_FRAC: 1.0,
              keys.ROLLOUT_ACC_MEAN: 0.0, keys.ROLLOUT_REWARD_MEAN: -2.0, keys.TRAIN_LOSS: 0.0,
              keys.TRAIN_GRAD_NORM: 0.0, keys.TRAIN_LR: 5e-4, keys.ROLLOUT_RESP_LEN_MEAN: 6.0} for s in (1, 2, 3)]

@@ -1,4 +1,4 @@
-"""Streaming and partial rollouts over two engine groups in a real run (#26 item 2): two gloo ranks, each its own
+"""Streaming and partial rollouts over two engine groups in a real run: two gloo ranks, each its own
 transformers engine, stream every step together, buffer the groups in flight at the fill, continue them next step,
 and a run stopped with a non-empty buffer resumes exactly the uninterrupted trajectory."""
 

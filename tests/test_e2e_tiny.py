@@ -184,7 +184,7 @@ def _trace_summary(m: dict[str, dict[int, float]]) -> dict[str, float]:
             "entropy_drop": mean("train/entropy", (1, 2)) - mean("train/entropy", (7, 8))}
 
 
-# Measured on an AVX2 machine over train.seed=1..5 and with ATEN_CPU_CAPABILITY=default (docs/results.md, issue 12):
+# Measured on an AVX2 machine over train.seed=1..5 and with ATEN_CPU_CAPABILITY=default (docs/results.md, "Tiny default calibration"):
 # acc_gain 0.22-0.29, acc_mean 0.43-0.47, eval_start 0.26-0.28, eval_gain 0.33-0.37, entropy_mean 0.31-0.33,
 # entropy_drop 0.10-0.15. The bounds are several times that spread: another CPU is another draw of the same run,
 # and only a run that stops learning (or learns something else) leaves them.

@@ -1,4 +1,4 @@
-"""``dapo-mcore eval``'s output (issue 30 item 10): counts print as integers, scores to 4 places; --json one object."""
+"""``dapo-mcore eval``'s output: counts print as integers, scores to 4 places; --json one object."""
 
 import json
 

@@ -107,7 +107,7 @@ def test_weight_transfer_seconds_by_hand():
 
 
 def test_plan_cli_never_proposes_a_split_slower_than_the_colocated_run(capsys):
-    """Issue 35 item 5: at 128 GPUs the throughput model's fastest split (96 + 32, 29.6 min) is slower than the
+    """At 128 GPUs the throughput model's fastest split (96 + 32, 29.6 min) is slower than the
     colocated run (26.4 min): it is named, not proposed."""
     assert main([CFG_32B, *PRESET_32B, "--nodes", "16", "--disaggregated", "--tail-steps", "0"]) == 0
     out = capsys.readouterr().out

@@ -125,7 +125,7 @@ def test_cli_turns_config_errors_into_exit_2(capsys):
 
 
 def test_plan_warns_when_a_layout_fits_with_little_headroom(capsys):
-    """Issue 30 item 9: the 32B recipe at PP=1 fits at 78.1/80 GiB and said only 'fits'."""
+    """The 32B recipe at PP=1 fits at 78.1/80 GiB: plan warns that it leaves less than the free-memory margin, not only 'fits'."""
     model = ["model.hf_path=null", "model.preset=qwen2.5-32b"]
     assert main([CFG_32B, *model, "parallel.pipeline_parallel=1", "--nodes", "16"]) == 0
     out = capsys.readouterr().out.strip().splitlines()

@@ -1,4 +1,4 @@
-"""The Megatron actor on a tiny random Qwen3 (issue 36 item 1), single process vs TP=2 (2 gloo processes), through the
+"""The Megatron actor on a tiny random Qwen3, single process vs TP=2 (2 gloo processes), through the
 same workers as tests/test_actor_parity.py (tests/dist_scripts): logits and log-probs equal Hugging Face's own
 ``Qwen3ForCausalLM``, and two DAPO updates give the same loss, grad norm and exported weights at TP=1 and TP=2. The
 q/k norms are replicated while each TP rank normalises only its own heads, so a missing or wrong reduction of their

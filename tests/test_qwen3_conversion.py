@@ -1,4 +1,4 @@
-"""Qwen3 dense through the conversion (issue 36 item 1): the name table against Hugging Face's own
+"""Qwen3 dense through the conversion: the name table against Hugging Face's own
 ``Qwen3ForCausalLM`` (head_dim 32 != hidden 64 / 4 heads, q/k norm weights away from 1, no QKV bias), file
 round trips bit-exact at TP/PP/VPP and both layer specs, and ``verify``'s logit parity in fp32 (one process and
 ``torchrun`` TP=2 x PP=2) and bf16."""

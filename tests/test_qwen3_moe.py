@@ -1,4 +1,4 @@
-"""Qwen3-MoE on Megatron (issue 36): router and sparse-layer semantics against Hugging Face's own classes, the
+"""Qwen3-MoE on Megatron: router and sparse-layer semantics against Hugging Face's own classes, the
 per-expert name table, expert-parallel layout errors, and the EP conversion round trip (all in one process)."""
 
 from __future__ import annotations

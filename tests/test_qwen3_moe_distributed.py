@@ -1,4 +1,4 @@
-"""Qwen3-MoE with expert parallelism on 2 gloo ranks (issue 36): logits against Hugging Face's own
+"""Qwen3-MoE with expert parallelism on 2 gloo ranks: logits against Hugging Face's own
 ``Qwen3MoeForCausalLM`` at EP=2, a short DAPO run at EP=2 with router metrics, and its resume at EP=1."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Qwen3 in the FLOPs formula and the planner (issue 36 item 1): head_dim x heads != hidden counts in the attention
+"""Qwen3 in the FLOPs formula and the planner: head_dim x heads != hidden counts in the attention
 FLOPs and parameters, checked against torch's FLOP counter on Hugging Face's own Qwen3ForCausalLM and against the
 parameter count of the real Qwen3-8B / Qwen3-32B shapes built on the meta device."""
 

@@ -1,4 +1,4 @@
-"""Issue 36 item 4: a model type or feature dapo-mcore cannot build faithfully is refused at config validation in
+"""A model type or feature dapo-mcore cannot build faithfully is refused at config validation in
 one line naming the field and what is supported (exit 2), before any process group or the run directory, by
 ``train``, ``eval``, ``config``, ``plan`` and ``convert`` alike."""
 

@@ -1,4 +1,4 @@
-"""A short DAPO run from a tiny random Qwen3 (issue 36 item 1): ``dapo-mcore train examples/tiny_cpu.yaml
+"""A short DAPO run from a tiny random Qwen3: ``dapo-mcore train examples/tiny_cpu.yaml
 model.tiny_base=false model.hf_path=<tiny Qwen3>`` on two gloo ranks at TP=2, the transformers engine on each rank.
 
 What it shows: the engine (Hugging Face's ``Qwen3ForCausalLM``, synced from Megatron after every update) and the

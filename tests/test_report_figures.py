@@ -59,7 +59,7 @@ def test_compare_cli_x_axes(tmp_path, capsys):
 
 
 def test_pngs_are_written_atomically_with_integer_steps_and_a_length_line(tmp_path, monkeypatch):
-    """#29 item 6: a kill mid-savefig leaves the previous figure (or none), never a 0-byte one; #30 item 10: a 3-step
+    """A kill mid-savefig leaves the previous figure (or none), never a 0-byte one; a 3-step
     run gets integer step ticks, and response_length.png a line at rollout.max_new_tokens."""
     from matplotlib.figure import Figure
 

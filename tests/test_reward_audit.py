@@ -44,7 +44,7 @@ def test_detector_fires_on_a_lenient_verifier(capsys):
 
 
 def test_tables_carry_a_legend():
-    """Issue 30 item 10: what int gt / latex gt / distinct and each kind mean, under the table."""
+    """The legend under the table says what int gt / latex gt / distinct and each kind mean, under the table."""
     from dapo_mcore.reward.audit import LEGEND, render
 
     text = render([], markdown=False)

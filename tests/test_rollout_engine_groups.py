@@ -1,4 +1,4 @@
-"""Streaming over several engine groups (#26 item 2): two gloo ranks, each its own transformers engine, stream a
+"""Streaming over several engine groups: two gloo ranks, each its own transformers engine, stream a
 step together. The kept batch equals a one-process reference that generates each group's share in full and keeps
 the first usable groups in prompt order; every rank holds the same step; partial rollouts buffer and resume the same
 groups on every rank; the whole step repeats exactly."""

@@ -197,7 +197,7 @@ def test_tiny_steps_reads_a_run(tmp_path):
     assert (stage.mean_len, stage.all_correct, stage.all_wrong) == (4.0, 0.5, 0.25)
 
 
-# --- issue 26: several engine groups, prompt-order decisions, the whole step -----------------------------------
+# --- several engine groups, prompt-order decisions, the whole step -----------------------------------
 
 
 def test_spread_splits_a_group_over_engines_like_plan_shares():

@@ -223,7 +223,7 @@ def test_sync_order_and_weight_stream():
 
 def test_a_weight_update_on_an_awake_engine_resets_the_prefix_cache_before_the_next_generation():
     """The async engine loop updates an awake engine and never calls wake(): the prefix cache must be reset by the
-    update itself (vLLM keys it on token hashes only; #35 item 1). Failed before: no reset between the update and the
+    update itself (vLLM keys it on token hashes only). Fails without it: no reset between the update and the
     generation."""
     engine, backend = make_engine()
     engine.update_weights(buckets(hf_state_dict(), 4))
@@ -759,7 +759,7 @@ def test_stream_ticks_yield_per_step_and_keep_data_parallel_engines_in_lockstep(
 
 
 def test_launcher_ranks_gives_vllm_the_engine_sides_ranks_and_restores_the_jobs(monkeypatch):
-    """vLLM's external_launcher derives its data-parallel rank from RANK (#35 item 1b): the engine side's rank while
+    """vLLM's external_launcher derives its data-parallel rank from RANK: the engine side's rank while
     the engine is built, the job's again after (the job's messages name the job's rank)."""
     from dapo_mcore.rollout.vllm_engine import launcher_ranks
 
@@ -772,7 +772,7 @@ def test_launcher_ranks_gives_vllm_the_engine_sides_ranks_and_restores_the_jobs(
 
 
 def test_data_parallel_engines_pin_the_v1_model_runner():
-    """vLLM 0.33's Model Runner V2 skips the data-parallel sync on a step with nothing scheduled (#35 item 2): with
+    """vLLM 0.33's Model Runner V2 skips the data-parallel sync on a step with nothing scheduled: with
     data-parallel > 1 the engine pins the V1 runner unless told otherwise, and refuses V2 asked for by name."""
     from dapo_mcore.rollout.vllm_engine import pin_model_runner
 

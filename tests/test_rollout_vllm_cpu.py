@@ -102,7 +102,7 @@ def test_engine_single_process(env, tmp_path, tied, logprobs):
 def test_a_weight_update_between_generations_leaves_no_stale_prefix_cache(env, tmp_path):
     """The async engine loop's order (an awake engine updated between generations, no wake()): after the update a
     prompt sharing a cached 40-token prefix generates exactly as Hugging Face's model B, log-probs within TOL
-    (engine_checks.prefix_cache_check). Failed before #35: the prefix's KV blocks were model A's."""
+    (engine_checks.prefix_cache_check). Without the reset the prefix's KV blocks are model A's."""
     _run([sys.executable, str(SCRIPT), str(tmp_path), "--check", "prefix_cache"], env)
     res = _ranks(tmp_path, 1)[0]
     assert res["greedy_b_same"] and res["err_b"] < TOL and res["err_a"] < TOL, res
@@ -209,7 +209,7 @@ def test_async_run_with_two_vllm_engine_ranks(env, tmp_path):
     """rollout.pipeline.mode=async on 3 ranks: the trainer on one, two vLLM engine ranks (vLLM TP=1: data-parallel 2)
     on the others, their weights from the trainer's bucketed broadcast through a device-strict weights group. Step 1
     trains on version 0's batch with version 0 (engine and actor log-probs agree as in sync mode); step 2 on version
-    0's batch with version 1 (one version behind: the lag, and TIS corrects it). Failed before #35: vLLM took its
+    0's batch with version 1 (one version behind: the lag, and TIS corrects it). It fails when vLLM takes its
     data-parallel rank from the job's RANK (1 and 2, not the engine side's 0 and 1): "data_parallel_rank (2) must be
     in the range [0, 2)"."""
     rows = _train(dict(env, DAPO_MCORE_STRICT_DEVICE="1"), tmp_path / "run", 3, "rollout.pipeline.mode=async",

@@ -1,4 +1,4 @@
-"""A tiny Qwen3 through the real vLLM engine on vLLM's CPU build (issue 36 item 5, dense half; the ``vllm`` tier).
+"""A tiny Qwen3 through the real vLLM engine on vLLM's CPU build (the ``vllm`` tier).
 
 Two ranks, actor TP=2 and one vLLM engine at TP=2, a short DAPO run from a tiny random ``Qwen3ForCausalLM``
 (head_dim 32, the smallest vLLM's CPU attention accepts; q/k norms; tied embeddings): the weights the actor exports

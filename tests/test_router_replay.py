@@ -1,4 +1,4 @@
-"""Rollout routing replay (R3, issue 36): the transformers engine records the experts of every token it samples;
+"""Rollout routing replay (R3): the transformers engine records the experts of every token it samples;
 with ``algo.router_replay=rollout`` the Megatron actor routes with them.
 
 The case is constructed so that engine and trainer route differently from numerics alone: one model, the same

@@ -287,7 +287,7 @@ ASYNC_RUN = ("rollout.pipeline.mode=async", "algo.tis_cap=2.0", "train.steps=2",
 
 
 def test_async_layout_engine_on_one_node_trainer_on_the_other(cluster, tmp_path):
-    """The async mode across nodes (#28 item 5): rank 0 on n1 trains, rank 1 on n2 runs the engine; the weights
+    """The async mode across nodes: rank 0 on n1 trains, rank 1 on n2 runs the engine; the weights
     cross the nodes over the bridge's broadcast group and the batches come back over its send/recv pair. The same
     metrics as the same async layout on one node, and the same lag."""
     out, run_dir = tmp_path / "job.out", tmp_path / "run"

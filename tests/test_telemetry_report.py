@@ -127,7 +127,7 @@ def test_profile_cli_runs(tmp_path, capsys):
 
 
 def test_base_eval_time_is_shown_apart_and_token_parts_sum_to_the_whole(tmp_path, capsys):
-    """Issue 30 item 6: the step-0 base evaluation's time/eval is its own line in profile and the run summary, not
+    """The step-0 base evaluation's time/eval is its own line in profile and the run summary, not
     divided into the steps' mean; generated tokens split into kept + filtered + surplus + aborted = all; rates say
     what they count over which time."""
     from dapo_mcore.telemetry.progress import run_summary

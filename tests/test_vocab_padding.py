@@ -79,7 +79,7 @@ def test_layout_records_the_rule_and_old_metadata_reads_as_megatron():
     meta = CheckpointMeta({"vocab_size": 151_936}, layout, 151_936, "bfloat16")
     assert CheckpointMeta.from_json(json.loads(json.dumps(meta.to_json()))).layout == layout
     old = meta.to_json()
-    del old["vocab_padding"]  # metadata written before issue #38
+    del old["vocab_padding"]  # metadata written by older versions
     assert CheckpointMeta.from_json(old).layout.vocab_padding == "megatron"
     with pytest.raises(LayoutError, match="unknown vocab_padding 'x'; choose one of tp, megatron"):
         ParallelLayout(vocab_padding="x").validate()

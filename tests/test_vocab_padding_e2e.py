@@ -1,4 +1,4 @@
-"""Runs and checkpoints written before issue #38 (Megatron-LM's vocabulary padding, no rule recorded) keep working
+"""Runs and checkpoints written by older versions (Megatron-LM's vocabulary padding, no rule recorded) keep working
 under the new default model.vocab_padding=tp, through the real CLI on the tiny default.
 
 The tiny vocabulary (32 rows) pads to 64 under Megatron-LM's rule with make_vocab_size_divisible_by=64 and stays
@@ -65,7 +65,7 @@ def megatron_run(cli_env, tmp_path_factory) -> Path:
 
 
 def test_old_run_resumed_without_the_key_continues_identically(cli_env, megatron_run, tmp_path):
-    """A pre-#38 run stopped after step 2 (its step-4 checkpoint gone, no rule in its config or metadata), resumed
+    """An older version's run stopped after step 2 (its step-4 checkpoint gone, no rule in its config or metadata), resumed
     with a config that says nothing about padding: the checkpoint's rule wins, and steps 3-4 equal the
     uninterrupted run's."""
     run_dir = copy_run(megatron_run, tmp_path / "run")
@@ -88,7 +88,7 @@ def test_old_run_resumed_without_the_key_continues_identically(cli_env, megatron
 
 
 def test_old_padding_mcore_path_starts_a_tp_run(cli_env, megatron_run, tmp_path):
-    """model.mcore_path at a pre-#38 checkpoint (64 rows) under the default tp rule: re-padded to 32 rows on load
+    """model.mcore_path at an older version's checkpoint (64 rows) under the default tp rule: re-padded to 32 rows on load
     (the real rows as they are: test_vocab_repad checks the values and logits), and the run saves tp checkpoints."""
     start = tmp_path / "start"
     shutil.copytree(megatron_run / "checkpoints" / "step_000002", start)

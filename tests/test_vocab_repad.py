@@ -1,6 +1,6 @@
 """A checkpoint of one vocabulary padding loads into a model of the other (model.mcore_path, resume at another
 rule): the padding rows are stripped and re-added, the real rows move bit for bit, and the logits of the real
-vocabulary do not change. Checkpoints written before issue #38 name no rule: they read as Megatron-LM's."""
+vocabulary do not change. Checkpoints written by older versions name no rule: they read as Megatron-LM's."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def test_old_megatron_checkpoint_reshards_into_tp_padding_and_back(tmp_path, voc
 
 def test_old_padding_mcore_path_loads_into_a_tp_model_with_equal_logits(tmp_path):
     """What the actor does with model.mcore_path (load_megatron_checkpoint_into_model, reshard=True, the config's
-    padding): a pre-#38 checkpoint of 64 rows loads into a model of 32, whose logits equal the 64-row model's on
+    padding): an older version's checkpoint of 64 rows loads into a model of 32, whose logits equal the 64-row model's on
     the real vocabulary (and Hugging Face's)."""
     from conversion.verify import megatron_logits
     from dapo_mcore.actor.parallel import init_distributed, init_model_parallel, read_launch_env, shutdown

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The newest megatron-core (issue 27 item 6): clusters and NGC containers run Python 3.12 with megatron-core 0.17-0.19;
+# The newest megatron-core: clusters and NGC containers run Python 3.12 with megatron-core 0.17-0.19;
 # the main suite runs 0.16.1. megatron-core 0.17+ declare Requires-Python >= 3.12 and no CPU torch wheel for cp312 is
 # on PyPI, so this tier installs 0.19.2 into a Python 3.11 virtualenv with --no-deps --ignore-requires-python (with its
-# dependencies it tries to build numpy from source) plus triton, which it imports at module load
-# (shared/notes/megatron-newer.md). It prints the megatron-core version it runs, then the tiny e2e run, the actor's
-# log-prob/entropy/parity tests, the conversion round trip and the reading of Megatron-Bridge's own checkpoints (issue 38)
+# dependencies it tries to build numpy from source) plus triton, which it imports at module load.
+# It prints the megatron-core version it runs, then the tiny e2e run, the actor's
+# log-prob/entropy/parity tests, the conversion round trip and the reading of Megatron-Bridge's own checkpoints
 # against it. The tiny-base cache is the main suite's
 # (.ci/run exports it): the base is pre-trained with 0.16.1's model code, which 0.19.2 loads like any checkpoint.
 set -euo pipefail

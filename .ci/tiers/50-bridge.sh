@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The Megatron-Bridge tier (issue 38): dapo-mcore and NVIDIA Megatron-Bridge, what cluster users of Megatron convert
+# The Megatron-Bridge tier: dapo-mcore and NVIDIA Megatron-Bridge, what cluster users of Megatron convert
 # checkpoints with, read each other's checkpoints, Bridge running live. Two virtualenvs inside the checkout:
-#   .venv-bridge       Bridge 0.6.2 on megatron-core 0.19.2 (shared/notes/megatron-bridge.md): both declare
+#   .venv-bridge       Bridge 0.6.2 on megatron-core 0.19.2: both declare
 #                      Requires-Python >= 3.12 and there is no CPU torch wheel for cp312, so they go into Python 3.11
 #                      with --no-deps --ignore-requires-python, beside the few packages `import megatron.bridge` and
 #                      its training (save/load) modules need; transformers 5.12.1 is Bridge's cap. Bridge runs on CPU

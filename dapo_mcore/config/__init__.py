@@ -72,7 +72,7 @@ class ModelConfig:
     when tensor_parallel divides it, else pads to the next multiple of (the largest power of two <=
     make_vocab_size_divisible_by that divides it) x tensor_parallel: what Megatron-Bridge's models load (Qwen2.5's
     151,936 rows stay 151,936 at TP 1-8). `megatron` pads to a multiple of make_vocab_size_divisible_by x
-    tensor_parallel: Megatron-LM's rule and dapo-mcore's only one before issue #38 (152,064 rows at TP 2). On resume
+    tensor_parallel: Megatron-LM's rule and dapo-mcore's only one in older versions (152,064 rows at TP 2). On resume
     the checkpoint's rule wins; a model.mcore_path of the other rule is re-padded on load (real rows unchanged)."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation: selective = attention core only; full = every layer (most memory saved, ~33% more compute)."""

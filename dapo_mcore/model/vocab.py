@@ -6,7 +6,7 @@ Two rules, chosen by ``model.vocab_padding`` and recorded in every canonical che
   builds with its default ``should_pad_vocab=False``); otherwise pad to the next multiple of ``d * tp``, where ``d`` is
   the largest power of two <= ``divisible_by`` that divides the vocabulary (Bridge's ``should_pad_vocab`` divisor).
 - ``megatron``: Megatron-LM's ``--make-vocab-size-divisible-by`` rule, the next multiple of ``divisible_by * tp``
-  (dapo-mcore's only rule before issue #38; checkpoints that name no rule were written with it).
+  (dapo-mcore's only rule before Megatron-Bridge interop; checkpoints that name no rule were written with it).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Disaggregated layouts: engines on their own GPUs, the trainer on the others (issue 26's asynchronous mode).
+"""Disaggregated layouts: engines on their own GPUs, the trainer on the others (the asynchronous mode).
 
 ``dapo-mcore plan CONFIG --nodes N --disaggregated`` prices every split of the job's GPUs into engine GPUs and
 trainer GPUs with the planner's own models (``planner.py``), and proposes the one that balances the two sides:

@@ -105,8 +105,8 @@ STAGES_32B = (
     Stage("mid", mean_len=3000.0, all_correct=0.35, all_wrong=0.20),
     Stage("late", mean_len=5000.0, all_correct=0.55, all_wrong=0.15),
 )
-"""Three stages of a DAPO run (assumptions, docs/results.md "#16 simulator"): the paper's mean response length grows
-from ~1k to ~5k tokens, the share of all-correct prompts grows, a hard core stays all-wrong."""
+"""Three stages of a DAPO run (assumptions, docs/results.md, "Step and generation simulator"): the paper's mean
+response length grows from ~1k to ~5k tokens, the share of all-correct prompts grows, a hard core stays all-wrong."""
 
 SYNC_VARIANTS = ("today", "today_chunked", "sync_stream", "sync_partial", "sync_stream_rr", "sync_partial_rr")
 ASYNC_VARIANTS = ("async", "async_stream", "async_partial")

@@ -221,7 +221,7 @@ LEGEND = ("kind: format = the right answer in some format (0% = a false negative
           "the verifier should not look; blind = does not depend on the answer (any payout above chance is a hack). "
           "int gt / latex gt: share of integer / LaTeX ground truths the probe is paid for; distinct: how many "
           "different ground truths one fixed response is paid for (> 1 for a blind probe = a shortcut).")
-"""What the columns mean, printed under every table (issue 30 item 10)."""
+"""What the columns mean, printed under every table."""
 
 
 def render(rows: list[AuditRow], markdown: bool) -> str:

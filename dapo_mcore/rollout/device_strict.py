@@ -2,7 +2,7 @@
 
 On a GPU the weights group is a ``ProcessGroupNCCL``, which refuses any tensor not on a CUDA device
 (``check_gpu_single_tensor``: "Tensors must be CUDA and dense"); on CPU it is gloo, which takes anything. So that the
-CPU tests catch a tensor that skips the move to the device (the header's CPU size tensor did, #35), the bridge moves
+CPU tests catch a tensor that skips the move to the device (a header's CPU size tensor once did), the bridge moves
 every tensor for that group through one :class:`TransferDevice`, and ``DAPO_MCORE_STRICT_DEVICE=1`` (set by the
 tests, never otherwise) makes it a :class:`SimulatedDevice` whose :class:`DeviceStrictGroup` refuses every tensor
 that did not come through it, with NCCL's error.

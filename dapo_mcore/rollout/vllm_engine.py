@@ -180,7 +180,7 @@ def pin_model_runner(environ: dict[str, str], data_parallel: int) -> dict[str, s
     """The environment that keeps vLLM's data-parallel engines in lockstep: with data-parallel > 1, vLLM's V1 model
     runner (``VLLM_USE_V2_MODEL_RUNNER=0``). The engine groups step together (``VLLMEngine.groups_step_together``);
     a group with nothing scheduled steps a dummy batch that joins the others' data-parallel sync, which the V1 runner
-    guards and vLLM 0.33's Model Runner V2 (its default where it applies) skips (read, not run: #35), so one group
+    guards and vLLM 0.33's Model Runner V2 (its default where it applies) skips (read in vLLM's source, not run), so one group
     would wait forever. Empty with data-parallel 1 or when already pinned; EngineError if V2 is asked for."""
     if data_parallel <= 1:
         return {}

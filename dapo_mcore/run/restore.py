@@ -44,7 +44,7 @@ def find_start_checkpoint(cfg: Config, *, resume: bool, checkpoint: str | None, 
 
 def adopt_checkpoint_padding(cfg: Config, target: Path | None, *, is_main: bool) -> Config:
     """`cfg` with model.vocab_padding set to the rule the checkpoint `target` was written with (metadata without the
-    key: ``megatron``, the only rule before issue #38), so a run continues exactly as it trained (the padded rows
+    key: ``megatron``, the only rule of older versions), so a run continues exactly as it trained (the padded rows
     change the output layer's GEMM and softmax shapes) whatever its config says; logged once when it differs."""
     from dapo_mcore.weights import checkpoint as wckpt
 

@@ -2,7 +2,7 @@
 
 Megatron-Bridge (AutoBridge) is what cluster users of Megatron normally use to move checkpoints between Hugging Face
 and Megatron; the project's Bridge tests call it through this script, in its own virtualenv (.venv-bridge, see
-.ci/tiers/50-bridge.sh and shared/notes/megatron-bridge.md). Bridge 0.6.2 with megatron-core 0.19.2 assumes Python
+.ci/tiers/50-bridge.sh). Bridge 0.6.2 with megatron-core 0.19.2 assumes Python
 3.12, Transformer Engine and CUDA; `apply_cpu_workarounds()` makes it run here, at import time of this script only:
 
 - `typing.override` (Python >= 3.12) is imported by megatron-core 0.19.2's `megatron/training/models/{gpt,hybrid}.py`:

@@ -1,4 +1,4 @@
-"""dapo-mcore and NVIDIA Megatron-Bridge exchange checkpoints both ways, Bridge running live (issue 38).
+"""dapo-mcore and NVIDIA Megatron-Bridge exchange checkpoints both ways, Bridge running live.
 
 Run by .ci/tiers/50-bridge.sh only (tests/bridge_live/conftest.py keeps the main suite from collecting this file):
 pytest runs in the project's own environment (megatron-core 0.16.1) and calls Bridge 0.6.2 (megatron-core 0.19.2,

@@ -179,7 +179,7 @@ def prefix_cache_check(out: Path) -> None:
     """The async engine loop's order: an awake engine (never put to sleep, no wake()) on model A generates prompts
     sharing a 40-token prefix (a full 32-token block, so the prefix cache holds it), is updated to model B, and
     generates again: greedy tokens must be Hugging Face B's and the log-probs B's forward's. With the cache left
-    stale the prefix's KV blocks are A's (#35 item 1)."""
+    stale the prefix's KV blocks are A's."""
     cfg, (model_a, model_b) = make_models(True)
     model_dir = out / "model_a"
     model_a.save_pretrained(model_dir)
