@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks import rollout_sim
-from dapo_mcore.config import load_config
 from dapo_mcore.commands.plan import main as plan_main
+from dapo_mcore.config import load_config
 
 pytestmark = pytest.mark.e2e  # two simulations of 3 stages x 2 steps of 24k responses: ~1 min on 2 idle cores
 ROOT = Path(__file__).resolve().parents[1]
