@@ -47,8 +47,8 @@ WORKER_SECTIONS = ("parity", "throughput")
 
 
 def gpu_plan() -> Plan:
-    # 240 s in all, so that one device call (with the wheel install and the copy-back, under 300 s) leaves the
-    # session's device time for a rerun: one benchmark model, two micro-batch budgets, 8 tiny steps.
+    # 240 s in all, so that one run (with the wheel install, under 300 s) leaves time for a rerun within
+    # a 15-minute GPU allowance: one benchmark model, two micro-batch budgets, 8 tiny steps.
     return Plan(
         smoke=False, parity_preset="qwen2.5-0.5b", parity_overrides={}, parity_prompts=8, parity_n=4,
         parity_prompt_len=64, parity_new_tokens=128,

@@ -3,12 +3,12 @@
 #
 #   bash benchmarks/gpu_check.sh prepare    on the development machine (it reaches PyPI): puts the cp312 wheels the
 #                                           device image lacks into .whl/ and the tiny base model into
-#                                           .cache/dapo-mcore/ (both git-ignored; the device call carries them)
-#   bash benchmarks/gpu_check.sh [ARGS]     on the lent GPU machine (no network): installs the carried wheels into
+#                                           .cache/dapo-mcore/ (both git-ignored; copy them to the GPU machine)
+#   bash benchmarks/gpu_check.sh [ARGS]     on the GPU machine (no network needed): installs the wheels into
 #                                           /tmp/site, then runs benchmarks/gpu_check.py ARGS under an overall time
 #                                           limit, logging to $OUT (gpu_check.log + the files gpu_check.py writes)
 #
-# docs/gpu-check.md has the exact device call (carry list, timeout) and what each section measures.
+# docs/gpu-check.md says how to run it and what each section measures.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -39,8 +39,8 @@ prepare() {
         --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
         --platform any -d .whl "megatron-core==$mcore" "${OTHER_WHEELS[@]}"
-    # The tiny DAPO job starts from a pre-trained tiny base (minutes of CPU to build): carry it, keyed as the
-    # runtime keys it, so the device machine gets a cache hit.
+    # The tiny DAPO job starts from a pre-trained tiny base (minutes of CPU to build): copy it, keyed as the
+    # runtime keys it, so the GPU machine gets a cache hit.
     DAPO_MCORE_TARGET="$CACHE" "$py" - <<'EOF'
 import os, shutil
 from pathlib import Path

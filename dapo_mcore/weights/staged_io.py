@@ -1,7 +1,7 @@
 """Sequential file writing through reused, aligned staging buffers, with O_DIRECT and a writer thread.
 
 Why: a buffered write of N new bytes needs N bytes of fresh page-cache pages. On VMs whose free memory is
-handed back to the host (free page reporting, as on the dev VM) every fresh page is a host fault, and
+handed back to the host (free page reporting) every fresh page is a host fault, and
 buffered writes of a 5 GB checkpoint ran at 0.24-0.35 GB/s while O_DIRECT writes of the same bytes from
 reused 64 MB buffers ran at 2.2-3.5 GB/s (docs/conversion.md). O_DIRECT also leaves the page cache alone.
 

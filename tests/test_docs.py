@@ -1,0 +1,29 @@
+"""The user guides describe the product: docs/cluster.md's script table names every job script in slurm/, and no
+guide (README.md, docs/*.md but the history file) cites a development machine's paths or the issue and round
+numbers of the project's making."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GUIDES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "history.md")]
+MAKING = re.compile(r"\bissues? #?\d+|#\d{2}\b|\bround \d+|/work/|shared/notes|\.\./shared/", re.IGNORECASE)
+
+
+@pytest.mark.unit
+def test_cluster_guide_lists_every_sbatch_script():
+    table = [line for line in (ROOT / "docs/cluster.md").read_text().splitlines() if line.startswith("| `")]
+    listed = {line.split("`")[1] for line in table}
+    scripts = {p.name for p in (ROOT / "slurm").glob("*.sbatch")}
+    assert scripts, "no slurm/*.sbatch found"
+    assert not scripts - listed, f"docs/cluster.md's script table misses {sorted(scripts - listed)}"
+
+
+@pytest.mark.unit
+def test_guides_cite_no_development_paths_or_issue_numbers():
+    found = [f"{path.relative_to(ROOT)}:{n}: {m.group(0)!r}"
+             for path in GUIDES for n, line in enumerate(path.read_text().splitlines(), 1)
+             for m in MAKING.finditer(line)]
+    assert not found, "history belongs in docs/history.md:\n" + "\n".join(found)
