@@ -237,3 +237,36 @@ def test_config_refusals(bad, match):
     with pytest.raises(ValueError, match=match):
         AlgoConfig.from_preset("dapo", **bad)
     AlgoConfig.from_preset("dapo", advantage_estimator="rloo", norm_adv_by_std=False)  # the valid form
+
+
+# ---------------------------------------------------------------- the run config
+@pytest.mark.parametrize("overrides,needle", [
+    (["algo.advantage_estimator=rloo"], "set algo.norm_adv_by_std=false"),
+    (["algo.advantage_estimator=rloo", "algo.norm_adv_by_std=false", "rollout.n=1", "algo.dynamic_sampling=false"],
+     "rollout.n=1: algo.advantage_estimator=rloo compares each response with the other responses"),
+    (["algo.objective=gspo", "algo.dual_clip_c=3"], "algo.dual_clip_c=null"),
+    (["algo.objective=ppo"], "valid: ppo_clip, gspo, cispo"),
+])
+def test_run_config_refusals_are_one_line(overrides, needle):
+    from pathlib import Path
+
+    from dapo_mcore.config import ConfigError, load_config
+
+    tiny = Path(__file__).resolve().parents[1] / "examples" / "tiny_cpu.yaml"
+    with pytest.raises(ConfigError) as info:
+        load_config(tiny, overrides).validate(1)
+    assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_run_config_takes_the_objectives_with_dynamic_sampling_and_a_correction():
+    from pathlib import Path
+
+    from dapo_mcore.config import load_config
+
+    chain = Path(__file__).resolve().parents[1] / "examples" / "tiny_cpu_chain.yaml"
+    for extra in (["algo.objective=gspo", "algo.clip_low=3e-4", "algo.clip_high=4e-4"],
+                  ["algo.objective=cispo", "algo.clip_low=1.0", "algo.clip_high=4.0"],
+                  ["algo.advantage_estimator=rloo", "algo.norm_adv_by_std=false"]):
+        cfg = load_config(chain, [*extra, "algo.rollout_correction.preset=seq_mis"])
+        cfg.validate(1)
+        assert cfg.algo.dynamic_sampling and cfg.algo.correction.active
