@@ -1,7 +1,8 @@
 """GSPO, CISPO and RLOO through the Megatron actor's real loss path (tests/dist_scripts/objectives_actor.py).
 
 One update on the same samples from the same HF weights: the gradient the optimizer sees is the same for 1, 2 or 3
-micro-batches and at DP=2 (1 or 2 micro-batches per rank); the update's loss equals a naive float64 per-response loop
+micro-batches and at DP=2 (1 or 2 micro-batches per rank); at PP=2 in the packed layout the update's loss, clip
+fractions and gradient norm are the same; the update's loss equals a naive float64 per-response loop
 on the actor's own log-probs; and the gradient's norm equals that of the naive loop differentiated through Hugging
 Face's own model (float64) on the same weights.
 """
@@ -33,8 +34,11 @@ def runs():
         _wait(one, "objectives actor, DP=1")
         two = _launch([script, str(ws), "two", "1,2"], nproc=2)
         _wait(two, "objectives actor, DP=2")
+        pp = _launch([script, str(ws), "pp", "1,2", "2", "packed"], nproc=2)
+        _wait(pp, "objectives actor, PP=2 packed")
         yield {"ws": ws, "spec": spec, "one": torch.load(ws / "out" / "one_rank0.pt", weights_only=False),
                "two": [torch.load(ws / "out" / f"two_rank{r}.pt", weights_only=False) for r in range(2)],
+               "pp": [torch.load(ws / "out" / f"pp_rank{r}.pt", weights_only=False) for r in range(2)],
                "hf": _hf_grad_norms(ws, spec)}
 
 
@@ -97,6 +101,18 @@ def test_gradient_is_split_invariant(runs, variant):
         assert _rel(res["grad"], ref["grad"]) <= 1e-5, (variant, key)
         for m in ("loss", "clipfrac", "clipfrac_high", "ppo_kl", "grad_norm"):
             assert res["metrics"][m] == pytest.approx(ref["metrics"][m], rel=1e-5, abs=1e-7), (variant, key, m)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_pipeline_parallel_packed_update_matches(runs, variant):
+    """PP=2 with packed micro-batches: each stage holds half the model, so the per-rank gradients are not the whole
+    vector; the update's loss, clip fractions and (PP-reduced) gradient norm must match the single-process update."""
+    ref = runs["one"][(variant, 1)]["metrics"]
+    for r in range(2):
+        for n in (1, 2):
+            got = runs["pp"][r][(variant, n)]["metrics"]
+            for m in ("loss", "clipfrac", "clipfrac_high", "ppo_kl", "grad_norm"):
+                assert got[m] == pytest.approx(ref[m], rel=1e-5, abs=1e-7), (variant, r, n, m)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

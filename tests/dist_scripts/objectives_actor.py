@@ -1,9 +1,10 @@
 """The GSPO, CISPO and RLOO updates through the Megatron actor at several micro-batch splits and data-parallel sizes.
 
-usage: [torchrun --nproc_per_node P] python objectives_actor.py WS NAME COUNTS
+usage: [torchrun --nproc_per_node P] python objectives_actor.py WS NAME COUNTS [PP [LAYOUT]]
 
 COUNTS: comma-separated micro-batch counts per rank (e.g. "1,2,3"). For each variant of ``VARIANTS`` and each count,
-a fresh actor (TP=PP=1, DP = the world size) from the workspace's HF weights runs one ``train_mini_batch`` on the
+a fresh actor (TP=1, PP (default 1), DP = the rest of the world; LAYOUT rows (default) | packed | thd) from the
+workspace's HF weights runs one ``train_mini_batch`` on the
 spec's ``update1`` samples with ``actor.micro_batch_tokens`` chosen to give that many micro-batches; the gradient the
 optimizer sees (the DP-reduced ``main_grad``) is captured, with the update's metrics and the actor's log-probs before
 the update. Written to WS/out/NAME_rank<R>.pt.
@@ -52,13 +53,14 @@ def budget_for(batch, count: int, dp: int) -> int:
     raise AssertionError(f"no token budget gives {count} micro-batches")
 
 
-def run(ws: Path, spec: dict, variant: str, count: int, dp: int) -> dict:
+def run(ws: Path, spec: dict, variant: str, count: int, dp: int, pp: int = 1, layout: str = "rows") -> dict:
     overrides, estimator = VARIANTS[variant]
     spec = copy.deepcopy(spec)
     spec["algo"] = {**spec["algo"], **overrides}
     batch = samples_for(spec, estimator)
     spec["micro_batch_tokens"] = budget_for(batch, count, dp)
-    actor = c.make_actor(ws, spec, 1, 1)
+    actor = c.make_actor(ws, spec, 1, pp)
+    actor.layout = layout
     assert len(actor._my_micro_batches(batch)) == count
     logps, _ = actor.compute_logprobs(batch)
     grads: list[torch.Tensor] = []
@@ -76,9 +78,11 @@ def run(ws: Path, spec: dict, variant: str, count: int, dp: int) -> dict:
 
 def main() -> None:
     ws, name, counts = Path(sys.argv[1]), sys.argv[2], [int(x) for x in sys.argv[3].split(",")]
+    pp = int(sys.argv[4]) if len(sys.argv) > 4 else 1
+    layout = sys.argv[5] if len(sys.argv) > 5 else "rows"
     spec = c.read_spec(ws)
     env = c.start()
-    results = {(v, n): run(ws, spec, v, n, env.world_size) for v in VARIANTS for n in counts}
+    results = {(v, n): run(ws, spec, v, n, env.world_size // pp, pp, layout) for v in VARIANTS for n in counts}
     c.save(results, ws / "out" / f"{name}_rank{env.rank}.pt")
     from dapo_mcore.actor.parallel import shutdown
 
