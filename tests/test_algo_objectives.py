@@ -270,3 +270,19 @@ def test_run_config_takes_the_objectives_with_dynamic_sampling_and_a_correction(
         cfg = load_config(chain, [*extra, "algo.rollout_correction.preset=seq_mis"])
         cfg.validate(1)
         assert cfg.algo.dynamic_sampling and cfg.algo.correction.active
+
+
+def test_the_trainer_computes_the_configured_estimator():
+    """Trainer.make_samples: rloo's leave-one-out advantages reach the samples (grpo's would differ)."""
+    from types import SimpleNamespace
+
+    from dapo_mcore.trainer import Trainer
+
+    rewards = [1.0, -1.0, -1.0, 1.0, 1.0]
+    resp = [SimpleNamespace(length=2, finish_reason="stop", token_ids=[5, 6], logprobs=[-0.1, -0.2], stale_tokens=0,
+                            routed_experts=None) for _ in rewards]
+    group = SimpleNamespace(rewards=rewards, responses=resp, prompt_ids=[3])
+    cfg = SimpleNamespace(algo=AlgoConfig(advantage_estimator="rloo", norm_adv_by_std=False))
+    got = [s.advantage for s in Trainer.make_samples(SimpleNamespace(cfg=cfg), [group])]
+    want = [r - (sum(rewards) - r) / 4 for r in rewards]
+    assert got == pytest.approx(want, rel=1e-6)
