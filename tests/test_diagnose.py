@@ -261,7 +261,7 @@ def test_gspo_sequence_clip_fraction_is_not_judged_by_token_thresholds():
     assert f.level == "info" and "sequence scale" in f.evidence and "20.0%" in f.evidence
     most = with_series(healthy(), keys.TRAIN_CLIPFRAC, lambda s, f: 0.7)
     (f,) = findings(most, gspo)["clip-high"]
-    assert f.level == "warn" and "most sequences" in f.message
+    assert f.level == "warn" and "most sequences" in f.message and "now 0.0003 / 0.0004" in f.advice
     cispo = dict(CFG, algo={"clip_high": 4.0, "clip_low": 1.0, "objective": "cispo"})
     assert "clip-high" not in findings(with_series(healthy(), keys.TRAIN_CLIPFRAC_HIGH, lambda s, f: 0.0), cispo)
     (f,) = findings(with_series(healthy(), keys.TRAIN_CLIPFRAC_HIGH, lambda s, f: 0.12), cispo)["clip-high"]

@@ -259,8 +259,9 @@ def _gspo_clip(run: Run) -> list[Finding]:
                 f"GRPO's token clip fraction)")
     if sum(v >= GSPO_CLIP_ALWAYS for v in values) >= 0.9 * len(values):
         return [Finding("clip-high", "warn", rng, "GSPO clips most sequences in nearly every step", evidence,
-                        "most sequences train with no gradient: lower optim.lr, or widen algo.clip_low/clip_high "
-                        "(the GSPO paper: 3e-4 / 4e-4)")]
+                        f"most sequences train with no gradient: lower optim.lr, or widen algo.clip_low/clip_high "
+                        f"(now {run.cfg('algo', 'clip_low')} / {run.cfg('algo', 'clip_high')}; the GSPO paper's "
+                        f"are 3e-4 / 4e-4)")]
     return [Finding("clip-high", "info", rng, "GSPO sequence clip fraction", evidence,
                     "nothing to do: token thresholds do not apply to a sequence clip")]
 
