@@ -65,9 +65,10 @@ TINY_MOE_BASE: dict[str, Any] = dict(
 """A trainable tiny Qwen3-MoE on the tiny tokenizer's 32-token vocabulary (4 experts, top-2, both layers sparse)."""
 
 
-def save_tiny_moe_base(out_dir: str | Path, steps: int = 200, seed: int = 0) -> Path:
+def save_tiny_moe_base(out_dir: str | Path, steps: int = 200, seed: int = 0, settings: Any = None) -> Path:
     """A tiny Qwen3-MoE pre-trained on the max4 corpus like the embedded tiny base (`data.base_model.pretrain`),
-    saved with the tiny tokenizer: a directory that `dapo-mcore train model.hf_path=...` takes."""
+    saved with the tiny tokenizer: a directory that `dapo-mcore train model.hf_path=...` takes. ``settings``
+    (a ``TinyBaseSettings``, e.g. a run config's ``tiny_base`` for another task) replaces steps and seed."""
     import transformers
 
     from dapo_mcore.data.base_model import pretrain
@@ -82,7 +83,7 @@ def save_tiny_moe_base(out_dir: str | Path, steps: int = 200, seed: int = 0) -> 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the weights must not depend on the caller's thread count
     try:
-        pretrain(model, tokenizer, TinyBaseSettings(steps=steps, seed=seed))
+        pretrain(model, tokenizer, settings if settings is not None else TinyBaseSettings(steps=steps, seed=seed))
     finally:
         torch.set_num_threads(threads)
     out = Path(out_dir)

@@ -124,7 +124,8 @@ class Trainer:
         """Group-normalized advantages broadcast to every token of each response (+ the overlong filter mask)."""
         a = self.cfg.algo
         rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
-        adv = group_advantages(rewards, norm_by_std=a.norm_adv_by_std, eps=a.adv_eps)
+        adv = group_advantages(rewards, norm_by_std=a.norm_adv_by_std, eps=a.adv_eps,
+                               estimator=a.advantage_estimator)
         samples = []
         for gi, g in enumerate(groups):
             for ri, resp in enumerate(g.responses):

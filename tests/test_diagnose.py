@@ -248,3 +248,21 @@ def test_pipeline_rule_stays_out_of_a_sync_runs_report():
     """The async mode's rule neither runs on a sync run nor is listed as skipped (its metrics are not missing)."""
     d = diagnose(Run(healthy(), CFG))
     assert "pipeline" not in d.skipped and "pipeline" not in d.ok and not [f for f in d.findings if f.rule == "pipeline"]
+
+
+def test_gspo_sequence_clip_fraction_is_not_judged_by_token_thresholds():
+    """GSPO clips sequences: 20% of tokens in clipped sequences (a warning for a token clip) is an info finding;
+    a majority every step warns; cispo's truncated weights warn only when many, every step."""
+    gspo = dict(CFG, algo={"clip_high": 4e-4, "clip_low": 3e-4, "objective": "gspo"})
+    usual = with_series(with_series(healthy(), keys.TRAIN_CLIPFRAC, lambda s, f: 0.2),
+                        keys.TRAIN_CLIPFRAC_HIGH, lambda s, f: 0.12)
+    assert findings(usual)["clip-high"][0].level == "warn"  # the same numbers under ppo_clip
+    (f,) = findings(usual, gspo)["clip-high"]
+    assert f.level == "info" and "sequence scale" in f.evidence and "20.0%" in f.evidence
+    most = with_series(healthy(), keys.TRAIN_CLIPFRAC, lambda s, f: 0.7)
+    (f,) = findings(most, gspo)["clip-high"]
+    assert f.level == "warn" and "most sequences" in f.message and "now 0.0003 / 0.0004" in f.advice
+    cispo = dict(CFG, algo={"clip_high": 4.0, "clip_low": 1.0, "objective": "cispo"})
+    assert "clip-high" not in findings(with_series(healthy(), keys.TRAIN_CLIPFRAC_HIGH, lambda s, f: 0.0), cispo)
+    (f,) = findings(with_series(healthy(), keys.TRAIN_CLIPFRAC_HIGH, lambda s, f: 0.12), cispo)["clip-high"]
+    assert f.level == "warn" and "1+clip_high=5" in f.evidence

@@ -136,3 +136,24 @@ def test_tis_figure_only_for_runs_that_log_it(tmp_path, caplog):
         r.update({"mismatch/tis_mean": 0.98, "mismatch/tis_clip_frac": 0.01})
     path = report._line_figure(records, next(p for p in report.PANELS if p.name == "tis"), tmp_path, 1)
     assert path is not None and path.name == "tis.png" and path.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("objective,ylabel,title", [
+    ("gspo", "fraction of tokens in clipped sequences", "GSPO: whole sequences"),
+    ("cispo", "fraction of tokens", "CISPO: the tokens keep their gradient"),
+    (None, "fraction of tokens", "Clip fractions")])
+def test_clip_figure_reads_the_runs_objective(tmp_path, monkeypatch, objective, ylabel, title):
+    """GSPO's clip fraction counts tokens of clipped sequences: its figure says so (axis and title), from the run's
+    config.yaml; CISPO's names the truncated weights; a run without the key keeps the token clip figure."""
+    run = tmp_path / "run"
+    with MetricsWriter(run) as w:
+        for s in (1, 2, 3):
+            w.log(s, {keys.TRAIN_CLIPFRAC: 0.1 * s, keys.TRAIN_CLIPFRAC_LOW: 0.01, keys.TRAIN_CLIPFRAC_HIGH: 0.1 * s})
+    (run / "config.yaml").write_text(f"algo:\n  objective: {objective}\n" if objective else "algo: {}\n")
+    drawn = {}
+    real_save = report._save
+    monkeypatch.setattr(report, "_save", lambda fig, path, layout=True: drawn.setdefault(path.name, fig) and
+                        real_save(fig, path, layout))
+    report.write_report(run)
+    ax = drawn["clipfrac.png"].axes[0]
+    assert ax.get_ylabel() == ylabel and title in ax.get_title()

@@ -118,7 +118,8 @@ def dapo_loss(mb: MicroBatch, logits: torch.Tensor, *, algo: Any, temperature: f
     loss, metrics = policy_loss(
         logp, mb.old_logp, mb.adv, mb.loss_mask, clip_low=algo.clip_low, clip_high=algo.clip_high,
         dual_clip_c=algo.dual_clip_c, agg=algo.loss_agg, global_tokens=global_tokens,
-        global_seqs=global_seqs, max_response_len=max_response_len, tis_weights=weights, keep=keep)
+        global_seqs=global_seqs, max_response_len=max_response_len, tis_weights=weights, keep=keep,
+        objective=algo.objective)
     ent = mb.gather_responses(token_entropy(logits, temperature, vocab_size))
     metrics["entropy"] = masked_entropy_contrib(ent, loss_mask, global_tokens)
     metrics.update(extra)

@@ -1,4 +1,5 @@
-"""Algorithm settings of DAPO (and the GRPO baseline): clipping, loss aggregation, sampling, shaping.
+"""Algorithm settings of DAPO (and the GRPO, GSPO, CISPO and RLOO variants): objective, clipping, loss aggregation,
+advantages, sampling, shaping.
 
 Pure configuration: no torch, no process groups. ``AlgoConfig.from_preset("dapo")`` gives the paper's
 recipe; ``validate()`` refuses settings DAPO does not have (KL and entropy terms) with the fix in the message.
@@ -16,10 +17,26 @@ BUILTIN_LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", 
 """The aggregation modes ``algo.loss`` registers (a test keeps the two equal): a config naming one of them is
 checked without importing torch; any other name is looked up in the registry (a mode registered by the user)."""
 
+OBJECTIVES = ("ppo_clip", "gspo", "cispo")
+"""``algo.loss.OBJECTIVES`` (a test keeps the two equal), here so a config is checked without importing torch."""
+
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
+"""``algo.advantages.ESTIMATORS`` (a test keeps the two equal)."""
+
 
 @dataclass
 class AlgoConfig:
     """DAPO algorithm configuration (defaults: the paper's 32B recipe)."""
+
+    objective: str = "ppo_clip"
+    """Policy objective: ppo_clip (DAPO/GRPO: the clipped token ratio), gspo (GSPO: the clipped sequence ratio, the
+    length-normalized mean of the token log-ratios; preset gspo), cispo (CISPO: the clipped importance weight times
+    the log-prob, no token's gradient dropped; preset cispo). clip_low/clip_high bound each objective's ratio."""
+
+    advantage_estimator: str = "grpo"
+    """Outcome advantages per group: grpo (reward minus the group mean, divided by the group std when
+    norm_adv_by_std) or rloo (reward minus the mean of the other responses' rewards; needs rollout.n >= 2 and
+    norm_adv_by_std=false)."""
 
     clip_low: float = 0.2
     """epsilon_low: the ratio is clipped below at 1 - clip_low (DAPO and GRPO: 0.2)."""
@@ -90,8 +107,10 @@ class AlgoConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the fix for any inconsistent setting."""
-        if not 0.0 < self.clip_low < 1.0:
-            raise ValueError(f"algo.clip_low={self.clip_low} must be in (0, 1); DAPO uses 0.2")
+        self._validate_objective()
+        if not (0.0 < self.clip_low < 1.0 or (self.objective == "cispo" and self.clip_low == 1.0)):
+            raise ValueError(f"algo.clip_low={self.clip_low} must be in (0, 1) (cispo: (0, 1], 1 = no lower bound); "
+                             "DAPO uses 0.2")
         if self.clip_high <= 0.0:
             raise ValueError(f"algo.clip_high={self.clip_high} must be > 0; DAPO uses 0.28, GRPO 0.2")
         if self.dual_clip_c is not None and self.dual_clip_c <= 1.0:
@@ -136,6 +155,18 @@ class AlgoConfig:
             raise ValueError(f"algo.tis_cap={self.tis_cap} and algo.rollout_correction both set a correction; keep one "
                              f"(algo.tis_cap=C is algo.rollout_correction.preset=token_tis with is_threshold=C)")
 
+    def _validate_objective(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"algo.objective={self.objective!r} is unknown; valid: {', '.join(OBJECTIVES)}")
+        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"algo.advantage_estimator={self.advantage_estimator!r} is unknown; valid: "
+                             f"{', '.join(ADVANTAGE_ESTIMATORS)}")
+        if self.advantage_estimator == "rloo" and self.norm_adv_by_std:
+            raise ValueError("algo.advantage_estimator=rloo takes no std normalization: set algo.norm_adv_by_std=false")
+        if self.dual_clip_c is not None and self.objective != "ppo_clip":
+            raise ValueError(f"algo.dual_clip_c={self.dual_clip_c} belongs to the ppo_clip objective; set "
+                             f"algo.dual_clip_c=null with algo.objective={self.objective}")
+
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> AlgoConfig:
         """Build a validated config from a named preset (``PRESETS``) with field overrides."""
@@ -167,5 +198,21 @@ PRESETS: dict[str, dict[str, Any]] = {
         "overlong_shaping": False,
         "overlong_filter": False,
     },
+    "gspo": {
+        "objective": "gspo",
+        "clip_low": 3e-4,
+        "clip_high": 4e-4,
+        "loss_agg": "seq-mean-token-mean",
+    },
+    "cispo": {
+        "objective": "cispo",
+        "clip_low": 1.0,
+        "clip_high": 4.0,
+        "loss_agg": "token-mean",
+    },
 }
-"""Named recipes: "dapo" (the paper) and "grpo" (the naive baseline of its ablation table)."""
+"""Named recipes: "dapo" (the paper) and "grpo" (the naive baseline of its ablation table); "gspo" (GSPO, Zheng et
+al. 2025, arXiv:2507.18071: sequence ratio clipped to [1 - 3e-4, 1 + 4e-4], sequence-mean loss) and "cispo" (CISPO,
+MiniMax-M1, arXiv:2506.13585: token-level normalization, no lower bound on the weight; the upper bound 1 + 4 that
+MiniMax-M1 does not publish is ScaleRL's, arXiv:2510.13786). The rest of each recipe is DAPO's (dynamic sampling,
+overlong shaping); docs/algorithms.md gives the sources."""

@@ -1,4 +1,13 @@
-"""The DAPO clipped policy-gradient loss and its aggregation modes (pure torch).
+"""The policy-gradient loss (DAPO's clipped token ratio, GSPO, CISPO) and its aggregation modes (pure torch).
+
+Objectives (``policy_loss(objective=...)``, :data:`OBJECTIVES`):
+
+* ``ppo_clip``: PPO's clipped token ratio ``r_t = exp(logp_t - old_logp_t)`` (DAPO, GRPO).
+* ``gspo``: GSPO's sequence ratio ``s_i = exp(mean_t (logp_t - old_logp_t))`` over the response's tokens, used for every
+  token as ``sg(s_i) * exp(logp_t - sg(logp_t))`` (value ``s_i``, gradient ``s_i`` times that of ``logp_t``) in the same
+  clipped surrogate; with ``seq-mean-token-mean`` this is GSPO's sequence objective, value and gradient.
+* ``cispo``: CISPO (MiniMax-M1): ``-sg(clip(r_t)) * A * logp_t``: the clip bounds the importance weight, it never
+  zeroes a token's gradient.
 
 Shapes: every tensor is ``[B, T]``: one row per response, response tokens only, ``mask`` 1 on real tokens
 (all-zero rows are allowed: empty or overlong-filtered responses). ``advantages`` may also be ``[B]``.
@@ -127,6 +136,44 @@ def clipped_token_loss(
     return loss, clip_active, dual_active
 
 
+OBJECTIVES = ("ppo_clip", "gspo", "cispo")
+"""The policy objectives :func:`policy_loss` knows (``algo.objective``)."""
+
+
+def sequence_log_ratio(log_ratio: Tensor, mask: Tensor) -> Tensor:
+    """GSPO's ``log s_i``: the mean of ``log_ratio [B, T]`` over each row's masked-in tokens, ``[B, 1]`` (0 on empty
+    rows). Every response lies whole in one micro-batch row, so this is the same whatever the split."""
+    return (log_ratio * mask).sum(dim=-1, keepdim=True) / mask.sum(dim=-1, keepdim=True).clamp(min=1)
+
+
+def objective_token_loss(objective: str, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
+                         clip_low: float, clip_high: float, dual_clip_c: float | None
+                         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(token_loss, clip_active, dual_active, ratio)`` of one objective, all ``[B, T]``; ``mask`` already holds
+    ``keep``. ``clip_active`` marks where the clip bound is active: for ppo_clip and gspo where the clipped branch is
+    the larger loss (gspo: per sequence, on each of its tokens), for cispo where the weight was truncated.
+    ``ratio`` is the (detached) ratio the clip reads, for logging."""
+    log_ratio = logp - old_logp
+    if objective == "ppo_clip":
+        ratio = torch.exp(log_ratio)
+        loss, clip_active, dual_active = clipped_token_loss(ratio, advantages, clip_low, clip_high, dual_clip_c)
+        return loss, clip_active, dual_active, ratio.detach()
+    if dual_clip_c is not None:
+        raise ValueError(f"dual_clip_c={dual_clip_c} belongs to the ppo_clip objective; set it to None for "
+                         f"objective={objective!r}")
+    if objective == "gspo":
+        seq = torch.exp(sequence_log_ratio(log_ratio, mask).detach())
+        ratio = seq * torch.exp(logp - logp.detach())  # value s_i, d/dlogp_t = s_i
+        loss, clip_active, dual_active = clipped_token_loss(ratio, advantages, clip_low, clip_high, None)
+        return loss, clip_active, dual_active, seq.expand_as(logp)
+    if objective == "cispo":
+        ratio = torch.exp(log_ratio.detach())
+        weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+        clip_active = weight != ratio
+        return -weight * advantages * logp, clip_active, torch.zeros_like(clip_active), ratio
+    raise ValueError(f"unknown objective {objective!r}; valid: {', '.join(OBJECTIVES)}")
+
+
 def policy_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -142,16 +189,18 @@ def policy_loss(
     max_response_len: int | None = None,
     tis_weights: Tensor | None = None,
     keep: Tensor | None = None,
+    objective: str = "ppo_clip",
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """DAPO policy loss contribution of one micro-batch.
+    """Policy loss contribution of one micro-batch (the objective's token loss, then the aggregation).
 
     Args:
         logp: ``[B, T]`` log-probs of the sampled tokens under the current policy (requires grad).
         old_logp: ``[B, T]`` log-probs under the policy that generated the batch (no grad).
         advantages: ``[B, T]`` or ``[B]`` advantages (the outcome advantage broadcast to every token).
         mask: ``[B, T]`` 1 on real response tokens, 0 on padding (and on overlong-filtered rows).
-        clip_low, clip_high: ratio clipped to ``[1 - clip_low, 1 + clip_high]`` (DAPO: 0.2, 0.28).
-        dual_clip_c: for A < 0, cap the token loss at ``-A * c`` (c > 1); None disables it.
+        clip_low, clip_high: ratio clipped to ``[1 - clip_low, 1 + clip_high]`` (DAPO: 0.2, 0.28; GSPO: 3e-4, 4e-4
+            on the sequence ratio; CISPO: the importance weight's bounds).
+        dual_clip_c: for A < 0, cap the token loss at ``-A * c`` (c > 1); None disables it (ppo_clip only).
         agg: a registered aggregation mode (:func:`loss_agg_names`).
         global_tokens, global_seqs: mini-batch totals (:func:`loss_denominators`, summed and all-reduced).
         max_response_len: the constant horizon of ``seq-mean-token-sum-norm``.
@@ -160,7 +209,8 @@ def policy_loss(
             rollout-correction weights (``dapo_mcore.algo.rollout_correction.correction``).
         keep: optional ``[B, T]`` rejection mask (``correction``'s ``keep``): a token with keep 0 leaves the loss
             and every metric, so ``global_tokens``/``global_seqs`` must count ``mask * keep``
-            (:func:`loss_denominators` of it).
+            (:func:`loss_denominators` of it). GSPO's sequence ratio is the mean over the kept tokens.
+        objective: one of :data:`OBJECTIVES` (module docstring).
 
     Returns:
         ``(loss, metrics)``: the scalar loss contribution and detached metric contributions
@@ -178,8 +228,8 @@ def policy_loss(
         mask = mask * keep.detach().to(logp.dtype)
     old_logp = old_logp.detach()
     advantages = advantages.detach().to(logp.dtype).expand_as(logp)
-    ratio = torch.exp(logp - old_logp)
-    token_loss, clip_active, dual_active = clipped_token_loss(ratio, advantages, clip_low, clip_high, dual_clip_c)
+    token_loss, clip_active, dual_active, ratio = objective_token_loss(objective, logp, old_logp, advantages, mask,
+                                                                   clip_low, clip_high, dual_clip_c)
     if tis_weights is not None:
         token_loss = token_loss * tis_weights.detach().to(logp.dtype)
     loss = agg_fn(token_loss, mask, global_tokens=global_tokens, global_seqs=global_seqs,
@@ -191,8 +241,8 @@ def policy_loss(
     metrics = {
         "pg_loss": loss.detach(),
         "clipfrac": frac(clip_active),
-        "clipfrac_low": frac(clip_active & (advantages < 0)),
-        "clipfrac_high": frac(clip_active & (advantages > 0)),
+        "clipfrac_low": frac(clip_active & (ratio < 1.0)),  # ppo_clip/gspo: = clipped with A < 0
+        "clipfrac_high": frac(clip_active & (ratio > 1.0)),
         "dual_clipfrac": frac(dual_active),
         "ppo_kl": ((old_logp - logp.detach()) * mask).sum() / global_tokens,
     }

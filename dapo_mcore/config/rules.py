@@ -162,6 +162,9 @@ def validate_rollout(cfg: Config) -> None:
     if r.n < 2 and cfg.algo.dynamic_sampling:
         raise ConfigError("rollout.n=1 makes every group all-right or all-wrong, so dynamic sampling keeps nothing; "
                           "use rollout.n >= 2 or algo.dynamic_sampling=false.")
+    if r.n < 2 and cfg.algo.advantage_estimator == "rloo":
+        raise ConfigError(f"rollout.n={r.n}: algo.advantage_estimator=rloo compares each response with the other "
+                          "responses to its prompt; use rollout.n >= 2 or algo.advantage_estimator=grpo.")
     _at_least(("rollout.gen_batch_prompts", r.gen_batch_prompts, 1), ("rollout.max_new_tokens", r.max_new_tokens, 1))
     if not cfg.algo.dynamic_sampling and r.gen_batch_prompts != cfg.train.prompts_per_step:
         what = "train on fewer groups" if r.gen_batch_prompts < cfg.train.prompts_per_step else "drop the surplus groups"

@@ -36,6 +36,10 @@ USABLE_LOW = 0.2
 ENTROPY_COLLAPSE = 0.2
 SOLVED_ACC = 0.9
 CLIP_HIGH_ALWAYS = 0.05
+GSPO_CLIP_ALWAYS = 0.5
+"""GSPO clips whole sequences, so its clip fraction (tokens of clipped sequences) reads on a sequence scale: the GSPO
+paper reports two orders of magnitude more clipped tokens than GRPO. Only a majority of clipped tokens every step
+warns."""
 TRUNCATED_HIGH = 0.1
 MISMATCH_FLOOR = 1e-3
 MISMATCH_GROWTH = 4.0
@@ -217,10 +221,15 @@ def rule_entropy(run: Run) -> list[Finding]:
 
 
 def rule_clip_high(run: Run) -> list[Finding]:
-    """Clip-Higher never binding (it changes nothing) or binding on many tokens every step (steps too large)."""
+    """Clip-Higher never binding (it changes nothing) or binding on many tokens every step (steps too large).
+    GSPO (algo.objective=gspo) is judged on its own, sequence scale (:func:`_gspo_clip`)."""
+    if run.cfg("algo", "objective") == "gspo":
+        return _gspo_clip(run)
     steps, values = run.series(keys.TRAIN_CLIPFRAC_HIGH)
     if len(values) < MIN_STEPS:
         return []
+    if run.cfg("algo", "objective") == "cispo":
+        return _cispo_clip(run, steps, values)
     eps = run.cfg("algo", "clip_high")
     bound = f"1+clip_high={1 + eps:g}" if isinstance(eps, int | float) else "1+clip_high"
     rng = f"{steps[0]}-{steps[-1]}"
@@ -236,6 +245,36 @@ def rule_clip_high(run: Run) -> list[Finding]:
                         "each update moves the policy past the trust region: lower optim.lr"
                         + ("" if _updates(run) == 1 else " or use fewer mini-batches per step "
                            "(train.mini_batch_prompts closer to train.prompts_per_step)"))]
+    return []
+
+
+def _gspo_clip(run: Run) -> list[Finding]:
+    """GSPO: train/clipfrac counts the tokens of the sequences whose ratio left [1-clip_low, 1+clip_high]."""
+    steps, values = run.series(keys.TRAIN_CLIPFRAC)
+    if len(values) < MIN_STEPS:
+        return []
+    rng, med = f"{steps[0]}-{steps[-1]}", _median(values)
+    evidence = (f"train/clipfrac (tokens of clipped sequences) median {med:.1%} over {len(values)} steps; GSPO clips "
+                f"whole sequences, so this reads on a sequence scale (the GSPO paper: two orders of magnitude above "
+                f"GRPO's token clip fraction)")
+    if sum(v >= GSPO_CLIP_ALWAYS for v in values) >= 0.9 * len(values):
+        return [Finding("clip-high", "warn", rng, "GSPO clips most sequences in nearly every step", evidence,
+                        f"most sequences train with no gradient: lower optim.lr, or widen algo.clip_low/clip_high "
+                        f"(now {run.cfg('algo', 'clip_low')} / {run.cfg('algo', 'clip_high')}; the GSPO paper's "
+                        f"are 3e-4 / 4e-4)")]
+    return [Finding("clip-high", "info", rng, "GSPO sequence clip fraction", evidence,
+                    "nothing to do: token thresholds do not apply to a sequence clip")]
+
+
+def _cispo_clip(run: Run, steps: list[int], values: list[float]) -> list[Finding]:
+    """CISPO: clipfrac_high counts tokens whose importance weight was truncated; they keep their gradient."""
+    eps = run.cfg("algo", "clip_high")
+    bound = f"1+clip_high={1 + eps:g}" if isinstance(eps, int | float) else "1+clip_high"
+    med, rng = _median(values), f"{steps[0]}-{steps[-1]}"
+    if sum(v > 0 for v in values) >= 0.9 * len(values) and med >= CLIP_HIGH_ALWAYS:
+        return [Finding("clip-high", "warn", rng, "CISPO truncates the importance weight of many tokens every step",
+                        f"train/clipfrac_high median {med:.1%} of tokens with weights truncated at {bound}",
+                        "the policy moves far from the one that sampled within a step: lower optim.lr")]
     return []
 
 

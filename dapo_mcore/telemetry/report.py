@@ -322,8 +322,12 @@ def write_report(run_dir: Path, out: Path | None = None, smooth: int = 1,
     records = load_run(run_dir)
     out = Path(out) if out is not None else Path(run_dir) / "figures"
     out.mkdir(parents=True, exist_ok=True)
-    max_len = _max_new_tokens(Path(run_dir))
-    written = [_line_figure(records, panel, out, smooth, max_len) for panel in PANELS]
+    cfg = _run_config(Path(run_dir))
+    value = cfg.get("rollout", {}).get("max_new_tokens")
+    max_len = value if isinstance(value, int) else None
+    objective = cfg.get("algo", {}).get("objective", "ppo_clip")
+    panels = [clip_panel(objective) if p.name == "clipfrac" else p for p in PANELS]
+    written = [_line_figure(records, panel, out, smooth, max_len) for panel in panels]
     written.append(cost_figure(records, out))
     written.append(pipeline_figure(records, out, pipeline_steps))
     written.append(correction_figure(records, out, smooth))
@@ -345,8 +349,9 @@ def moe_figure(records: Sequence[dict[str, Any]], out: Path, smooth: int) -> Pat
     return _line_figure(records, MOE_PANEL, out, smooth)
 
 
-def _max_new_tokens(run_dir: Path) -> int | None:
-    """rollout.max_new_tokens of the run's resolved config (the response-length limit line), if readable."""
+def _run_config(run_dir: Path) -> dict[str, dict[str, Any]]:
+    """The run's resolved config (config.yaml) as nested dicts; {} where it is missing or unreadable (the figures
+    then go without the response-length line and with the ppo_clip clip labels)."""
     import yaml
 
     path = run_dir / "config.yaml"
@@ -354,9 +359,25 @@ def _max_new_tokens(run_dir: Path) -> int | None:
         cfg = yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else None
     except (yaml.YAMLError, UnicodeDecodeError) as err:
         logger.warning("%s is unreadable (%s): response_length.png has no max-length line", path, err)
-        return None
-    value = cfg.get("rollout", {}).get("max_new_tokens") if isinstance(cfg, dict) else None
-    return value if isinstance(value, int) else None
+        return {}
+    return {k: v for k, v in cfg.items() if isinstance(v, dict)} if isinstance(cfg, dict) else {}
+
+
+def clip_panel(objective: str) -> Panel:
+    """The clip-fraction figure in the objective's terms: GSPO clips whole sequences (its fraction counts their
+    tokens, on a sequence scale), CISPO truncates importance weights (the tokens keep their gradient)."""
+    base = next(p for p in PANELS if p.name == "clipfrac")
+    if objective == "gspo":
+        return Panel("clipfrac", "Clip fractions (GSPO: whole sequences, sequence ratio s_i)",
+                     "fraction of tokens in clipped sequences", (
+                         (keys.TRAIN_CLIPFRAC, "all"), (keys.TRAIN_CLIPFRAC_LOW, "low (s_i < 1-eps_low)"),
+                         (keys.TRAIN_CLIPFRAC_HIGH, "high (s_i > 1+eps_high)")))
+    if objective == "cispo":
+        return Panel("clipfrac", "Truncated importance weights (CISPO: the tokens keep their gradient)",
+                     "fraction of tokens", (
+                         (keys.TRAIN_CLIPFRAC, "all"), (keys.TRAIN_CLIPFRAC_LOW, "low (r < 1-eps_low)"),
+                         (keys.TRAIN_CLIPFRAC_HIGH, "high (r > 1+eps_high)")))
+    return base
 
 
 def run_labels(run_dirs: Sequence[Path]) -> list[str]:
