@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench
 from dapo_mcore import plan_disagg  # noqa: E402
 from dapo_mcore.step_model import (  # noqa: E402
     ASYNC_VARIANTS,
+    COMPLETION_VARIANTS,
     STAGES_32B,
     SYNC_VARIANTS,
     SimSettings,
@@ -100,10 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_ranking:
         rows = [(v, None, mean_step(v, None, p, pr, st)) for v in SYNC_VARIANTS if v != "today"]
         rows.append(("today", None, paper_s))
-        done = SimSettings(steps=args.steps, seed=args.seed, order="completion")
-        rows += [(v + "@done", None, mean_step(v, None, p, pr, done)) for v in ("sync_stream", "sync_partial")]
+        rows += [(v, None, mean_step(v, None, p, pr, st)) for v in COMPLETION_VARIANTS if v.startswith("sync")]
         if split is not None and split.fits:
             rows += [(v, split, mean_step(v, split, p, pr, st)) for v in ASYNC_VARIANTS]
+            rows += [(v, split, mean_step(v, split, p, pr, st)) for v in COMPLETION_VARIANTS if v.startswith("async")]
         lines.append(f"\n{'rank':<6}{'variant':<20}{'layout':<22}{'min/step':>9}{'paper/':>8}")
         for i, (v, s, t) in enumerate(sorted(rows, key=lambda r: r[2]), 1):
             layout = "colocated" if s is None else f"async {s.engine_gpus}+{s.trainer_gpus}"

@@ -109,6 +109,8 @@ from ~1k to ~5k tokens, the share of all-correct prompts grows, a hard core stay
 
 SYNC_VARIANTS = ("today", "today_chunked", "sync_stream", "sync_partial", "sync_stream_rr", "sync_partial_rr")
 ASYNC_VARIANTS = ("async", "async_stream", "async_partial")
+COMPLETION_VARIANTS = ("sync_stream_done", "sync_partial_done", "async_stream_done", "async_partial_done")
+"""``rollout.schedule.order: completion``: the whole round streams over every engine, groups decided as they end."""
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,9 @@ def variants_of(cfg: Any) -> tuple[str, str]:
     """(the colocated variant, the async variant) that run ``cfg``'s rollout schedule: batch-and-filter, streaming
     with abort, or partial rollouts."""
     s = cfg.rollout.schedule
+    if s.streaming and s.order == "completion":
+        kind = "partial" if s.partial else "stream"
+        return f"sync_{kind}_done", f"async_{kind}_done"
     if s.partial:
         return "sync_partial_rr", "async_partial"
     if s.streaming:
@@ -162,6 +167,9 @@ def generation(variant: str, pool: PromptPool, recipe: Recipe, model: EngineMode
             res = batch_and_filter_step(pool, recipe, model)
         elif variant == "today_chunked":
             res = batch_and_filter_step(pool, recipe, model, chunk=st.chunk_prompts)
+        elif variant.endswith("_done"):
+            res, carry = streaming_step(pool, recipe, model, carry, partial="partial" in variant,
+                                        max_staleness=st.max_staleness or 1, order="completion", chunk=0)
         else:
             chunk = (st.stream_chunk or recipe.gen_batch_prompts) if variant.endswith("_rr") else 0
             res, carry = streaming_step(pool, recipe, model, carry, partial="partial" in variant,
@@ -187,7 +195,7 @@ def step_times(variant: str, results: list[StepResult], trainer: Any, sync_s: fl
     """Mean step time of a variant over its simulated steps (the rules at the top of this module)."""
     phases = [Phases(r.wall_s, lp, tr, sync_s)
               for r, (lp, tr) in zip(results, trainer_phases(trainer, results, prompt_len), strict=True)]
-    if variant in SYNC_VARIANTS:
+    if not variant.startswith("async"):
         return mean_step([sync_step(ph) for ph in phases])
     return mean_step(async_steps([ph.generation for ph in phases], phases, sync_s))
 

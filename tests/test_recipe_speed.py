@@ -24,3 +24,10 @@ def test_streaming_partial_recipe_is_priced_as_its_own_variant():
     shipped = load("examples/qwen2.5-32b-fp8.yaml", "qwen2.5-32b",
                    ["rollout.schedule.streaming=true", "rollout.schedule.partial=true", "algo.tis_cap=2.0"])
     assert variants_of(shipped)[0] == "sync_partial_rr"
+
+
+def test_completion_order_recipe_is_priced_as_the_completion_variant():
+    shipped = load("examples/qwen2.5-32b-fp8.yaml", "qwen2.5-32b",
+                   ["rollout.schedule.streaming=true", "rollout.schedule.partial=true", "algo.tis_cap=2.0",
+                    "rollout.schedule.order=completion"])
+    assert variants_of(shipped) == ("sync_partial_done", "async_partial_done")
