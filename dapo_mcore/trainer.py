@@ -35,7 +35,7 @@ from dapo_mcore.rollout.protocol import EngineError
 from dapo_mcore.rollout.source import RolloutInterrupted, StepBatch
 from dapo_mcore.run_dir import prepare_run_dir
 from dapo_mcore.runtime import build_components, read_config
-from dapo_mcore.telemetry import keys
+from dapo_mcore.telemetry import keys, staleness
 
 log = logging.getLogger(__name__)
 
@@ -228,6 +228,10 @@ class Trainer:
         metrics = self._step_metrics(groups, generated, stats, samples, train_metrics, mismatch)
         if batch.policy_version is not None:
             metrics.update(self._pipeline_metrics(batch, samples))
+        elif self.cfg.rollout.schedule.partial:  # sync: partial prefixes are one step old, the rest fresh
+            metrics.update(staleness.metrics(staleness.histogram(
+                pair for s in samples for pair in ((0, len(s.response_ids) - int(s.extra.get("stale_tokens", 0))),
+                                                   (1, int(s.extra.get("stale_tokens", 0))))), 1))
             late = p.rollouts.late_eval()  # async: an evaluation the engines ran while the trainer trained
             if late is not None:
                 metrics.update(self._eval_metrics(late[1], late[0]))
@@ -255,7 +259,8 @@ class Trainer:
         seconds = dict(self.p.rollouts.last)
         generation = seconds.get("engine_generate_s", 0.0) + seconds.get("engine_reward_s", 0.0)
         hidden = 0.0 if generation <= 0 else min(1.0, max(0.0, 1.0 - seconds.get("trainer_wait_s", 0.0) / generation))
-        return {"async/lag_mean": sum(lag * c for lag, c in zip(lags, counts, strict=True)) / max(tokens, 1),
+        return {**staleness.metrics(staleness.histogram(zip(lags, counts, strict=True)), limit),
+                "async/lag_mean": sum(lag * c for lag, c in zip(lags, counts, strict=True)) / max(tokens, 1),
                 "async/lag_max": float(lag_max), "async/policy_version": float(batch.policy_version),
                 "async/overlap_frac": hidden, **{f"async/{k}": float(v) for k, v in seconds.items()}}
 
