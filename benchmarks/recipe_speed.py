@@ -27,14 +27,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench
 
 from dapo_mcore import plan_disagg  # noqa: E402
 from dapo_mcore.step_model import (  # noqa: E402
-    ASYNC_VARIANTS,
-    COMPLETION_VARIANTS,
     STAGES_32B,
-    SYNC_VARIANTS,
     SimSettings,
     colocated_input,
+    format_ranking,
+    own_split,
     price_variant,
     pricing,
+    rank_variants,
     variants_of,
 )
 
@@ -53,14 +53,6 @@ def mean_step(variant: str, split, p, pr, st: SimSettings) -> float:
     """Mean step seconds of one variant over the three stages (``split`` None: colocated)."""
     return float(np.mean([price_variant(variant, split, p, pr, stage, k, st)[0].step
                           for k, stage in enumerate(STAGES_32B)]))
-
-
-def choose_split(cfg, p, rates: plan_disagg.TransferRates, utilization: float):
-    """The async split of ``cfg``: its own ``engine_ranks`` in async mode, else the planner's proposal (None when
-    no split fits)."""
-    if cfg.rollout.pipeline.mode == "async":
-        return plan_disagg.price_split(p, cfg.rollout.pipeline.engine_ranks, utilization, rates)
-    return plan_disagg.propose(plan_disagg.scan_splits(p, utilization, rates))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,11 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     p = colocated_input(shipped, plan_input_from_config(shipped, args.gpus))
     pr = pricing(shipped, p, rates, st)
     sync_v, async_v = variants_of(shipped)
-    split = choose_split(shipped, p, rates, args.engine_memory_utilization)
-    if shipped.rollout.pipeline.mode == "async":
-        shipped_v, shipped_split = async_v, split
-    else:
-        shipped_v, shipped_split = sync_v, None
+    split = own_split(shipped, p, rates, args.engine_memory_utilization)
+    shipped_v, shipped_split = (async_v, split) if shipped.rollout.pipeline.mode == "async" else (sync_v, None)
     assert variants_of(paper)[0] == "today"
     paper_s = mean_step("today", None, p, pr, st)
     shipped_s = paper_s if (shipped_v, shipped_split) == ("today", None) else mean_step(shipped_v, shipped_split, p, pr, st)
@@ -99,19 +88,12 @@ def main(argv: list[str] | None = None) -> int:
              f"paper-exact sync batch-and-filter (colocated): {paper_s / 60:.2f} min per step",
              f"shipped: {shipped_v} {where}: {shipped_s / 60:.2f} min per step"]
     if not args.no_ranking:
-        rows = [(v, None, mean_step(v, None, p, pr, st)) for v in SYNC_VARIANTS if v != "today"]
-        rows.append(("today", None, paper_s))
-        rows += [(v, None, mean_step(v, None, p, pr, st)) for v in COMPLETION_VARIANTS if v.startswith("sync")]
-        if split is not None and split.fits:
-            rows += [(v, split, mean_step(v, split, p, pr, st)) for v in ASYNC_VARIANTS]
-            rows += [(v, split, mean_step(v, split, p, pr, st)) for v in COMPLETION_VARIANTS if v.startswith("async")]
-        lines.append(f"\n{'rank':<6}{'variant':<20}{'layout':<22}{'min/step':>9}{'paper/':>8}")
-        for i, (v, s, t) in enumerate(sorted(rows, key=lambda r: r[2]), 1):
-            layout = "colocated" if s is None else f"async {s.engine_gpus}+{s.trainer_gpus}"
-            mark = "  <- shipped" if (v, getattr(s, "engine_gpus", None)) == (shipped_v, getattr(shipped_split, "engine_gpus", None)) else ""
-            lines.append(f"{i:<6}{v:<20}{layout:<22}{t / 60:>9.2f}{paper_s / t:>8.2f}{mark}")
+        lines.append("")
+        lines += format_ranking(rank_variants(shipped, p, rates, st, split),
+                                (shipped_v, getattr(shipped_split, "engine_gpus", None)))
         lines.append("(a model, not a measurement: no prefill, preemption, scoring or stragglers; async variants are "
-                     "one policy version behind, partial ones carry groups one step)")
+                     "one policy version behind, partial ones carry groups one step; *_done: "
+                     "rollout.schedule.order=completion)")
     lines.append(f"shipped_over_paper_sync: {paper_s / shipped_s:.2f}")
     print("\n".join(lines))
     return 0

@@ -261,3 +261,59 @@ def colocated_input(cfg: Any, p: Any) -> Any:
     from dapo_mcore.config import VLLMConfig
 
     return replace(p, vllm_gpu_memory_utilization=VLLMConfig().gpu_memory_utilization)
+
+
+def own_split(cfg: Any, p: Any, rates: Any, utilization: float = 0.9) -> Any:
+    """The async split a config is priced at: its own ``rollout.pipeline.engine_ranks`` in async mode, else the
+    planner's proposal (``plan_disagg.propose``; None when no split fits)."""
+    from dapo_mcore import plan_disagg
+
+    if cfg.rollout.pipeline.mode == "async":
+        return plan_disagg.price_split(p, cfg.rollout.pipeline.engine_ranks, utilization, rates)
+    return plan_disagg.propose(plan_disagg.scan_splits(p, utilization, rates))
+
+
+def rank_variants(cfg: Any, p: Any, rates: Any, st: Any = SimSettings(), split: Any = None,
+                  stages: tuple[Stage, ...] = STAGES_32B) -> list[tuple[str, Any, float]]:
+    """Every variant the model knows for ``cfg``'s recipe, fastest first: ``(variant, split or None, mean step
+    seconds over ``stages``)``; colocated ones on ``p``'s GPUs, async ones at ``split`` (left out when it is None or
+    does not fit)."""
+    pr = pricing(cfg, p, rates, st)
+
+    def mean(variant: str, at: Any) -> float:
+        return float(np.mean([price_variant(variant, at, p, pr, stage, k, st)[0].step for k, stage in enumerate(stages)]))
+
+    rows = [(v, None, mean(v, None)) for v in (*SYNC_VARIANTS, *COMPLETION_VARIANTS) if not v.startswith("async")]
+    if split is not None and split.fits:
+        rows += [(v, split, mean(v, split)) for v in (*ASYNC_VARIANTS, *COMPLETION_VARIANTS) if v.startswith("async")]
+    return sorted(rows, key=lambda r: r[2])
+
+
+VARIANT_SWITCHES = {
+    "today": "(paper-exact: every rollout.schedule switch off, rollout.pipeline.mode=sync)",
+    "today_chunked": "rollout.schedule.streaming=true, one engine group per chunk (no stream)",
+    "sync_stream": "streaming over all engines, prompt order (model only)",
+    "sync_partial": "partial rollouts over all engines, prompt order (model only)",
+    "sync_stream_rr": "rollout.schedule.streaming=true",
+    "sync_partial_rr": "rollout.schedule.streaming=true partial=true",
+    "sync_stream_done": "rollout.schedule.streaming=true order=completion",
+    "sync_partial_done": "rollout.schedule.streaming=true partial=true order=completion",
+    "async": "rollout.pipeline.mode=async",
+    "async_stream": "rollout.pipeline.mode=async + streaming",
+    "async_partial": "rollout.pipeline.mode=async + streaming + partial (max_staleness=2)",
+    "async_stream_done": "rollout.pipeline.mode=async + streaming order=completion",
+    "async_partial_done": "rollout.pipeline.mode=async + streaming + partial order=completion (max_staleness=2)",
+}
+"""What a user sets to run each variant (the schedule keys under ``rollout.schedule``)."""
+
+
+def format_ranking(rows: list[tuple[str, Any, float]], own: tuple[str, int | None]) -> list[str]:
+    """The ranked table: step minutes and speed-up over the paper-exact sync loop (``today``); ``own`` = (variant,
+    engine GPUs or None) marks the config's own schedule."""
+    paper = next(t for v, s, t in rows if v == "today" and s is None)
+    lines = [f"{'rank':<5}{'variant':<20}{'layout':<14}{'min/step':>9}{'vs paper':>9}  how"]
+    for i, (v, s, t) in enumerate(rows, 1):
+        layout = "colocated" if s is None else f"async {s.engine_gpus}+{s.trainer_gpus}"
+        mark = "  <- this config" if (v, getattr(s, "engine_gpus", None)) == own else ""
+        lines.append(f"{i:<5}{v:<20}{layout:<14}{t / 60:>9.2f}{paper / t:>9.2f}  {VARIANT_SWITCHES[v]}{mark}")
+    return lines
