@@ -479,6 +479,11 @@ def test_completion_order_partial_buffers_in_flight_and_unstarted_groups():
             assert [r.length for r in b.group.responses] == [0] * N and b.group.done == [False] * N
     assert len(started) < len(left)
     assert sched.partials.num_tokens() == 2 * N * len(started)
+    # the empty prefixes survive a checkpoint (trainer_state.json) unchanged
+    again, _ = _scheduler(cfg)
+    again.load_state_dict(json.loads(json.dumps(sched.state_dict())))
+    assert [(b.index, b.group.responses, b.group.done) for b in again.partials.items] == \
+        [(b.index, b.group.responses, b.group.done) for b in items]
 
 
 def test_completion_order_needs_streaming():
