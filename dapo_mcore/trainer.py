@@ -228,13 +228,11 @@ class Trainer:
         metrics = self._step_metrics(groups, generated, stats, samples, train_metrics, mismatch)
         if batch.policy_version is not None:
             metrics.update(self._pipeline_metrics(batch, samples))
-        elif self.cfg.rollout.schedule.partial:  # sync: partial prefixes are one step old, the rest fresh
-            metrics.update(staleness.metrics(staleness.histogram(
-                pair for s in samples for pair in ((0, len(s.response_ids) - int(s.extra.get("stale_tokens", 0))),
-                                                   (1, int(s.extra.get("stale_tokens", 0))))), 1))
             late = p.rollouts.late_eval()  # async: an evaluation the engines ran while the trainer trained
             if late is not None:
                 metrics.update(self._eval_metrics(late[1], late[0]))
+        elif self.cfg.rollout.schedule.partial:  # sync: partial prefixes are one step old, the rest fresh
+            metrics.update(self._sync_staleness(samples))
         from dapo_mcore.telemetry.perf import StepWork
 
         work = StepWork.of(self.p.actor.s.hf_config, [len(s.prompt_ids) + len(s.response_ids) for s in samples],
@@ -242,6 +240,15 @@ class Trainer:
         metrics["train/tokens"] = float(work.train_tokens)
         self.p.step_work = work
         return metrics, generated
+
+    @staticmethod
+    def _sync_staleness(samples: list[TrainSample]) -> dict[str, float]:
+        """The synchronous loop with partial rollouts: continued prefixes lag one version, the rest none."""
+        pairs = []
+        for s in samples:
+            stale = int(s.extra.get("stale_tokens", 0))
+            pairs += [(0, len(s.response_ids) - stale), (1, stale)]
+        return staleness.metrics(staleness.histogram(pairs), 1)
 
     def _pipeline_metrics(self, batch: StepBatch, samples: list[TrainSample]) -> dict[str, float]:
         """Async mode: how many policy versions the trained tokens lag (a response's first ``stale_tokens`` were
