@@ -6,7 +6,10 @@ training (the weights stay put, so every variant sees the same policy):
 - ``chunks``: today's fallback with several engine groups: streaming off, rounds of ``--chunk`` prompts split over
   the groups (``gather.plan_shares``), every round generated in full;
 - ``stream/K``: streaming over both groups in lockstep, exchanging ended groups every K decode steps and aborting
-  once the step is full.
+  once the step is full;
+- ``done/4``, ``done/4+p``: the same at K=4 with ``rollout.schedule.order=completion`` (groups taken as they end;
+  ``+p``: with partial rollouts, whose prompt-order twin is ``stream/4+p``; no training, so a carried group is
+  continued by the same weights).
 Per variant: wall seconds per step, seconds in exchanges (their collectives, waits for the slower group included),
 exchanges per step, and generated tokens per kept group (aborted tokens included: what the step paid).
 Run from the repository root: ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/engine_groups.py``.
@@ -29,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 
-def _variant(rank: int, args: argparse.Namespace, every: int | None) -> dict[str, float]:
+def _variant(rank: int, args: argparse.Namespace, every: int | None, order: str = "prompt",
+             partial: bool = False) -> dict[str, float]:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from dapo_mcore.config import Config
@@ -50,6 +54,7 @@ def _variant(rank: int, args: argparse.Namespace, every: int | None) -> dict[str
     cfg.algo.overlong_shaping = False
     s = cfg.rollout.schedule
     s.streaming, s.stream_chunk_prompts, s.exchange_every = every is not None, args.chunk, every or 1
+    s.order, s.partial = order, partial
     records = [PromptRecord(prompt=f"q{i}", ground_truth="", data_source="t", index=i) for i in range(512)]
     sampler = PromptSampler(records, seed=1)
     scheduler = RolloutScheduler(s, sampler, n=args.n, target=args.target, gen_batch_prompts=args.chunk,
@@ -83,6 +88,9 @@ def _worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
     out = {"chunks": _variant(rank, args, None)}
     for every in args.every:
         out[f"stream/{every}"] = _variant(rank, args, every)
+    out["done/4"] = _variant(rank, args, 4, order="completion")
+    out["done/4+p"] = _variant(rank, args, 4, order="completion", partial=True)
+    out["stream/4+p"] = _variant(rank, args, 4, partial=True)
     queue.put((rank, out))
     dist.destroy_process_group()
 
@@ -119,6 +127,8 @@ def main() -> None:
               f"{r['exchange_s_per_step']:11.3f} {r['exchanges_per_step']:9.1f} {r['tokens_per_kept']:9.1f} "
               f"{base['tokens_per_kept'] / r['tokens_per_kept']:9.3f}")
     d = got["stream/4"]
+    print(f"completion_over_prompt_wall: {got['stream/4']['wall_per_step'] / got['done/4']['wall_per_step']:.3f} "
+          f"(partial: {got['stream/4+p']['wall_per_step'] / got['done/4+p']['wall_per_step']:.3f})")
     print(f"exchange_share_of_step: {d['exchange_s_per_step'] / d['wall_per_step']:.3f}")
 
 

@@ -34,7 +34,7 @@ from dapo_mcore.rollout.source import RolloutInterrupted, StepBatch
 from dapo_mcore.run.components import Components
 from dapo_mcore.run.directory import prepare_run_dir
 from dapo_mcore.run.runtime import build_components, read_config
-from dapo_mcore.telemetry import keys
+from dapo_mcore.telemetry import keys, staleness
 from dapo_mcore.telemetry.evaluation import eval_after
 
 log = logging.getLogger(__name__)
@@ -232,6 +232,8 @@ class Trainer:
             late = p.rollouts.late_eval()  # async: an evaluation the engines ran while the trainer trained
             if late is not None:
                 metrics.update(self._eval_metrics(late[1], late[0]))
+        elif self.cfg.rollout.schedule.partial:  # sync: partial prefixes are one step old, the rest fresh
+            metrics.update(self._sync_staleness(samples))
         from dapo_mcore.telemetry.perf import StepWork
 
         work = StepWork.of(self.p.actor.s.hf_config, [len(s.prompt_ids) + len(s.response_ids) for s in samples],
@@ -239,6 +241,15 @@ class Trainer:
         metrics["train/tokens"] = float(work.train_tokens)
         self.p.step_work = work
         return metrics, generated
+
+    @staticmethod
+    def _sync_staleness(samples: list[TrainSample]) -> dict[str, float]:
+        """The synchronous loop with partial rollouts: continued prefixes lag one version, the rest none."""
+        pairs = []
+        for s in samples:
+            stale = int(s.extra.get("stale_tokens", 0))
+            pairs += [(0, len(s.response_ids) - stale), (1, stale)]
+        return staleness.metrics(staleness.histogram(pairs), 1)
 
     def _pipeline_metrics(self, batch: StepBatch, samples: list[TrainSample]) -> dict[str, float]:
         """Async mode: how many policy versions the trained tokens lag (a response's first ``stale_tokens`` were
@@ -256,7 +267,8 @@ class Trainer:
         seconds = dict(self.p.rollouts.last)
         generation = seconds.get("engine_generate_s", 0.0) + seconds.get("engine_reward_s", 0.0)
         hidden = 0.0 if generation <= 0 else min(1.0, max(0.0, 1.0 - seconds.get("trainer_wait_s", 0.0) / generation))
-        return {"async/lag_mean": sum(lag * c for lag, c in zip(lags, counts, strict=True)) / max(tokens, 1),
+        return {**staleness.metrics(staleness.histogram(zip(lags, counts, strict=True)), limit),
+                "async/lag_mean": sum(lag * c for lag, c in zip(lags, counts, strict=True)) / max(tokens, 1),
                 "async/lag_max": float(lag_max), "async/policy_version": float(batch.policy_version),
                 "async/overlap_frac": hidden, **{f"async/{k}": float(v) for k, v in seconds.items()}}
 

@@ -175,11 +175,13 @@ def test_kill9_of_one_of_two_engine_ranks_mid_generation_resumes_exactly(referen
     _same(reference_dp2, run)
 
 
-def test_two_engine_ranks_stream_with_partial_rollouts_two_versions_behind(cli_env, tmp_path):
+@pytest.mark.parametrize("order", ["prompt", "completion"])
+def test_two_engine_ranks_stream_with_partial_rollouts_two_versions_behind(cli_env, tmp_path, order):
     run = tmp_path / "run"
     proc = _train(run, cli_env, 3, 3, "rollout.pipeline.engine_ranks=2", "rollout.pipeline.max_staleness=2",
                   "rollout.schedule.streaming=true", "rollout.schedule.stream_chunk_prompts=16",
-                  "rollout.schedule.partial=true", "rollout.schedule.exchange_every=2", "train.prompts_per_step=4")
+                  "rollout.schedule.partial=true", "rollout.schedule.exchange_every=2", "train.prompts_per_step=4",
+                  f"rollout.schedule.order={order}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "chunk by chunk" not in proc.stderr, "two engine ranks fell back to chunked generation"
     rows = _rows(run)
@@ -189,6 +191,13 @@ def test_two_engine_ranks_stream_with_partial_rollouts_two_versions_behind(cli_e
         k = step - 1  # steps done before it
         fresh, prefix = k - max(0, k - 1), k - max(0, k - 2)  # batch k by version k-1, its prefixes by k-2's batch
         assert r["async/lag_max"] == (max(fresh, prefix) if stale[step] else fresh), (step, r["async/lag_max"])
+        # the staleness histogram: every lag up to the bound, the prefixes' tokens at their lag, nothing beyond lag_max
+        hist = {lag: r[f"staleness/tokens_lag_{lag}"] for lag in range(3)}
+        assert max(lag for lag, n in hist.items() if n) == r["async/lag_max"], (step, hist)
+        if prefix != fresh:
+            assert hist[prefix] == stale[step], (step, hist, stale[step])
+        mean = sum(lag * n for lag, n in hist.items()) / sum(hist.values())
+        assert mean == pytest.approx(r["async/lag_mean"]), (step, hist)
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

@@ -20,9 +20,10 @@ OVERRIDES = ("eval.every=0", "eval.at_start=false", "checkpoint.every=0", "rollo
              "rollout.schedule.exchange_every=2", "train.prompts_per_step=4")
 
 
-def _train(run_dir: Path, steps: int, env: dict[str, str]) -> subprocess.CompletedProcess:
+def _train(run_dir: Path, steps: int, env: dict[str, str], order: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "dapo_mcore.cli", "train",
-           str(ROOT / "examples" / "tiny_cpu.yaml"), f"run.dir={run_dir}", f"train.steps={steps}", *OVERRIDES]
+           str(ROOT / "examples" / "tiny_cpu.yaml"), f"run.dir={run_dir}", f"train.steps={steps}", *OVERRIDES,
+           f"rollout.schedule.order={order}"]
     return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
 
 
@@ -31,9 +32,10 @@ def _by_step(run_dir: Path, key: str) -> dict[int, float]:
     return {r["step"]: r[key] for r in rows if key in r}
 
 
-def test_two_engine_groups_stream_buffer_and_resume_exactly(cli_env, tmp_path):
+@pytest.mark.parametrize("order", ["prompt", "completion"])
+def test_two_engine_groups_stream_buffer_and_resume_exactly(cli_env, tmp_path, order):
     straight = tmp_path / "straight"
-    proc = _train(straight, 3, cli_env)
+    proc = _train(straight, 3, cli_env, order)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "chunk by chunk" not in proc.stderr, "two engine groups fell back to chunked generation"
     buffered = _by_step(straight, "sampling/tokens_partial_buffered")
@@ -41,13 +43,17 @@ def test_two_engine_groups_stream_buffer_and_resume_exactly(cli_env, tmp_path):
     resumed, stale = _by_step(straight, "sampling/groups_resumed"), _by_step(straight, "sampling/tokens_stale_kept")
     assert resumed[2] > 0 and 0 < stale[2] <= buffered[1]
     assert _by_step(straight, "partial/tokens")[2] == stale[2]
+    # the staleness histogram: continued prefixes at lag 1, the rest fresh
+    assert _by_step(straight, "staleness/tokens_lag_1") == stale
+    fresh = _by_step(straight, "staleness/tokens_lag_0")
+    assert sorted(fresh) == sorted(stale) and fresh[1] > 0  # step 1 resumes nothing: all its tokens are fresh
 
     stopped = tmp_path / "stopped"
-    first = _train(stopped, 1, cli_env)
+    first = _train(stopped, 1, cli_env, order)
     assert first.returncode == 0, first.stderr[-3000:]
     state = json.loads((stopped / "checkpoints" / "step_000001" / "trainer_state.json").read_text())
     assert len(state["schedule"]["partials"]) == resumed[2]
-    second = _train(stopped, 3, cli_env)
+    second = _train(stopped, 3, cli_env, order)
     assert second.returncode == 0, second.stderr[-3000:]
     for key in ("train/loss", "train/grad_norm", "rollout/acc_mean", "sampling/groups_resumed",
                 "sampling/tokens_stale_kept", "sampling/tokens_generated"):

@@ -34,7 +34,7 @@ def _score(texts, truths):
     return out
 
 
-def _config(exchange_every: int, partial: bool):
+def _config(exchange_every: int, partial: bool, order: str = "prompt"):
     from dapo_mcore.config import Config
 
     cfg = Config()
@@ -42,11 +42,12 @@ def _config(exchange_every: int, partial: bool):
     cfg.train.prompts_per_step = TARGET
     s = cfg.rollout.schedule
     s.streaming, s.stream_chunk_prompts, s.exchange_every, s.partial = True, CHUNK, exchange_every, partial
+    s.order = order
     cfg.algo.overlong_shaping = False
     return cfg
 
 
-def _parts(rank: int, world: int, exchange_every: int, partial: bool):
+def _parts(rank: int, world: int, exchange_every: int, partial: bool, order: str = "prompt"):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from dapo_mcore.data.records import PromptRecord
@@ -61,7 +62,7 @@ def _parts(rank: int, world: int, exchange_every: int, partial: bool):
     model = Qwen2ForCausalLM(Qwen2Config(**preset_config("tiny"))).float().eval()
     engine = HFEngine(model, eos_token_ids=STOP_IDS, pad_token_id=0)
     records = [PromptRecord(prompt=f"q{i}", ground_truth="", data_source="t", index=i) for i in range(40)]
-    cfg = _config(exchange_every, partial)
+    cfg = _config(exchange_every, partial, order)
     sampler = PromptSampler(records, seed=3)
     scheduler = RolloutScheduler(cfg.rollout.schedule, sampler, n=N, target=TARGET, gen_batch_prompts=8,
                                  max_rounds=0, seed=3)
@@ -105,6 +106,25 @@ def _reference_kept(rollouts, engine, sampler, world: int) -> list:
     return kept
 
 
+def _reference_round(rollouts, engine, sampler, world: int) -> list:
+    """One process: the first round's 8 prompts split round robin over ``world`` groups, each share generated in full
+    with its group's seed: ``(index, responses' tokens, decode step its group ended, usable)`` in prompt order."""
+    from dapo_mcore.rollout.colocated import step_seed
+
+    indices, _ = sampler.next_selected(8)
+    prompts = [rollouts.encode_prompt(sampler.records[i]) for i in indices]
+    params = dataclasses.replace(rollouts.sampling(seed=step_seed(rollouts.cfg.train.seed, 0, 0)), n=N)
+    out = [None] * len(indices)
+    for g in range(world):
+        mine = list(range(g, len(indices), world))
+        got = engine.generate([prompts[i] for i in mine], dataclasses.replace(params, seed=params.seed + 1_000_003 * g))
+        for i, responses in zip(mine, got, strict=True):
+            acc = [r.acc for r in _score([" ".join(map(str, r.token_ids)) for r in responses], [])]
+            out[i] = (indices[i], [r.token_ids for r in responses], max(r.length for r in responses),
+                      0 < sum(acc) < N)
+    return out
+
+
 def _worker(rank: int, world: int, port: int, queue) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     out = {}
@@ -121,6 +141,16 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
                     for b in rollouts.scheduler.partials.items]
         second = _summary(rollouts.step_batch(1, stop=lambda: False))
         out[f"partial_{run}"] = dict(first=first, buffered=buffered, second=second)
+    # Completion order: the whole round of 8 streams at once over both groups; groups are taken as they end.
+    for run in ("a", "b"):
+        rollouts, engine, sampler = _parts(rank, world, 1, partial=True, order="completion")
+        first = _summary(rollouts.step_batch(0, stop=lambda: False))
+        buffered = [(b.index, [r.token_ids for r in b.group.responses], b.group.done)
+                    for b in rollouts.scheduler.partials.items]
+        second = _summary(rollouts.step_batch(1, stop=lambda: False))
+        out[f"completion_{run}"] = dict(first=first, buffered=buffered, second=second)
+    rollouts, engine, sampler = _parts(rank, world, 1, partial=False)
+    out["completion_reference"] = _reference_round(rollouts, engine, sampler, world)
     queue.put((rank, out))
     dist.destroy_process_group()
 
@@ -197,3 +227,27 @@ def test_a_group_with_nothing_to_resume_keeps_a_lockstep_engine_in_step(monkeypa
     out = source._resume([(0, 0)], [[1, 5]], [[6]], SamplingParams(n=1, max_new_tokens=8, seed=3))
     assert out == [tail]
     assert engine.calls == ([("generate", 1, 1, 1)] if together else [])
+
+
+def test_completion_order_takes_groups_as_they_end_over_two_groups(results):
+    """Exchanging every decode step, a group ends at the decode step of its longest response: the kept batch is the
+    first TARGET usable groups by (end step, prompt position), with the tokens a full generation samples."""
+    got = results[0]
+    a, b = got["completion_a"], got["completion_b"]
+    assert a == b, "the same seed gives the same two steps"
+    ref = got["completion_reference"]
+    by_end = [r for _, r in sorted(enumerate(ref), key=lambda kv: (kv[1][2], kv[0]))]
+    want = [(idx, tokens) for idx, tokens, _, usable in by_end if usable][:TARGET]
+    assert len(want) == TARGET
+    assert a["first"]["kept"] == want
+    # prompt order would have kept a different batch from the same responses
+    in_prompt_order = [(idx, tokens) for idx, tokens, _, usable in ref if usable][:TARGET]
+    assert want != in_prompt_order
+    # groups that had not ended were buffered (none dropped) and come first at the next step, continued
+    assert a["first"]["stats"]["tokens_aborted"] == 0 and a["buffered"]
+    ended = {g[0] for g in a["first"]["generated"]}
+    assert {idx for idx, _, _ in a["buffered"]} == {r[0] for r in ref} - ended
+    resumed = {g[0]: g[2] for g in a["second"]["generated"][:len(a["buffered"])]}
+    for idx, prefixes, _ in a["buffered"]:
+        assert all(whole[:len(p)] == p for p, whole in zip(prefixes, resumed[idx], strict=True))
+    assert a["second"]["stats"]["groups_resumed"] == len(a["buffered"])

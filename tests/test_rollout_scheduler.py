@@ -412,3 +412,82 @@ def test_partial_needs_streaming_and_tis():
     with pytest.raises(ConfigError, match="set algo.tis_cap"):
         load_config(tiny, on).validate(1)
     load_config(tiny, [*on, "algo.tis_cap=2.0"]).validate(1)
+
+
+def _naive_completion(streams_order: list[list[tuple[int, Group]]], target: int) -> list:
+    """Reference: walk the streams' groups in the order they end; keep the first ``target`` usable ones."""
+    kept = []
+    for order in streams_order:
+        for _, g in order:
+            if g.is_usable() and len(kept) < target:
+                kept.append(g.payload)
+            if len(kept) == target:
+                return kept
+    return kept
+
+
+def test_completion_order_streams_whole_rounds_and_keeps_groups_as_they_end():
+    cfg = ScheduleConfig(streaming=True, stream_chunk_prompts=3, order="completion")
+    sched, _ = _scheduler(cfg)
+    engine, streams = FakeEngine(), []
+
+    def stream(records, n, slot):
+        streams.append(FakeStream(engine(records, n, slot), seed=slot))
+        return streams[-1]
+
+    kept, generated, stats = sched.collect(FakeEngine(), _merge, stream=stream)
+    # one stream call per round (no chunks of 3, so no drain between chunks), every round whole
+    assert [len(records) for records, _, _ in engine.calls] == [BATCH] * len(streams)
+    ref = _naive_completion([[(p, s.groups[p]) for p in s.order] for s in streams], TARGET)
+    assert [g.payload for g in kept] == ref
+    last = streams[-1]
+    assert [g.payload for g in generated[-last.given:]] == [last.groups[p].payload for p in last.order[:last.given]]
+    assert stats.tokens_aborted == last.aborted == N * (BATCH - last.given) > 0
+    # prompt order on the same streams keeps a different batch (decisions wait for earlier prompts)
+    prompt_sched, _ = _scheduler(ScheduleConfig(streaming=True, stream_chunk_prompts=BATCH))
+    engine2 = FakeEngine()
+    prompt_kept, _, _ = prompt_sched.collect(FakeEngine(), _merge, stream=lambda r, n, s: FakeStream(engine2(r, n, s), s))
+    assert [g.payload for g in prompt_kept] != ref
+
+
+class FakeHalfStartedStream(FakePartialStream):
+    """Like FakePartialStream, but only the first half of the unfinished groups had started decoding."""
+
+    def partials(self):
+        return self.kept[:len(self.kept) // 2]
+
+
+def test_completion_order_partial_buffers_in_flight_and_unstarted_groups():
+    cfg = ScheduleConfig(streaming=True, partial=True, order="completion")
+    sched, _ = _scheduler(cfg)
+    engine, streams = FakeEngine(), []
+
+    def stream(records, n, slot):
+        streams.append(FakeHalfStartedStream(engine(records, n, slot), seed=slot))
+        return streams[-1]
+
+    sched.collect(engine, _merge, step=4, stream=stream, resume=lambda items, slot: [])
+    last = streams[-1]
+    left = sorted(last.order[last.given:])
+    items = sched.partials.items
+    assert [b.group.index for b in items] == left and all(b.step == 4 for b in items)
+    started = {p.index for p in last.partials()}
+    for b in items:
+        if b.group.index in started:
+            assert [r.length for r in b.group.responses] == [2] * N
+        else:  # never started: an empty prefix per response, none done (the next step generates them whole)
+            assert [r.length for r in b.group.responses] == [0] * N and b.group.done == [False] * N
+    assert len(started) < len(left)
+    assert sched.partials.num_tokens() == 2 * N * len(started)
+    # the empty prefixes survive a checkpoint (trainer_state.json) unchanged
+    again, _ = _scheduler(cfg)
+    again.load_state_dict(json.loads(json.dumps(sched.state_dict())))
+    assert [(b.index, b.group.responses, b.group.done) for b in again.partials.items] == \
+        [(b.index, b.group.responses, b.group.done) for b in items]
+
+
+def test_completion_order_needs_streaming():
+    with pytest.raises(ValueError, match="rollout.schedule.order=completion"):
+        ScheduleConfig(order="completion").validate(n=8, dynamic_sampling=True)
+    with pytest.raises(ValueError, match="use prompt or completion"):
+        ScheduleConfig(streaming=True, order="arrival").validate(n=8, dynamic_sampling=True)

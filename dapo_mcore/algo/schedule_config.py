@@ -24,6 +24,14 @@ class ScheduleConfig:
     """Prompts per streamed chunk (streaming only). Smaller stops closer to the need; larger batches the engine
     better (on GPUs, a few hundred)."""
 
+    order: str = "prompt"
+    """Streaming: the order the step decides its groups in. ``prompt`` (default): each chunk of
+    ``stream_chunk_prompts`` prompts is decided in prompt order and the engines drain between chunks. ``completion``:
+    a whole round goes to every engine group at once and the step takes each group as it ends (the engine groups'
+    exchanges set the order: a pure function of the seed, the data, the world size and ``exchange_every``), so no
+    engine waits for another's slowest response until the step is full. Prompts of the round that had not started
+    when the step filled are continued at the next step with ``partial`` (as empty prefixes), else dropped."""
+
     exchange_every: int = 4
     """Streaming over several engine groups: decode steps every group takes between two exchanges of the groups that
     ended (each exchange is a few collectives over all ranks). Smaller stops closer to the need and costs more
@@ -87,6 +95,11 @@ class ScheduleConfig:
                              "groups for dynamic sampling; set algo.dynamic_sampling=true or turn them off")
         if self.partial and (not self.streaming or self.stage_responses):
             raise ValueError("rollout.schedule.partial continues the groups a streamed step aborted: it needs "
+                             "rollout.schedule.streaming=true and stage_responses=0")
+        if self.order not in ("prompt", "completion"):
+            raise ValueError(f"rollout.schedule.order={self.order!r}; use prompt or completion")
+        if self.order == "completion" and (not self.streaming or self.stage_responses):
+            raise ValueError("rollout.schedule.order=completion decides streamed groups as they end: it needs "
                              "rollout.schedule.streaming=true and stage_responses=0")
         if self.stream_chunk_prompts < 1:
             raise ValueError(f"rollout.schedule.stream_chunk_prompts={self.stream_chunk_prompts} must be >= 1 (e.g. 8)")

@@ -112,8 +112,33 @@ def build_parser() -> argparse.ArgumentParser:
         kind = {bool: _parse_bool, int: int, float: float, str: str}[type(f.default)]
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=argparse.SUPPRESS,
                             help=f"(default: {f.default})")
+    parser.add_argument("--rank-variants", action="store_true",
+                        help="with CONFIG: also price every rollout schedule the step model knows for this recipe "
+                             "(colocated and async, tails included) and print them fastest first (minutes)")
+    parser.add_argument("--rank-steps", type=int, default=1,
+                        help="--rank-variants: simulated steps per training stage and variant (default 1)")
     plan_disagg.add_arguments(parser)
     return parser
+
+
+def ranking_lines(cfg: Any, plan: PlanInput, steps: int) -> list[str]:
+    """``--rank-variants``: every schedule of ``cfg``'s recipe priced by the step model, fastest first."""
+    from dapo_mcore.plan.step_model import (
+        SimSettings,
+        colocated_input,
+        format_ranking,
+        rank_variants,
+        variants_of,
+    )
+
+    p = colocated_input(cfg, plan)
+    rates = plan_disagg.TransferRates()
+    split = plan_disagg.own_split(cfg, p, rates)
+    sync_v, async_v = variants_of(cfg)
+    own = (async_v, split.engine_gpus) if cfg.rollout.pipeline.mode == "async" else (sync_v, None)
+    rows = rank_variants(cfg, p, rates, SimSettings(steps=steps), split)
+    return ["rollout schedules of this recipe, fastest first (the step model of benchmarks/rollout_sim.py, "
+            f"{steps} simulated step(s) per training stage; a model, not a measurement):", *format_ranking(rows, own)]
 
 
 def _plan_from_args(parser: argparse.ArgumentParser,
@@ -162,7 +187,14 @@ def main(argv: list[str] | None = None) -> int:
     time_limit_h, lead_min = args.pop("time_limit_hours"), args.pop("signal_minutes")
     if split_opts["tail_steps"] < 0:
         parser.error(f"--tail-steps {split_opts['tail_steps']}: give 0 (skip) or more simulated steps per stage")
+    rank, rank_steps = args.pop("rank_variants"), args.pop("rank_steps")
     plan, names, max_tp, steps, engine_ranks, cfg = _plan_from_args(parser, args)
+    if rank:
+        if cfg is None or not plan.colocate_vllm:
+            parser.error("--rank-variants prices vLLM engines of a project config: give CONFIG with rollout.engine=vllm")
+        if rank_steps < 1:
+            parser.error(f"--rank-steps {rank_steps}: give 1 or more simulated steps per stage")
+        print("\n".join(ranking_lines(cfg, plan, rank_steps)))
     if disaggregated is None and engine_ranks is not None:
         # An async config prices its own split (rollout.pipeline.engine_ranks): the colocated estimate is not its.
         disaggregated = {**split_opts, "engine_gpus": engine_ranks,

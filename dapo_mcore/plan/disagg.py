@@ -158,6 +158,14 @@ def propose(splits: list[Split], colocated_s: float | None = None) -> Split | No
     return None if best is None or (colocated_s is not None and best.step_s >= colocated_s) else best
 
 
+def own_split(cfg: Any, p: Any, rates: Any, utilization: float = 0.9) -> Any:
+    """The async split a config is priced at: its own ``rollout.pipeline.engine_ranks`` in async mode, else the
+    planner's proposal (``propose``; None when no split fits)."""
+    if cfg.rollout.pipeline.mode == "async":
+        return price_split(p, cfg.rollout.pipeline.engine_ranks, utilization, rates)
+    return propose(scan_splits(p, utilization, rates))
+
+
 def colocated_step_seconds(p: PlanInput, rates: TransferRates | None = None) -> tuple[float, float, float]:
     """(generation, trainer, weight sync + sleep copies) seconds of today's colocated synchronous step."""
     train_s, gen_s = estimate_step_seconds(p, estimate_flops(p))

@@ -110,6 +110,8 @@ response length grows from ~1k to ~5k tokens, the share of all-correct prompts g
 
 SYNC_VARIANTS = ("today", "today_chunked", "sync_stream", "sync_partial", "sync_stream_rr", "sync_partial_rr")
 ASYNC_VARIANTS = ("async", "async_stream", "async_partial")
+COMPLETION_VARIANTS = ("sync_stream_done", "sync_partial_done", "async_stream_done", "async_partial_done")
+"""``rollout.schedule.order: completion``: the whole round streams over every engine, groups decided as they end."""
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,9 @@ def variants_of(cfg: Any) -> tuple[str, str]:
     """(the colocated variant, the async variant) that run ``cfg``'s rollout schedule: batch-and-filter, streaming
     with abort, or partial rollouts."""
     s = cfg.rollout.schedule
+    if s.streaming and s.order == "completion":
+        kind = "partial" if s.partial else "stream"
+        return f"sync_{kind}_done", f"async_{kind}_done"
     if s.partial:
         return "sync_partial_rr", "async_partial"
     if s.streaming:
@@ -163,6 +168,9 @@ def generation(variant: str, pool: PromptPool, recipe: Recipe, model: EngineMode
             res = batch_and_filter_step(pool, recipe, model)
         elif variant == "today_chunked":
             res = batch_and_filter_step(pool, recipe, model, chunk=st.chunk_prompts)
+        elif variant.endswith("_done"):
+            res, carry = streaming_step(pool, recipe, model, carry, partial="partial" in variant,
+                                        max_staleness=st.max_staleness or 1, order="completion", chunk=0)
         else:
             chunk = (st.stream_chunk or recipe.gen_batch_prompts) if variant.endswith("_rr") else 0
             res, carry = streaming_step(pool, recipe, model, carry, partial="partial" in variant,
@@ -188,7 +196,7 @@ def step_times(variant: str, results: list[StepResult], trainer: Any, sync_s: fl
     """Mean step time of a variant over its simulated steps (the rules at the top of this module)."""
     phases = [Phases(r.wall_s, lp, tr, sync_s)
               for r, (lp, tr) in zip(results, trainer_phases(trainer, results, prompt_len), strict=True)]
-    if variant in SYNC_VARIANTS:
+    if not variant.startswith("async"):
         return mean_step([sync_step(ph) for ph in phases])
     return mean_step(async_steps([ph.generation for ph in phases], phases, sync_s))
 
@@ -268,3 +276,49 @@ def requeue_line(steps: int, step_seconds: float, time_limit_h: float, lead_min:
             f"{steps * step_seconds / 3600:.0f} h = {jobs} jobs of {time_limit_h:g} h ({per_job} steps each), "
             f"{need} requeues{note}; submit with DAPO_MAX_REQUEUES={math.ceil(need * 1.5)} (1.5x for dynamic "
             f"sampling's extra batches and failures)")
+
+
+def rank_variants(cfg: Any, p: Any, rates: Any, st: Any = SimSettings(), split: Any = None,
+                  stages: tuple[Stage, ...] = STAGES_32B) -> list[tuple[str, Any, float]]:
+    """Every variant the model knows for ``cfg``'s recipe, fastest first: ``(variant, split or None, mean step
+    seconds over ``stages``)``; colocated ones on ``p``'s GPUs, async ones at ``split`` (left out when it is None or
+    does not fit)."""
+    pr = pricing(cfg, p, rates, st)
+
+    def mean(variant: str, at: Any) -> float:
+        return float(np.mean([price_variant(variant, at, p, pr, stage, k, st)[0].step for k, stage in enumerate(stages)]))
+
+    rows = [(v, None, mean(v, None)) for v in (*SYNC_VARIANTS, *COMPLETION_VARIANTS) if not v.startswith("async")]
+    if split is not None and split.fits:
+        rows += [(v, split, mean(v, split)) for v in (*ASYNC_VARIANTS, *COMPLETION_VARIANTS) if v.startswith("async")]
+    return sorted(rows, key=lambda r: r[2])
+
+
+VARIANT_SWITCHES = {
+    "today": "(paper-exact: every rollout.schedule switch off, rollout.pipeline.mode=sync)",
+    "today_chunked": "rollout.schedule.streaming=true, one engine group per chunk (no stream)",
+    "sync_stream": "streaming over all engines, prompt order (model only)",
+    "sync_partial": "partial rollouts over all engines, prompt order (model only)",
+    "sync_stream_rr": "rollout.schedule.streaming=true",
+    "sync_partial_rr": "rollout.schedule.streaming=true partial=true",
+    "sync_stream_done": "rollout.schedule.streaming=true order=completion",
+    "sync_partial_done": "rollout.schedule.streaming=true partial=true order=completion",
+    "async": "rollout.pipeline.mode=async",
+    "async_stream": "rollout.pipeline.mode=async + streaming",
+    "async_partial": "rollout.pipeline.mode=async + streaming + partial (max_staleness=2)",
+    "async_stream_done": "rollout.pipeline.mode=async + streaming order=completion",
+    "async_partial_done": "rollout.pipeline.mode=async + streaming + partial order=completion (max_staleness=2)",
+}
+"""What a user sets to run each variant (the schedule keys under ``rollout.schedule``)."""
+
+
+def format_ranking(rows: list[tuple[str, Any, float]], own: tuple[str, int | None]) -> list[str]:
+    """The ranked table: step minutes and speed-up over the paper-exact sync loop (``today``); ``own`` = (variant,
+    engine GPUs or None) marks the config's own schedule."""
+    paper = next(t for v, s, t in rows if v == "today" and s is None)
+    lines = [f"{'rank':<5}{'variant':<20}{'layout':<14}{'min/step':>9}{'vs paper':>9}  how"]
+    for i, (v, s, t) in enumerate(rows, 1):
+        layout = "colocated" if s is None else f"async {s.engine_gpus}+{s.trainer_gpus}"
+        mark = "  <- this config" if (v, getattr(s, "engine_gpus", None)) == own else ""
+        lines.append(f"{i:<5}{v:<20}{layout:<14}{t / 60:>9.2f}{paper / t:>9.2f}  {VARIANT_SWITCHES[v]}{mark}")
+    return lines

@@ -186,8 +186,10 @@ class HFEngine:
             if t == max_new - 1 or bool(hit.all()):
                 yield tokens, logps, n_gen, stopped, active.tolist()
                 return
+            # Every step yields (often nothing ended): a stream's ticks are decode steps, so engine groups that
+            # exchange every k ticks stand at the same decode step, and completion order is decode-step order.
+            yield tokens, logps, n_gen, stopped, active[hit].tolist()
             if bool(hit.any()):
-                yield tokens, logps, n_gen, stopped, active[hit].tolist()
                 keep = (~hit).nonzero().squeeze(-1)
                 cache.batch_select_indices(keep)
                 active, tok, mask, next_pos = active[keep], tok[keep], mask[keep], next_pos[keep]

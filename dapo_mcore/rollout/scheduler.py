@@ -12,8 +12,10 @@ and generated, never how a kept group is trained:
 - partial rollouts: the groups a streamed step aborted are continued first thing at the next step
   (``rollout.schedule.partial``).
 
-Decisions are taken in prompt order over shared, scored groups, never in completion order, so the kept batch is
-a pure function of the seed, the data and the world size, and every rank holds the same one. Generation itself
+Decisions are taken in prompt order over shared, scored groups (``rollout.schedule.order: prompt``), or in the
+order the groups end with ``order: completion`` (a whole round streams at once, no drain between chunks); an end is
+counted in decode steps and engine-group exchanges, never in seconds, so either way the kept batch is a pure function
+of the seed, the data and the world size, and every rank holds the same one. Generation itself
 goes through the trainer's ``generate`` callback (engine groups, gather), so any layout works.
 """
 
@@ -29,6 +31,7 @@ from typing import Any
 from dapo_mcore.algo.dynamic_sampling import Group, SamplingStats, collect_groups, exhausted_error
 from dapo_mcore.algo.schedule_config import ScheduleConfig
 from dapo_mcore.rollout.partial import Buffered, PartialBuffer
+from dapo_mcore.rollout.protocol import PartialGroup, Response
 
 __all__ = ["RolloutScheduler", "GenerateFn", "MergeFn", "ResumeFn", "round_size"]
 
@@ -122,7 +125,8 @@ class RolloutScheduler:
             size, drawn = self.next_round_size(self.target - len(kept)), 0
             stats.gen_batches += 1
             while drawn < size and len(kept) < self.target:
-                take = min(size - drawn, self.cfg.stream_chunk_prompts) if self.cfg.streaming else size - drawn
+                chunked = self.cfg.streaming and self.cfg.order == "prompt"
+                take = min(size - drawn, self.cfg.stream_chunk_prompts) if chunked else size - drawn
                 indices, skipped = self.sampler.next_selected(take)
                 stats.prompts_history_skipped += skipped
                 if not indices:
@@ -131,7 +135,9 @@ class RolloutScheduler:
                 records = [self.sampler.records[i] for i in indices]
                 if self.cfg.streaming and stream is not None and not self.cfg.stage_responses:
                     keep = (indices, step) if partial else None
-                    decided = self._stream_chunk(stream(records, self.n, next(slots)), kept, stats, keep)
+                    groups = stream(records, self.n, next(slots))
+                    decided = (self._stream_completion(groups, len(records), kept, stats, keep)
+                               if self.cfg.order == "completion" else self._stream_chunk(groups, kept, stats, keep))
                 else:
                     decided = enumerate(self._generate(records, generate, merge, slots, step))
                 for pos, (group, staged_out) in decided:
@@ -167,6 +173,29 @@ class RolloutScheduler:
                 break
         for pos in sorted(done):
             yield pos, (done[pos], False)
+
+    def _stream_completion(self, groups: Any, count: int, kept: list[Group], stats: SamplingStats,
+                           keep: tuple[list[int], int] | None) -> Iterator[tuple[int, tuple[Group, bool]]]:
+        """Hands out streamed groups in the order they end while the caller decides them; once the step is full the
+        stream is aborted. With ``keep`` (partial rollouts) the groups in flight go to the partial buffer, and so do
+        the ``count`` prompts' groups that never started (empty prefixes: the next step generates them whole)."""
+        ended: set[int] = set()
+        for pos, group in groups:
+            ended.add(pos)
+            yield pos, (group, False)
+            if len(kept) >= self.target:
+                break
+        else:
+            return
+        if keep is None:
+            stats.tokens_aborted += groups.abort()
+            return
+        stats.tokens_aborted += groups.abort(keep_partial=True)
+        inflight = list(groups.partials())
+        seen = ended | {p.index for p in inflight}
+        unstarted = [PartialGroup(pos, [Response([], [], "length") for _ in range(self.n)], [False] * self.n)
+                     for pos in range(count) if pos not in seen]
+        self.partials.add(keep[0], sorted(inflight + unstarted, key=lambda p: p.index), keep[1])
 
     def _decide(self, group: Group, staged_out: bool, kept: list[Group], stats: SamplingStats) -> None:
         """Prompt order: the first ``target`` usable groups are kept, later usable ones are surplus."""

@@ -16,7 +16,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from dapo_mcore.telemetry import keys, lanes
+from dapo_mcore.telemetry import keys, lanes, staleness
 from dapo_mcore.telemetry.report import load_run, phase_seconds
 
 PERF_KEYS: tuple[tuple[str, str, bool], ...] = (
@@ -67,6 +67,8 @@ class ProfileSummary:
     """Async mode: the window's means of ``async/*`` (lag, waits on both sides, overlap)."""
     engine_lane: list[PhaseRow] = field(default_factory=list)
     """Async mode: the engines' seconds per batch (generate, score, wait for weights, receive them, eval)."""
+    staleness: dict[int, float] = field(default_factory=dict)
+    """Trained tokens per policy-version lag over the window (async mode, partial rollouts; ``telemetry.staleness``)."""
     skipped: list[str] = field(default_factory=list)
     """Phases a mode skips (bypass: old_logprobs), shown as skipped rather than missing."""
 
@@ -106,6 +108,7 @@ def summarize(records: Sequence[dict[str, Any]]) -> ProfileSummary:
         if any(key in r for r in records):
             summary.tokens[name] = float(sum(r.get(key, 0) for r in records))
     summary.engine_lane = _engine_lane(records)
+    summary.staleness = staleness.totals(records)
     for key in sorted({k for r in records for k in r if k.startswith("async/")}):
         values = [float(r[key]) for r in records if key in r]
         summary.pipeline[key.removeprefix("async/")] = sum(values) / len(values)
@@ -193,6 +196,14 @@ def render(summary: ProfileSummary, console: Console, run_name: str) -> None:
             engines.add_row(row.phase, f"{row.total_s:.2f}", f"{100 * row.share:.1f}%", f"{row.per_step_s:.3f}",
                             f"{row.last_s:.3f}")
         console.print(engines)
+    if summary.staleness:
+        whole = sum(summary.staleness.values())
+        stale = Table(title="Staleness (trained tokens by policy-version lag, window total)")
+        for col in ("lag", "tokens", "share"):
+            stale.add_column(col, justify="right")
+        for lag, n in summary.staleness.items():
+            stale.add_row(str(lag), f"{n:,.0f}", f"{100 * n / whole if whole else 0.0:.1f}%")
+        console.print(stale)
     if summary.pipeline:
         pipe = Table(title="Async pipeline (means per step)")
         pipe.add_column("metric")

@@ -316,6 +316,26 @@ def correction_figure(records: Sequence[dict[str, Any]], out: Path, smooth: int 
     return _save(fig, out / "rollout_correction.png")
 
 
+def staleness_figure(records: Sequence[dict[str, Any]], out: Path) -> Path | None:
+    """Trained tokens per step, stacked by how many policy versions they lag (``telemetry.staleness``)."""
+    from dapo_mcore.telemetry import staleness
+
+    lags = sorted(staleness.totals(records))
+    if not lags:
+        return None
+    rows = [r for r in records if any(k.startswith(staleness.PREFIX) for k in r)]
+    steps = np.array([r[keys.STEP] for r in rows])
+    fig, ax = _figure(1, 6.0, 3.6)
+    bottom = np.zeros(len(rows))
+    for lag in lags:
+        values = np.array([float(r.get(f"{staleness.PREFIX}{lag}", 0.0)) for r in rows])
+        ax.bar(steps, values, bottom=bottom, label=f"lag {lag}")
+        bottom += values
+    ax.set(title="Trained tokens by policy-version lag", xlabel="step", ylabel="tokens")
+    ax.legend(fontsize=7)
+    return _save(fig, out / "staleness.png")
+
+
 def write_report(run_dir: Path, out: Path | None = None, smooth: int = 1,
                  pipeline_steps: Sequence[int] | None = None) -> list[Path]:
     """Write every figure of one run; returns the files written."""
@@ -331,6 +351,7 @@ def write_report(run_dir: Path, out: Path | None = None, smooth: int = 1,
     written.append(cost_figure(records, out))
     written.append(pipeline_figure(records, out, pipeline_steps))
     written.append(correction_figure(records, out, smooth))
+    written.append(staleness_figure(records, out))
     written.append(moe_figure(records, out, smooth))
     return [p for p in written if p is not None]
 
