@@ -46,7 +46,7 @@ EXIT_INTERRUPTED = 130
 class _Signals:
     """Stop requests, honoured at the end of the current step (checkpoint, then exit).
 
-    SIGUSR1/SIGTERM (Slurm's pre-emption warning, scancel) ask for a requeue: exit 75. The first SIGINT (Ctrl-C)
+    SIGUSR1/SIGTERM/SIGHUP (Slurm's pre-emption warning, scancel, a closed terminal) ask for a requeue: exit 75. The first SIGINT (Ctrl-C)
     does the same but exits 130; a second SIGINT abandons the step at once (KeyboardInterrupt), keeping the last
     checkpoint. ``restore()`` puts the previous handlers back.
     """
@@ -54,12 +54,13 @@ class _Signals:
     def __init__(self) -> None:
         self.requested: str | None = None
         self._interrupts = 0
-        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)}
+        self._previous = {sig: signal.signal(sig, self._handle)
+                          for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
         from dapo_mcore import startup
 
         startup.disarm()  # start-up is over (dapo_mcore.startup): a Ctrl-C now checkpoints after the step
-        if startup.interrupted():  # it came as the async run started, before this handler
-            self._handle(signal.SIGINT, None)
+        if startup.recorded() is not None:  # it came as the async run started, before this handler
+            self._handle(startup.recorded(), None)
 
     def _handle(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
@@ -81,6 +82,17 @@ class _Signals:
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+    def stop_exit(self, step: int, steps: int) -> int:
+        """The exit code of a stop asked for by the step that just ended: the requeue/interrupt code, or 0 when that
+        step was the run's last (a finished run is not requeued; the late signal is said, then ignored)."""
+        if step < steps:
+            return self.exit_code
+        log.warning("%s arrived during the last step: the run finished its %d steps and is checkpointed; exiting 0 "
+                    "(nothing to resume)", self.requested or "a stop signal on another rank", steps)
+        for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGHUP):  # the exit code is decided (cli._shield_exit)
+            self._previous[sig] = signal.SIG_IGN
+        return 0
 
 
 class Trainer:
@@ -329,6 +341,8 @@ class Trainer:
                 if stop or self.step == cfg.train.steps or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
                     with p.timer.phase("step"), p.timer.phase("checkpoint"):
                         p.save(self.step)
+                if stop and signals.stop_exit(self.step, cfg.train.steps) == 0:
+                    return 0
                 if stop:
                     log.warning("checkpointed at step %d after %s; exiting %d (resume with the same command)", self.step,
                                 signals.requested or "a signal on another rank", signals.exit_code)
