@@ -213,7 +213,8 @@ def launch(command: str, nproc: int, config: str, overrides: list[str], extra: l
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        _print_rank_errors(error_dir)
+        if watch.code is None:  # after a rank's death the others' lines only say that a peer went away
+            _print_rank_errors(error_dir)
         for path in error_dir.iterdir():
             path.unlink()
         error_dir.rmdir()
