@@ -280,7 +280,6 @@ class Trainer:
         all_acc = [a for g in generated for a in g.acc]
         adv = torch.tensor([s.advantage for s in samples])
         m: dict[str, Any] = {
-            keys.TRAIN_LOSS: tm.get("loss", math.nan), keys.TRAIN_GRAD_NORM: tm.get("grad_norm", math.nan),
             keys.TRAIN_LR: tm["lr"], keys.TRAIN_CLIPFRAC: tm.get("clipfrac", 0.0),
             keys.TRAIN_CLIPFRAC_LOW: tm.get("clipfrac_low", 0.0), keys.TRAIN_CLIPFRAC_HIGH: tm.get("clipfrac_high", 0.0),
             keys.TRAIN_DUAL_CLIPFRAC: tm.get("dual_clipfrac", 0.0), keys.TRAIN_PPO_KL: tm.get("ppo_kl", 0.0),
@@ -294,6 +293,9 @@ class Trainer:
             keys.ROLLOUT_ADV_MEAN: float(adv.mean()), keys.ROLLOUT_ADV_STD: float(adv.std()) if adv.numel() > 1 else 0.0,
             "rollout/kept_acc_mean": sum(a for g in groups for a in g.acc) / max(len(kept_resp), 1),
         }
+        # A step whose updates were all skipped (every token rejected or masked) trained nothing: no loss, not NaN.
+        m.update({k: tm[name] for k, name in ((keys.TRAIN_LOSS, "loss"), (keys.TRAIN_GRAD_NORM, "grad_norm"))
+                  if name in tm})
         m.update({k: v for k, v in tm.items() if k.startswith("moe/")})  # MoE router load balance, aux loss
         lens = response_length_stats(lengths, truncated, prefix="")
         m.update({keys.ROLLOUT_RESP_LEN_MEAN: lens["mean"], keys.ROLLOUT_RESP_LEN_MAX: lens["max"],
@@ -309,6 +311,7 @@ class Trainer:
         p, cfg = self.p, self.cfg
         signals = self.signals = _Signals()
         self.step = p.start_step
+        _log_correction(cfg)
         if self.step >= cfg.train.steps:
             log.info("run already finished %d steps; nothing to do", self.step)
         try:
@@ -367,6 +370,17 @@ class Trainer:
             signals.restore()
             p.close()
         return 0
+
+
+def _log_correction(cfg: Config) -> None:
+    """Say once which rollout correction the run applies (diagnose and report name it too)."""
+    c, a = cfg.algo.correction, cfg.algo
+    if not c.active:
+        return
+    name = (f"algo.tis_cap={a.tis_cap}" if a.tis_cap is not None else
+            f"preset {a.rollout_correction.preset}" if a.rollout_correction.preset else "algo.rollout_correction")
+    log.info("rollout correction: %s (is_level=%s, is_threshold=%s, rs=%s, rs_thresholds=%s, bypass=%s)", name,
+             c.is_level, c.is_threshold, c.rs, c.rs_thresholds, c.bypass)
 
 
 def _cpu_threads() -> None:
