@@ -1,0 +1,39 @@
+"""Small things a new user met: the dynamic-sampling hint is a whole override that validates, and ``convert`` does
+not print Megatron's notices about its own internals."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+
+from dapo_mcore.algo.dynamic_sampling import SamplingStats, exhausted_error
+from dapo_mcore.config import ConfigError, load_config
+
+pytestmark = pytest.mark.unit
+
+TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny_cpu.yaml"
+
+
+def test_the_dynamic_sampling_hint_is_an_override_that_validates():
+    target = load_config(TINY).train.prompts_per_step
+    message = str(exhausted_error(SamplingStats(), target, 3))
+    overrides = re.search(r"override ((?:\S+=\S+ ?)+)", message).group(1).split()
+    assert overrides[0] == "algo.dynamic_sampling=false"
+    load_config(TINY, overrides).validate(1)  # the hint, as given, is accepted
+    with pytest.raises(ConfigError):  # the first half alone is not (what the hint used to say)
+        load_config(TINY, overrides[:1]).validate(1)
+
+
+def test_convert_hides_megatrons_notices_about_its_internals():
+    from conversion.entry import quiet_library_warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        quiet_library_warnings()
+        warnings.warn("Apex is not installed. Falling back to Torch Norm", UserWarning)
+        warnings.warn("`load_state_dict` is deprecated and will be removed", FutureWarning)
+        warnings.warn("something a user should see", UserWarning)
+    assert [str(w.message) for w in seen] == ["something a user should see"]
