@@ -37,3 +37,22 @@ def test_convert_hides_megatrons_notices_about_its_internals():
         warnings.warn("`load_state_dict` is deprecated and will be removed", FutureWarning)
         warnings.warn("something a user should see", UserWarning)
     assert [str(w.message) for w in seen] == ["something a user should see"]
+
+
+def test_rollouts_limit_spreads_over_groups():
+    from types import SimpleNamespace
+
+    from dapo_mcore.telemetry.rollout_store import spread_groups
+
+    items = [(SimpleNamespace(group_id=g, i=i), "kept") for g in (7, 3, 9) for i in range(4)]
+    shown = spread_groups(items, 4)
+    assert [(r.group_id, r.i) for r, _ in shown] == [(7, 0), (3, 0), (9, 0), (7, 1)]
+    assert len(spread_groups(items, 100)) == 12 and spread_groups(items, 0) == []
+
+
+def test_cost_figure_names_phases_in_words():
+    from dapo_mcore.telemetry.report import phase_labels
+
+    sync = phase_labels([{"step": 1}], ["generate", "old_logprobs", "sync_weights"])
+    assert sync == ["generate", "old log-probs", "weight sync"]
+    assert phase_labels([{"step": 1, "async/trainer_wait_s": 1.0}], ["wait_rollouts"]) == ["wait for rollouts (engines)"]

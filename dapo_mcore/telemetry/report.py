@@ -197,6 +197,13 @@ def phase_seconds(records: Sequence[dict[str, Any]]) -> dict[str, np.ndarray]:
     return out
 
 
+def phase_labels(records: Sequence[dict[str, Any]], phases: Sequence[str]) -> list[str]:
+    """The legend of the phases in words, as ``profile`` names them."""
+    from dapo_mcore.telemetry import lanes
+
+    return [lanes.phase_label(p, lanes.is_async(records)) for p in phases]
+
+
 def cost_figure(records: Sequence[dict[str, Any]], out: Path) -> Path | None:
     """Seconds per phase (stacked), tokens generated kept vs rejected, and cumulative totals."""
     steps = np.array([r[keys.STEP] for r in records], dtype=float)
@@ -210,7 +217,7 @@ def cost_figure(records: Sequence[dict[str, Any]], out: Path) -> Path | None:
     fig, axes = _figure(3, 16, 4.2)
     inner = {p: s for p, s in phases.items() if p != keys.STEP_PHASE}
     if inner:
-        axes[0].stackplot(steps, *inner.values(), labels=list(inner), alpha=0.8)
+        axes[0].stackplot(steps, *inner.values(), labels=phase_labels(records, list(inner)), alpha=0.8)
     if keys.STEP_PHASE in phases:
         axes[0].plot(steps, phases[keys.STEP_PHASE], color="black", linewidth=1, label="step (wall)")
     axes[0].set(title="Seconds per phase", xlabel="step", ylabel="seconds")
