@@ -56,3 +56,15 @@ def test_cost_figure_names_phases_in_words():
     sync = phase_labels([{"step": 1}], ["generate", "old_logprobs", "sync_weights"])
     assert sync == ["generate", "old log-probs", "weight sync"]
     assert phase_labels([{"step": 1, "async/trainer_wait_s": 1.0}], ["wait_rollouts"]) == ["wait for rollouts (engines)"]
+
+
+def test_verify_takes_nproc_per_node_like_train(monkeypatch):
+    from conversion import verify
+    from dapo_mcore.weights.errors import WeightsError
+
+    argv = ["--hf", "H", "--nproc-per-node", "2", "--tp", "2", "--nproc-per-node=4"]
+    assert verify.without_nproc(argv) == ["--hf", "H", "--tp", "2"]
+    assert verify.build_parser().parse_args(["--hf", "H", "--nproc-per-node", "2"]).nproc_per_node == 2
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(WeightsError, match="not under torchrun"):
+        verify._relaunch(argv, 2)
