@@ -123,3 +123,27 @@ def test_a_stop_signal_during_start_up_is_one_line_and_the_requeue_code(sig):
     assert proc.returncode == EXIT_REQUEUE, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"dapo-mcore: {sig.name} during start-up"), lines
+
+
+@pytest.mark.distributed
+def test_a_rank_killed_under_the_launcher_is_named_at_once(cli_env, tmp_path):
+    """A real launch: kill -9 of rank 1 during step 2 -> one line naming it, exit 137, no false checkpoint promise."""
+    proc = subprocess.Popen([sys.executable, "-m", "dapo_mcore.cli", "train", "--nproc-per-node", "2",
+                             str(ROOT / "examples" / "tiny_cpu.yaml"), f"run.dir={tmp_path / 'run'}", "train.steps=40",
+                             "eval.every=0", "eval.at_start=false", "checkpoint.every=0",
+                             "telemetry.progress_every_s=0.001"], env=cli_env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen: list[str] = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if "step 1/40" in line:
+                [rank1] = [c for c in psutil.Process(proc.pid).children() if c.environ().get("RANK") == "1"]
+                rank1.kill()
+                break
+        out = "".join(seen) + proc.communicate(timeout=300)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 137, out[-3000:]
+    assert out.count("dapo-mcore: rank 1 died of SIGKILL (exit 137)") == 1, out[-3000:]
+    assert "will checkpoint" not in out and "Traceback" not in out and "another rank of the job" not in out, out[-3000:]
