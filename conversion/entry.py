@@ -63,7 +63,24 @@ def parse_and_run(parser: argparse.ArgumentParser, body: Callable[[argparse.Name
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if not debug_enabled(args):
+        quiet_library_warnings()
     return run(body, args)
+
+
+LIBRARY_WARNINGS = (r"Transformer Engine and Apex are not installed.*", r"Apex is not installed.*",
+                    r"full scope is deprecated.*", r"`load_state_dict` is deprecated.*",
+                    r"Please use DTensor instead and we are deprecating ShardedTensor.*",
+                    r"When using async grad allreduce it is recommended.*")
+"""Megatron's and torch's notices about their own internals (a missing fused kernel the conversion does not use,
+deprecations inside dist_checkpointing): nothing a user of ``convert`` can act on. ``--debug`` shows them."""
+
+
+def quiet_library_warnings() -> None:
+    import warnings
+
+    for pattern in LIBRARY_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
 
 
 def report_written(out: str) -> None:

@@ -142,20 +142,57 @@ def hf_to_torch_dist(hf_dir: str | Path, out_dir: str | Path, *, dtype: torch.dt
         if dist.get_rank() == 0:
             ckpt_dir.mkdir()
         dist.barrier()
-        dist_checkpointing.save({"model": model.sharded_state_dict(), **common}, os.fspath(ckpt_dir))
+        _save_or_name_the_disk(dist_checkpointing, {"model": model.sharded_state_dict(), **common}, ckpt_dir,
+                               out_dir)
         dist.barrier()
         if dist.get_rank() == 0:
             if layout == "bridge":
                 from conversion.bridge_config import write_bridge_files
 
                 copied = copy_tokenizer_files(hf_dir, ckpt_dir / TOKENIZER_DIR)
+                # the tokenizer bundled beside the weights, where it will be once the output is in place
+                bundled = out_dir.resolve() / sub / TOKENIZER_DIR
                 write_bridge_files(ckpt_dir, hf_config, tp=tp, pp=pp, dtype=dtype, padded_rows=rows,
                                    vocab_padding=vocab_padding, divisible_by=divisible_by,
-                                   tokenizer_model=os.fspath(hf_dir.resolve()) if "tokenizer_config.json" in copied else None)
+                                   tokenizer_model=os.fspath(bundled) if "tokenizer_config.json" in copied else None)
+            dist_checkpoint.write_checksums(ckpt_dir)
             (Path(tmp_box[0]) / TRACKER).write_text("release\n" if layout == "megatron-lm" else "0")
     log.info("wrote torch_dist checkpoint %s in %s's layout (saved at tp=%d pp=%d, vocabulary %d rows for %d)",
              out_dir, layout, tp, pp, rows, hf_config["vocab_size"])
     return out_dir
+
+
+def _save_or_name_the_disk(dist_checkpointing, state: dict, ckpt_dir: Path, out_dir: Path) -> None:
+    """`dist_checkpointing.save`; when it fails, a write there is tried: a full disk, a quota or a file-size limit
+    (which the save's writer threads report only as ``unexpected pos``) becomes one OutputPathError."""
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+    from dapo_mcore.weights.errors import output_os_error
+
+    try:
+        dist_checkpointing.save(state, os.fspath(ckpt_dir))
+    except (Exception, CheckpointException) as err:
+        disk = _write_probe(ckpt_dir)
+        if disk is not None:
+            raise output_os_error(disk, out_dir) from err
+        raise
+
+
+def _write_probe(directory: Path) -> OSError | None:
+    """The OSError a user fixes (full, quota, read-only, file-size limit) that a 4 MiB write in `directory` meets."""
+    from dapo_mcore.weights.errors import is_output_os_error
+
+    probe = directory / f".write-probe-{dist.get_rank()}"
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0" * (4 << 20))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:
+        return err if is_output_os_error(err) else None
+    finally:
+        probe.unlink(missing_ok=True)
+    return None
 
 
 class _on_rank0:  # noqa: N801  (used like a contextlib helper)

@@ -7,6 +7,7 @@ both models compute in it, and bf16/fp16 arithmetic differs between the two impl
 fp32's 1e-4. Single process (TP=PP=1) or under torchrun:
 
     torchrun --nproc_per_node 2 -m conversion.verify --hf DIR --tp 2 [--mcore DIR] [--prompt "..."]
+    dapo-mcore convert verify --nproc-per-node 2 --hf DIR --tp 2 ...   (the same, started for you, as `train` does)
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 from pathlib import Path
 
 import torch
@@ -141,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exit 1 when max abs diff exceeds this (default: by dtype, "
                         f"{', '.join(f'{k} {v:g}' for k, v in DEFAULT_ATOL.items())}, times max(1, max |logit|))")
     p.add_argument("--json", default=None, help="also write the numbers to this file (rank 0)")
+    p.add_argument("--nproc-per-node", type=int, default=None,
+                   help="start N processes on this machine (torch.distributed.run) instead of running under torchrun")
     return add_debug_flag(p)
 
 
@@ -200,10 +204,42 @@ def _vocab_rule(args) -> tuple[int, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return parse_and_run(build_parser(), _main, argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return parse_and_run(build_parser(), lambda args: _main(args, argv), argv)
 
 
-def _main(args) -> int:
+def without_nproc(argv: list[str]) -> list[str]:
+    """`argv` less ``--nproc-per-node N`` / ``--nproc-per-node=N`` (what the started processes get)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc-per-node":
+            skip = True
+        elif not a.startswith("--nproc-per-node="):
+            out.append(a)
+    return out
+
+
+def _relaunch(argv: list[str], n: int) -> int:
+    """Run this command on `n` processes of this machine (torch.distributed.run, standalone); their exit code."""
+    import os
+    import subprocess
+
+    from dapo_mcore.weights.errors import WeightsError
+
+    if n < 1 or "RANK" in os.environ:
+        raise WeightsError(f"--nproc-per-node {n}: give N >= 1, and not under torchrun/srun (they start the "
+                           "processes themselves)")
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
+           "-m", "conversion.verify", *without_nproc(argv)]
+    return subprocess.run(cmd, env=env, check=False).returncode
+
+
+def _main(args, argv: list[str]) -> int:
+    if args.nproc_per_node is not None:
+        return _relaunch(argv, args.nproc_per_node)
     from dapo_mcore.actor.parallel import init_distributed, init_model_parallel, read_launch_env, shutdown
     from dapo_mcore.model.qwen import build_gpt_model, transformer_config
     from dapo_mcore.weights import dist_checkpoint

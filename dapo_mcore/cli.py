@@ -80,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     debug = os.environ.get("DAPO_MCORE_DEBUG", "") not in ("", "0")
     if argv[:1] == ["--debug"]:
         debug, argv = True, argv[1:]
+    if "RANK" in os.environ and os.environ.get("DAPO_MCORE_LAUNCHER_PID"):
+        from dapo_mcore.commands.launcher import bind_to_launcher
+
+        bind_to_launcher()  # a rank of `--nproc-per-node`: it dies with the launcher, even a kill -9 of it
     if argv[:1] == ["train"] and "RANK" in os.environ and "--nproc-per-node" not in argv:
         from dapo_mcore.signals import startup
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import signal
 import sys
@@ -46,7 +45,7 @@ EXIT_INTERRUPTED = 130
 class _Signals:
     """Stop requests, honoured at the end of the current step (checkpoint, then exit).
 
-    SIGUSR1/SIGTERM (Slurm's pre-emption warning, scancel) ask for a requeue: exit 75. The first SIGINT (Ctrl-C)
+    SIGUSR1/SIGTERM/SIGHUP (Slurm's pre-emption warning, scancel, a closed terminal) ask for a requeue: exit 75. The first SIGINT (Ctrl-C)
     does the same but exits 130; a second SIGINT abandons the step at once (KeyboardInterrupt), keeping the last
     checkpoint. ``restore()`` puts the previous handlers back.
     """
@@ -54,12 +53,13 @@ class _Signals:
     def __init__(self) -> None:
         self.requested: str | None = None
         self._interrupts = 0
-        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)}
+        self._previous = {sig: signal.signal(sig, self._handle)
+                          for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
         from dapo_mcore.signals import startup
 
         startup.disarm()  # start-up is over (dapo_mcore.signals.startup): a Ctrl-C now checkpoints after the step
-        if startup.interrupted():  # it came as the async run started, before this handler
-            self._handle(signal.SIGINT, None)
+        if startup.recorded() is not None:  # it came as the async run started, before this handler
+            self._handle(startup.recorded(), None)
 
     def _handle(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
@@ -81,6 +81,17 @@ class _Signals:
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+    def stop_exit(self, step: int, steps: int) -> int:
+        """The exit code of a stop asked for by the step that just ended: the requeue/interrupt code, or 0 when that
+        step was the run's last (a finished run is not requeued; the late signal is said, then ignored)."""
+        if step < steps:
+            return self.exit_code
+        log.warning("%s arrived during the last step: the run finished its %d steps and is checkpointed; exiting 0 "
+                    "(nothing to resume)", self.requested or "a stop signal on another rank", steps)
+        for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGHUP):  # the exit code is decided (cli._shield_exit)
+            self._previous[sig] = signal.SIG_IGN
+        return 0
 
 
 class Trainer:
@@ -281,7 +292,6 @@ class Trainer:
         all_acc = [a for g in generated for a in g.acc]
         adv = torch.tensor([s.advantage for s in samples])
         m: dict[str, Any] = {
-            keys.TRAIN_LOSS: tm.get("loss", math.nan), keys.TRAIN_GRAD_NORM: tm.get("grad_norm", math.nan),
             keys.TRAIN_LR: tm["lr"], keys.TRAIN_CLIPFRAC: tm.get("clipfrac", 0.0),
             keys.TRAIN_CLIPFRAC_LOW: tm.get("clipfrac_low", 0.0), keys.TRAIN_CLIPFRAC_HIGH: tm.get("clipfrac_high", 0.0),
             keys.TRAIN_DUAL_CLIPFRAC: tm.get("dual_clipfrac", 0.0), keys.TRAIN_PPO_KL: tm.get("ppo_kl", 0.0),
@@ -295,6 +305,9 @@ class Trainer:
             keys.ROLLOUT_ADV_MEAN: float(adv.mean()), keys.ROLLOUT_ADV_STD: float(adv.std()) if adv.numel() > 1 else 0.0,
             "rollout/kept_acc_mean": sum(a for g in groups for a in g.acc) / max(len(kept_resp), 1),
         }
+        # A step whose updates were all skipped (every token rejected or masked) trained nothing: no loss, not NaN.
+        m.update({k: tm[name] for k, name in ((keys.TRAIN_LOSS, "loss"), (keys.TRAIN_GRAD_NORM, "grad_norm"))
+                  if name in tm})
         m.update({k: v for k, v in tm.items() if k.startswith("moe/")})  # MoE router load balance, aux loss
         lens = response_length_stats(lengths, truncated, prefix="")
         m.update({keys.ROLLOUT_RESP_LEN_MEAN: lens["mean"], keys.ROLLOUT_RESP_LEN_MAX: lens["max"],
@@ -310,6 +323,7 @@ class Trainer:
         p, cfg = self.p, self.cfg
         signals = self.signals = _Signals()
         self.step = p.start_step
+        _log_correction(cfg)
         if self.step >= cfg.train.steps:
             log.info("run already finished %d steps; nothing to do", self.step)
         try:
@@ -342,6 +356,8 @@ class Trainer:
                 if stop or self.step == cfg.train.steps or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
                     with p.timer.phase("step"), p.timer.phase("checkpoint"):
                         p.save(self.step)
+                if stop and signals.stop_exit(self.step, cfg.train.steps) == 0:
+                    return 0
                 if stop:
                     log.warning("checkpointed at step %d after %s; exiting %d (resume with the same command)", self.step,
                                 signals.requested or "a signal on another rank", signals.exit_code)
@@ -366,6 +382,17 @@ class Trainer:
             signals.restore()
             p.close()
         return 0
+
+
+def _log_correction(cfg: Config) -> None:
+    """Say once which rollout correction the run applies (diagnose and report name it too)."""
+    c, a = cfg.algo.correction, cfg.algo
+    if not c.active:
+        return
+    name = (f"algo.tis_cap={a.tis_cap}" if a.tis_cap is not None else
+            f"preset {a.rollout_correction.preset}" if a.rollout_correction.preset else "algo.rollout_correction")
+    log.info("rollout correction: %s (is_level=%s, is_threshold=%s, rs=%s, rs_thresholds=%s, bypass=%s)", name,
+             c.is_level, c.is_threshold, c.rs, c.rs_thresholds, c.bypass)
 
 
 def _cpu_threads() -> None:

@@ -99,7 +99,7 @@ def test_collect_raises_after_max_batches_with_fix():
     assert calls == [0, 1, 2]
     assert info.value.stats.groups_rejected == 6
     assert "more prompts per batch" in str(info.value)
-    assert "set algo.dynamic_sampling=false" in str(info.value)  # the way out of the dead end
+    assert "algo.dynamic_sampling=false rollout.gen_batch_prompts=1" in str(info.value)  # the whole way out
 
 
 def test_collect_unlimited_and_disabled():

@@ -68,7 +68,7 @@ def test_healthy_run_has_no_findings():
     assert d.skipped == []
     assert set(d.ok) == {"cannot-learn", "usable-groups", "entropy", "clip-high", "length-limit", "mismatch",
                          "reward-vs-heldout",
-                         "spikes", "warmup"}
+                         "spikes", "warmup", "no-update"}
 
 
 def test_usable_groups_collapse_hopeless_and_saturated():
@@ -165,7 +165,7 @@ def test_lr_still_in_warmup():
 def test_too_few_steps_skips_the_trend_rules_only():
     d = diagnose(Run(healthy(2), CFG))
     assert d.findings == [] and d.skipped == []
-    assert sorted(d.ok) == ["cannot-learn", "length-limit", "spikes", "usable-groups", "warmup"]
+    assert sorted(d.ok) == ["cannot-learn", "length-limit", "no-update", "spikes", "usable-groups", "warmup"]
     assert sorted(d.too_short) == ["clip-high", "entropy", "mismatch", "reward-vs-heldout"]
 
 

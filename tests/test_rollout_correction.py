@@ -234,7 +234,7 @@ def test_an_older_tis_cap_run_directory_resumes(tmp_path):
     del written["algo"]["rollout_correction"]
     (run_dir / "config.yaml").write_text(yaml.safe_dump(written))
     prepare_run_dir(load_config(tiny, [f"run.dir={run_dir}", "algo.tis_cap=2.0"]), rank0)  # resumes
-    with pytest.raises(ConfigError, match=r"algo.rollout_correction.preset: \(unset\) -> 'icepop'"):
+    with pytest.raises(ConfigError, match=r"algo.correction.is_threshold: 2.0 -> \[0.5, 5.0\]"):
         prepare_run_dir(load_config(tiny, [f"run.dir={run_dir}", "algo.rollout_correction.preset=icepop"]), rank0)
 
 

@@ -180,7 +180,9 @@ def exhausted_error(stats: SamplingStats, target: int, max_gen_batches: int) -> 
         f"{stats.groups_generated} groups had no mixed outcome ({stats.groups_all_correct} all right, "
         f"{stats.groups_all_wrong} all wrong). Fix: generate more prompts per batch, raise algo.max_gen_batches "
         "(0 = no limit), or use data of matching difficulty (easier if all wrong, harder if all right); to train "
-        "on the groups anyway (no filter: unmixed groups have zero advantage), set algo.dynamic_sampling=false.",
+        "on the groups anyway (no filter: unmixed groups have zero advantage), override "
+        f"algo.dynamic_sampling=false rollout.gen_batch_prompts={target} (one generation batch of exactly the step's "
+        "prompts).",
         stats,
     )
 

@@ -6,8 +6,10 @@ Pure configuration, no torch (reading a config imports none: tests/test_fast_pat
 
 from __future__ import annotations
 
+import copy
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
+from typing import Any
 
 LOG_CLAMP = 20.0
 RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_mean_k1", "seq_sum_k2", "seq_sum_k3",
@@ -17,31 +19,50 @@ RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_mean_k1", "
 Threshold = float | list[float]
 
 
+class _Unset:
+    """The default of a correction field: "not given", so a preset fills it (a value equal to the plain default,
+    given beside a preset, is the user's and wins)."""
+
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+UNSET: Any = _Unset()
+_PLAIN = {"is_level": None, "is_threshold": None, "is_batch_normalize": False, "rs": [], "rs_thresholds": [],
+          "bypass": False}
+"""Each field's value when neither the user nor a preset sets it."""
+
+
 @dataclass
 class RolloutCorrectionConfig:
     """Off-policy correction between the rollout engine's and the trainer's log-probs (verl's rollout correction).
 
-    Leave the fields at their defaults and set ``preset`` for a named recipe; a field set away from its default
-    overrides the preset's value.
+    Set ``preset`` for a named recipe; a field given beside it overrides the preset's value (even when it equals the
+    field's plain default, e.g. ``preset=bypass_ppo_clip bypass=false``). The preset is resolved on construction: the
+    fields hold the effective values (what ``config.yaml`` records), ``preset`` stays as the recipe's name.
     """
 
-    is_level: str | None = None
+    is_level: str | None = UNSET
     """Importance weights: token (w_t = r_t), sequence (w = prod_t r_t for every token), or null (none)."""
-    is_threshold: float | list[float] | None = None
+    is_threshold: float | list[float] | None = UNSET
     """A number C truncates w to min(w, C) (TIS, typical 2.0); a pair [lo, hi] zeroes w outside it (IcePop)."""
-    is_batch_normalize: bool = False
+    is_batch_normalize: bool = UNSET
     """Divide the truncated weights by their mean over the global batch (tokens or responses, by is_level)."""
-    rs: list[str] = field(default_factory=list)
+    rs: list[str] = UNSET
     """Rejection options, all must pass: token_k1/k2/k3, seq_sum_k1, seq_mean_k1 (Geo-RS), seq_{sum,mean,max}_k{2,3}."""
-    rs_thresholds: list[float | list[float]] = field(default_factory=list)
+    rs_thresholds: list[float | list[float]] = UNSET
     """One per rs option: a ratio band [lo, hi] for *_k1, an upper bound u for k2/k3."""
-    bypass: bool = False
+    bypass: bool = UNSET
     """Skip the old-log-prob pass: the PPO ratio is pi_theta / pi_rollout; weights and rejection use pi_theta."""
     preset: str | None = None
     """A named recipe (PRESETS): token_tis, seq_tis, seq_mis, icepop, geo_rs, geo_rs_token_tis, k3_rs,
     bypass_ppo_clip, bypass_ppo_clip_geo_rs, disabled."""
 
     def __post_init__(self) -> None:
+        base = PRESETS.get(self.preset) if self.preset is not None else None  # unknown: validate() names it
+        for name, plain in _PLAIN.items():
+            if getattr(self, name) is UNSET:
+                setattr(self, name, copy.deepcopy(getattr(base, name) if base is not None else plain))
         if isinstance(self.rs, str):
             self.rs = [self.rs]
         self.rs = list(self.rs or [])
@@ -56,15 +77,14 @@ class RolloutCorrectionConfig:
             self.is_threshold = list(self.is_threshold)
 
     def resolved(self) -> RolloutCorrectionConfig:
-        """The preset's values for the fields left at their defaults (itself when no preset is set)."""
-        if self.preset is None:
-            return self
-        if self.preset not in PRESETS:
+        """The effective correction: these fields (the preset was applied on construction), without the name."""
+        if self.preset is not None and self.preset not in PRESETS:
             raise ValueError(f"algo.rollout_correction.preset={self.preset!r} is unknown; valid: {', '.join(PRESETS)}")
-        base, default = PRESETS[self.preset], RolloutCorrectionConfig()
-        values = {f.name: getattr(self, f.name) if getattr(self, f.name) != getattr(default, f.name)
-                  else getattr(base, f.name) for f in fields(self) if f.name != "preset"}
-        return RolloutCorrectionConfig(**values)
+        return self if self.preset is None else RolloutCorrectionConfig(**self.settings())
+
+    def settings(self) -> dict[str, Any]:
+        """The effective fields as plain values (no ``preset``): what two spellings of one correction share."""
+        return {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if f.name != "preset"}
 
     @property
     def active(self) -> bool:
@@ -79,6 +99,9 @@ class RolloutCorrectionConfig:
             raise ValueError(f"{key}.is_level={r.is_level!r} is unknown; use token, sequence or null")
         if r.is_threshold is not None:
             _check_threshold(f"{key}.is_threshold", r.is_threshold, pair_ok=True, number_ok=True)
+            if not isinstance(r.is_threshold, list) and r.is_threshold < 1.0:
+                raise ValueError(f"{key}.is_threshold={r.is_threshold} must be >= 1 (a cap below 1 down-weights every "
+                                 "token); typical 2.0, or a band [lo, hi] (IcePop) to zero weights outside it")
         elif r.is_level is not None:
             raise ValueError(f"{key}.is_threshold is needed with is_level={r.is_level!r}: a cap (e.g. 2.0) or an "
                              "IcePop band [lo, hi] (e.g. [0.5, 5.0])")
@@ -129,3 +152,20 @@ PRESETS: dict[str, RolloutCorrectionConfig] = {
                                                       bypass=True),
 }
 """Named recipes, thresholds as verl's RolloutCorrectionConfig factories (IcePop's band [0.5, 5] from its paper)."""
+
+
+def effective_settings(algo: dict[str, Any], *, legacy: bool = False) -> dict[str, Any]:
+    """The correction an ``algo`` section of a written config.yaml applies, as plain field values: ``tis_cap: C``
+    and ``rollout_correction: {preset: token_tis, is_threshold: C}`` give the same. ``legacy`` reads it as versions
+    that applied a preset only to the fields left at their plain defaults wrote it."""
+    if algo.get("tis_cap") is not None:
+        return RolloutCorrectionConfig(is_level="token", is_threshold=algo["tis_cap"]).settings()
+    given = algo.get("rollout_correction") or {}
+    names = {f.name for f in fields(RolloutCorrectionConfig)}
+    values = {k: v for k, v in given.items() if k in names}
+    if legacy:
+        values = {k: v for k, v in values.items() if k == "preset" or v != _PLAIN.get(k)}
+    try:
+        return RolloutCorrectionConfig(**values).settings()
+    except (TypeError, ValueError) as exc:  # a hand-edited file: compare it as written
+        return {"unreadable": f"{given!r} ({exc})"}

@@ -8,10 +8,14 @@ torchrun runs), not a process manager of ours. What it changes for a user:
   their one line to a file in ``ERROR_DIR_ENV``'s directory and the launcher prints each distinct line;
 - the ranks' exit code comes back (2 refused, 75 requeue, 130 Ctrl-C), not torch's ``ChildFailedError``
   traceback and exit 1;
-- SIGINT/SIGTERM/SIGUSR1 are forwarded once to every rank's process group (the ranks run in sessions of their
-  own, so a terminal's Ctrl-C reaches only this process): the ranks finish the step, checkpoint and exit 130 (75),
-  and a second Ctrl-C abandons the step, as in a single process. torchrun instead treats the signal as its own
-  death and kills the ranks after ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` (30 s) seconds.
+- SIGINT/SIGTERM/SIGUSR1/SIGHUP are forwarded once to every rank's process group (the ranks run in sessions of
+  their own, so a terminal's Ctrl-C reaches only this process): the ranks finish the step, checkpoint and exit 130
+  (75), and a second Ctrl-C abandons the step, as in a single process. torchrun instead treats the signal as its
+  own death and kills the ranks after ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` (30 s) seconds;
+- a rank that dies (killed, out of memory) is named at once in one line and the other ranks are stopped
+  (`RankWatch`), instead of torch's SIGTERM to them (which they would take for a stop request) and a 30 s wait;
+- the ranks die with the launcher (``PR_SET_PDEATHSIG``, `bind_to_launcher`): a ``kill -9`` of it leaves no rank
+  holding devices and the run's lock.
 """
 
 from __future__ import annotations
@@ -21,13 +25,106 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 ERROR_DIR_ENV = "DAPO_MCORE_ERROR_DIR"
 """Set by the launcher for its ranks: where each rank writes its one-line user error (``rank<N>``)."""
 COMMAND_ENV = "DAPO_MCORE_COMMAND"
 """Set by the launcher for its ranks: how the user started ``dapo-mcore`` (``.venv/bin/dapo-mcore``)."""
-FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+LAUNCHER_PID_ENV = "DAPO_MCORE_LAUNCHER_PID"
+"""Set by the launcher for its ranks: its pid, whose death kills them (`bind_to_launcher`)."""
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
+_PR_SET_PDEATHSIG = 1
+
+
+def bind_to_launcher() -> None:
+    """In a rank: die (SIGKILL) when the launcher that started it dies, whatever killed it. A launcher already gone
+    before this ran (the rank is an orphan by now) means exit at once."""
+    expected = os.environ.get(LAUNCHER_PID_ENV, "")
+    if not expected.isdigit() or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        logging.getLogger(__name__).warning("PR_SET_PDEATHSIG failed (errno %d): this rank outlives a killed "
+                                            "launcher", ctypes.get_errno())
+        return
+    if os.getppid() != int(expected):
+        os._exit(137)
+
+
+class RankWatch:
+    """Watches the ranks (this process's children) for one that dies of a signal while the others run: names it in
+    one line at once, then SIGKILLs the others' process groups (nothing of the run is lost beyond its last
+    checkpoint; a peer gone means the others would only wait in a collective). A rank's exit code is read from
+    /proc without reaping it, so torch's own bookkeeping still sees it."""
+
+    def __init__(self, command: str, interval_s: float = 0.2) -> None:
+        self.command, self.interval_s = command, interval_s
+        self.code: int | None = None
+        self._ranks: dict[int, str] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dapo-mcore-rank-watch", daemon=True)
+
+    def __enter__(self) -> RankWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s) and self.code is None:
+            self.check()
+
+    def check(self) -> int | None:
+        """One look at the children; the dead rank's exit code (128 + signal) once one died, else None."""
+        import psutil
+
+        children = psutil.Process().children()
+        dead = None
+        for child in children:
+            if child.pid not in self._ranks:
+                try:
+                    self._ranks[child.pid] = child.environ().get("RANK", "?")
+                except (psutil.Error, OSError):
+                    continue
+            signum = _killed_by(child.pid)
+            if signum is not None and dead is None:
+                dead = (child.pid, signum)
+        if dead is None:
+            return None
+        pid, signum = dead
+        self.code = 128 + signum
+        for child in children:
+            if child.pid != pid:
+                try:
+                    os.killpg(os.getpgid(child.pid), signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    continue
+        name = signal.Signals(signum).name if signum in signal.Signals._value2member_map_ else f"signal {signum}"
+        after = ("the same command resumes the run from its last checkpoint" if self.command == "train"
+                 else "run the same command again")
+        print(f"dapo-mcore: rank {self._ranks.get(pid, '?')} died of {name} (exit {self.code}); the other ranks were "
+              f"stopped. Its log above may say why ({'out of memory: see the kernel log' if signum == 9 else 'a crash'}"
+              f"); {after}", file=sys.stderr, flush=True)
+        return self.code
+
+
+def _killed_by(pid: int) -> int | None:
+    """The signal that killed zombie child `pid` (from /proc/PID/stat's exit code, not reaped), else None."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()
+    if fields[0] != "Z" or len(fields) < 50:
+        return None
+    status = int(fields[49])  # field 52 of the file: the waitpid status
+    return status & 0x7F or None
 
 
 def exit_code_of(exitcode: int) -> int:
@@ -96,23 +193,28 @@ def launch(command: str, nproc: int, config: str, overrides: list[str], extra: l
                        "--module", "dapo_mcore.cli", command, *(flags or []), config, *overrides])
     args.rdzv_backend, args.rdzv_endpoint = "c10d", "localhost:0"  # what torchrun --standalone does in run()
     args.rdzv_id = f"dapo-mcore-{os.getpid()}"
+    args.monitor_interval = 1.0  # RankWatch looks every 0.2 s: it names a dead rank before torch stops the others
     args.master_port = args.master_port or 29500
-    args.signals_to_handle = "SIGHUP,SIGQUIT"  # SIGINT/SIGTERM/SIGUSR1: forwarded to the ranks, see _forward
+    args.signals_to_handle = "SIGQUIT"  # SIGINT/SIGTERM/SIGUSR1/SIGHUP: forwarded to the ranks, see _forward
     launch_config, cmd, cmd_args = config_from_args(args)
     error_dir = Path(tempfile.mkdtemp(prefix="dapo-mcore-ranks-"))
     os.environ[ERROR_DIR_ENV] = str(error_dir)
     os.environ.setdefault(COMMAND_ENV, sys.argv[0] if Path(sys.argv[0]).name == "dapo-mcore" else "dapo-mcore")
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     previous = {sig: signal.signal(sig, _forward) for sig in FORWARDED}
+    watch = RankWatch(command)
     try:
-        elastic_launch(launch_config, cmd)(*cmd_args)
+        with watch:
+            elastic_launch(launch_config, cmd)(*cmd_args)
         code = 0
     except ChildFailedError as exc:
         _, failure = exc.get_first_failure()
-        code = exit_code_of(failure.exitcode)
+        code = watch.code if watch.code is not None else exit_code_of(failure.exitcode)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        _print_rank_errors(error_dir)
+        if watch.code is None:  # after a rank's death the others' lines only say that a peer went away
+            _print_rank_errors(error_dir)
         for path in error_dir.iterdir():
             path.unlink()
         error_dir.rmdir()

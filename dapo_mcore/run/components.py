@@ -220,14 +220,23 @@ def _live_terminal() -> bool:
     return sys.stdout.isatty() and sys.stderr.isatty()
 
 
+def _loss_text(m: dict[str, Any]) -> str:
+    """The step line's loss; a step without an update says why instead of printing nan."""
+    if "train/loss" in m:
+        return f"{m['train/loss']:.4f}"
+    if m.get("rollout_corr/rejected_token_frac", 0.0) >= 1.0:
+        return "- (no update: the rollout correction rejected every token)"
+    return "- (no update: every token masked)"
+
+
 def _print_progress(step: int, total: int, m: dict[str, Any], every: int, pace: str = "") -> None:
     if every and (step % every == 0 or step == total):
         from dapo_mcore.telemetry.progress import async_fields
 
         evals = f" heldout_avg@k={m['eval/avg_at_k']:.3f}" if "eval/avg_at_k" in m else ""
         evals = async_fields(m) + evals
-        log.info("step %d/%d  acc=%.3f usable=%.2f batches=%d loss=%.4f ent=%.3f clip=%.3f len=%.1f %.2fs%s  %s",
+        log.info("step %d/%d  acc=%.3f usable=%.2f batches=%d loss=%s ent=%.3f clip=%.3f len=%.1f %.2fs%s  %s",
                  step, total, m.get("rollout/acc_mean", float("nan")), m.get("rollout/usable_group_frac", float("nan")),
-                 int(m.get("rollout/gen_batches", 0)), m.get("train/loss", float("nan")),
+                 int(m.get("rollout/gen_batches", 0)), _loss_text(m),
                  m.get("train/entropy", float("nan")), m.get("train/clipfrac", float("nan")),
                  m.get("rollout/resp_len_mean", float("nan")), m.get("time/step", float("nan")), evals, pace)

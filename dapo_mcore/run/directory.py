@@ -49,7 +49,8 @@ def refuse_other_run(cfg: Config) -> None:
     existing = run_dir / "config.yaml"
     if cfg.run.overwrite or not existing.is_file():
         return
-    changed = identity_diff(yaml.safe_load(existing.read_text()) or {}, to_dict(cfg), defaults=to_dict(Config()))
+    stored = yaml.safe_load(existing.read_text()) or {}
+    changed = identity_diff(stored, to_dict(cfg), defaults=to_dict(Config()))
     if changed:
         shown = "; ".join(changed[:8]) + (f"; and {len(changed) - 8} more" if len(changed) > 8 else "")
         raise ConfigError(f"run directory {run_dir} holds another run ({shown}). Use a new run.dir, "
@@ -57,6 +58,23 @@ def refuse_other_run(cfg: Config) -> None:
     if cfg.run.resume == "never":
         raise ConfigError(f"run directory {run_dir} already holds this run and run.resume=never; use "
                           "run.resume=auto to continue it or run.overwrite=true to start over.")
+    _warn_wandb_change(stored, cfg)
+
+
+def _warn_wandb_change(stored: dict[str, Any], cfg: Config) -> None:
+    """W&B is not part of a run's identity, but a resume that drops or moves it should say so once."""
+    telemetry = stored.get("telemetry") if isinstance(stored.get("telemetry"), dict) else {}
+    was = (telemetry.get("wandb") if isinstance(telemetry.get("wandb"), dict) else {}).get("project")
+    now = cfg.telemetry.wandb.project
+    if was is None or was == now:
+        return
+    if now is None:
+        log.warning("this run logged to W&B project %r and telemetry.wandb.project is unset now: the steps from here "
+                    "go to metrics.jsonl and TensorBoard only; set telemetry.wandb.project=%s to keep logging them "
+                    "there", was, was)
+    else:
+        log.warning("this run logged to W&B project %r and telemetry.wandb.project=%s now: the steps from here go to "
+                    "a run of that other project; set telemetry.wandb.project=%s to keep one W&B run", was, now, was)
 
 
 def claim_run_dir(cfg: Config, launch: LaunchEnv) -> Any:
@@ -118,6 +136,7 @@ def identity_diff(old: dict[str, Any], new: dict[str, Any], defaults: dict[str, 
     With ``defaults`` (the default config), a key the run directory's config does not have, because the setting was
     added after that run started, is no change while the new config leaves it at its default: new settings default
     to the behaviour from before they existed, so a run started by an older version resumes."""
+    old, new = _one_correction_spelling(old, new)
     a, b = _flatten({k: old.get(k) for k in _IDENTITY_SECTIONS}), _flatten({k: new.get(k) for k in _IDENTITY_SECTIONS})
     if defaults is not None:
         d = _flatten({k: defaults.get(k) for k in _IDENTITY_SECTIONS})
@@ -129,6 +148,25 @@ def identity_diff(old: dict[str, Any], new: dict[str, Any], defaults: dict[str, 
         return repr(tree[key]) if key in tree else "(unset)"
 
     return [f"{k}: {show(a, k)} -> {show(b, k)}" for k in keys if k not in a or k not in b or a[k] != b[k]]
+
+
+def _one_correction_spelling(old: dict[str, Any], new: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Both trees with ``algo.tis_cap`` and ``algo.rollout_correction`` replaced by the correction they apply
+    (``algo.correction``): ``tis_cap=2``, ``preset=token_tis`` and its fields spelled out are one run. A run
+    directory written before presets were resolved on load is read that older way when that is what matches."""
+    from dapo_mcore.algo.rollout_correction_config import effective_settings
+
+    def swap(tree: dict[str, Any], correction: dict[str, Any]) -> dict[str, Any]:
+        algo = {k: v for k, v in (tree.get("algo") or {}).items() if k not in ("tis_cap", "rollout_correction")}
+        return {**tree, "algo": {**algo, "correction": correction}}
+
+    if not isinstance(old.get("algo", {}), dict) or not isinstance(new.get("algo", {}), dict):
+        return old, new
+    mine = effective_settings(new.get("algo") or {})
+    theirs = effective_settings(old.get("algo") or {})
+    if theirs != mine and effective_settings(old.get("algo") or {}, legacy=True) == mine:
+        theirs = mine
+    return swap(old, theirs), swap(new, mine)
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

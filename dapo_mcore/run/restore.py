@@ -100,7 +100,7 @@ def check_checkpoint_arg(checkpoint: str) -> Path:
 
 def open_telemetry(parts: Components, start: int) -> None:
     from dapo_mcore.telemetry.ledger import CostLedger
-    from dapo_mcore.telemetry.metrics import MetricsWriter
+    from dapo_mcore.telemetry.metrics import METRICS_FILE, MetricsWriter
     from dapo_mcore.telemetry.rollout_store import ROLLOUTS_DIR, RolloutStore
 
     run_dir = Path(parts.cfg.run.dir)
@@ -111,6 +111,8 @@ def open_telemetry(parts: Components, start: int) -> None:
 
         sinks.append(WandbSink(run_dir, parts.cfg.telemetry.wandb, to_dict(parts.cfg)))
     parts.writer = MetricsWriter(run_dir, enabled=parts.is_main, resume_step=resume_step, sinks=sinks)
+    for sink in sinks:  # the jsonl is cut back to the resume step now: W&B gets the rows a kill -9 took from it
+        sink.backfill(run_dir / METRICS_FILE)
     parts.ledger = CostLedger(run_dir, enabled=parts.is_main)
     state = getattr(parts, "_resume_state", None)
     # A fresh start restores an empty ledger: lines left by a run that died before its first checkpoint go.

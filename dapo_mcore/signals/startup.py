@@ -29,10 +29,17 @@ __all__ = ["LINE", "arm", "disarm", "interrupted"]
 
 LINE = ("dapo-mcore: interrupted (Ctrl-C) during start-up, before the first step: nothing was lost; run the same "
         "command to start (or resume) the run")
+STOP_LINE = ("dapo-mcore: {name} during start-up, before the first step: nothing was lost; exiting 75 so a scheduler "
+             "requeues the job (the same command starts or resumes the run)")
+"""SIGTERM (scancel, a pre-emption), SIGUSR1 (Slurm's warning) or SIGHUP (a closed terminal) before the first step:
+what the trainer answers after a step (checkpoint, 75) is, before any step, just the exit code."""
+STOPS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
+WATCHED = {signal.SIGINT, *STOPS}
 
 _watcher: threading.Thread | None = None
 _stop = threading.Event()
 _interrupted = False
+_recorded: int | None = None
 
 
 def arm(report: Callable[[str], None]) -> None:
@@ -43,20 +50,22 @@ def arm(report: Callable[[str], None]) -> None:
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started with SIGINT ignored (nohup, &): leave it so
         return
     _stop.clear()
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    signal.pthread_sigmask(signal.SIG_BLOCK, WATCHED)
     _watcher = threading.Thread(target=_watch, args=(report,), name="dapo-mcore-startup-sigint", daemon=True)
     _watcher.start()
 
 
 def _watch(report: Callable[[str], None]) -> None:
     while not _stop.is_set():
-        if signal.sigtimedwait({signal.SIGINT}, 0.1) is None:
+        got = signal.sigtimedwait(WATCHED, 0.1)
+        if got is None:
             continue
+        interrupt = got.si_signo == signal.SIGINT
         try:
-            report(LINE)
+            report(LINE if interrupt else STOP_LINE.format(name=signal.Signals(got.si_signo).name))
             sys.stderr.flush()
         finally:
-            os._exit(130)
+            os._exit(130 if interrupt else 75)
 
 
 def disarm(record: bool = False) -> None:
@@ -69,16 +78,26 @@ def disarm(record: bool = False) -> None:
     _watcher.join()
     _watcher = None
     if record:
-        signal.signal(signal.SIGINT, _record)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        for sig in WATCHED:
+            signal.signal(sig, _record)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, WATCHED)
 
 
 def _record(signum: int, frame: object) -> None:
-    global _interrupted
-    _interrupted = True
-    log.warning("SIGINT received as the run starts: it checkpoints after its first step and exits 130")
+    global _interrupted, _recorded
+    _interrupted = signum == signal.SIGINT or _interrupted
+    _recorded = _recorded or signum
+    code = 130 if signum == signal.SIGINT else 75
+    log.warning("%s received as the run starts: it checkpoints after its first step and exits %d",
+                signal.Signals(signum).name, code)
 
 
 def interrupted() -> bool:
     """A SIGINT arrived between ``disarm(record=True)`` and the trainer's own handler."""
     return _interrupted
+
+
+def recorded() -> int | None:
+    """The first stop signal (SIGINT, SIGTERM, SIGUSR1, SIGHUP) between ``disarm(record=True)`` and the trainer's
+    own handler, or None."""
+    return _recorded

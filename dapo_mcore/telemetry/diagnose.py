@@ -358,14 +358,14 @@ OFF_POLICY_REJECT_MOST = 0.5
 def rule_off_policy(run: Run) -> list[Finding]:
     """The rollout-vs-trainer gap (rollout_corr/*) grows or is large, or the correction rejects most tokens: which
     algo.rollout_correction preset to try next."""
+    out = _async_gap(run)
     se = run.start_end(keys.CORR_KL_K3)
     if se is None:
-        return []
+        return out
     start, end, s_rng, e_rng = se
     steps = f"{s_rng.split('-')[0]}-{e_rng.split('-')[1]}"
     bypass = run.has(keys.CORR_BYPASS)
     rejected = run.end_mean(keys.CORR_REJECTED_TOKEN_FRAC) or 0.0
-    out = []
     if rejected > OFF_POLICY_REJECT_MOST:
         out.append(Finding("off-policy", "warn", steps, f"the rollout correction rejects {100 * rejected:.0f}% of "
                            "the tokens: most of the batch trains nothing",
@@ -389,6 +389,41 @@ def rule_off_policy(run: Run) -> list[Finding]:
                            + (" grows" if growing else " is large"),
                            f"off-policy KL (k3) {start:.3g} (steps {s_rng}) -> {end:.3g} (steps {e_rng})",
                            f"algo.rollout_correction: {advice}"))
+    return out
+
+
+PPO_KL_JUMP = 10.0
+"""train/ppo_kl at a step this many times its median (and above OFF_POLICY_KL_LARGE): that step trained far from
+the policy that sampled it."""
+
+
+def _async_gap(run: Run) -> list[Finding]:
+    """Async runs: the trainer's policy far from the one that sampled (train/ppo_kl jumps, or the engine/trainer KL
+    mismatch/kl is large), whatever the rollout_corr metrics say."""
+    if not run.has("async/lag_mean"):
+        return []
+    out = []
+    steps, ppo = run.series(keys.TRAIN_PPO_KL)
+    if ppo:
+        med = _median([abs(v) for v in ppo])
+        jumps = [(s, v) for s, v in zip(steps, ppo, strict=True)
+                 if abs(v) > OFF_POLICY_KL_LARGE and abs(v) > PPO_KL_JUMP * max(med, 1e-9)]
+        if jumps:
+            top = max(jumps, key=lambda p: abs(p[1]))
+            out.append(Finding("off-policy", "warn", f"{jumps[0][0]}-{jumps[-1][0]}",
+                               "async: some steps train far from the policy that sampled them",
+                               f"{keys.TRAIN_PPO_KL} reached {top[1]:.3g} at step {top[0]} (median {med:.3g}) at "
+                               f"{len(jumps)} step(s)",
+                               "lower optim.lr or train fewer mini-batches per step, and correct the lag: "
+                               "algo.rollout_correction preset token_tis or icepop (rollout.pipeline.max_staleness "
+                               "bounds it)"))
+    mk = run.end_mean(keys.MISMATCH_KL)
+    if mk is not None and mk > OFF_POLICY_KL_LARGE:
+        out.append(Finding("off-policy", "warn", f"{run.train_steps[0]}-{run.train_steps[-1]}" if run.train_steps
+                           else "-", "async: the engines' and the trainer's policies are far apart",
+                           f"{keys.MISMATCH_KL} {mk:.3g} at the end (engine vs trainer log-probs of the trained "
+                           "tokens)", "correct it: algo.rollout_correction preset token_tis or icepop, or lower "
+                           "rollout.pipeline.max_staleness"))
     return out
 
 
@@ -446,7 +481,8 @@ def rule_spikes(run: Run) -> list[Finding]:
     """Loss or grad-norm spikes (robust z-score over the run), and non-finite values."""
     found = []
     for key, z_max, ratio in ((keys.TRAIN_LOSS, LOSS_SPIKE_Z, None), (keys.TRAIN_GRAD_NORM, SPIKE_Z, GRAD_SPIKE_RATIO)):
-        bad = [r[keys.STEP] for r in run.records if isinstance(r.get(key), float) and not math.isfinite(r[key])]
+        bad = [r[keys.STEP] for r in run.records if isinstance(r.get(key), float) and not math.isfinite(r[key])
+               and not _no_update(r)]  # a step that trained nothing (older versions logged its loss as nan)
         if bad:
             found.append(Finding("spikes", "warn", f"{bad[0]}-{bad[-1]}", f"{key} is not finite",
                                  f"{key} is nan/inf at steps {_fmt_steps(bad)}",
@@ -464,6 +500,43 @@ def rule_spikes(run: Run) -> list[Finding]:
                                  "read those steps' rollouts (`dapo-mcore rollouts RUN --step N`); lower optim.lr or "
                                  "optim.grad_clip if it repeats"))
     return found
+
+
+def _no_update(record: dict[str, Any]) -> bool:
+    return record.get("train/updates") == 0 and bool(record.get("train/skipped_updates"))
+
+
+def rule_no_update(run: Run) -> list[Finding]:
+    """Steps whose mini-batches were all skipped: the correction rejected every token, or every token was masked."""
+    idle = [r for r in run.records if _no_update(r)]
+    if not idle:
+        return []
+    steps = [r[keys.STEP] for r in idle]
+    rejected = [r[keys.STEP] for r in idle if float(r.get(keys.CORR_REJECTED_TOKEN_FRAC, 0.0)) >= 1.0]
+    if rejected:
+        preset = _correction_name(run)
+        return [Finding("no-update", "warn", f"{rejected[0]}-{rejected[-1]}",
+                        "the rollout correction rejected every token: those steps trained nothing",
+                        f"{keys.CORR_REJECTED_TOKEN_FRAC} = 1 at steps {_fmt_steps(rejected)}"
+                        + (f" (correction: {preset})" if preset else ""),
+                        "widen algo.rollout_correction.rs_thresholds (Geo-RS's +-0.1% band suits only a tiny "
+                        "engine mismatch), or use a preset without rejection (token_tis, icepop); not a learning-rate "
+                        "problem")]
+    return [Finding("no-update", "warn", f"{steps[0]}-{steps[-1]}", "every token of those steps was masked: they "
+                    "trained nothing", f"train/updates = 0 at steps {_fmt_steps(steps)}",
+                    "check algo.overlong_filter against the response length (rollout.max_response_len)")]
+
+
+def _correction_name(run: Run) -> str:
+    """The active rollout correction as config.yaml names it: ``preset geo_rs``, ``algo.tis_cap=2``, or ''."""
+    algo = run.config.get("algo") if isinstance(run.config.get("algo"), dict) else {}
+    if algo.get("tis_cap") is not None:
+        return f"algo.tis_cap={algo['tis_cap']}"
+    rc = algo.get("rollout_correction") if isinstance(algo.get("rollout_correction"), dict) else {}
+    if rc.get("preset"):
+        return f"preset {rc['preset']}"
+    parts = [f"{k}={rc[k]}" for k in ("is_level", "is_threshold", "rs", "bypass") if rc.get(k)]
+    return ", ".join(parts)
 
 
 def _fmt_steps(steps: list[int]) -> str:
@@ -563,14 +636,15 @@ RULES: tuple[tuple[str, tuple[str, ...], Callable[[Run], list[Finding]]], ...] =
     ("mismatch", (keys.MISMATCH_LOGP_ABS_DIFF_MEAN,), rule_mismatch),
     ("reward-vs-heldout", (keys.ROLLOUT_REWARD_MEAN, keys.EVAL_AVG_AT_K), rule_reward_vs_heldout),
     ("spikes", (keys.TRAIN_LOSS, keys.TRAIN_GRAD_NORM), rule_spikes),
+    ("no-update", ("train/skipped_updates", keys.TRAIN_LOSS, keys.TRAIN_LR), rule_no_update),
     ("warmup", (keys.TRAIN_LR,), rule_warmup),
     ("pipeline", ("async/trainer_wait_s",), rule_pipeline),
-    ("off-policy", (keys.CORR_KL_K3,), rule_off_policy),
+    ("off-policy", (keys.CORR_KL_K3, "async/lag_mean"), rule_off_policy),
     ("routing-mismatch", ("moe/routing_mismatch_frac",), rule_routing_mismatch),
 )
 """(name, metrics it needs, rule). A rule runs when at least one of its metrics was logged."""
 LEVEL_RULES = frozenset({"cannot-learn", "usable-groups", "length-limit", "spikes", "warmup", "pipeline",
-                         "routing-mismatch"})
+                         "routing-mismatch", "no-update"})
 """Rules that judge levels (or non-finite values), not trends: they run on a run of any length."""
 MODE_RULES = frozenset({"pipeline", "off-policy", "routing-mismatch"})
 """Rules of one mode (async; runs that log rollout_corr/*; MoE): a run of the other is not told they were skipped."""
@@ -614,6 +688,8 @@ def _summary(run: Run) -> str:
     _, acc = run.series(keys.ROLLOUT_ACC_MEAN)
     if acc:
         parts.append(f"rollout accuracy {acc[0]:.2f} -> {acc[-1]:.2f}")
+    if _correction_name(run):
+        parts.append(f"rollout correction: {_correction_name(run)}")
     return ", ".join(parts)
 
 

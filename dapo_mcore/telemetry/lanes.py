@@ -30,6 +30,16 @@ TRAINER_LABELS: dict[str, str] = {
     "checkpoint": "checkpoint",
 }
 """How ``profile`` and the summary name the trainer's phases in an async run."""
+SYNC_LABELS: dict[str, str] = {
+    "generate": "generate", "reward": "score (reward)", "old_logprobs": "old log-probs", "train": "train",
+    "sync_weights": "weight sync", "eval": "eval", "checkpoint": "checkpoint", "wait_rollouts": "wait for rollouts",
+}
+"""The phases of a synchronous step in words (``cost.png``'s legend)."""
+
+
+def phase_label(phase: str, async_run: bool) -> str:
+    """A phase in words (the raw name when it has none)."""
+    return (TRAINER_LABELS if async_run else SYNC_LABELS).get(phase, phase.replace("_", " "))
 
 ENGINE_SECONDS: tuple[tuple[str, str], ...] = (
     ("async/engine_generate_s", "generate"), ("async/engine_reward_s", "score"),

@@ -197,6 +197,13 @@ def phase_seconds(records: Sequence[dict[str, Any]]) -> dict[str, np.ndarray]:
     return out
 
 
+def phase_labels(records: Sequence[dict[str, Any]], phases: Sequence[str]) -> list[str]:
+    """The legend of the phases in words, as ``profile`` names them."""
+    from dapo_mcore.telemetry import lanes
+
+    return [lanes.phase_label(p, lanes.is_async(records)) for p in phases]
+
+
 def cost_figure(records: Sequence[dict[str, Any]], out: Path) -> Path | None:
     """Seconds per phase (stacked), tokens generated kept vs rejected, and cumulative totals."""
     steps = np.array([r[keys.STEP] for r in records], dtype=float)
@@ -210,7 +217,7 @@ def cost_figure(records: Sequence[dict[str, Any]], out: Path) -> Path | None:
     fig, axes = _figure(3, 16, 4.2)
     inner = {p: s for p, s in phases.items() if p != keys.STEP_PHASE}
     if inner:
-        axes[0].stackplot(steps, *inner.values(), labels=list(inner), alpha=0.8)
+        axes[0].stackplot(steps, *inner.values(), labels=phase_labels(records, list(inner)), alpha=0.8)
     if keys.STEP_PHASE in phases:
         axes[0].plot(steps, phases[keys.STEP_PHASE], color="black", linewidth=1, label="step (wall)")
     axes[0].set(title="Seconds per phase", xlabel="step", ylabel="seconds")
@@ -289,11 +296,42 @@ def pipeline_figure(records: Sequence[dict[str, Any]], out: Path, steps: Sequenc
     return _save(fig, out / "pipeline.png")
 
 
-def correction_figure(records: Sequence[dict[str, Any]], out: Path, smooth: int = 1) -> Path | None:
+def correction_active(run_dir: Path) -> bool:
+    """Whether the run's config.yaml applies a rollout correction (any spelling); True when it cannot be read."""
+    import yaml
+
+    from dapo_mcore.algo.rollout_correction_config import effective_settings
+
+    path = Path(run_dir) / "config.yaml"
+    try:
+        algo = (yaml.safe_load(path.read_text()) or {}).get("algo") or {}
+    except (OSError, yaml.YAMLError, AttributeError):
+        return True
+    eff = effective_settings(algo) if isinstance(algo, dict) else {}
+    return "unreadable" in eff or bool(eff.get("is_level") or eff.get("rs") or eff.get("bypass"))
+
+
+def correction_label(run_dir: Path) -> str:
+    """The correction as diagnose names it (``preset geo_rs``, ``algo.tis_cap=2.0``), '' when none or unreadable."""
+    import yaml
+
+    from dapo_mcore.telemetry.diagnose import Run, _correction_name
+
+    try:
+        config = yaml.safe_load((Path(run_dir) / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return ""
+    return _correction_name(Run([], config if isinstance(config, dict) else {}))
+
+
+def correction_figure(records: Sequence[dict[str, Any]], out: Path, smooth: int = 1,
+                      active: bool = True, label: str = "") -> Path | None:
     """Rollout correction (algo.rollout_correction): the gap between the engine's and the trainer's policy and what
     the correction did with it, per step: IS weights, effective sample size, rejected fractions, off-policy KL."""
     if not any(keys.CORR_KL_K3 in r for r in records):
         return None
+    if not active:
+        return None  # a run without correction logs the gap only: flat weights and rejection panels say nothing
     panels = [
         ("IS weights", [(keys.CORR_IS_WEIGHT_MEAN, "mean"), (keys.CORR_IS_WEIGHT_MIN, "min"),
                         (keys.CORR_IS_WEIGHT_MAX, "max")]),
@@ -311,7 +349,7 @@ def correction_figure(records: Sequence[dict[str, Any]], out: Path, smooth: int 
         ax.set(title=title, xlabel="step")
         ax.legend(fontsize=7)
     bypass = any(keys.CORR_BYPASS in r for r in records)
-    fig.suptitle("Rollout correction" + (" (bypass: pi_theta vs the engine, measured in training)" if bypass
+    fig.suptitle("Rollout correction" + (f": {label}" if label else "") + (" (bypass: pi_theta vs the engine, measured in training)" if bypass
                                          else " (pi_old vs the engine)"))
     return _save(fig, out / "rollout_correction.png")
 
@@ -350,7 +388,8 @@ def write_report(run_dir: Path, out: Path | None = None, smooth: int = 1,
     written = [_line_figure(records, panel, out, smooth, max_len) for panel in panels]
     written.append(cost_figure(records, out))
     written.append(pipeline_figure(records, out, pipeline_steps))
-    written.append(correction_figure(records, out, smooth))
+    written.append(correction_figure(records, out, smooth, active=correction_active(Path(run_dir)),
+                                     label=correction_label(Path(run_dir))))
     written.append(staleness_figure(records, out))
     written.append(moe_figure(records, out, smooth))
     return [p for p in written if p is not None]

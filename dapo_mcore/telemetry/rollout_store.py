@@ -506,6 +506,20 @@ def _filtering(run_dir: Path) -> bool:
     return bool(algo.get("dynamic_sampling", True))
 
 
+def spread_groups(items: list[tuple[Rollout, str]], limit: int) -> list[tuple[Rollout, str]]:
+    """Up to `limit` of `items`, one per group in turn (first responses of each group first, groups in stored order):
+    ``--limit 4`` shows four groups, not four samples of one."""
+    by_group: dict[int, list[tuple[Rollout, str]]] = {}
+    for item in items:
+        by_group.setdefault(item[0].group_id, []).append(item)
+    out: list[tuple[Rollout, str]] = []
+    depth = 0
+    while len(out) < min(limit, len(items)):
+        out += [g[depth] for g in by_group.values() if depth < len(g)][:limit - len(out)]
+        depth += 1
+    return out
+
+
 def _print_step(reader: RolloutReader, step: int, limit: int, which: str, decode: Any, filtering: bool = True) -> None:
     rollouts = reader.read_step(step)
     fate = fates(rollouts, filtering)
@@ -516,7 +530,7 @@ def _print_step(reader: RolloutReader, step: int, limit: int, which: str, decode
               f"truncated {np.mean([r.finish_reason == 'length' for r in rollouts]):.3f}")
     else:
         print(f"step {step}: no rollouts")
-    shown = [(r, f) for r, f in zip(rollouts, fate, strict=True) if which in ("all", f)][:limit]
+    shown = spread_groups([(r, f) for r, f in zip(rollouts, fate, strict=True) if which in ("all", f)], limit)
     for i, (r, what) in enumerate(shown):
         print(f"\n--- [{i}] group {r.group_id}  gen_batch {r.gen_batch}  reward {r.reward:+.3f}  acc {r.acc}  "
               f"{what}  finish {r.finish_reason}{_stop_text(r, decode)}  prompt {r.prompt_len} tok  "

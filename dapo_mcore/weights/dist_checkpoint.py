@@ -12,6 +12,11 @@ state inside the ``.distcp`` files, where 0.16 and older wrote ``common.pt``; 0.
 `dist_checkpointing.load` a common-state strategy that reads ``common.pt`` where there is one and nothing where
 there is none: the same load on 0.16.1 and 0.19. Formats no installed version reads (``fsdp_dtensor``, the
 legacy per-rank ``torch`` format) are refused in one line that says what reads them.
+
+Damage (`check_intact`, before any tensor is read): the checkpoints dapo-mcore writes carry ``CHECKSUMS`` (size and
+CRC-32 of every file of the iteration dir), so a flipped byte is one line; Megatron-LM's and Megatron-Bridge's carry
+none and are read as they are, but every ``.distcp`` is checked against the byte ranges its ``.metadata`` lists, so a
+truncated file is named too. A ``.metadata``/``common.pt`` that does not unpickle is one line as well.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ log = logging.getLogger(__name__)
 TRACKER = "latest_checkpointed_iteration.txt"
 RUN_CONFIG = "run_config.yaml"
 EMBEDDING_KEY = "embedding.word_embeddings.weight"
+CHECKSUMS = "dapo_mcore_checksums.json"
+"""Beside the ``.distcp`` files of a checkpoint dapo-mcore wrote: {"files": {relative path: {size, crc32}}}."""
+_FIX = "restore the checkpoint from a good copy, or write it again from its source (dapo-mcore convert)"
 
 
 @dataclass(frozen=True)
@@ -169,11 +177,90 @@ def hf_config_from_run_config(run_config: dict, where: Path) -> dict[str, Any]:
     return hf
 
 
+def write_checksums(ckpt_dir: Path) -> None:
+    """Record size and CRC-32 of every file under `ckpt_dir` (one process, once every file is written)."""
+    from dapo_mcore.weights import checkpoint as wckpt
+
+    digests = {n: wckpt.file_digest(ckpt_dir / n) for n in wckpt.list_files(ckpt_dir, exclude=(CHECKSUMS,))}
+    (ckpt_dir / CHECKSUMS).write_text(json.dumps({"files": digests}, indent=1) + "\n")
+
+
+_checked: set[tuple] = set()
+"""Dirs already checked in this process, with each file's size and mtime: a load reads the files once more, not
+twice, unless one of them changed."""
+
+
+def check_intact(ckpt: DistCheckpoint) -> None:
+    """InputFileError naming the first damaged file: one that differs from CHECKSUMS (ours), or a ``.distcp`` shorter
+    than the byte ranges the ``.metadata`` lists for it (any writer's). Each process checks every file."""
+    from dapo_mcore.weights import checkpoint as wckpt
+
+    table = ckpt.path / CHECKSUMS
+    if table.is_file():
+        key = (os.fspath(ckpt.path.resolve()), *((p.name, p.stat().st_size, p.stat().st_mtime_ns)
+                                                  for p in sorted(ckpt.path.rglob("*")) if p.is_file()))
+        if key in _checked:
+            return
+        try:
+            files = json.loads(table.read_text())["files"]
+            assert isinstance(files, dict)
+        except (OSError, ValueError, KeyError, AssertionError) as err:
+            raise InputFileError(f"{table} cannot be read ({err}); {_FIX}.") from err
+        problems = wckpt.verify_files(ckpt.path, files)
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise InputFileError(f"{ckpt.path} is damaged: {problems[0]}{more}; {_FIX}.")
+        _checked.add(key)
+        return
+    needed: dict[str, int] = {}
+    for info in _storage_metadata(ckpt).storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        path = ckpt.path / name
+        have = path.stat().st_size if path.is_file() else None
+        if have is None or have < size:
+            what = "missing" if have is None else f"{have} bytes, its .metadata lists {size} (truncated)"
+            raise InputFileError(f"{ckpt.path} is damaged: {path}: {what}; {_FIX}.")
+
+
+def _storage_metadata(ckpt: DistCheckpoint) -> Any:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    with _unreadable_as_damage(ckpt, ".metadata"):
+        return FileSystemReader(os.fspath(ckpt.path)).read_metadata()
+
+
+class _unreadable_as_damage:  # noqa: N801  (a context manager)
+    """A checkpoint file that does not unpickle or unzip (truncated, overwritten) becomes one InputFileError."""
+
+    def __init__(self, ckpt: DistCheckpoint, what: str) -> None:
+        self.ckpt, self.what = ckpt, what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, err, tb) -> bool:
+        import pickle
+
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        damaged = isinstance(err, (EOFError, pickle.UnpicklingError, CheckpointException)) or (
+            isinstance(err, RuntimeError) and "PytorchStreamReader" in str(err))
+        if not damaged:
+            return False
+        lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+        detail = f"{type(err).__name__}: {lines[-1] if lines else 'no detail'}"
+        raise InputFileError(f"{self.ckpt.path}: its {self.what} cannot be read ({detail[:200]}): a file is "
+                             f"truncated or damaged; {_FIX}.") from err
+
+
 def embedding_rows(ckpt: DistCheckpoint) -> tuple[int, Any]:
     """(rows, dtype) of the checkpoint's word embedding: its padded vocabulary and its weights' dtype."""
     from megatron.core import dist_checkpointing
 
-    meta = dist_checkpointing.load_tensors_metadata(os.fspath(ckpt.path))
+    check_intact(ckpt)
+    with _unreadable_as_damage(ckpt, ".metadata"):
+        meta = dist_checkpointing.load_tensors_metadata(os.fspath(ckpt.path))
     embed = next((t for k, t in meta.items() if k.endswith(EMBEDDING_KEY)), None)
     if embed is None:
         raise InputFileError(f"{ckpt.path} holds no {EMBEDDING_KEY}; is it a GPT model checkpoint?")
@@ -184,10 +271,12 @@ def load(sharded_state_dict: dict, ckpt: DistCheckpoint) -> dict:
     """`dist_checkpointing.load` of `sharded_state_dict`, on checkpoints with or without ``common.pt``."""
     from megatron.core import dist_checkpointing
 
+    check_intact(ckpt)
     kwargs = {}
     if not (ckpt.path / "common.pt").is_file() and _reads_common_pt_only():
         kwargs["common_strategy"] = _tolerant_common_strategy()
-    return dist_checkpointing.load(sharded_state_dict, os.fspath(ckpt.path), **kwargs)
+    with _unreadable_as_damage(ckpt, "files"):
+        return dist_checkpointing.load(sharded_state_dict, os.fspath(ckpt.path), **kwargs)
 
 
 def _reads_common_pt_only() -> bool:
