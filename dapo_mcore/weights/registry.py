@@ -43,4 +43,4 @@ def get_mapping(hf_config: dict[str, Any]) -> ModelMapping:
 
 
 def _load_builtin() -> None:
-    from dapo_mcore.weights import qwen2, qwen3, qwen3_moe  # noqa: F401  (register themselves on import)
+    from dapo_mcore.weights import llama, qwen2, qwen3, qwen3_moe  # noqa: F401  (register themselves on import)
