@@ -205,3 +205,46 @@ def test_parameter_count_is_hf_llamas(name, billions):
     if name == "llama3.1-8b":  # 128256 rows split evenly at TP 8; Megatron-LM's rule pads to 128 x 8
         assert get_mapping(cfg).padded_vocab_size(ParallelLayout(tp=8, vocab_padding="tp")) == 128256
         assert get_mapping(cfg).padded_vocab_size(ParallelLayout(tp=8, vocab_padding="megatron")) == 129024
+
+
+def test_torch_dist_carries_the_llama3_factor_and_refuses_what_megatron_lm_cannot_build(tmp_path, capsys):
+    """Megatron-LM's args say ``--use-rope-scaling`` with the factor, and the checkpoint reads back bit-exactly; a
+    llama3 RoPE with another original context (which Megatron-LM fixes at 8192) is refused in one line."""
+    from conversion.hf_to_mcore import main as hf_to_mcore_main
+    from conversion.mcore_to_hf import main as mcore_to_hf_main
+
+    rope = dict(preset_config("tiny-llama")["rope_scaling"], original_max_position_embeddings=8192)
+    save_tiny_hf_model(tmp_path / "hf", seed=3, preset="tiny-llama", rope_scaling=rope)
+    assert hf_to_mcore_main(["--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "td"), "--format", "torch_dist",
+                             "--no-progress"]) == 0
+    args = torch.load(tmp_path / "td" / "release" / "common.pt", weights_only=False)["args"]
+    assert args.use_rope_scaling and args.rope_scaling_factor == 4.0 and not args.add_qkv_bias
+    assert not args.untie_embeddings_and_output_weights
+    assert mcore_to_hf_main(["--format", "torch_dist", "--mcore", str(tmp_path / "td"), "--hf-config",
+                             str(tmp_path / "hf"), "--out", str(tmp_path / "back"), "--no-progress"]) == 0
+    ref, got = _load_dir(tmp_path / "hf"), _load_dir(tmp_path / "back")
+    assert sorted(ref) == sorted(got) and all(torch.equal(ref[k], got[k]) for k in ref)
+
+    save_tiny_hf_model(tmp_path / "hf16", seed=3, preset="tiny-llama")  # original context 16
+    capsys.readouterr()
+    assert hf_to_mcore_main(["--hf", str(tmp_path / "hf16"), "--out", str(tmp_path / "td16"), "--format",
+                             "torch_dist", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "original_max_position_embeddings=16 cannot be written as a Megatron-LM" in err[0], err
+    assert not (tmp_path / "td16").exists()
+
+
+def test_bridge_run_config_of_llama_reads_back_as_the_hf_config():
+    from conversion.bridge_config import bridge_run_config
+    from dapo_mcore.weights.dist_checkpoint import hf_config_from_run_config
+
+    hf = preset_config("llama3.2-1b")
+    config = bridge_run_config(hf, tp=1, pp=1, dtype=torch.bfloat16, padded_rows=hf["vocab_size"], vocab_padding="tp",
+                               divisible_by=128, tokenizer_model=None)
+    assert config["model"]["rope_scaling"] is True and config["model"]["rope_scaling_factor"] == 32.0
+    back = hf_config_from_run_config(config, Path("."))
+    assert back["model_type"] == "llama" and back["architectures"] == ["LlamaForCausalLM"]
+    assert QwenShape.from_hf(back) == QwenShape.from_hf(hf)
+    with pytest.raises(HFConfigError, match="cannot be written as a Megatron-Bridge checkpoint"):
+        bridge_run_config(preset_config("tiny-llama"), tp=1, pp=1, dtype=torch.float32, padded_rows=32,
+                          vocab_padding="tp", divisible_by=128, tokenizer_model=None)

@@ -143,6 +143,26 @@ def llama3_rope_scaling(rope: dict[str, Any]) -> tuple[float, float, float, int]
     return factor, low, high, int(rope["original_max_position_embeddings"])
 
 
+
+MEGATRON_LLAMA3_FIXED = (1.0, 4.0, 8192)
+"""low_freq_factor, high_freq_factor, original_max_position_embeddings that Megatron-LM's ``--use-rope-scaling`` and
+Megatron-Bridge's ``rope_scaling`` fix (only the factor is a setting); Llama 3.1 / 3.2 / 3.3 use exactly these."""
+
+
+def megatron_rope_scaling_factor(hf: dict[str, Any], fmt: str) -> float | None:
+    """The llama3 factor to write into a Megatron-LM / Megatron-Bridge checkpoint's model settings (None: plain RoPE);
+    HFConfigError when the config's other llama3 values are not the ones those readers fix, which they would build
+    as a different RoPE."""
+    scaling = llama3_rope_scaling(rope_parameters(hf))
+    if scaling is None:
+        return None
+    if scaling[1:] != MEGATRON_LLAMA3_FIXED:
+        raise HFConfigError(f"llama3 RoPE with low_freq_factor={scaling[1]}, high_freq_factor={scaling[2]}, "
+                            f"original_max_position_embeddings={scaling[3]} cannot be written as {fmt}: its reader "
+                            "fixes them at 1.0 / 4.0 / 8192 and would rotate differently; convert to the Hugging Face "
+                            "or dapo-mcore format instead.")
+    return scaling[0]
+
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
 
