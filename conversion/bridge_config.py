@@ -32,10 +32,12 @@ def _callable(target: str) -> dict[str, Any]:
 def bridge_run_config(hf_config: dict[str, Any], *, tp: int, pp: int, dtype: torch.dtype, padded_rows: int,
                       vocab_padding: str, divisible_by: int, tokenizer_model: str | None) -> dict[str, Any]:
     """Megatron-Bridge's run_config.yaml (as a dict) for the model of `hf_config` saved at `tp` x `pp`."""
+    from dapo_mcore.model.hf_config import megatron_rope_scaling_factor
     from dapo_mcore.model.qwen import QwenShape
     from dapo_mcore.model.vocab import _power_of_two_divisor, padded_vocab_size
 
     s = QwenShape.from_hf(hf_config)
+    rope_factor = megatron_rope_scaling_factor(hf_config, "a Megatron-Bridge checkpoint")  # Llama 3.1+
     model_type = hf_config["model_type"]
     dtype_name = str(dtype).removeprefix("torch.")
     divisor = _power_of_two_divisor(s.vocab_size, 128)  # what Bridge's import writes
@@ -49,6 +51,7 @@ def bridge_run_config(hf_config: dict[str, Any], *, tp: int, pp: int, dtype: tor
         "activation_func": _callable("torch.nn.functional.silu"), "add_bias_linear": False,
         "add_qkv_bias": s.qkv_bias, "qk_layernorm": s.qk_norm,
         "share_embeddings_and_output_weights": s.tie_embeddings,
+        "rope_scaling": rope_factor is not None, "rope_scaling_factor": rope_factor or 1.0,  # 1.0: as Bridge writes
         "hidden_dropout": 0.0, "attention_dropout": 0.0,
         "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
         "params_dtype": _callable(f"torch.{dtype_name}"), "bf16": dtype == torch.bfloat16,

@@ -47,10 +47,13 @@ EMBEDDING_KEY = dist_checkpoint.EMBEDDING_KEY
 def megatron_lm_args(hf_config: dict[str, Any], *, tp: int, pp: int, padded_vocab: int, divisible_by: int,
                      dtype: torch.dtype) -> argparse.Namespace:
     """The ``args`` Megatron-LM stores in a checkpoint (the fields its loader and check_checkpoint_args read)."""
+    from dapo_mcore.model.hf_config import megatron_rope_scaling_factor
     from dapo_mcore.model.qwen import QwenShape
 
     s = QwenShape.from_hf(hf_config)
+    rope_factor = megatron_rope_scaling_factor(hf_config, "a Megatron-LM torch_dist checkpoint")
     return argparse.Namespace(
+        use_rope_scaling=rope_factor is not None, rope_scaling_factor=rope_factor or 8.0,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, num_layers=s.num_layers,
         hidden_size=s.hidden_size, ffn_hidden_size=s.ffn_hidden_size, num_attention_heads=s.num_heads,
         group_query_attention=s.num_kv_heads != s.num_heads, num_query_groups=s.num_kv_heads, kv_channels=s.head_dim,

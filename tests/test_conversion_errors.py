@@ -67,9 +67,9 @@ def test_mixed_dtype_needs_explicit_cast(hf, tmp_path):
 
 def test_unsupported_model_type(hf, tmp_path):
     cfg = json.loads((hf / "config.json").read_text())
-    cfg["model_type"] = "llama"
+    cfg["model_type"] = "mistral"
     (hf / "config.json").write_text(json.dumps(cfg))
-    _expect(hf, tmp_path, UnsupportedModelError, "supported: qwen2")
+    _expect(hf, tmp_path, UnsupportedModelError, "supported: llama, qwen2")
 
 
 def test_tp_must_divide_heads(hf, tmp_path):

@@ -27,7 +27,7 @@ def _qwen3(**overrides):
 
 
 REFUSED = [
-    ({"model_type": "llama"}, "model_type='llama' is not supported", "qwen2 (Qwen2 / Qwen2.5), qwen3 (Qwen3 dense)"),
+    ({"model_type": "mistral"}, "model_type='mistral' is not supported", "qwen2 (Qwen2 / Qwen2.5), qwen3 (Qwen3 dense)"),
     ({"model_type": "qwen3_5"}, "model_type='qwen3_5' is not supported", "qwen3 (Qwen3 dense)"),
     ({"model_type": "qwen3_next"}, "model_type='qwen3_next'", "qwen3 (Qwen3 dense)"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
@@ -63,9 +63,9 @@ def test_supported_qwen3_shapes():
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("llama")
-    (d / "config.json").write_text(json.dumps(_qwen3(model_type="llama", architectures=["LlamaForCausalLM"])))
+def mistral_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("mistral")
+    (d / "config.json").write_text(json.dumps(_qwen3(model_type="mistral", architectures=["MistralForCausalLM"])))
     return d
 
 
@@ -75,19 +75,19 @@ def _one_line(capsys) -> str:
     return err
 
 
-def test_every_command_refuses_in_one_line_before_starting(llama_dir, tmp_path, capsys):
+def test_every_command_refuses_in_one_line_before_starting(mistral_dir, tmp_path, capsys):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "notes.txt").write_text("keep")
-    model = ["model.tiny_base=false", f"model.hf_path={llama_dir}"]
+    model = ["model.tiny_base=false", f"model.hf_path={mistral_dir}"]
     for argv in (["train", TINY, *model, f"run.dir={run_dir}"], ["eval", TINY, *model, f"run.dir={run_dir}"],
                  ["config", TINY, *model], ["plan", TINY, *model, "--nodes", "1"],
-                 ["plan", "--hf-config", str(llama_dir / "config.json")]):
+                 ["plan", "--hf-config", str(mistral_dir / "config.json")]):
         assert main(argv) == 2, argv
-        assert "model_type='llama' is not supported" in _one_line(capsys), argv
+        assert "model_type='mistral' is not supported" in _one_line(capsys), argv
     assert sorted(p.name for p in run_dir.iterdir()) == ["notes.txt"]  # no lock, no config.yaml, nothing deleted
-    assert main(["convert", "hf-to-mcore", "--hf", str(llama_dir), "--out", str(tmp_path / "out")]) == 2
-    assert "unsupported model_type 'llama'" in _one_line(capsys) and not (tmp_path / "out").exists()
+    assert main(["convert", "hf-to-mcore", "--hf", str(mistral_dir), "--out", str(tmp_path / "out")]) == 2
+    assert "unsupported model_type 'mistral'" in _one_line(capsys) and not (tmp_path / "out").exists()
     sliding = tmp_path / "sliding"  # a real Qwen3 checkpoint whose config.json asks for sliding windows
     save_tiny_hf_model(sliding, preset="tiny-qwen3")
     capsys.readouterr()  # save_pretrained's progress bar
@@ -98,13 +98,13 @@ def test_every_command_refuses_in_one_line_before_starting(llama_dir, tmp_path, 
     assert not (tmp_path / "o2").exists()
 
 
-def test_train_as_a_user_runs_it(llama_dir, tmp_path, cli_env):
+def test_train_as_a_user_runs_it(mistral_dir, tmp_path, cli_env):
     """The command of the issue: before, a traceback and exit 1 after locking the run directory."""
     run_dir = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "dapo_mcore.cli", "train", TINY, "model.tiny_base=false",
-                           f"model.hf_path={llama_dir}", f"run.dir={run_dir}"], env=cli_env, cwd=ROOT,
+                           f"model.hf_path={mistral_dir}", f"run.dir={run_dir}"], env=cli_env, cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and not run_dir.exists(), proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("dapo-mcore: configuration error: model.hf_path="), lines
-    assert "model_type='llama' is not supported; dapo-mcore trains model_type qwen2" in lines[0]
+    assert "model_type='mistral' is not supported; dapo-mcore trains model_type qwen2" in lines[0]

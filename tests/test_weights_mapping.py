@@ -114,7 +114,7 @@ def test_layout_errors_name_the_fix():
 
 def test_registry_dispatch_and_guards():
     assert "qwen2" in supported_model_types()
-    with pytest.raises(UnsupportedModelError, match="supported: qwen2"):
-        get_mapping({"model_type": "llama"})
+    with pytest.raises(UnsupportedModelError, match="supported: llama, qwen2"):
+        get_mapping({"model_type": "mistral"})
     with pytest.raises(ValueError, match="already registered"):
         register_mapping("qwen2", lambda cfg: None)

@@ -2,7 +2,8 @@
 
 One table, :data:`FAMILIES`, says which ``model_type`` values are supported and how each differs: Qwen2/Qwen2.5
 have a QKV bias and no q/k norm; Qwen3 (dense) has a per-head RMSNorm on queries and keys, no bias and a
-``head_dim`` that need not equal ``hidden_size / num_attention_heads``. ``QwenShape.from_hf`` reads a config of
+``head_dim`` that need not equal ``hidden_size / num_attention_heads``; Llama 3.x has neither, and Llama 3.1+ scales
+RoPE (``rope_type: llama3``). ``QwenShape.from_hf`` reads a config of
 any family, refusing (with :class:`HFConfigError`, naming the field and what is supported) everything the
 Megatron model would compute differently: other model types, RoPE scaling, sliding windows, attention biases the
 family does not have, activations other than SiLU. Config validation, the planner, conversion and the actor all
@@ -33,6 +34,8 @@ class Family:
     """A per-head RMSNorm on queries and keys before RoPE (Megatron's ``qk_layernorm``)."""
     default_head_dim: int | None
     """``head_dim`` when config.json has none (transformers' default), None = hidden_size / num_attention_heads."""
+    rope_types: tuple[str, ...] = ("default",)
+    """RoPE variants the family is released with and Megatron builds alike (Llama 3.1+: ``llama3`` scaling)."""
 
 
 FAMILIES: dict[str, Family] = {
@@ -40,6 +43,8 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family("Qwen3 dense", "Qwen3ForCausalLM", qkv_bias=None, qk_norm=True, default_head_dim=128),
     # Qwen3 attention + MoE MLPs; the MoE half (experts, router, sparse layers) is read by model/moe.py
     "qwen3_moe": Family("Qwen3-MoE", "Qwen3MoeForCausalLM", qkv_bias=None, qk_norm=True, default_head_dim=128),
+    "llama": Family("Llama 3.x dense", "LlamaForCausalLM", qkv_bias=None, qk_norm=False, default_head_dim=None,
+                    rope_types=("default", "llama3")),
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
@@ -93,12 +98,13 @@ def sliding_window_layers(hf: dict[str, Any]) -> list[int]:
 
 def _refuse_unsupported(hf: dict[str, Any], rope: dict[str, Any], family: Family) -> None:
     """Features Megatron would silently compute differently: refuse them, naming the field."""
-    if rope["rope_type"] != "default":
+    if rope["rope_type"] not in family.rope_types:
         field = "rope_parameters.rope_type" if hf.get("rope_parameters") else "rope_scaling"
-        raise HFConfigError(f"{field}={rope['rope_type']!r} (RoPE scaling) is not supported (supported: 'default'): "
-                            "the Megatron model would use plain RoPE and give different logits. Use a checkpoint "
-                            "without RoPE scaling (e.g. remove it from config.json for contexts within "
-                            "max_position_embeddings).")
+        supported = ", ".join(repr(t) for t in family.rope_types)
+        raise HFConfigError(f"{field}={rope['rope_type']!r} (RoPE scaling) is not supported for {family.label} "
+                            f"(supported: {supported}): the Megatron model would use plain RoPE and give different "
+                            "logits. Use a checkpoint without RoPE scaling (e.g. remove it from config.json for "
+                            "contexts within max_position_embeddings).")
     sliding = sliding_window_layers(hf)
     if sliding:
         raise HFConfigError(f"use_sliding_window=true with sliding_window={hf['sliding_window']} on layers "
@@ -112,7 +118,50 @@ def _refuse_unsupported(hf: dict[str, Any], rope: dict[str, Any], family: Family
         raise HFConfigError(f"attention_bias=true is not supported for model_type={hf['model_type']!r} (supported: "
                             f"false, as in every released {family.label} checkpoint: Megatron's biased output "
                             "projection would add biases to the MLP too).")
+    if hf.get("mlp_bias", False):
+        raise HFConfigError(f"mlp_bias=true is not supported for model_type={hf['model_type']!r} (supported: false, "
+                            f"as in every released {family.label} checkpoint).")
 
+
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def llama3_rope_scaling(rope: dict[str, Any]) -> tuple[float, float, float, int] | None:
+    """``(factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)`` of a ``llama3`` RoPE,
+    None for plain RoPE. All four are required, as transformers' ``_compute_llama3_parameters`` requires them."""
+    if rope["rope_type"] != "llama3":
+        return None
+    missing = [k for k in _LLAMA3_KEYS if rope.get(k) is None]
+    if missing:
+        raise HFConfigError(f"rope_type='llama3' without {', '.join(missing)} in rope_scaling / rope_parameters; "
+                            "copy them from the checkpoint's own config.json (Llama 3.1: factor 8.0, low_freq_factor "
+                            "1.0, high_freq_factor 4.0, original_max_position_embeddings 8192).")
+    factor, low, high = (float(rope[k]) for k in _LLAMA3_KEYS[:3])
+    if not (factor >= 1.0 and high > low > 0):
+        raise HFConfigError(f"llama3 rope scaling needs factor >= 1 and high_freq_factor > low_freq_factor > 0; "
+                            f"found factor={factor}, low_freq_factor={low}, high_freq_factor={high}.")
+    return factor, low, high, int(rope["original_max_position_embeddings"])
+
+
+
+MEGATRON_LLAMA3_FIXED = (1.0, 4.0, 8192)
+"""low_freq_factor, high_freq_factor, original_max_position_embeddings that Megatron-LM's ``--use-rope-scaling`` and
+Megatron-Bridge's ``rope_scaling`` fix (only the factor is a setting); Llama 3.1 / 3.2 / 3.3 use exactly these."""
+
+
+def megatron_rope_scaling_factor(hf: dict[str, Any], fmt: str) -> float | None:
+    """The llama3 factor to write into a Megatron-LM / Megatron-Bridge checkpoint's model settings (None: plain RoPE);
+    HFConfigError when the config's other llama3 values are not the ones those readers fix, which they would build
+    as a different RoPE."""
+    scaling = llama3_rope_scaling(rope_parameters(hf))
+    if scaling is None:
+        return None
+    if scaling[1:] != MEGATRON_LLAMA3_FIXED:
+        raise HFConfigError(f"llama3 RoPE with low_freq_factor={scaling[1]}, high_freq_factor={scaling[2]}, "
+                            f"original_max_position_embeddings={scaling[3]} cannot be written as {fmt}: its reader "
+                            "fixes them at 1.0 / 4.0 / 8192 and would rotate differently; convert to the Hugging Face "
+                            "or dapo-mcore format instead.")
+    return scaling[0]
 
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
@@ -136,6 +185,8 @@ class QwenShape:
     """Biases on the q/k/v projections (Qwen2)."""
     qk_norm: bool = False
     """Per-head RMSNorm on queries and keys (Qwen3)."""
+    rope_scaling: tuple[float, float, float, int] | None = None
+    """Llama 3.1+'s ``llama3`` RoPE: (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)."""
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> QwenShape:
@@ -156,5 +207,5 @@ class QwenShape:
             vocab_size=hf["vocab_size"], tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=rope["rope_theta"],
             max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
-            qkv_bias=bool(family.qkv_bias), qk_norm=family.qk_norm,
+            qkv_bias=bool(family.qkv_bias), qk_norm=family.qk_norm, rope_scaling=llama3_rope_scaling(rope),
         )

@@ -1,4 +1,4 @@
-"""Named Qwen2/Qwen2.5 and Qwen3 shapes as Hugging Face ``config.json`` dictionaries.
+"""Named Qwen2/Qwen2.5, Qwen3 and Llama 3.x shapes as Hugging Face ``config.json`` dictionaries.
 
 Presets stand in for a real ``config.json`` when none is at hand (planning, benchmarks, tests).
 Each value is exactly what Hugging Face's Qwen2 / Qwen3 config would hold, so a preset and a downloaded
@@ -65,6 +65,42 @@ _QWEN3_SHAPES: dict[str, dict[str, Any]] = {
                           max_position_embeddings=40960, tie_word_embeddings=False),
 }
 
+_LLAMA_COMMON: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "mlp_bias": False,
+    "initializer_range": 0.02,
+    "pretraining_tp": 1,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+}
+
+_LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=8192)
+
+_LLAMA_SHAPES: dict[str, dict[str, Any]] = {
+    # Llama 3.x in miniature: no QKV bias, head_dim 32 (= 128 / 4, the smallest vLLM's CPU attention accepts), GQA
+    # 4/2, tied embeddings (as Llama 3.2 1B/3B) and the llama3 RoPE scaling with an original context of 16 tokens,
+    # so scaling changes every frequency band (plain, smoothed and divided) within a test's 24-token sequence.
+    "tiny-llama": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=32, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                       max_position_embeddings=128, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
+                       rope_scaling=dict(_LLAMA3_ROPE, factor=4.0, original_max_position_embeddings=16)),
+    # meta-llama/Llama-3.1-8B config.json
+    "llama3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                        num_key_value_heads=8, vocab_size=128256, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                        max_position_embeddings=131072, rope_theta=500000.0, rope_scaling=dict(_LLAMA3_ROPE)),
+    # meta-llama/Llama-3.2-1B config.json: tied embeddings, head_dim 64, RoPE factor 32
+    "llama3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                        num_key_value_heads=8, head_dim=64, vocab_size=128256, rms_norm_eps=1e-5,
+                        tie_word_embeddings=True, max_position_embeddings=131072, rope_theta=500000.0,
+                        rope_scaling=dict(_LLAMA3_ROPE, factor=32.0)),
+}
+
 _SHAPES: dict[str, dict[str, Any]] = {
     # The embedded CPU default: small enough for a 2-core laptop, every Qwen2 feature present
     # (GQA with fewer KV heads than heads, QKV bias, RMSNorm, SwiGLU, tied embeddings).
@@ -89,7 +125,8 @@ _SHAPES: dict[str, dict[str, Any]] = {
                         num_key_value_heads=8, vocab_size=152064, rms_norm_eps=1e-5, tie_word_embeddings=False),
 }
 
-PRESET_NAMES: tuple[str, ...] = (*_SHAPES, *_QWEN3_SHAPES)
+PRESET_NAMES: tuple[str, ...] = (*_SHAPES, *_QWEN3_SHAPES, *_LLAMA_SHAPES)
+_TABLES = ((_SHAPES, _QWEN2_COMMON), (_QWEN3_SHAPES, _QWEN3_COMMON), (_LLAMA_SHAPES, _LLAMA_COMMON))
 
 
 def preset_config(name: str, **overrides: Any) -> dict[str, Any]:
@@ -99,8 +136,8 @@ def preset_config(name: str, **overrides: Any) -> dict[str, Any]:
     """
     if name not in PRESET_NAMES:
         raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESET_NAMES)}")
-    qwen3 = name in _QWEN3_SHAPES
-    cfg = copy.deepcopy(_QWEN3_COMMON if qwen3 else _QWEN2_COMMON)
-    cfg.update(_QWEN3_SHAPES[name] if qwen3 else _SHAPES[name])
+    shapes, common = next((shapes, common) for shapes, common in _TABLES if name in shapes)
+    cfg = copy.deepcopy(common)
+    cfg.update(copy.deepcopy(shapes[name]))
     cfg.update(overrides)
     return cfg

@@ -1,4 +1,4 @@
-"""Qwen2 / Qwen2.5 / Qwen3 on Megatron-Core: Hugging Face config -> TransformerConfig -> GPTModel.
+"""Qwen2 / Qwen2.5 / Qwen3 / Llama 3.x on Megatron-Core: Hugging Face config -> TransformerConfig -> GPTModel.
 
 ``transformer_config()`` is the one place where a Hugging Face ``config.json`` becomes Megatron's
 ``TransformerConfig``; ``build_gpt_model()`` builds this rank's ``GPTModel`` chunk(s) (one per virtual pipeline
@@ -120,6 +120,22 @@ def moe_spec(tconfig, kind: str, attention: str, vp_stage: int | None):
     return moe_block_spec(tconfig, kind, core, vp_stage)
 
 
+def set_llama3_inv_freq(rotary, shape: QwenShape) -> None:
+    """Give Megatron's ``RotaryEmbedding`` the ``llama3`` frequencies of the config.
+
+    megatron-core 0.16's ``rope_scaling=True`` takes only the factor and fixes ``low_freq_factor=1``,
+    ``high_freq_factor=4`` and ``original_max_position_embeddings=8192`` (Llama 3.1's values); a config with other
+    values would silently rotate differently. So the frequencies are recomputed here from the plain ones with all
+    four of the config's values, by the same formula as transformers' ``_compute_llama3_parameters``. Must run
+    before the first forward (the module caches its embeddings per length)."""
+    factor, low, high, original = shape.rope_scaling
+    dim = shape.head_dim
+    plain = 1.0 / (shape.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=rotary.inv_freq.device)
+                                        / dim))
+    rotary.inv_freq = rotary._apply_scaling(plain, factor=factor, low_freq_factor=low, high_freq_factor=high,
+                                            original_max_position_embeddings=original)
+
+
 def build_gpt_model(hf: dict[str, Any], tconfig, *, spec: str = "local", make_vocab_size_divisible_by: int = 128,
                     attention: str = "auto", vocab_padding: str = "megatron") -> list:
     """Build this rank's GPTModel chunks (one per virtual pipeline stage). Parallel state must be initialized.
@@ -147,8 +163,12 @@ def build_gpt_model(hf: dict[str, Any], tconfig, *, spec: str = "local", make_vo
             max_sequence_length=shape.max_position_embeddings, pre_process=pre, post_process=post,
             parallel_output=True, share_embeddings_and_output_weights=shape.tie_embeddings,
             position_embedding_type="rope", rotary_percent=1.0, rotary_base=shape.rope_theta,
+            rope_scaling=shape.rope_scaling is not None,
+            rope_scaling_factor=shape.rope_scaling[0] if shape.rope_scaling else 8.0,
             vp_stage=None if vpp == 1 else vp_stage,
         )
+        if shape.rope_scaling is not None:
+            set_llama3_inv_freq(model.rotary_pos_emb, shape)
         chunks.append(model)
     log.info("built GPTModel: %d layers, hidden %d, vocab %d (padded %d), %d chunk(s) on this rank",
              shape.num_layers, shape.hidden_size, shape.vocab_size, vocab, len(chunks))

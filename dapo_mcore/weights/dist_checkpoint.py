@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dapo_mcore.model.hf_config import MEGATRON_LLAMA3_FIXED
 from dapo_mcore.weights.errors import InputFileError, InputMissingError
 
 log = logging.getLogger(__name__)
@@ -132,6 +133,8 @@ def provider_kind(model: dict) -> str:
         return "qwen3_moe"
     if "Qwen3" in target or (model.get("qk_layernorm") and not model.get("add_qkv_bias")):
         return "qwen3"
+    if "Llama" in target or not model.get("add_qkv_bias", False):  # Qwen2's provider always sets the QKV bias
+        return "llama"
     return "qwen2"
 
 
@@ -148,7 +151,7 @@ def hf_config_from_run_config(run_config: dict, where: Path) -> dict[str, Any]:
     hf: dict[str, Any] = {
         "model_type": kind,
         "architectures": [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                           "qwen3_moe": "Qwen3MoeForCausalLM"}[kind]],
+                           "qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM"}[kind]],
         "hidden_size": int(model["hidden_size"]),
         "intermediate_size": int(model["ffn_hidden_size"]),
         "num_hidden_layers": int(model["num_layers"]),
@@ -169,6 +172,11 @@ def hf_config_from_run_config(run_config: dict, where: Path) -> dict[str, Any]:
         hf["max_window_layers"] = hf["num_hidden_layers"]
     else:
         hf["attention_bias"] = bool(model.get("add_qkv_bias", False))
+    if model.get("rope_scaling"):  # Llama 3.1+: Bridge fixes all but the factor (hf_config.MEGATRON_LLAMA3_FIXED)
+        low, high, original = MEGATRON_LLAMA3_FIXED
+        hf["rope_parameters"].update(rope_type="llama3", factor=float(model.get("rope_scaling_factor", 8.0)),
+                                     low_freq_factor=low, high_freq_factor=high,
+                                     original_max_position_embeddings=original)
     if kind == "qwen3_moe":
         hf.update(num_experts=int(model["num_moe_experts"]), num_experts_per_tok=int(model["moe_router_topk"]),
                   moe_intermediate_size=int(model["moe_ffn_hidden_size"]), decoder_sparse_step=1,

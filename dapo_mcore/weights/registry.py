@@ -47,9 +47,10 @@ def get_mapping(hf_config: dict[str, Any]) -> ModelMapping:
 
 def _builtin() -> dict[str, MappingFactory]:
     """The families this package ships (imported on first use: the mapping modules import torch)."""
-    from dapo_mcore.weights import qwen2, qwen3, qwen3_moe
+    from dapo_mcore.weights import llama, qwen2, qwen3, qwen3_moe
 
-    return {"qwen2": qwen2.qwen2_mapping, "qwen3": qwen3.qwen3_mapping, "qwen3_moe": qwen3_moe.qwen3_moe_mapping}
+    return {"qwen2": qwen2.qwen2_mapping, "qwen3": qwen3.qwen3_mapping, "qwen3_moe": qwen3_moe.qwen3_moe_mapping,
+            "llama": llama.llama_mapping}
 
 
 def _load_builtin() -> None:
