@@ -92,24 +92,26 @@ class Bridge:
         from dapo_mcore.rollout import wire
 
         packed = wire.pack(message)
-        sizes = torch.tensor([len(packed.meta), packed.token_ids.numel(), packed.logprobs.numel()], dtype=torch.int64)
+        sizes = torch.tensor([len(packed.meta), packed.token_ids.numel(), packed.logprobs.numel(),
+                              packed.routes.numel()], dtype=torch.int64)
         self.batches_pg.send([sizes], 0, 0).wait()
         for tag, t in enumerate((torch.frombuffer(bytearray(packed.meta), dtype=torch.uint8), packed.token_ids,
-                                 packed.logprobs), start=1):
+                                 packed.logprobs, packed.routes), start=1):
             if t.numel():
                 self.batches_pg.send([t], 0, tag).wait()
 
     def recv_object(self) -> dict[str, Any]:
         from dapo_mcore.rollout import wire
 
-        sizes = torch.zeros(3, dtype=torch.int64)
+        sizes = torch.zeros(4, dtype=torch.int64)
         self.batches_pg.recv([sizes], 1, 0).wait()
         parts = [torch.empty(int(n), dtype=dt) for n, dt in zip(sizes.tolist(), (torch.uint8, torch.int32,
-                                                                                   torch.float32), strict=True)]
+                                                                                   torch.float32, torch.uint8),
+                                                                  strict=True)]
         for tag, t in enumerate(parts, start=1):
             if t.numel():
                 self.batches_pg.recv([t], 1, tag).wait()
-        return wire.unpack(wire.Packed(parts[0].numpy().tobytes(), parts[1], parts[2]))
+        return wire.unpack(wire.Packed(parts[0].numpy().tobytes(), parts[1], parts[2], parts[3]))
 
     # ---- weights: trainer rank 0 -> every engine rank -----------------------------------------------------------
     def broadcast_header(self, header: dict[str, Any] | None) -> dict[str, Any]:

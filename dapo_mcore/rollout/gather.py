@@ -175,8 +175,21 @@ def broadcast_shares(indices: Sequence[int], results: Sequence[Sequence[Response
             continue
         got_i = _broadcast_chunked(ints if src == me else None, n_int, torch.int64, src, device, chunk_elems)
         got_f = _broadcast_chunked(floats if src == me else None, n_float, torch.float32, src, device, chunk_elems)
-        out.append(unpack_responses(got_i, got_f))
+        share = unpack_responses(got_i, got_f)
+        if src == me:
+            _keep_routes(share, indices, results)
+        out.append(share)
     return out
+
+
+def _keep_routes(share: dict[int, list[Response]], indices: Sequence[int],
+                 results: Sequence[Sequence[Response]]) -> None:
+    """The sender's own copy of its share keeps its routed experts (MoE routing replay). Routes never travel with a
+    share: at the 30B-A3B recipe's shape they cost ~768 B a token, and a data-parallel rank needs only those of the
+    samples it trains on, which the actor fetches from the rank that holds them (``actor.route_exchange``)."""
+    for index, responses in zip(indices, results, strict=True):
+        for got, mine in zip(share[index], responses, strict=True):
+            got.routed_experts = mine.routed_experts
 
 
 def merge_shares(shares: Sequence[dict[int, list[Response]]], num_prompts: int, n: int) -> list[list[Response]]:

@@ -175,12 +175,18 @@ def launcher_env_defaults(environ: dict[str, str], port: int) -> dict[str, str]:
 _RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
 
-def pin_model_runner(environ: dict[str, str], data_parallel: int) -> dict[str, str]:
+def pin_model_runner(environ: dict[str, str], data_parallel: int, routed_experts: bool = False) -> dict[str, str]:
     """The environment that keeps vLLM's data-parallel engines in lockstep: with data-parallel > 1, vLLM's V1 model
     runner (``VLLM_USE_V2_MODEL_RUNNER=0``). The engine groups step together (``VLLMEngine.groups_step_together``);
     a group with nothing scheduled steps a dummy batch that joins the others' data-parallel sync, which the V1 runner
     guards and vLLM 0.33's Model Runner V2 (its default where it applies) skips (read, not run: #35), so one group
-    would wait forever. Empty with data-parallel 1 or when already pinned; EngineError if V2 is asked for."""
+    would wait forever. Empty with data-parallel 1 or when already pinned; EngineError if V2 is asked for.
+
+    ``routed_experts`` (routing replay): vLLM returns them only from Model Runner V2 ("requires Model Runner V2"), so
+    with data-parallel 1 the runner is pinned to V2 and with data-parallel > 1 there is no runner that works: an
+    EngineError (``config_rules`` refuses the layout before launch)."""
+    if routed_experts:
+        return _pin_v2(environ, data_parallel)
     if data_parallel <= 1:
         return {}
     value = environ.get(_RUNNER_ENV)
@@ -191,6 +197,19 @@ def pin_model_runner(environ: dict[str, str], data_parallel: int) -> dict[str, s
     raise EngineError(f"{_RUNNER_ENV}={value} with vLLM data-parallel {data_parallel}: Model Runner V2 skips the "
                       f"data-parallel sync on a step with nothing scheduled and the engine groups' lockstep hangs; "
                       f"unset {_RUNNER_ENV} (the engine pins the V1 runner) or use one engine group.")
+
+
+def _pin_v2(environ: dict[str, str], data_parallel: int) -> dict[str, str]:
+    if data_parallel > 1:
+        raise EngineError(f"routed-expert capture (algo.router_replay=rollout) with vLLM data-parallel {data_parallel}: "
+                          f"vLLM returns routed experts only from Model Runner V2, and the engine groups' lockstep needs "
+                          f"the V1 runner; use one engine group (rollout.vllm.tensor_parallel = the engine ranks) or "
+                          f"algo.router_replay=none.")
+    value = environ.get(_RUNNER_ENV)
+    if value is not None and value.strip().lower() in ("0", "false"):
+        raise EngineError(f"{_RUNNER_ENV}={value} with routed-expert capture (algo.router_replay=rollout): vLLM returns "
+                          f"routed experts only from Model Runner V2; unset {_RUNNER_ENV}.")
+    return {} if value is not None and value.strip().lower() in ("1", "true") else {_RUNNER_ENV: "1"}
 
 
 @contextlib.contextmanager
@@ -374,10 +393,9 @@ class _LLMBackend:
     def __init__(self, vllm: Any, llm_kwargs: dict[str, Any], traits: PlatformTraits):
         self._vllm = vllm
         self.traits = traits
-        if llm_kwargs.get("enable_return_routed_experts"):
-            # vLLM 0.32.0: "AuxOutput Connector requires Model Runner V2; set VLLM_USE_V2_MODEL_RUNNER=1" (and Model
-            # Runner V2 requires Triton, so on the CPU build it stops at "Model Runner V2 requires Triton").
-            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+        # Routed-expert capture: vLLM 0.32.0 says "AuxOutput Connector requires Model Runner V2; set
+        # VLLM_USE_V2_MODEL_RUNNER=1" (pinned by pin_model_runner; Model Runner V2 requires Triton, so vLLM's CPU
+        # build stops at "Model Runner V2 requires Triton").
         self.llm = vllm.LLM(**llm_kwargs)
         self._model = self._resolve_model()
         self._told_no_sleep = False
@@ -537,11 +555,13 @@ class VLLMEngine:
                     logger.info("no torchrun launch env: running vLLM's external_launcher as a single process (%s)",
                                 env)
                     os.environ.update(env)
-        pinned = pin_model_runner(dict(os.environ), int(kwargs.get("data_parallel_size", 1)))
+        pinned = pin_model_runner(dict(os.environ), int(kwargs.get("data_parallel_size", 1)),
+                                  bool(kwargs.get("enable_return_routed_experts")))
         if pinned:
             os.environ.update(pinned)
-            logger.info("vLLM data-parallel %d: the V1 model runner (%s=0), whose dummy steps keep the engine groups "
-                        "in lockstep", kwargs["data_parallel_size"], _RUNNER_ENV)
+            logger.info("vLLM data-parallel %d: %s=%s (%s)", kwargs.get("data_parallel_size", 1), _RUNNER_ENV,
+                        pinned[_RUNNER_ENV], "routed-expert capture" if pinned[_RUNNER_ENV] == "1" else
+                        "the V1 runner, whose dummy steps keep the engine groups in lockstep")
         if traits.cpu_kv_cache and not os.environ.get(_CPU_KVCACHE_ENV):
             # Unset, vLLM's CPU platform reserves gpu_memory_utilization x host RAM per process for the KV cache.
             os.environ[_CPU_KVCACHE_ENV] = _CPU_KVCACHE_DEFAULT_GIB
