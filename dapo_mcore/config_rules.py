@@ -148,8 +148,8 @@ def _validate_vllm_replay(cfg: Config, launched: int) -> None:
         raise ConfigError(f"algo.router_replay=rollout with vLLM data-parallel {dp} ({engines} / "
                           f"rollout.vllm.tensor_parallel={cfg.rollout.vllm.tensor_parallel}): vLLM returns routed "
                           f"experts only from Model Runner V2, and its engine groups stay in lockstep only on the V1 "
-                          f"runner; set rollout.vllm.tensor_parallel={dp * cfg.rollout.vllm.tensor_parallel} (one engine "
-                          f"group) or algo.router_replay=none.")
+                          f"runner; set algo.router_replay=none (algo.tis_cap bounds what routing mismatch is left) or run one "
+                          f"engine group (rollout.vllm.tensor_parallel={dp * cfg.rollout.vllm.tensor_parallel}).")
 
 
 def validate_batches(cfg: Config, world_size: int) -> None:

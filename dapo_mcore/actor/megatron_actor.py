@@ -441,7 +441,10 @@ class MegatronActor:
         if bypass:
             reduced = self._bypass_scale(reduced)
         if self.router_stats is not None:
-            reduced.update(self.router_stats.metrics(self.s.tensor_parallel))
+            from dapo_mcore.model.moe import routing_copies
+
+            reduced.update(self.router_stats.metrics(routing_copies(self.s.tensor_parallel,
+                                                                    self.s.sequence_parallel)))
         # Every rank knows the summed loss and whether any rank's gradients are non-finite: all take one branch.
         skip = self.nonfinite.check(reduced.get("loss", 0.0), grads_finite(self.chunks), lr)
         skip = skip or bool(reduced.pop("bypass_all_rejected", 0.0))  # bypass: every token rejected

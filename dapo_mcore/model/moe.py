@@ -208,6 +208,13 @@ def moe_block_spec(tconfig, kind: str, core_attention=None, vp_stage: int | None
     return TransformerBlockSubmodules(layer_specs=specs[offset: offset + count], layer_norm=norm)
 
 
+def routing_copies(tensor_parallel: int, sequence_parallel: bool) -> int:
+    """How many ranks of one model replica route the same token: every TP rank without sequence parallelism (each
+    holds the whole sequence), one with it (the MoE layer's input is split along the sequence over the TP ranks, so
+    each routes its 1/TP of the tokens). ``RouterStats.metrics`` divides the job's token counts by this."""
+    return 1 if sequence_parallel else tensor_parallel
+
+
 class RouterStats:
     """Load balance and aux loss of the MoE routers of this rank's model chunks, per optimizer update.
 

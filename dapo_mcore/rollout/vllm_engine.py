@@ -34,7 +34,9 @@ import dataclasses
 import gc
 import importlib
 import logging
+import math
 import os
+import shutil
 import socket
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -199,6 +201,42 @@ def pin_model_runner(environ: dict[str, str], data_parallel: int, routed_experts
                       f"unset {_RUNNER_ENV} (the engine pins the V1 runner) or use one engine group.")
 
 
+SHM = "/dev/shm"
+
+
+def routed_experts_shm_bytes(kv_tokens: int, hf_config: dict[str, Any]) -> int:
+    """Host shared memory vLLM's routed-expert capture maps per engine (``RoutedExpertsCapturer.init_buffer`` in
+    ``model_executor/layers/fused_moe/routed_experts_capturer.py``: int32 ``[KV-cache tokens, num_hidden_layers,
+    num_experts_per_tok]`` through ``multiprocessing.shared_memory``, i.e. a file in /dev/shm)."""
+    return 4 * kv_tokens * int(hf_config["num_hidden_layers"]) * int(hf_config["num_experts_per_tok"])
+
+
+def kv_tokens_bound(hf_config: dict[str, Any], gpu_bytes: float, utilization: float, tensor_parallel: int,
+                    dtype_bytes: int = 2) -> int:
+    """At most how many tokens vLLM's KV cache holds on one GPU: ``utilization`` of the GPU less this rank's share of
+    the weights, over the KV bytes of one token on one GPU (K and V of every layer, the KV heads split over TP and
+    replicated past them). An upper bound: vLLM also keeps activations and CUDA graphs out of it."""
+    layers, heads = int(hf_config["num_hidden_layers"]), int(hf_config["num_attention_heads"])
+    kv_heads = int(hf_config.get("num_key_value_heads") or heads)
+    head_dim = int(hf_config.get("head_dim") or int(hf_config["hidden_size"]) // heads)
+    per_token = 2 * layers * max(1, kv_heads // tensor_parallel) * head_dim * dtype_bytes
+    weights = dtype_bytes * sum(math.prod(shape) for shape in hf_param_shapes(hf_config).values()) / tensor_parallel
+    return max(0, int((utilization * gpu_bytes - weights) // per_token))
+
+
+def check_routed_experts_shm(free_bytes: int | None, need_bytes: int) -> None:
+    """EngineError naming the fix when /dev/shm is missing (None) or smaller than the capture buffer."""
+    if free_bytes is None or free_bytes < need_bytes:
+        have = "is missing" if free_bytes is None else f"has {free_bytes / 2**30:.2f} GiB free"
+        raise EngineError(f"routed-expert capture (algo.router_replay=rollout) maps {need_bytes / 2**30:.2f} GiB of "
+                          f"host shared memory per engine and {SHM} {have}; give the job a larger /dev/shm (a "
+                          f"container's --shm-size, or the node's tmpfs) or set algo.router_replay=none.")
+
+
+def shm_free_bytes(path: str = SHM) -> int | None:
+    return shutil.disk_usage(path).free if os.path.isdir(path) else None
+
+
 def _pin_v2(environ: dict[str, str], data_parallel: int) -> dict[str, str]:
     if data_parallel > 1:
         raise EngineError(f"routed-expert capture (algo.router_replay=rollout) with vLLM data-parallel {data_parallel}: "
@@ -278,6 +316,10 @@ class VLLMEngineOptions:
     return_routed_experts: bool = False
     """MoE rollout routing replay: ``LLM(enable_return_routed_experts=True)`` so each completion carries the experts
     of every token (``CompletionOutput.routed_experts``, read in vLLM 0.32.0's source; not run on a GPU here)."""
+    expert_parallel: bool = False
+    """MoE models: ``LLM(enable_expert_parallel=True)`` when the engine spans more than one GPU. Without it vLLM
+    splits every expert over the tensor x data-parallel ranks (``FusedMoEParallelConfig.make`` flattens TP across
+    DP), so each of the 30B-A3B recipe's 128 experts is cut 128 ways with a collective every layer across nodes."""
     stop_token_ids: tuple[int, ...] = ()
     """The run's stop set (rollout.stop_tokens.resolve_stop_tokens), added to every request's ``stop_token_ids`` so
     that vLLM stops on exactly the ids the transformers engine stops on, whatever vLLM reads from the model dir."""
@@ -319,6 +361,8 @@ class VLLMEngineOptions:
         if self.external_launcher:
             kwargs["distributed_executor_backend"] = "external_launcher"
             kwargs["data_parallel_size"] = world_size // self.tensor_parallel
+        if self.expert_parallel and self.tensor_parallel * kwargs.get("data_parallel_size", 1) > 1:
+            kwargs["enable_expert_parallel"] = True
         return kwargs
 
 
@@ -528,6 +572,7 @@ class VLLMEngine:
         world = _world_size() if world_size is None else world_size
         options.validate(world)
         self.vocab_size = int(hf_config["vocab_size"])
+        self._hf_config = hf_config
         shapes = hf_param_shapes(hf_config)
         aliases = {"lm_head.weight": "model.embed_tokens.weight"} if hf_config["tie_word_embeddings"] else {}
         self._tracker = SyncTracker(shapes, aliases)
@@ -562,6 +607,13 @@ class VLLMEngine:
             logger.info("vLLM data-parallel %d: %s=%s (%s)", kwargs.get("data_parallel_size", 1), _RUNNER_ENV,
                         pinned[_RUNNER_ENV], "routed-expert capture" if pinned[_RUNNER_ENV] == "1" else
                         "the V1 runner, whose dummy steps keep the engine groups in lockstep")
+        if kwargs.get("enable_return_routed_experts") and not traits.cpu_kv_cache:
+            import torch
+
+            gpu = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+            bound = kv_tokens_bound(self._hf_config, gpu, self.options.gpu_memory_utilization,
+                                    self.options.tensor_parallel)
+            check_routed_experts_shm(shm_free_bytes(), routed_experts_shm_bytes(bound, self._hf_config))
         if traits.cpu_kv_cache and not os.environ.get(_CPU_KVCACHE_ENV):
             # Unset, vLLM's CPU platform reserves gpu_memory_utilization x host RAM per process for the KV cache.
             os.environ[_CPU_KVCACHE_ENV] = _CPU_KVCACHE_DEFAULT_GIB
