@@ -37,11 +37,14 @@ def _rows(run: Path) -> dict[int, dict]:
     return {r["step"]: r for r in rows}
 
 
-def _replayed(rows: dict[int, dict], steps: list[int]) -> None:
+def _replayed(rows: dict[int, dict], steps: list[int], same_policy: tuple[int, ...] | None = None) -> None:
+    """Every step replays the engine's experts; the log-probs of the steps whose batch the same policy sampled
+    (all in the synchronous loop; async: the first, the later ones lag one version) equal the engine's."""
     assert sorted(rows) == steps
-    for r in rows.values():
+    for step, r in rows.items():
         assert r["moe/routing_mismatch_frac"] == 0.0, r
-        assert r["mismatch/logp_abs_diff_max"] < 1e-4, r
+        if same_policy is None or step in same_policy:
+            assert r["mismatch/logp_abs_diff_max"] < 1e-4, r
 
 
 @pytest.mark.e2e
@@ -53,7 +56,7 @@ def test_replay_at_ep2_trains_resumes_after_kill9_and_never_mismatches(moe_base,
     _replayed(_rows(run), [1])
     resumed = _train(cli_env, run, moe_base, 2, "train.steps=3")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert re.search(r"resumed \S*step_000001 ", resumed.stderr), resumed.stderr[-3000:]
+    assert "step_000001 (step 1)" in resumed.stderr, resumed.stderr[-3000:]
     _replayed(_rows(run), [1, 2, 3])
 
 
@@ -65,4 +68,4 @@ def test_replay_in_async_mode_with_two_engine_ranks(moe_base, cli_env, tmp_path)
     proc = _train(cli_env, run, moe_base, 4, "train.steps=2", "rollout.pipeline.mode=async",
                   "rollout.pipeline.engine_ranks=2", "algo.tis_cap=2.0", "rollout.pipeline.bucket_mb=0.02")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    _replayed(_rows(run), [1, 2])
+    _replayed(_rows(run), [1, 2], same_policy=(1,))
