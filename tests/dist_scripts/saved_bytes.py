@@ -3,7 +3,8 @@ Megatron GPT (local spec, SDPA core attention, fp32) of a given structure runs o
 every tensor an autograd node saves while a layer runs is charged to that layer, once per storage, parameters
 excluded. Prints one JSON line per rank: {"dense": bytes/token/layer, "moe": bytes/token/layer}.
 
-Run: [torchrun --nproc_per_node N] tests/dist_scripts/saved_bytes.py KIND TP EP RECOMPUTE TOKENS
+Run: [torchrun --nproc_per_node N] tests/dist_scripts/saved_bytes.py TOKENS KIND:TP:EP:RECOMPUTE ...
+(one process group, one model after another; one line per spec: SAVED {"spec": ..., "rank": r, "bytes": b}).
 """
 
 from __future__ import annotations
@@ -26,15 +27,12 @@ def _hf(kind: str) -> dict:
     return base
 
 
-def measure(kind: str, tp: int, ep: int, recompute: str, tokens: int) -> dict[str, float]:
+def measure(kind: str, tp: int, ep: int, recompute: str, tokens: int) -> float:
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from dapo_mcore.actor.parallel import init_distributed, init_model_parallel, read_launch_env
-    from dapo_mcore.model import cpu_compat
+    from dapo_mcore.actor.parallel import init_model_parallel
     from dapo_mcore.model.qwen import build_gpt_model, transformer_config
 
-    cpu_compat.apply()
-    init_distributed(read_launch_env(), "gloo")
     init_model_parallel(tp, 1, expert_parallel=ep, seed=1)
     hf = _hf(kind)
     tconfig = transformer_config(hf, tensor_parallel=tp, expert_parallel=ep, recompute=recompute)
@@ -63,11 +61,22 @@ def measure(kind: str, tp: int, ep: int, recompute: str, tokens: int) -> dict[st
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(ids, pos, None)
     out.float().sum().backward()
-    per_layer = {k: v / tokens for k, v in charged.items()}
-    return {kind: sum(per_layer.values()) / len(per_layer)}
+    return sum(charged.values()) / tokens / len(charged)
+
+
+def main(tokens: int, specs: list[str]) -> None:
+    from dapo_mcore.actor.parallel import init_distributed, read_launch_env, shutdown
+    from dapo_mcore.model import cpu_compat
+
+    cpu_compat.apply()
+    init_distributed(read_launch_env(), "gloo")
+    for spec in specs:
+        kind, tp, ep, recompute = spec.split(":")
+        saved = measure(kind, int(tp), int(ep), recompute, tokens)
+        print("SAVED " + json.dumps({"spec": spec, "rank": int(os.environ.get("RANK", "0")), "bytes": saved}),
+              flush=True)
+    shutdown()
 
 
 if __name__ == "__main__":
-    kind, tp, ep, recompute, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
-    result = measure(kind, tp, ep, recompute, tokens)
-    print("SAVED " + json.dumps({"rank": int(os.environ.get("RANK", "0")), **result}), flush=True)
+    main(int(sys.argv[1]), sys.argv[2:])
