@@ -319,6 +319,7 @@ class AsyncRollouts:
         A batch reaches the other ranks light (``wire.light``: the kept groups whole) and packed as tensors."""
         value = read() if self.is_root else None
         if dist.is_initialized() and dist.get_world_size() > 1:
+            self.bridge.hold_trainers(self.is_root)  # the others wait on the store, not in the broadcast
             value = _broadcast(value, self.is_root)
         if _is_failure(value):
             self._raise(value["error"])

@@ -76,6 +76,19 @@ class Bridge:
         self.store, self.poll = store, poll
         """The meetings' store (the job's, under its own prefix) and how often a waiting member calls the roll."""
         self._meetings = 0
+        self._shared = 0
+
+    def hold_trainers(self, root: bool) -> None:
+        """Before trainer rank 0 shares what it received from the engines (a batch, an evaluation): the other
+        trainer ranks wait for it on the store, without a timeout, as ``meet`` does, so that the first batch (an
+        evaluation at start and a whole generation) or any generation longer than ``parallel.timeout_minutes``
+        does not time out the trainer group's broadcast (an NCCL collective on a GPU)."""
+        self._shared += 1
+        key = f"trainer/shared/{self._shared}"
+        if root:
+            self.store.set(key + "/all", b"1")
+        else:
+            self._wait_all(key)
 
     @property
     def sends_batches(self) -> bool:
