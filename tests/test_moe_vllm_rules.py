@@ -13,6 +13,7 @@ import pytest
 from dapo_mcore.rollout.protocol import EngineError
 from dapo_mcore.rollout.vllm_engine import (
     VLLMEngineOptions,
+    check_moe_weight_layout,
     check_routed_experts_shm,
     kv_tokens_bound,
     pin_model_runner,
@@ -44,7 +45,7 @@ def _config(*overrides: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("extra", [(), ("rollout.pipeline.mode=async", "rollout.pipeline.engine_ranks=32")])
 def test_config_refuses_replay_with_vllm_data_parallel_in_one_line(extra):
-    proc = _config("--world-size", "128", "algo.router_replay=rollout", *extra)
+    proc = _config("--world-size", "128", "algo.router_replay=rollout", "model.recompute=none", *extra)
     assert proc.returncode == 2, proc.stderr[-2000:]
     line = proc.stderr.strip().splitlines()[-1]
     assert "vLLM data-parallel" in line and "algo.router_replay=none" in line and "Traceback" not in proc.stderr
@@ -71,3 +72,13 @@ def test_the_capture_buffer_is_sized_and_a_small_dev_shm_is_refused():
         check_routed_experts_shm(64 << 20, need)  # a container's default 64 MiB
     with pytest.raises(EngineError, match="/dev/shm is missing"):
         check_routed_experts_shm(None, need)
+
+
+def test_a_vllm_moe_kernel_that_relays_out_the_experts_is_refused():
+    """FlashInfer's CUTLASS MoE swaps each expert's gate/up halves after loading; the in-place sync would not."""
+    check_moe_weight_layout({}, moe=True)
+    check_moe_weight_layout({"VLLM_USE_FLASHINFER_MOE_FP16": "1"}, moe=False)  # a dense model has no w13
+    check_moe_weight_layout({"VLLM_USE_FLASHINFER_MOE_FP16": "0"}, moe=True)
+    for key in ("VLLM_USE_FLASHINFER_MOE_FP16", "VLLM_ROCM_USE_AITER_MOE"):
+        with pytest.raises(EngineError, match=f"unset {key}"):
+            check_moe_weight_layout({key: "1"}, moe=True)

@@ -237,6 +237,25 @@ def shm_free_bytes(path: str = SHM) -> int | None:
     return shutil.disk_usage(path).free if os.path.isdir(path) else None
 
 
+_RELAYOUT_ENV = ("VLLM_USE_FLASHINFER_MOE_FP16", "VLLM_ROCM_USE_AITER_MOE")
+
+
+def check_moe_weight_layout(environ: dict[str, str], moe: bool) -> None:
+    """EngineError when vLLM would re-lay out bf16 MoE weights after loading: the weight sync writes each expert's
+    checkpoint-format ``[gate; up]`` rows straight into ``w13_weight``, so a kernel that swapped them to ``[up; gate]``
+    (``UnquantizedFusedMoEMethod.process_weights_after_loading``: ``swap_w13_to_w31`` for FlashInfer's CUTLASS MoE,
+    ``VLLM_USE_FLASHINFER_MOE_FP16=1``) or shuffled them (ROCm AITER) would read every synced expert wrong, silently.
+    Triton's fused MoE, vLLM's default for bf16 on CUDA, keeps the loaded layout."""
+    if not moe:
+        return
+    for key in _RELAYOUT_ENV:
+        value = environ.get(key, "").strip().lower()
+        if value not in ("", "0", "false"):
+            raise EngineError(f"{key}={environ[key]} with an MoE model: that vLLM MoE kernel re-lays out the expert "
+                              f"weights after loading and the in-place weight sync would write them in the checkpoint "
+                              f"layout, silently wrong; unset {key} (Triton's fused MoE keeps the layout).")
+
+
 def _pin_v2(environ: dict[str, str], data_parallel: int) -> dict[str, str]:
     if data_parallel > 1:
         raise EngineError(f"routed-expert capture (algo.router_replay=rollout) with vLLM data-parallel {data_parallel}: "
@@ -607,6 +626,7 @@ class VLLMEngine:
             logger.info("vLLM data-parallel %d: %s=%s (%s)", kwargs.get("data_parallel_size", 1), _RUNNER_ENV,
                         pinned[_RUNNER_ENV], "routed-expert capture" if pinned[_RUNNER_ENV] == "1" else
                         "the V1 runner, whose dummy steps keep the engine groups in lockstep")
+        check_moe_weight_layout(dict(os.environ), bool(self._hf_config.get("num_experts")))
         if kwargs.get("enable_return_routed_experts") and not traits.cpu_kv_cache:
             import torch
 
