@@ -6,7 +6,6 @@ travelled between ranks, both runs stopped at step 1 with "a rollout carries no 
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
