@@ -81,3 +81,18 @@ def test_moe_with_tensor_parallelism_keeps_the_gathered_tokens_whole():
     assert activation_bytes_per_token_layer(shape, "none", 2, 4) == at4.total
     # 48 layers x 22528 tokens: ~55 GiB, against the 9.3 GiB of the dense-MLP sizing
     assert 50 < at4.total * 48 * 22528 / 2**30 < 60
+
+
+@pytest.mark.unit
+def test_tokens_per_expert_counts_each_routed_token_once_under_sequence_parallelism():
+    """``moe/tokens_per_expert_mean`` sums every rank's router counts and divides by the ranks that routed the same
+    tokens: all TP ranks without sequence parallelism, one with it (each routes its 1/TP slice: the split the
+    activation model charges the routing with). Dividing by TP under SP read TP x low."""
+    from dapo_mcore.model.moe import routing_copies
+
+    assert routing_copies(4, sequence_parallel=False) == 4
+    assert routing_copies(4, sequence_parallel=True) == 1
+    shape = _shape("moe")
+    with_sp = layer_activations(shape, "none", 2, 2, sequence_parallel=True)
+    without = layer_activations(shape, "none", 2, 2, sequence_parallel=False)
+    assert with_sp.moe_mlp < without.moe_mlp  # routing (and norms) are split over TP only under SP
