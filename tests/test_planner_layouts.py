@@ -60,10 +60,15 @@ def test_first_stage_activations_independent_of_pp_under_1f1b():
     assert acts[0] == pytest.approx(acts[1]) == pytest.approx(acts[2])
     full = estimate_memory(recipe_32b(recompute="full", pipeline_parallel=1)).activations
     none = estimate_memory(recipe_32b(recompute="none", pipeline_parallel=1)).activations
+    from dapo_mcore.model.activations import layer_activations
+
     shape = ModelShape.from_hf(QWEN32)
-    per_layer = 6 * shape.hidden + 2 * shape.kv_dim + 3 * shape.ffn  # elements per token, no recompute
+    tp = recipe_32b().tensor_parallel
+    per_layer = layer_activations(shape, "none", 2, tp).total  # checked against measurement (test_activation_model)
+    kept = layer_activations(shape, "full", 2, tp).total
+    assert kept == shape.hidden * 2 / tp  # full keeps each layer's input (split by sequence parallelism)
     # full keeps each layer's input plus one layer's full set while that layer is recomputed
-    assert none / full == pytest.approx(shape.layers * per_layer / (shape.layers * shape.hidden + per_layer))
+    assert none / full == pytest.approx(shape.layers * per_layer / (shape.layers * kept + per_layer))
 
 
 def test_refuses_layout_and_names_fixes():

@@ -220,7 +220,7 @@ def test_a_group_with_nothing_to_resume_keeps_a_lockstep_engine_in_step(monkeypa
             return [Response([8], [-0.2], "stop") for _ in prompts]
 
     tail = Response([9, 2], [-0.3, -0.4], "stop")
-    monkeypatch.setattr(colocated, "broadcast_shares", lambda positions, shares, sender: [{0: [tail]}])
+    monkeypatch.setattr(colocated, "broadcast_shares", lambda positions, shares, sender, routes_to=None: [{0: [tail]}])
     engine = Recorder()
     source = ColocatedRollouts(Config(), engine=engine, scheduler=None, tokenizer=None, score=None,
                                encode_prompt=None, timer=None, groups=EngineGroups(2, 1, True))

@@ -136,6 +136,9 @@ def save_checkpoint(root: Path, step: int, actor, trainer_state: dict[str, Any],
         _prune(root, keep_last)
         log.info("checkpoint saved: %s", final)
     _barrier()
+    from dapo_mcore.signals import faults
+
+    faults.point("saved", step)
     return final
 
 

@@ -203,6 +203,7 @@ class MegatronActor:
         self.router_stats = None  # MoE: tokens per expert and aux loss of each update (model/moe.py)
         self.replay = None  # MoE: routing replay / routing-mismatch count (model/moe.py)
         self.routing_mismatch: float | None = None  # of the last old-log-prob pass (moe/routing_mismatch_frac)
+        self.route_bytes_received = 0  # routing replay: route bytes this rank fetched from others (route_exchange)
         if tconfig.num_moe_experts:
             from dapo_mcore.model.moe import MoEShape, RouterReplay, RouterStats
 
@@ -286,6 +287,19 @@ class MegatronActor:
         per_rank = pack_micro_batches(lengths, self.s.micro_batch_tokens, self.dp_size)
         return per_rank[self.dp_rank]
 
+    def _fetch_routes(self, samples: Sequence[TrainSample], groups: list[list[int]]) -> None:
+        """Routing replay on several ranks: the routes of this rank's samples, from the rank that holds them
+        (``actor.route_exchange``; a collective over the trainer ranks)."""
+        if not self.s.router_replay or not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        from dapo_mcore.actor.route_exchange import RoutesMissing, exchange_routes
+        from dapo_mcore.rollout.gather import collective_device
+
+        try:
+            self.route_bytes_received += exchange_routes(samples, [i for g in groups for i in g], collective_device())
+        except RoutesMissing as exc:
+            raise RuntimeError(str(exc)) from None
+
     def _make_mb(self, samples: Sequence[TrainSample], indices: list[int], with_loss_inputs: bool) -> MicroBatch:
         chosen = [samples[i] for i in indices]
         mb = build_micro_batch([s.prompt_ids for s in chosen], [s.response_ids for s in chosen],
@@ -344,6 +358,7 @@ class MegatronActor:
         for m in self.model:
             m.eval()
         groups = self._my_micro_batches(samples)
+        self._fetch_routes(samples, groups)
         mbs = [self._make_mb(samples, idx, with_loss_inputs=False) for idx in groups]
         vocab, temp = self.shape.vocab_size, self.s.temperature
         if self.replay is not None:
@@ -408,6 +423,7 @@ class MegatronActor:
             return {"skipped": 1.0}
         self.set_lr(lr)
         groups = self._my_micro_batches(samples)
+        self._fetch_routes(samples, groups)
         mbs = [self._make_mb(samples, idx, with_loss_inputs=True) for idx in groups]
         bypass = algo.correction.bypass
         if bypass:  # rejection needs pi_theta: denominators are known after the forward (see _bypass_scale)
@@ -426,7 +442,10 @@ class MegatronActor:
         if bypass:
             reduced = self._bypass_scale(reduced)
         if self.router_stats is not None:
-            reduced.update(self.router_stats.metrics(self.s.tensor_parallel))
+            from dapo_mcore.model.moe import routing_copies
+
+            reduced.update(self.router_stats.metrics(routing_copies(self.s.tensor_parallel,
+                                                                    self.s.sequence_parallel)))
         # Every rank knows the summed loss and whether any rank's gradients are non-finite: all take one branch.
         skip = self.nonfinite.check(reduced.get("loss", 0.0), grads_finite(self.chunks), lr)
         skip = skip or bool(reduced.pop("bypass_all_rejected", 0.0))  # bypass: every token rejected

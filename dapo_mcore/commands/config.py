@@ -60,9 +60,11 @@ def describe_layout(cfg: Config, world_size: int) -> list[str]:
     state = ("new" if not (run_dir / "config.yaml").is_file() else
              "exists: the run resumes from its latest checkpoint" if cfg.run.resume == "auto" else
              "exists and run.resume=never: train would refuse it")
+    experts = None if hf is None else _expert_line(cfg, hf, world_size)
     return [
         *_process_lines(cfg, world_size),
         f"model: {model}",
+        *([experts] if experts else []),
         f"per step: {t.prompts_per_step} prompts x {r.n} samples = {t.prompts_per_step * r.n} rollouts trained; "
         f"generation batches of {r.gen_batch_prompts} prompts"
         + (f", refilled up to {cfg.algo.max_gen_batches} times (dynamic sampling)" if cfg.algo.dynamic_sampling else ""),
@@ -74,6 +76,16 @@ def describe_layout(cfg: Config, world_size: int) -> list[str]:
                                         "answer" if cfg.reward.workers else " in the trainer process"),
         f"run dir: {run_dir} ({state})",
     ]
+
+
+def _expert_line(cfg: Config, hf: dict, world_size: int) -> str | None:
+    from dapo_mcore.config.rules import vllm_data_parallel
+    from dapo_mcore.model.moe import describe_experts
+
+    vllm = ((cfg.rollout.vllm.tensor_parallel, vllm_data_parallel(cfg, world_size))
+            if cfg.rollout.engine == "vllm" else None)
+    return describe_experts(hf, cfg.parallel.tensor_parallel, cfg.parallel.expert_parallel, cfg.algo.router_replay,
+                            vllm)
 
 
 def _process_lines(cfg: Config, world_size: int) -> list[str]:

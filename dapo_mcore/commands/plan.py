@@ -212,6 +212,15 @@ def main(argv: list[str] | None = None) -> int:
                           "flops": asdict(flops), "step_seconds": {"train": train_s, "generation": gen_s}}, indent=2))
     else:
         print(format_report(plan, est, flops))
+        from dapo_mcore.model.moe import describe_experts
+
+        experts = describe_experts(plan.model, plan.tensor_parallel, plan.expert_parallel,
+                                   None if cfg is None else cfg.algo.router_replay,
+                                   (plan.vllm_tensor_parallel, max(1, (engine_ranks or plan.tensor_parallel *
+                                    plan.pipeline_parallel * plan.data_parallel) // plan.vllm_tensor_parallel))
+                                   if plan.colocate_vllm or engine_ranks else None)
+        if experts:
+            print(experts)
     try:
         check(plan, names, max_tp)
     except LayoutDoesNotFit as err:

@@ -78,6 +78,7 @@ def validate_layout(cfg: Config, world_size: int, launched: int | None = None) -
                           "torch RMSNorm has no sequence parallelism (Megatron asserts on every rank); set "
                           "parallel.sequence_parallel=false or model.layer_spec=transformer_engine.")
     _validate_experts(cfg, cfg.model.hf_config(cfg.tiny_base.preset), world_size)
+    _validate_vllm_replay(cfg, world_size if launched is None else launched)
     if p.distributed_optimizer and p.backend == "gloo":
         raise ConfigError("parallel.distributed_optimizer=true needs NCCL (gloo has no reduce-scatter); with "
                           "parallel.backend=gloo set parallel.distributed_optimizer=false.")
@@ -125,6 +126,29 @@ def _validate_experts(cfg: Config, hf: dict, world_size: int) -> None:
                           "parallel.sequence_parallel=true (Megatron requires it for MoE with TP), which needs "
                           "model.layer_spec=transformer_engine; on CPU split the model with parallel.expert_parallel "
                           "and parallel.pipeline_parallel instead.")
+
+
+def vllm_data_parallel(cfg: Config, launched: int) -> int:
+    """vLLM's data-parallel size: the ranks running engines (all of them colocated, the engine ranks in async mode)
+    over rollout.vllm.tensor_parallel."""
+    engines = cfg.rollout.pipeline.engine_ranks if cfg.rollout.pipeline.mode == "async" else launched
+    return max(1, engines // cfg.rollout.vllm.tensor_parallel)
+
+
+def _validate_vllm_replay(cfg: Config, launched: int) -> None:
+    """Routed-expert capture needs vLLM's Model Runner V2, and vLLM data-parallel > 1 needs the V1 runner here
+    (rollout/vllm_engine.py ``pin_model_runner``; docs/rollout.md, "Routing replay with vLLM")."""
+    if cfg.algo.router_replay != "rollout" or cfg.rollout.engine != "vllm":
+        return
+    dp = vllm_data_parallel(cfg, launched)
+    if dp > 1:
+        engines = (f"rollout.pipeline.engine_ranks={cfg.rollout.pipeline.engine_ranks}"
+                   if cfg.rollout.pipeline.mode == "async" else f"{launched} colocated ranks")
+        raise ConfigError(f"algo.router_replay=rollout with vLLM data-parallel {dp} ({engines} / "
+                          f"rollout.vllm.tensor_parallel={cfg.rollout.vllm.tensor_parallel}): vLLM returns routed "
+                          f"experts only from Model Runner V2, and its engine groups stay in lockstep only on the V1 "
+                          f"runner; set algo.router_replay=none (algo.tis_cap bounds what routing mismatch is left) or run one "
+                          f"engine group (rollout.vllm.tensor_parallel={dp * cfg.rollout.vllm.tensor_parallel}).")
 
 
 def validate_batches(cfg: Config, world_size: int) -> None:

@@ -208,6 +208,33 @@ def moe_block_spec(tconfig, kind: str, core_attention=None, vp_stage: int | None
     return TransformerBlockSubmodules(layer_specs=specs[offset: offset + count], layer_norm=norm)
 
 
+def describe_experts(hf: dict[str, Any], tensor_parallel: int, expert_parallel: int, router_replay: str | None = None,
+                     vllm: tuple[int, int] | None = None) -> str | None:
+    """One line on the expert layout of an MoE model (None for a dense one): experts and top-k, EP, expert-TP (=TP,
+    Megatron's default: the dispatcher all-gathers the routed tokens over it), experts per rank, routing replay and,
+    for vLLM, how its engines split the experts (``vllm`` = (tensor parallel, data parallel))."""
+    shape = MoEShape.from_hf(hf)
+    if shape is None:
+        return None
+    line = (f"experts: {shape.num_experts} per MoE layer ({len(shape.moe_layers)} of {hf['num_hidden_layers']} "
+            f"layers), top-{shape.topk}; EP={expert_parallel}, expert-TP={tensor_parallel} (= TP), "
+            f"{shape.num_experts // expert_parallel} experts per rank")
+    if router_replay is not None:
+        line += f"; router replay: {router_replay}"
+    if vllm is not None:
+        ranks = vllm[0] * vllm[1]
+        line += (f"; vLLM: {shape.num_experts // ranks if ranks > 1 else shape.num_experts} experts per GPU "
+                 f"(expert parallel over {ranks})" if ranks > 1 else "; vLLM: all experts on one GPU")
+    return line
+
+
+def routing_copies(tensor_parallel: int, sequence_parallel: bool) -> int:
+    """How many ranks of one model replica route the same token: every TP rank without sequence parallelism (each
+    holds the whole sequence), one with it (the MoE layer's input is split along the sequence over the TP ranks, so
+    each routes its 1/TP of the tokens). ``RouterStats.metrics`` divides the job's token counts by this."""
+    return 1 if sequence_parallel else tensor_parallel
+
+
 class RouterStats:
     """Load balance and aux loss of the MoE routers of this rank's model chunks, per optimizer update.
 

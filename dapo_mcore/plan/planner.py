@@ -231,15 +231,14 @@ def stage_params(shape: ModelShape, pp: int, stage: int) -> tuple[int, int]:
     return total, layers * linear_per_layer
 
 
-def activation_bytes_per_token_layer(shape: ModelShape, recompute: str, act_bytes: int) -> float:
-    """Bytes one token leaves stored for backward in one layer (before dividing by TP)."""
-    h, q, kv, f = shape.hidden, shape.heads * shape.head_dim, shape.kv_dim, shape.ffn
-    if recompute == "full":
-        return h * act_bytes
-    elements = 4 * h + 2 * q + 2 * kv + 3 * f + ((q + kv) if shape.qk_norm else 0)
-    if recompute == "selective":
-        elements -= q
-    return elements * act_bytes
+def activation_bytes_per_token_layer(shape: ModelShape, recompute: str, act_bytes: int,
+                                     tensor_parallel: int = 1) -> float:
+    """Bytes one token leaves stored for backward in one layer on one rank (Transformer Engine kernels; sequence
+    parallelism when TP > 1; MoE layers with the all-to-all dispatcher's expert-TP all-gather):
+    ``model.activations``, checked against measurement."""
+    from dapo_mcore.model.activations import layer_activations
+
+    return layer_activations(shape, recompute, act_bytes, tensor_parallel).total
 
 
 def _persistent_bytes(p: PlanInput, params: int, linear: int) -> tuple[float, float, float, float]:
@@ -274,14 +273,14 @@ def num_microbatches(p: PlanInput) -> int:
 def _stage_activation_bytes(p: PlanInput, shape: ModelShape, stage: int) -> tuple[float, float]:
     """(activations, logits) bytes on ``stage`` at the micro-batch token budget."""
     act_bytes = 4 if p.precision == "fp32" else 2
-    per_layer = activation_bytes_per_token_layer(shape, p.recompute, act_bytes) / p.tensor_parallel
+    per_layer = activation_bytes_per_token_layer(shape, p.recompute, act_bytes, p.tensor_parallel)
     pp, n_mb = p.pipeline_parallel, num_microbatches(p)
     in_flight = float(min(pp - stage, n_mb))
     if p.virtual_pipeline > 1 and pp > 1:
         in_flight *= 1 + (pp - 1) / (pp * p.virtual_pipeline)
     acts = per_layer * (shape.layers // pp) * in_flight * p.micro_batch_tokens
     if p.recompute == "full":  # the layer being recomputed holds its full activations during its backward
-        acts += activation_bytes_per_token_layer(shape, "none", act_bytes) / p.tensor_parallel * p.micro_batch_tokens
+        acts += activation_bytes_per_token_layer(shape, "none", act_bytes, p.tensor_parallel) * p.micro_batch_tokens
     logits = 0.0
     if stage == pp - 1:
         logits = loss_logits_bytes(p.micro_batch_tokens, shape.vocab / p.tensor_parallel, p.tensor_parallel, act_bytes)

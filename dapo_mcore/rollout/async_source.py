@@ -95,7 +95,7 @@ def _broadcast(value: Any, root: bool) -> Any:
     if root:
         message = ({"groups": value} if isinstance(value, list) else
                    wire.light(value) if isinstance(value, dict) and "batch" in value else {"value": value})
-        packed = wire.pack(message)
+        packed = wire.pack(message, routes=False)  # each trainer rank fetches its own (actor.route_exchange)
         parts = [torch.frombuffer(bytearray(packed.meta), dtype=torch.uint8), packed.token_ids, packed.logprobs]
         sizes = torch.tensor([t.numel() for t in parts], dtype=torch.int64, device=device)
     dist.broadcast(sizes, src=0)
@@ -319,6 +319,7 @@ class AsyncRollouts:
         A batch reaches the other ranks light (``wire.light``: the kept groups whole) and packed as tensors."""
         value = read() if self.is_root else None
         if dist.is_initialized() and dist.get_world_size() > 1:
+            self.bridge.hold_trainers(self.is_root)  # the others wait on the store, not in the broadcast
             value = _broadcast(value, self.is_root)
         if _is_failure(value):
             self._raise(value["error"])

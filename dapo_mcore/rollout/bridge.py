@@ -76,6 +76,19 @@ class Bridge:
         self.store, self.poll = store, poll
         """The meetings' store (the job's, under its own prefix) and how often a waiting member calls the roll."""
         self._meetings = 0
+        self._shared = 0
+
+    def hold_trainers(self, root: bool) -> None:
+        """Before trainer rank 0 shares what it received from the engines (a batch, an evaluation): the other
+        trainer ranks wait for it on the store, without a timeout, as ``meet`` does, so that the first batch (an
+        evaluation at start and a whole generation) or any generation longer than ``parallel.timeout_minutes``
+        does not time out the trainer group's broadcast (an NCCL collective on a GPU)."""
+        self._shared += 1
+        key = f"trainer/shared/{self._shared}"
+        if root:
+            self.store.set(key + "/all", b"1")
+        else:
+            self._wait_all(key)
 
     @property
     def sends_batches(self) -> bool:
@@ -92,24 +105,26 @@ class Bridge:
         from dapo_mcore.rollout import wire
 
         packed = wire.pack(message)
-        sizes = torch.tensor([len(packed.meta), packed.token_ids.numel(), packed.logprobs.numel()], dtype=torch.int64)
+        sizes = torch.tensor([len(packed.meta), packed.token_ids.numel(), packed.logprobs.numel(),
+                              packed.routes.numel()], dtype=torch.int64)
         self.batches_pg.send([sizes], 0, 0).wait()
         for tag, t in enumerate((torch.frombuffer(bytearray(packed.meta), dtype=torch.uint8), packed.token_ids,
-                                 packed.logprobs), start=1):
+                                 packed.logprobs, packed.routes), start=1):
             if t.numel():
                 self.batches_pg.send([t], 0, tag).wait()
 
     def recv_object(self) -> dict[str, Any]:
         from dapo_mcore.rollout import wire
 
-        sizes = torch.zeros(3, dtype=torch.int64)
+        sizes = torch.zeros(4, dtype=torch.int64)
         self.batches_pg.recv([sizes], 1, 0).wait()
         parts = [torch.empty(int(n), dtype=dt) for n, dt in zip(sizes.tolist(), (torch.uint8, torch.int32,
-                                                                                   torch.float32), strict=True)]
+                                                                                   torch.float32, torch.uint8),
+                                                                  strict=True)]
         for tag, t in enumerate(parts, start=1):
             if t.numel():
                 self.batches_pg.recv([t], 1, tag).wait()
-        return wire.unpack(wire.Packed(parts[0].numpy().tobytes(), parts[1], parts[2]))
+        return wire.unpack(wire.Packed(parts[0].numpy().tobytes(), parts[1], parts[2], parts[3]))
 
     # ---- weights: trainer rank 0 -> every engine rank -----------------------------------------------------------
     def broadcast_header(self, header: dict[str, Any] | None) -> dict[str, Any]:

@@ -234,7 +234,8 @@ class ColocatedRollouts:
             local = []
             if self.lockstep:  # a one-token placeholder keeps vLLM's DP in step
                 self.engine.generate([prompts[0]], dataclasses.replace(params, n=1, max_new_tokens=1, seed=seed))
-        shares = broadcast_shares(mine, [[tail] for tail in local], sender=self.groups.leader)
+        shares = broadcast_shares(mine, [[tail] for tail in local], sender=self.groups.leader,
+                                  routes_to=self.groups.routes_to)
         merged = {k: rs[0] for share in shares for k, rs in share.items()}
         return [merged[k] for k in range(len(todo))]
 
@@ -257,7 +258,7 @@ class ColocatedRollouts:
         else:
             local = self.engine.generate([prompts[i] for i in share.indices],
                                          dataclasses.replace(params, n=share.n, seed=seed))
-        shares = broadcast_shares(share.indices, local, sender=g.leader)
+        shares = broadcast_shares(share.indices, local, sender=g.leader, routes_to=g.routes_to)
         return merge_shares(shares, len(prompts), params.n)
 
     def _score(self, records: list[PromptRecord], outputs: list[list[Response]]) -> list[Any]:

@@ -38,6 +38,9 @@ class EngineGroups:
     count: int = 1
     index: int = 0
     leader: bool = True
+    routes_to: int | None = None
+    """MoE routing replay: the rank of this side's process group that must hold every group's routed experts (the
+    async engines' rank 0, which sends the batch to the trainer); None where each trainer rank fetches its own."""
 
     def seed(self, seed: int | None) -> int:
         """This group's share of a call seeded ``seed``: each group draws its own samples."""
@@ -98,7 +101,7 @@ class EngineGroupStream:
                     self._exhausted = True
             start = time.perf_counter()
             shares = broadcast_shares([self.positions[i] for i, _ in mine], [r for _, r in mine],
-                                      sender=self.groups.leader)
+                                      sender=self.groups.leader, routes_to=self.groups.routes_to)
             running = _sum_over_ranks([int(not self._exhausted)])[0]
             self.tally.count += 1
             self.tally.seconds += time.perf_counter() - start

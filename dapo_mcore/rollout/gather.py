@@ -154,11 +154,13 @@ def _broadcast_chunked(flat: torch.Tensor | None, numel: int, dtype: torch.dtype
 
 
 def broadcast_shares(indices: Sequence[int], results: Sequence[Sequence[Response]], sender: bool,
-                     chunk_elems: int = CHUNK_ELEMS) -> list[dict[int, list[Response]]]:
+                     chunk_elems: int = CHUNK_ELEMS, routes_to: int | None = None) -> list[dict[int, list[Response]]]:
     """Every sender's (prompt index -> responses), in rank order, on every rank (collective, default group).
 
     Only ranks with ``sender=True`` contribute (one per engine group): a non-sender's share is not sent at all, so
     the TP peers of an engine group add no copies. Data reaches the host in chunks of ``chunk_elems`` elements.
+    Routed experts (MoE routing replay) stay with their sender, and also reach rank ``routes_to`` when given (the
+    async engines' rank 0, which sends the whole batch to the trainer).
     """
     device = collective_device()
     if sender:
@@ -175,8 +177,51 @@ def broadcast_shares(indices: Sequence[int], results: Sequence[Sequence[Response
             continue
         got_i = _broadcast_chunked(ints if src == me else None, n_int, torch.int64, src, device, chunk_elems)
         got_f = _broadcast_chunked(floats if src == me else None, n_float, torch.float32, src, device, chunk_elems)
-        out.append(unpack_responses(got_i, got_f))
+        share = unpack_responses(got_i, got_f)
+        if src == me:
+            _keep_routes(share, indices, results)
+        if routes_to is not None and src != routes_to and me in (src, routes_to):
+            _route_to(share, src, routes_to, device)
+        out.append(share)
     return out
+
+
+def _route_to(share: dict[int, list[Response]], src: int, dst: int, device: torch.device) -> None:
+    """The routes of ``share`` from rank ``src`` (which holds them) to rank ``dst``: a header of their shapes, then
+    their int16 values as bytes (NCCL has no int16)."""
+    responses = [r for rs in share.values() for r in rs]
+    if dist.get_rank() == src:
+        shapes = [tuple(r.routed_experts.shape) if r.routed_experts is not None else (0, 0, 0) for r in responses]
+        header = torch.tensor([x for s in shapes for x in s], dtype=torch.int64).to(device)
+        flat = [r.routed_experts.to(torch.int16).reshape(-1) for r in responses if r.routed_experts is not None]
+        data = (torch.cat(flat) if flat else torch.zeros(0, dtype=torch.int16)).view(torch.uint8).to(device)
+        if header.numel():
+            dist.send(header, dst)
+        if data.numel():
+            dist.send(data, dst)
+        return
+    header = torch.empty(3 * len(responses), dtype=torch.int64, device=device)
+    if header.numel():
+        dist.recv(header, src)
+    shapes = header.cpu().view(-1, 3).tolist()
+    data = torch.empty(2 * sum(a * b * c for a, b, c in shapes), dtype=torch.uint8, device=device)
+    if data.numel():
+        dist.recv(data, src)
+    table, at = data.cpu().view(torch.int16), 0
+    for r, (a, b, c) in zip(responses, shapes, strict=True):
+        if a:
+            r.routed_experts = table[at:at + a * b * c].reshape(a, b, c).clone()
+            at += a * b * c
+
+
+def _keep_routes(share: dict[int, list[Response]], indices: Sequence[int],
+                 results: Sequence[Sequence[Response]]) -> None:
+    """The sender's own copy of its share keeps its routed experts (MoE routing replay). Routes never travel with a
+    share: at the 30B-A3B recipe's shape they cost ~768 B a token, and a data-parallel rank needs only those of the
+    samples it trains on, which the actor fetches from the rank that holds them (``actor.route_exchange``)."""
+    for index, responses in zip(indices, results, strict=True):
+        for got, mine in zip(share[index], responses, strict=True):
+            got.routed_experts = mine.routed_experts
 
 
 def merge_shares(shares: Sequence[dict[int, list[Response]]], num_prompts: int, n: int) -> list[list[Response]]:

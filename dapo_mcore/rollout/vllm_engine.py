@@ -34,7 +34,9 @@ import dataclasses
 import gc
 import importlib
 import logging
+import math
 import os
+import shutil
 import socket
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -176,12 +178,18 @@ def launcher_env_defaults(environ: dict[str, str], port: int) -> dict[str, str]:
 _RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
 
-def pin_model_runner(environ: dict[str, str], data_parallel: int) -> dict[str, str]:
+def pin_model_runner(environ: dict[str, str], data_parallel: int, routed_experts: bool = False) -> dict[str, str]:
     """The environment that keeps vLLM's data-parallel engines in lockstep: with data-parallel > 1, vLLM's V1 model
     runner (``VLLM_USE_V2_MODEL_RUNNER=0``). The engine groups step together (``VLLMEngine.groups_step_together``);
     a group with nothing scheduled steps a dummy batch that joins the others' data-parallel sync, which the V1 runner
     guards and vLLM 0.33's Model Runner V2 (its default where it applies) skips (read in vLLM's source, not run), so one group
-    would wait forever. Empty with data-parallel 1 or when already pinned; EngineError if V2 is asked for."""
+    would wait forever. Empty with data-parallel 1 or when already pinned; EngineError if V2 is asked for.
+
+    ``routed_experts`` (routing replay): vLLM returns them only from Model Runner V2 ("requires Model Runner V2"), so
+    with data-parallel 1 the runner is pinned to V2 and with data-parallel > 1 there is no runner that works: an
+    EngineError (``config_rules`` refuses the layout before launch)."""
+    if routed_experts:
+        return _pin_v2(environ, data_parallel)
     if data_parallel <= 1:
         return {}
     value = environ.get(_RUNNER_ENV)
@@ -192,6 +200,74 @@ def pin_model_runner(environ: dict[str, str], data_parallel: int) -> dict[str, s
     raise EngineError(f"{_RUNNER_ENV}={value} with vLLM data-parallel {data_parallel}: Model Runner V2 skips the "
                       f"data-parallel sync on a step with nothing scheduled and the engine groups' lockstep hangs; "
                       f"unset {_RUNNER_ENV} (the engine pins the V1 runner) or use one engine group.")
+
+
+SHM = "/dev/shm"
+
+
+def routed_experts_shm_bytes(kv_tokens: int, hf_config: dict[str, Any]) -> int:
+    """Host shared memory vLLM's routed-expert capture maps per engine (``RoutedExpertsCapturer.init_buffer`` in
+    ``model_executor/layers/fused_moe/routed_experts_capturer.py``: int32 ``[KV-cache tokens, num_hidden_layers,
+    num_experts_per_tok]`` through ``multiprocessing.shared_memory``, i.e. a file in /dev/shm)."""
+    return 4 * kv_tokens * int(hf_config["num_hidden_layers"]) * int(hf_config["num_experts_per_tok"])
+
+
+def kv_tokens_bound(hf_config: dict[str, Any], gpu_bytes: float, utilization: float, tensor_parallel: int,
+                    dtype_bytes: int = 2) -> int:
+    """At most how many tokens vLLM's KV cache holds on one GPU: ``utilization`` of the GPU less this rank's share of
+    the weights, over the KV bytes of one token on one GPU (K and V of every layer, the KV heads split over TP and
+    replicated past them). An upper bound: vLLM also keeps activations and CUDA graphs out of it."""
+    layers, heads = int(hf_config["num_hidden_layers"]), int(hf_config["num_attention_heads"])
+    kv_heads = int(hf_config.get("num_key_value_heads") or heads)
+    head_dim = int(hf_config.get("head_dim") or int(hf_config["hidden_size"]) // heads)
+    per_token = 2 * layers * max(1, kv_heads // tensor_parallel) * head_dim * dtype_bytes
+    weights = dtype_bytes * sum(math.prod(shape) for shape in hf_param_shapes(hf_config).values()) / tensor_parallel
+    return max(0, int((utilization * gpu_bytes - weights) // per_token))
+
+
+def check_routed_experts_shm(free_bytes: int | None, need_bytes: int) -> None:
+    """EngineError naming the fix when /dev/shm is missing (None) or smaller than the capture buffer."""
+    if free_bytes is None or free_bytes < need_bytes:
+        have = "is missing" if free_bytes is None else f"has {free_bytes / 2**30:.2f} GiB free"
+        raise EngineError(f"routed-expert capture (algo.router_replay=rollout) maps {need_bytes / 2**30:.2f} GiB of "
+                          f"host shared memory per engine and {SHM} {have}; give the job a larger /dev/shm (a "
+                          f"container's --shm-size, or the node's tmpfs) or set algo.router_replay=none.")
+
+
+def shm_free_bytes(path: str = SHM) -> int | None:
+    return shutil.disk_usage(path).free if os.path.isdir(path) else None
+
+
+_RELAYOUT_ENV = ("VLLM_USE_FLASHINFER_MOE_FP16", "VLLM_ROCM_USE_AITER_MOE")
+
+
+def check_moe_weight_layout(environ: dict[str, str], moe: bool) -> None:
+    """EngineError when vLLM would re-lay out bf16 MoE weights after loading: the weight sync writes each expert's
+    checkpoint-format ``[gate; up]`` rows straight into ``w13_weight``, so a kernel that swapped them to ``[up; gate]``
+    (``UnquantizedFusedMoEMethod.process_weights_after_loading``: ``swap_w13_to_w31`` for FlashInfer's CUTLASS MoE,
+    ``VLLM_USE_FLASHINFER_MOE_FP16=1``) or shuffled them (ROCm AITER) would read every synced expert wrong, silently.
+    Triton's fused MoE, vLLM's default for bf16 on CUDA, keeps the loaded layout."""
+    if not moe:
+        return
+    for key in _RELAYOUT_ENV:
+        value = environ.get(key, "").strip().lower()
+        if value not in ("", "0", "false"):
+            raise EngineError(f"{key}={environ[key]} with an MoE model: that vLLM MoE kernel re-lays out the expert "
+                              f"weights after loading and the in-place weight sync would write them in the checkpoint "
+                              f"layout, silently wrong; unset {key} (Triton's fused MoE keeps the layout).")
+
+
+def _pin_v2(environ: dict[str, str], data_parallel: int) -> dict[str, str]:
+    if data_parallel > 1:
+        raise EngineError(f"routed-expert capture (algo.router_replay=rollout) with vLLM data-parallel {data_parallel}: "
+                          f"vLLM returns routed experts only from Model Runner V2, and the engine groups' lockstep needs "
+                          f"the V1 runner; use one engine group (rollout.vllm.tensor_parallel = the engine ranks) or "
+                          f"algo.router_replay=none.")
+    value = environ.get(_RUNNER_ENV)
+    if value is not None and value.strip().lower() in ("0", "false"):
+        raise EngineError(f"{_RUNNER_ENV}={value} with routed-expert capture (algo.router_replay=rollout): vLLM returns "
+                          f"routed experts only from Model Runner V2; unset {_RUNNER_ENV}.")
+    return {} if value is not None and value.strip().lower() in ("1", "true") else {_RUNNER_ENV: "1"}
 
 
 @contextlib.contextmanager
@@ -260,6 +336,10 @@ class VLLMEngineOptions:
     return_routed_experts: bool = False
     """MoE rollout routing replay: ``LLM(enable_return_routed_experts=True)`` so each completion carries the experts
     of every token (``CompletionOutput.routed_experts``, read in vLLM 0.32.0's source; not run on a GPU here)."""
+    expert_parallel: bool = False
+    """MoE models: ``LLM(enable_expert_parallel=True)`` when the engine spans more than one GPU. Without it vLLM
+    splits every expert over the tensor x data-parallel ranks (``FusedMoEParallelConfig.make`` flattens TP across
+    DP), so each of the 30B-A3B recipe's 128 experts is cut 128 ways with a collective every layer across nodes."""
     stop_token_ids: tuple[int, ...] = ()
     """The run's stop set (rollout.stop_tokens.resolve_stop_tokens), added to every request's ``stop_token_ids`` so
     that vLLM stops on exactly the ids the transformers engine stops on, whatever vLLM reads from the model dir."""
@@ -301,6 +381,8 @@ class VLLMEngineOptions:
         if self.external_launcher:
             kwargs["distributed_executor_backend"] = "external_launcher"
             kwargs["data_parallel_size"] = world_size // self.tensor_parallel
+        if self.expert_parallel and self.tensor_parallel * kwargs.get("data_parallel_size", 1) > 1:
+            kwargs["enable_expert_parallel"] = True
         return kwargs
 
 
@@ -346,10 +428,9 @@ class _LLMBackend:
     def __init__(self, vllm: Any, llm_kwargs: dict[str, Any], traits: PlatformTraits):
         self._vllm = vllm
         self.traits = traits
-        if llm_kwargs.get("enable_return_routed_experts"):
-            # vLLM 0.32.0: "AuxOutput Connector requires Model Runner V2; set VLLM_USE_V2_MODEL_RUNNER=1" (and Model
-            # Runner V2 requires Triton, so on the CPU build it stops at "Model Runner V2 requires Triton").
-            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+        # Routed-expert capture: vLLM 0.32.0 says "AuxOutput Connector requires Model Runner V2; set
+        # VLLM_USE_V2_MODEL_RUNNER=1" (pinned by pin_model_runner; Model Runner V2 requires Triton, so vLLM's CPU
+        # build stops at "Model Runner V2 requires Triton").
         self.llm = vllm.LLM(**llm_kwargs)
         self._model = self._resolve_model()
         self._told_no_sleep = False
@@ -482,6 +563,7 @@ class VLLMEngine:
         world = _world_size() if world_size is None else world_size
         options.validate(world)
         self.vocab_size = int(hf_config["vocab_size"])
+        self._hf_config = hf_config
         shapes = hf_param_shapes(hf_config)
         aliases = {"lm_head.weight": "model.embed_tokens.weight"} if hf_config["tie_word_embeddings"] else {}
         self._tracker = SyncTracker(shapes, aliases)
@@ -509,11 +591,21 @@ class VLLMEngine:
                     logger.info("no torchrun launch env: running vLLM's external_launcher as a single process (%s)",
                                 env)
                     os.environ.update(env)
-        pinned = pin_model_runner(dict(os.environ), int(kwargs.get("data_parallel_size", 1)))
+        pinned = pin_model_runner(dict(os.environ), int(kwargs.get("data_parallel_size", 1)),
+                                  bool(kwargs.get("enable_return_routed_experts")))
         if pinned:
             os.environ.update(pinned)
-            logger.info("vLLM data-parallel %d: the V1 model runner (%s=0), whose dummy steps keep the engine groups "
-                        "in lockstep", kwargs["data_parallel_size"], _RUNNER_ENV)
+            logger.info("vLLM data-parallel %d: %s=%s (%s)", kwargs.get("data_parallel_size", 1), _RUNNER_ENV,
+                        pinned[_RUNNER_ENV], "routed-expert capture" if pinned[_RUNNER_ENV] == "1" else
+                        "the V1 runner, whose dummy steps keep the engine groups in lockstep")
+        check_moe_weight_layout(dict(os.environ), bool(self._hf_config.get("num_experts")))
+        if kwargs.get("enable_return_routed_experts") and not traits.cpu_kv_cache:
+            import torch
+
+            gpu = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+            bound = kv_tokens_bound(self._hf_config, gpu, self.options.gpu_memory_utilization,
+                                    self.options.tensor_parallel)
+            check_routed_experts_shm(shm_free_bytes(), routed_experts_shm_bytes(bound, self._hf_config))
         if traits.cpu_kv_cache and not os.environ.get(_CPU_KVCACHE_ENV):
             # Unset, vLLM's CPU platform reserves gpu_memory_utilization x host RAM per process for the KV cache.
             os.environ[_CPU_KVCACHE_ENV] = _CPU_KVCACHE_DEFAULT_GIB

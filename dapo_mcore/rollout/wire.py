@@ -8,6 +8,11 @@ the 32B recipe's shape.
 
 A group that appears twice in a message (a kept group is also among the generated ones) travels once and is one
 object again on arrival, as pickle would have it.
+
+MoE routing replay: a response's routed experts (int16 ``[tokens, MoE layers, top_k]``) travel as the raw bytes of
+one flat tensor (``routes=True``, the engines' batch to trainer rank 0), or not at all (``routes=False``, trainer
+rank 0 to the other trainer ranks: each fetches only the routes of the samples it trains on,
+``actor.route_exchange``).
 """
 
 from __future__ import annotations
@@ -34,10 +39,12 @@ class Packed:
     """int32, every response's token ids, in order."""
     logprobs: torch.Tensor
     """float32, every response's log-probs, in order."""
+    routes: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(0, dtype=torch.uint8))
+    """uint8, the bytes of every carried response's int16 routed experts, in order (empty without routes)."""
 
     @property
     def nbytes(self) -> int:
-        return len(self.meta) + self.token_ids.numel() * 4 + self.logprobs.numel() * 4
+        return len(self.meta) + self.token_ids.numel() * 4 + self.logprobs.numel() * 4 + self.routes.numel()
 
 
 def _groups(message: dict[str, Any]) -> list[GroupData]:
@@ -61,20 +68,30 @@ def _with_groups(message: dict[str, Any], swap: dict[int, GroupData]) -> dict[st
     return out
 
 
-def pack(message: dict[str, Any]) -> Packed:
-    """``message`` (a batch, an evaluation or an error) as a Packed."""
+def _route_shape(r: Response, routes: bool) -> tuple[int, ...] | None:
+    return tuple(r.routed_experts.shape) if routes and r.routed_experts is not None else None
+
+
+def pack(message: dict[str, Any], routes: bool = True) -> Packed:
+    """``message`` (a batch, an evaluation or an error) as a Packed; its routed experts only with ``routes``."""
     groups = _groups(message)
     ids: list[int] = []
     lps: list[float] = []
+    tables: list[torch.Tensor] = []
     shapes, swap = [], {}
     for g in groups:
-        shapes.append([(len(r.token_ids), len(r.logprobs), r.finish_reason, r.stale_tokens) for r in g.responses])
+        shapes.append([(len(r.token_ids), len(r.logprobs), r.finish_reason, r.stale_tokens, _route_shape(r, routes))
+                       for r in g.responses])
         for r in g.responses:
             ids += r.token_ids
             lps += r.logprobs
+            if _route_shape(r, routes) is not None:
+                tables.append(torch.as_tensor(r.routed_experts).to(torch.int16).reshape(-1))
         swap[id(g)] = dataclasses.replace(g, responses=[])
     meta = pickle.dumps({"message": _with_groups(message, swap), "shapes": shapes})
-    return Packed(meta, torch.tensor(ids, dtype=torch.int32), torch.tensor(lps, dtype=torch.float32))
+    flat = torch.cat(tables) if tables else torch.zeros(0, dtype=torch.int16)
+    return Packed(meta, torch.tensor(ids, dtype=torch.int32), torch.tensor(lps, dtype=torch.float32),
+                  flat.view(torch.uint8))
 
 
 def unpack(packed: Packed) -> dict[str, Any]:
@@ -82,14 +99,20 @@ def unpack(packed: Packed) -> dict[str, Any]:
     meta = pickle.loads(packed.meta)
     message, shapes = meta["message"], meta["shapes"]
     ids, lps = packed.token_ids.tolist(), packed.logprobs.tolist()
-    at_id = at_lp = 0
+    table = packed.routes.contiguous().view(torch.int16)
+    at_id = at_lp = at_route = 0
     for g, shape in zip(_groups(message), shapes, strict=True):
-        for n_ids, n_lps, finish, stale in shape:
-            g.responses.append(Response(ids[at_id:at_id + n_ids], lps[at_lp:at_lp + n_lps], finish, stale))
+        for n_ids, n_lps, finish, stale, route_shape in shape:
+            routed = None
+            if route_shape is not None:
+                n = int(torch.Size(route_shape).numel())
+                routed = table[at_route:at_route + n].reshape(route_shape).clone()
+                at_route += n
+            g.responses.append(Response(ids[at_id:at_id + n_ids], lps[at_lp:at_lp + n_lps], finish, stale, routed))
             at_id, at_lp = at_id + n_ids, at_lp + n_lps
-    if (at_id, at_lp) != (len(ids), len(lps)):
-        raise ValueError(f"a packed message holds {len(ids)} token ids and {len(lps)} log-probs, its groups "
-                         f"{at_id} and {at_lp}")
+    if (at_id, at_lp, at_route) != (len(ids), len(lps), table.numel()):
+        raise ValueError(f"a packed message holds {len(ids)} token ids, {len(lps)} log-probs and {table.numel()} "
+                         f"routes, its groups {at_id}, {at_lp} and {at_route}")
     return message
 
 

@@ -61,7 +61,8 @@ def run_engine_ranks(cfg: Config, launch: LaunchEnv, bridge: Any) -> int:
         score = runtime.make_scorer(cfg.reward, closers)
         scheduler = runtime._build_scheduler(cfg, runtime._build_sampler(cfg, train_records))
         engine_tp = cfg.rollout.vllm.tensor_parallel if cfg.rollout.engine == "vllm" else 1
-        groups = EngineGroups(role.size // engine_tp, role.rank // engine_tp, role.rank % engine_tp == 0)
+        groups = EngineGroups(role.size // engine_tp, role.rank // engine_tp, role.rank % engine_tp == 0,
+                              routes_to=0 if cfg.algo.router_replay == "rollout" else None)  # rank 0 sends batches
         timer = PhaseTimer()
         rollouts = ColocatedRollouts(cfg, engine=engine, scheduler=scheduler, tokenizer=tokenizer, score=score,
                                      encode_prompt=prompt_encoder(tokenizer, cfg.data), timer=timer, groups=groups,

@@ -5,6 +5,7 @@ those arguments (only the process whose job ``RANK`` is RANK, when given: one of
 
     publish:VERSION:BUCKET   trainer rank 0 (async mode), after sending bucket BUCKET of policy version VERSION
     generate:STEP            an engine rank (async mode), as it starts generating the batch of step STEP
+    saved:STEP               a trainer rank, once the checkpoint of step STEP is complete on every rank
 """
 
 from __future__ import annotations
