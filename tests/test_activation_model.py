@@ -5,7 +5,7 @@ the same structure: dense and MoE, TP 1 and 2, EP 2, recompute none and selectiv
 The CPU runs the local spec (composed torch RMSNorm, unfused SwiGLU and rotary embedding: ``fused=False``); the
 planner prices Transformer Engine's fused kernels with the same terms less those copies. What a CPU cannot run:
 sequence parallelism (it needs Transformer Engine) and so MoE with TP, whose expert-TP all-gather is read from
-megatron-core's source (model/activations.py) and pinned below by its arithmetic.
+megatron-core's source (plan/activations.py) and pinned below by its arithmetic.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from dapo_mcore.model.activations import layer_activations
+from dapo_mcore.plan.activations import layer_activations
 from dapo_mcore.telemetry.flops import ModelShape
 
 REPO = Path(__file__).resolve().parents[1]

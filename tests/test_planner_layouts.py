@@ -60,7 +60,7 @@ def test_first_stage_activations_independent_of_pp_under_1f1b():
     assert acts[0] == pytest.approx(acts[1]) == pytest.approx(acts[2])
     full = estimate_memory(recipe_32b(recompute="full", pipeline_parallel=1)).activations
     none = estimate_memory(recipe_32b(recompute="none", pipeline_parallel=1)).activations
-    from dapo_mcore.model.activations import layer_activations
+    from dapo_mcore.plan.activations import layer_activations
 
     shape = ModelShape.from_hf(QWEN32)
     tp = recipe_32b().tensor_parallel

@@ -235,8 +235,8 @@ def activation_bytes_per_token_layer(shape: ModelShape, recompute: str, act_byte
                                      tensor_parallel: int = 1) -> float:
     """Bytes one token leaves stored for backward in one layer on one rank (Transformer Engine kernels; sequence
     parallelism when TP > 1; MoE layers with the all-to-all dispatcher's expert-TP all-gather):
-    ``model.activations``, checked against measurement."""
-    from dapo_mcore.model.activations import layer_activations
+    ``plan.activations``, checked against measurement."""
+    from dapo_mcore.plan.activations import layer_activations
 
     return layer_activations(shape, recompute, act_bytes, tensor_parallel).total
 
