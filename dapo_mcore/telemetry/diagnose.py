@@ -17,7 +17,7 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,12 +25,25 @@ from typing import Any
 import yaml
 
 from dapo_mcore.telemetry import keys
-from dapo_mcore.telemetry.jsonl import read_jsonl
-
-METRICS_FILE = "metrics.jsonl"
-LEDGER_FILE = "ledger.jsonl"
-MIN_STEPS = 4
-"""Fewer logged training steps than this: trend rules are skipped (one step says nothing about a trend)."""
+from dapo_mcore.telemetry.diagnose_modes import (
+    rule_mismatch,
+    rule_off_policy,
+    rule_pipeline,
+    rule_routing_mismatch,
+)
+from dapo_mcore.telemetry.run_series import (  # noqa: F401  (load_run, Run: names its callers import from here)
+    LEDGER_FILE,
+    METRICS_FILE,
+    MIN_STEPS,
+    Finding,
+    Run,
+    _first_below,
+    _heldout,
+    _k,
+    _mean,
+    _median,
+    load_run,
+)
 
 USABLE_LOW = 0.2
 ENTROPY_COLLAPSE = 0.2
@@ -41,8 +54,6 @@ GSPO_CLIP_ALWAYS = 0.5
 paper reports two orders of magnitude more clipped tokens than GRPO. Only a majority of clipped tokens every step
 warns."""
 TRUNCATED_HIGH = 0.1
-MISMATCH_FLOOR = 1e-3
-MISMATCH_GROWTH = 4.0
 REWARD_RISE = 0.2
 HELDOUT_FLAT = 0.02
 SPIKE_Z = 10.0
@@ -50,97 +61,6 @@ SPIKE_Z = 10.0
 GRAD_SPIKE_RATIO = 4.0
 LOSS_SPIKE_Z = 20.0
 """The DAPO loss is noise around zero (the tiny default has |z| up to 11 in a healthy run): a spike must stand out more."""
-
-
-def load_run(run_dir: Path) -> list[dict[str, Any]]:
-    """Metrics and ledger records of a run merged per step, in step order."""
-    run_dir = Path(run_dir)
-    metrics_path = run_dir / METRICS_FILE
-    if not metrics_path.exists():
-        raise FileNotFoundError(f"{metrics_path} does not exist; is {run_dir} a run directory?")
-    by_step: dict[int, dict[str, Any]] = {}
-    for record in read_jsonl(metrics_path) + read_jsonl(run_dir / LEDGER_FILE):
-        by_step.setdefault(record[keys.STEP], {}).update(record)
-    return [by_step[s] for s in sorted(by_step)]
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One thing a rule noticed."""
-
-    rule: str
-    level: str
-    """``warn`` (likely holding the run back) or ``info``."""
-    steps: str
-    """The steps the evidence comes from, e.g. ``"61-80"``."""
-    message: str
-    evidence: str
-    advice: str
-
-
-class Run:
-    """A run's records and resolved config, with the series helpers the rules share."""
-
-    def __init__(self, records: Sequence[dict[str, Any]], config: dict[str, Any] | None = None):
-        self.records = list(records)
-        self.config = config or {}
-        self.train_steps = [r[keys.STEP] for r in self.records if keys.TRAIN_LOSS in r or keys.TRAIN_LR in r]
-
-    def series(self, key: str) -> tuple[list[int], list[float]]:
-        """(steps, values) of the records holding a finite ``key``."""
-        pairs = [(r[keys.STEP], float(r[key])) for r in self.records
-                 if isinstance(r.get(key), int | float) and math.isfinite(float(r[key]))]
-        return [p[0] for p in pairs], [p[1] for p in pairs]
-
-    def has(self, key: str) -> bool:
-        return any(key in r for r in self.records)
-
-    def cfg(self, section: str, key: str) -> Any:
-        value = self.config.get(section)
-        return value.get(key) if isinstance(value, dict) else None
-
-    def window(self, n: int) -> int:
-        return max(3, n // 5)
-
-    def start_end(self, key: str) -> tuple[float, float, str, str] | None:
-        """Mean over the first and last windows, and their step ranges; None if too few points."""
-        steps, values = self.series(key)
-        if len(values) < MIN_STEPS:
-            return None
-        w = min(self.window(len(values)), len(values) // 2)
-        return (_mean(values[:w]), _mean(values[-w:]), f"{steps[0]}-{steps[w - 1]}", f"{steps[-w]}-{steps[-1]}")
-
-    def end_mean(self, key: str) -> float | None:
-        steps, values = self.series(key)
-        return _mean(values[-self.window(len(values)):]) if values else None
-
-
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values)
-
-
-def _median(values: Sequence[float]) -> float:
-    s = sorted(values)
-    mid = len(s) // 2
-    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
-
-
-def _first_below(steps: list[int], values: list[float], threshold: float, w: int) -> int | None:
-    """First step at which the trailing mean over ``w`` steps is below ``threshold``."""
-    for i in range(len(values)):
-        lo = max(0, i - w + 1)
-        if _mean(values[lo:i + 1]) < threshold:
-            return steps[i]
-    return None
-
-
-def _heldout(run: Run) -> tuple[list[int], list[float]]:
-    return run.series(keys.EVAL_AVG_AT_K)
-
-
-def _k(run: Run) -> str:
-    _, ks = run.series(keys.EVAL_K)
-    return f"avg@{int(ks[-1])}" if ks else "avg@k"
 
 
 def _dynamic_sampling_cost(run: Run) -> str:
@@ -329,124 +249,6 @@ def rule_length_limit(run: Run) -> list[Finding]:
                     "or keep algo.overlong_shaping on so length is penalized before the cut")]
 
 
-def rule_mismatch(run: Run) -> list[Finding]:
-    """Engine/trainer log-prob mismatch that grows (or is large): the policy gradient is computed off-policy."""
-    key = keys.MISMATCH_LOGP_ABS_DIFF_MEAN
-    se = run.start_end(key)
-    if se is None:
-        return []
-    start, end, s_rng, e_rng = se
-    growing = end > MISMATCH_FLOOR and end > MISMATCH_GROWTH * start
-    large = end > 50 * MISMATCH_FLOOR
-    if not (growing or large):
-        return []
-    _, kl = run.series(keys.MISMATCH_KL)
-    kl_txt = f"; mismatch/kl at the end {kl[-1]:.3g}" if kl else ""
-    return [Finding("mismatch", "warn", f"{s_rng.split('-')[0]}-{e_rng.split('-')[1]}",
-                    "the rollout engine and the trainer disagree on log-probs" + (", and it is growing" if growing else ""),
-                    f"|logp_engine - logp_trainer| mean {start:.3g} (steps {s_rng}) -> {end:.3g} (steps {e_rng}){kl_txt}",
-                    "check the engine dtype vs model.params_dtype and that weight sync covers every tensor; "
-                    "algo.tis_cap (or an algo.rollout_correction preset) corrects the gradient for a known mismatch")]
-
-
-OFF_POLICY_KL_FLOOR = 1e-3
-"""Off-policy k3 KL below this is numerical noise (fp32 engine vs trainer), whatever its trend."""
-OFF_POLICY_KL_LARGE = 2e-2
-OFF_POLICY_REJECT_MOST = 0.5
-
-
-def rule_off_policy(run: Run) -> list[Finding]:
-    """The rollout-vs-trainer gap (rollout_corr/*) grows or is large, or the correction rejects most tokens: which
-    algo.rollout_correction preset to try next."""
-    out = _async_gap(run)
-    se = run.start_end(keys.CORR_KL_K3)
-    if se is None:
-        return out
-    start, end, s_rng, e_rng = se
-    steps = f"{s_rng.split('-')[0]}-{e_rng.split('-')[1]}"
-    bypass = run.has(keys.CORR_BYPASS)
-    rejected = run.end_mean(keys.CORR_REJECTED_TOKEN_FRAC) or 0.0
-    if rejected > OFF_POLICY_REJECT_MOST:
-        out.append(Finding("off-policy", "warn", steps, f"the rollout correction rejects {100 * rejected:.0f}% of "
-                           "the tokens: most of the batch trains nothing",
-                           f"{keys.CORR_REJECTED_TOKEN_FRAC} {rejected:.2f} at the end; off-policy KL (k3) {end:.3g}",
-                           "widen algo.rollout_correction.rs_thresholds" + (
-                               ", or leave bypass mode: with several mini-batches per step pi_theta drifts from "
-                               "the engine's policy and Geo-RS's +-0.1% rejects it (preset geo_rs_token_tis)"
-                               if bypass else "; Geo-RS's +-0.1% suits a small engine mismatch, not async staleness "
-                               "(preset token_tis or icepop)")))
-    growing = end > OFF_POLICY_KL_FLOOR and end > MISMATCH_GROWTH * max(start, 1e-12)
-    if growing or end > OFF_POLICY_KL_LARGE:
-        weighted = (run.end_mean(keys.CORR_IS_WEIGHT_MAX) or 1.0) != 1.0
-        if bypass:
-            advice = "leave bypass mode (preset token_tis: the old-log-prob pass returns and clips against pi_old)"
-        elif weighted:
-            advice = "reject the outlier responses too: preset geo_rs_token_tis, or seq_mis"
-        else:
-            advice = ("start a correction: preset token_tis (icepop if a few tokens carry huge weights, seq_mis for "
-                      "long responses)")
-        out.append(Finding("off-policy", "warn", steps, "the gap between the rollout policy and the trainer's"
-                           + (" grows" if growing else " is large"),
-                           f"off-policy KL (k3) {start:.3g} (steps {s_rng}) -> {end:.3g} (steps {e_rng})",
-                           f"algo.rollout_correction: {advice}"))
-    return out
-
-
-PPO_KL_JUMP = 10.0
-"""train/ppo_kl at a step this many times its median (and above OFF_POLICY_KL_LARGE): that step trained far from
-the policy that sampled it."""
-
-
-def _async_gap(run: Run) -> list[Finding]:
-    """Async runs: the trainer's policy far from the one that sampled (train/ppo_kl jumps, or the engine/trainer KL
-    mismatch/kl is large), whatever the rollout_corr metrics say."""
-    if not run.has("async/lag_mean"):
-        return []
-    out = []
-    steps, ppo = run.series(keys.TRAIN_PPO_KL)
-    if ppo:
-        med = _median([abs(v) for v in ppo])
-        jumps = [(s, v) for s, v in zip(steps, ppo, strict=True)
-                 if abs(v) > OFF_POLICY_KL_LARGE and abs(v) > PPO_KL_JUMP * max(med, 1e-9)]
-        if jumps:
-            top = max(jumps, key=lambda p: abs(p[1]))
-            out.append(Finding("off-policy", "warn", f"{jumps[0][0]}-{jumps[-1][0]}",
-                               "async: some steps train far from the policy that sampled them",
-                               f"{keys.TRAIN_PPO_KL} reached {top[1]:.3g} at step {top[0]} (median {med:.3g}) at "
-                               f"{len(jumps)} step(s)",
-                               "lower optim.lr or train fewer mini-batches per step, and correct the lag: "
-                               "algo.rollout_correction preset token_tis or icepop (rollout.pipeline.max_staleness "
-                               "bounds it)"))
-    mk = run.end_mean(keys.MISMATCH_KL)
-    if mk is not None and mk > OFF_POLICY_KL_LARGE:
-        out.append(Finding("off-policy", "warn", f"{run.train_steps[0]}-{run.train_steps[-1]}" if run.train_steps
-                           else "-", "async: the engines' and the trainer's policies are far apart",
-                           f"{keys.MISMATCH_KL} {mk:.3g} at the end (engine vs trainer log-probs of the trained "
-                           "tokens)", "correct it: algo.rollout_correction preset token_tis or icepop, or lower "
-                           "rollout.pipeline.max_staleness"))
-    return out
-
-
-ROUTING_MISMATCH_FLOOR = 1e-3
-"""moe/routing_mismatch_frac above this: the trainer's MoE routers pick other experts than the engine's."""
-
-
-def rule_routing_mismatch(run: Run) -> list[Finding]:
-    """MoE: tokens routed to other experts in the trainer than in the engine, the usual driver of an MoE model's
-    log-prob mismatch (a rerouted token runs through another expert's MLP); rollout routing replay removes it."""
-    steps, frac = run.series("moe/routing_mismatch_frac")
-    if not frac or _mean(frac) <= ROUTING_MISMATCH_FLOOR:
-        return []
-    _, diff = run.series(keys.MISMATCH_LOGP_ABS_DIFF_MEAN)
-    drives = f"; log-prob mismatch |diff| mean {_mean(diff):.3g} over the same steps" if diff else ""
-    return [Finding("routing-mismatch", "warn", f"{steps[0]}-{steps[-1]}",
-                    "routing mismatch: the trainer's MoE routers send tokens to other experts than the rollout "
-                    "engine did, which drives the engine/trainer log-prob mismatch",
-                    f"moe/routing_mismatch_frac mean {_mean(frac):.3g} (token-layer pairs){drives}",
-                    "set algo.router_replay=rollout (rollout routing replay: the trainer uses the engine's experts; "
-                    "the metric drops to 0)")]
-
-
 def rule_reward_vs_heldout(run: Run) -> list[Finding]:
     """Training reward rising while held-out accuracy does not: a verifier shortcut or memorized prompts."""
     se = run.start_end(keys.ROLLOUT_REWARD_MEAN)
@@ -596,35 +398,6 @@ def rule_cannot_learn(run: Run) -> list[Finding]:
         advice = "a larger rollout.n gives mixed groups more often; check the reward gives different scores"
     return [Finding("cannot-learn", "warn", rng, f"this run cannot learn: {why}",
                     "; ".join(p for p in parts if p), advice)]
-
-
-PIPELINE_WAIT_FRAC = 0.25
-"""Async mode: a side that waits more than this share of its time for the other is the one to shrink."""
-
-
-def rule_pipeline(run: Run) -> list[Finding]:
-    """Async mode: the trainer starving (waiting for rollouts) or the engines idling (waiting for weights)."""
-    rows = [r for r in run.records if isinstance(r.get("async/trainer_wait_s"), int | float)][1:]  # step 1: no overlap
-    if not rows:
-        return []
-    steps = f"{rows[0][keys.STEP]}-{rows[-1][keys.STEP]}"
-    step_s = sum(float(r.get("time/step", 0.0)) - float(r.get("time/eval", 0.0)) for r in rows)
-    starve = sum(float(r["async/trainer_wait_s"]) for r in rows) / max(step_s, 1e-9)
-    idle_s = sum(float(r.get("async/engine_wait_weights_s", 0.0)) for r in rows)
-    busy_s = sum(float(r.get("async/engine_generate_s", 0.0)) + float(r.get("async/engine_reward_s", 0.0))
-                 for r in rows)
-    idle = idle_s / max(idle_s + busy_s, 1e-9)
-    evidence = (f"the trainer waited {starve:.0%} of its step time for rollouts; the engines waited {idle:.0%} of "
-                f"theirs for weights (overlap {_mean([float(r.get('async/overlap_frac', 0.0)) for r in rows]):.2f})")
-    if starve > PIPELINE_WAIT_FRAC and starve >= idle:
-        return [Finding("pipeline", "warn", steps, "the trainer starves: generation is the slower side", evidence,
-                        "give the engines more ranks (raise rollout.pipeline.engine_ranks; `dapo-mcore plan "
-                        "--disaggregated` prices the split) or generate less per step (rollout.schedule.streaming)")]
-    if idle > PIPELINE_WAIT_FRAC:
-        return [Finding("pipeline", "warn", steps, "the engines idle: training is the slower side", evidence,
-                        "give the trainer more ranks (lower rollout.pipeline.engine_ranks), or run sync mode "
-                        "(rollout.pipeline.mode=sync) if the engines would idle at any split")]
-    return []
 
 
 RULES: tuple[tuple[str, tuple[str, ...], Callable[[Run], list[Finding]]], ...] = (
