@@ -11,7 +11,8 @@ from dapo_mcore.cli import main as cli_main
 from dapo_mcore.commands.plan import main, plan_input_from_config
 from dapo_mcore.config import ConfigError, load_config
 from dapo_mcore.model.presets import preset_config
-from dapo_mcore.plan.planner import GIB, check, estimate_memory
+from dapo_mcore.plan.fit import check
+from dapo_mcore.plan.planner import GIB, estimate_memory
 
 pytestmark = pytest.mark.unit
 
@@ -92,7 +93,7 @@ def test_rollout_offload_frees_grads_and_optimizer_only():
 def test_each_suggested_layout_really_fits():
     cfg = load_config(CFG_32B, [*PRESET_32B, "parallel.tensor_parallel=2", "parallel.pipeline_parallel=1"])
     plan = plan_input_from_config(cfg, 128)
-    from dapo_mcore.plan.planner import fitting_layouts
+    from dapo_mcore.plan.fit import fitting_layouts
 
     layouts = fitting_layouts(plan)
     assert layouts and all(estimate_memory(c).peak <= 80 * GIB for c in layouts)

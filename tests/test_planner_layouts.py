@@ -8,15 +8,8 @@ import pytest
 
 from dapo_mcore.commands.plan import main
 from dapo_mcore.model.presets import preset_config
-from dapo_mcore.plan.planner import (
-    GIB,
-    LayoutDoesNotFit,
-    PlanInput,
-    check,
-    estimate_flops,
-    estimate_memory,
-    stage_params,
-)
+from dapo_mcore.plan.fit import LayoutDoesNotFit, check
+from dapo_mcore.plan.planner import GIB, PlanInput, estimate_flops, estimate_memory, stage_params
 from dapo_mcore.telemetry.flops import ModelShape
 
 pytestmark = pytest.mark.unit

@@ -103,7 +103,8 @@ def test_estimate_within_25_percent_of_measured_cpu_peak(name):
 @pytest.mark.unit
 def test_engine_sleep_start_up_and_checkpoint_host_memory_are_priced():
     from dapo_mcore.model.presets import preset_config
-    from dapo_mcore.plan.planner import GIB, LayoutDoesNotFit, PlanInput, check, estimate_host
+    from dapo_mcore.plan.fit import LayoutDoesNotFit, check
+    from dapo_mcore.plan.planner import GIB, PlanInput, estimate_host
 
     base = dict(model=preset_config("qwen2.5-32b"), tensor_parallel=8, pipeline_parallel=2, data_parallel=8,
                 precision="fp8", recompute="selective")

@@ -12,14 +12,12 @@ from dataclasses import asdict, fields
 from typing import Any
 
 from dapo_mcore.plan import disagg as plan_disagg
+from dapo_mcore.plan.fit import LayoutDoesNotFit, Names, check
 from dapo_mcore.plan.planner import (
     CONFIG_KEYS,
     GIB,
     TRAINER_FIXED,
-    LayoutDoesNotFit,
-    Names,
     PlanInput,
-    check,
     estimate_flops,
     estimate_memory,
     estimate_step_seconds,

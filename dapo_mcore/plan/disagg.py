@@ -5,7 +5,7 @@ trainer GPUs with the planner's own models (``planner.py``), and proposes the on
 
 * **Trainer side**: the config's Megatron layout (TP x PP) on ``world - engine_gpus`` GPUs, data parallelism
   ``(world - engine_gpus) / (TP x PP)``, without a colocated engine (``colocate_vllm=False``: no vLLM KV cache,
-  weights or sleep residue on these GPUs). Memory and its checks are :func:`planner.check`'s; its time is the
+  weights or sleep residue on these GPUs). Memory and its checks are :func:`fit.check`'s; its time is the
   planner's old-log-prob + update seconds at ``train_mfu`` on these GPUs.
 * **Engine side**: ``engine_gpus / vllm_tensor_parallel`` vLLM engines that hold no optimizer state, gradients or
   trainer weights: vLLM may take ``engine_gpu_memory_utilization`` of the GPU (vLLM's own default, 0.9) plus the
@@ -33,11 +33,10 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from dapo_mcore.plan.fit import LayoutDoesNotFit, check
 from dapo_mcore.plan.planner import (
     GIB,
-    LayoutDoesNotFit,
     PlanInput,
-    check,
     estimate_flops,
     estimate_host,
     estimate_memory,
