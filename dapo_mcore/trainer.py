@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from dapo_mcore import faults
 from dapo_mcore.actor.megatron_actor import TrainSample
 from dapo_mcore.algo.advantages import group_advantages
 from dapo_mcore.algo.dynamic_sampling import DynamicSamplingExhausted
@@ -307,6 +308,7 @@ class Trainer:
             while self.step < cfg.train.steps:
                 rollouts_at_start = p.rollouts.snapshot()
                 p.profile_window(self.step + 1, starting=True)
+                faults.point("step", self.step + 1)
                 try:
                     with p.timer.phase("step"):
                         metrics, generated = self.run_step()
