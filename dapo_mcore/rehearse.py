@@ -248,6 +248,7 @@ def rehearse(recipe: str, user_overrides: list[str], nproc: int | None, run_dir:
     base = [f"model.hf_path={_base(plan.hf, cache)}"] if plan.hf else []
     run = run_dir or Path(tempfile.mkdtemp(prefix="dapo-mcore-rehearse-")) / "run"
     log = run.parent / f"{run.name}.log"
+    run.parent.mkdir(parents=True, exist_ok=True)
     overrides = [*user_overrides, *plan.overrides, *base, f"run.dir={run}"]
     killed_rank = 1 if plan.world > 1 else 0
     first = _train(recipe, overrides, plan.world, log, fault=f"step:{STEPS}@{killed_rank}")

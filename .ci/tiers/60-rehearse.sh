@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# `dapo-mcore rehearse` on every examples/*.yaml recipe: each at its own layout (each parallel dimension > 1 at 2, the
+# model shrunk within its family), two steps, one rank killed at the third, a resume that finishes it, with
+# NCCL-on-CPU on (DAPO_MCORE_STRICT_DEVICE=1, which rehearse sets for its ranks). Each recipe is a timed step; the
+# tier prints each one's closing line and the total time, and fails if any recipe fails. Nothing is skipped here: a
+# recipe that cannot be rehearsed fails the tier (DAPO_MCORE_CI_NO_SKIPS=1 is the suite's rule; there is no pytest
+# run to apply it to). EXPECTED_FAIL names a recipe with a known defect and why: it must fail (the tier fails if it
+# passes, so the entry goes when the fix lands).
+set -euo pipefail
+source .ci/lib.sh
+
+if [[ ! -x .venv/bin/python ]]; then
+    ci_venv .venv torch==2.13.0 -e ".[dev]"
+fi
+export DAPO_MCORE_CI_NO_SKIPS=1
+declare -A EXPECTED_FAIL=()
+start=$(date +%s)
+failed=0
+for recipe in examples/*.yaml; do
+    name=$(basename "$recipe" .yaml)
+    out=".cache/rehearse/$name"
+    rm -rf "$out" && mkdir -p "$out"
+    if ci_step "rehearse $name" .venv/bin/python -m dapo_mcore.cli rehearse "$recipe" --run-dir "$out/run" \
+            >"$out/stdout" 2>&1; then
+        rc=0
+    else
+        rc=$?
+    fi
+    tail -n 1 "$out/stdout"
+    if [[ -n "${EXPECTED_FAIL[$name]:-}" ]]; then
+        if (( rc == 0 )); then
+            echo "rehearse $name passed but is listed as failing (${EXPECTED_FAIL[$name]}): remove it from EXPECTED_FAIL"
+            failed=1
+        else
+            echo "rehearse $name failed as expected: ${EXPECTED_FAIL[$name]}"
+        fi
+    elif (( rc != 0 )); then
+        tail -n 40 "$out/run.log" || true
+        failed=1
+    fi
+done
+echo "rehearse: every recipe in $(( $(date +%s) - start )) s"
+exit "$failed"
