@@ -13,7 +13,9 @@ if [[ ! -x .venv/bin/python ]]; then
     ci_venv .venv torch==2.13.0 -e ".[dev]"
 fi
 export DAPO_MCORE_CI_NO_SKIPS=1
-declare -A EXPECTED_FAIL=()
+declare -A EXPECTED_FAIL=(
+    [qwen3-30b-a3b]="algo.router_replay=rollout with more than one process stops at step 1: 'a rollout carries no routed experts' (routes are not carried between ranks yet)"
+)
 start=$(date +%s)
 failed=0
 for recipe in examples/*.yaml; do
@@ -39,5 +41,9 @@ for recipe in examples/*.yaml; do
         failed=1
     fi
 done
+# Until then, the MoE recipe's every other switch (EP=2 on 2 ranks, correction, the kill and the resume):
+ci_step "rehearse qwen3-30b-a3b without replay" .venv/bin/python -m dapo_mcore.cli rehearse \
+    examples/qwen3-30b-a3b.yaml algo.router_replay=none --run-dir .cache/rehearse/qwen3-30b-a3b-noreplay/run \
+    | tail -n 1 || failed=1
 echo "rehearse: every recipe in $(( $(date +%s) - start )) s"
 exit "$failed"
