@@ -81,12 +81,11 @@ class Rehearsal:
     not_rehearsed: list[str] = field(default_factory=list)
 
 
-def shrink(cfg: Any, hf: dict[str, Any], *, vllm_installed: bool, nproc: int | None = None) -> Rehearsal:
-    """The rehearsal of the resolved recipe ``cfg`` (a Config) whose model is ``hf`` (its config.json)."""
-    p, r, a = cfg.parallel, cfg.rollout, cfg.algo
-    tiny = bool(cfg.model.tiny_base and not cfg.model.hf_path)
+def _layout(cfg: Any, moe: bool, tiny: bool, nproc: int | None) -> tuple[int, int, int | None, int, int, int]:
+    """(TP, PP, VPP, EP, DP, engine ranks) of the rehearsal: each recipe dimension > 1 at 2; DP 2 for a cluster
+    recipe (1 if that would pass MAX_WORLD processes), 1 for a CPU recipe, or what ``nproc`` leaves."""
+    p, r = cfg.parallel, cfg.rollout
     tp, pp, ep = _two(p.tensor_parallel), _two(p.pipeline_parallel), _two(p.expert_parallel)
-    moe = hf.get("model_type") == "qwen3_moe"
     if moe and tp > 1:  # Megatron needs sequence parallelism for MoE with TP, and that needs TE's layers
         tp = 1
     vpp = 2 if p.virtual_pipeline and p.virtual_pipeline > 1 else None
@@ -104,7 +103,16 @@ def shrink(cfg: Any, hf: dict[str, Any], *, vllm_installed: bool, nproc: int | N
         dp = 2  # a cluster recipe runs data parallel: rehearse it, unless the world would not fit
         if model_parallel * dp + engines > MAX_WORLD:
             dp = max(ep, 1)
-    world = model_parallel * dp + engines
+    return tp, pp, vpp, ep, dp, engines
+
+
+def shrink(cfg: Any, hf: dict[str, Any], *, vllm_installed: bool, nproc: int | None = None) -> Rehearsal:
+    """The rehearsal of the resolved recipe ``cfg`` (a Config) whose model is ``hf`` (its config.json)."""
+    p, r, a = cfg.parallel, cfg.rollout, cfg.algo
+    tiny = bool(cfg.model.tiny_base and not cfg.model.hf_path)
+    moe = hf.get("model_type") == "qwen3_moe"
+    tp, pp, vpp, ep, dp, engines = _layout(cfg, moe, tiny, nproc)
+    world = tp * pp * dp + engines
     sp = False  # the local layer spec (the only one on a CPU) has no sequence parallelism: TE's has
     kept = [f"TP={tp}", f"PP={pp}"] + ([f"VPP={vpp}"] if vpp else []) + ([f"EP={ep}"] if ep > 1 else [])
     kept += [f"DP={dp}"] + (["SP"] if sp else [])

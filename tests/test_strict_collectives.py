@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from gloo_workers import run_gloo_workers
 
 pytestmark = pytest.mark.distributed
