@@ -161,6 +161,8 @@ def shrink(cfg: Any, hf: dict[str, Any], *, vllm_installed: bool, nproc: int | N
         overrides += [f"rollout.pipeline.engine_ranks={engines}", "rollout.pipeline.bucket_mb=1"]
     if engine == "vllm":
         overrides += [f"rollout.vllm.tensor_parallel={_two(r.vllm.tensor_parallel)}", "rollout.vllm.enforce_eager=true"]
+    if cfg.reward.workers > 1:
+        overrides.append("reward.workers=1")  # the pool, with one process: four would crowd a 2-core machine
     if sched.streaming:
         overrides.append(f"rollout.schedule.stream_chunk_prompts={dp}")
     return Rehearsal(None if tiny else shrunk_model(hf, pp, vpp), overrides, world, kept, [n for n in not_rehearsed if n])
@@ -268,7 +270,7 @@ def rehearse(recipe: str, user_overrides: list[str], nproc: int | None, run_dir:
     second = _train(recipe, overrides, plan.world, log, fault=None)
     text = log.read_text(errors="replace")
     finished = (run / "checkpoints" / f"step_{STEPS:06d}").is_dir()
-    if second != 0 or not finished or f"resumed step_{STEPS - 1:06d}" not in text:
+    if second != 0 or not finished or f"step_{STEPS - 1:06d} (step {STEPS - 1})" not in text:
         print(f"rehearse {recipe}: FAILED at the resume (exit {second}): {_last_error(log)} (log: {log})")
         return 1
     hf = plan.hf or hf

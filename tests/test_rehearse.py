@@ -108,7 +108,7 @@ def test_a_two_rank_rehearsal_trains_is_killed_and_resumes(tmp_path, cli_env):
     assert line.startswith("rehearsed examples/tiny_cpu.yaml") and "rank 1 killed (-9) at step 3" in line
     assert "DP=2" in line and "not rehearsed:" in line
     log = (tmp_path / "run.log").read_text()
-    assert "DAPO_MCORE_FAULT=step:3@1: killing this process" in log and "resumed step_000002" in log
+    assert "DAPO_MCORE_FAULT=step:3@1: killing this process" in log and "checkpoints/step_000002 (step 2)" in log
     steps = [json.loads(r)["step"] for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
              if '"step"' in r]
     assert max(steps) == 3

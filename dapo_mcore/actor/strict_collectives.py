@@ -43,12 +43,13 @@ _TENSOR_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_g
                        "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
                        "send", "recv", "isend", "irecv")
 _OURS = ("dapo_mcore.", "conversion.")
-_PENDING = frozenset({"dapo_mcore.rollout.gather", "dapo_mcore.weights.export", "conversion.verify"})
+_PENDING = frozenset({"dapo_mcore.rollout.gather", "dapo_mcore.weights.export", "conversion.verify",
+                      "dapo_mcore.algo.rollout_correction"})
 """Modules whose collectives are not checked: ``rollout.gather`` moves its tensors through its own
-``collective_device`` (a ``torch.device``, "cuda" under NCCL) and is being reworked elsewhere; ``weights.export`` and
-``conversion.verify`` send the model's own parameters and logits (and buffers made with ``device=`` theirs), which are
-on the GPU by construction, through views a per-tensor mark does not follow. Take a module out once it uses
-``collective_device``."""
+``collective_device`` (a ``torch.device``, "cuda" under NCCL) and is being reworked elsewhere; ``weights.export``,
+``conversion.verify`` and ``algo.rollout_correction`` reduce the model's own parameters, logits and log-prob sums (and
+buffers made with ``device=`` theirs), on the GPU by construction, through views and results a per-tensor mark does
+not follow (and ``algo`` imports nothing of ours). Take a module out once it uses ``collective_device``."""
 _gloo_on_purpose: dict[int, Any] = {}
 _installed = False
 
