@@ -44,6 +44,7 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
                                 g=dist.new_group(list(range(world))))
     out["gloo_group"] = _probe("dapo_mcore.probe", "dist.all_reduce(torch.ones(2), group=g)",
                                g=dist.new_group(list(range(world)), backend="gloo"))
+    out["p2pop"] = type(dist.P2POp(dist.isend, torch.zeros(1), (rank + 1) % world)).__name__  # Megatron's pipeline
     replay = RouterReplay([], (), replay=False)
     replay.differ, replay.counted = float(rank), 10.0
     syncs = device.syncs
@@ -79,6 +80,7 @@ def test_what_the_check_lets_through(ranks):
     """Tensors moved through the collective device; Megatron's own calls; groups that are gloo on a GPU too."""
     for out in ranks.values():
         assert out["moved"] == out["megatron"] == out["gloo_group"] == "ok"
+        assert out["p2pop"] == "P2POp"  # P2POp checks isend's identity: the check must not wrap it
 
 
 def test_moe_metrics_reduce_on_the_collective_device_with_one_host_sync_each(ranks):

@@ -41,7 +41,9 @@ NCCL_CPU_ERROR = "No backend type associated with device type cpu"
 
 _TENSOR_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "gather",
                        "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
-                       "send", "recv", "isend", "irecv")
+                       "send", "recv")
+# Not isend/irecv: Megatron's pipeline hands them to ``P2POp``, which checks the function's identity (a wrapper is
+# "Invalid ``op``"); no module of ours calls them.
 _OURS = ("dapo_mcore.", "conversion.")
 _PENDING = frozenset({"dapo_mcore.rollout.gather", "dapo_mcore.weights.export", "conversion.verify",
                       "dapo_mcore.algo.rollout_correction"})
