@@ -144,19 +144,20 @@ def shrink(cfg: Any, hf: dict[str, Any], *, vllm_installed: bool, nproc: int | N
     model = [] if tiny else ["model.tiny_base=false", "model.preset=null", "model.mcore_path=null",
                              "model.params_dtype=float32", "model.make_vocab_size_divisible_by=16",
                              "data.train=task:max4", "data.eval=task:max4", "data.max_prompt_len=32",
-                             "reward.name=math_dapo"]
+                             "reward.name=math_dapo", "rollout.n=4", "rollout.max_new_tokens=6",
+                             "algo.max_gen_batches=20", "algo.overlong_max_len=6", "algo.overlong_cache_len=2"]
+    # (a CPU recipe keeps its lengths and group size: its task may need them, e.g. a worked chain of 40 tokens)
     overrides = [
         *model, "model.layer_spec=local", "model.fp8.enabled=false",
         f"parallel.tensor_parallel={tp}", f"parallel.pipeline_parallel={pp}",
         f"parallel.virtual_pipeline={vpp if vpp else 'null'}", f"parallel.expert_parallel={ep}",
         f"parallel.sequence_parallel={str(sp).lower()}", "parallel.distributed_optimizer=false",
         "parallel.backend=gloo", "parallel.timeout_minutes=5", "parallel.offload_for_rollout=false",
-        f"rollout.engine={engine}", "rollout.n=4", f"rollout.gen_batch_prompts={prompts}", "rollout.max_new_tokens=6",
+        f"rollout.engine={engine}", f"rollout.gen_batch_prompts={prompts}",
         f"train.prompts_per_step={prompts}", f"train.mini_batch_prompts={dp}", "train.micro_batch_tokens=512",
         "train.epochs=1", "optim.warmup_steps=0", f"train.steps={STEPS}",
         "eval.every=0", "eval.at_start=false", "eval.k=2", "eval.max_new_tokens=null",
-        "checkpoint.every=1", "checkpoint.keep_last=2", "run.resume=auto", "telemetry.wandb.project=null",
-        "algo.max_gen_batches=20", "algo.overlong_max_len=6", "algo.overlong_cache_len=2"]
+        "checkpoint.every=1", "checkpoint.keep_last=2", "run.resume=auto", "telemetry.wandb.project=null"]
     if engines:
         overrides += [f"rollout.pipeline.engine_ranks={engines}", "rollout.pipeline.bucket_mb=1"]
     if engine == "vllm":
