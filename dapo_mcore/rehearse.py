@@ -238,7 +238,7 @@ def _train(recipe: str, overrides: list[str], world: int, log: Path, fault: str 
 
 def _last_error(log: Path) -> str:
     lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-    picked = [ln for ln in lines if "Error" in ln or "error" in ln or "refuse" in ln]
+    picked = [ln for ln in lines if ("Error" in ln and "EOFError" not in ln) or ln.startswith("dapo-mcore:")]
     return (picked or lines or ["no output"])[-1][:400]
 
 
