@@ -29,6 +29,8 @@ _DELEGATED: dict[str, tuple[str, str, str]] = {
     "rollouts": ("dapo_mcore.telemetry.rollout_store", "main", "print decoded rollouts of a step from the zarr store"),
     "audit-reward": ("dapo_mcore.reward.audit", "main", "probe the math verifier with shortcut answers"),
     "plan": ("dapo_mcore.commands.plan", "main", "estimate per-GPU memory and FLOPs of a layout before queueing"),
+    "rehearse": ("dapo_mcore.commands.rehearse", "main", "run a recipe at its own layout, shrunk, on this CPU: a few steps, a "
+                 "killed rank, a resume"),
     "diagnose": ("dapo_mcore.telemetry.diagnose", "main", "explain why a run stalled, from its metrics and ledger"),
     "config": ("dapo_mcore.commands.config", "main", "print the resolved config and its layout (runs nothing)"),
     "data": ("dapo_mcore.commands.data_check", "main", "check prompt files (columns, prompt format, duplicates) before a job"),

@@ -33,6 +33,7 @@ from dapo_mcore.rollout.source import RolloutInterrupted, StepBatch
 from dapo_mcore.run.components import Components
 from dapo_mcore.run.directory import prepare_run_dir
 from dapo_mcore.run.runtime import build_components, read_config
+from dapo_mcore.signals import faults
 from dapo_mcore.telemetry import keys, staleness
 from dapo_mcore.telemetry.evaluation import eval_after
 
@@ -334,6 +335,7 @@ class Trainer:
             while self.step < cfg.train.steps:
                 rollouts_at_start = p.rollouts.snapshot()
                 p.profile_window(self.step + 1, starting=True)
+                faults.point("step", self.step + 1)
                 try:
                     with p.timer.phase("step"):
                         metrics, generated = self.run_step()

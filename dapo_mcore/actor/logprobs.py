@@ -103,7 +103,12 @@ def token_entropy(vocab_parallel_logits: torch.Tensor, temperature: float, true_
         local_max = _scaled(rows.amax(dim=-1), temperature)
     else:  # a rank that holds only padding columns
         local_max = rows.new_full(rows.shape[:-1], _MASKED_LOGIT, dtype=torch.float32)
-    if group is not None and tp_size > 1:
+    reduced = group is not None and tp_size > 1
+    if reduced:  # the logits' own device on a GPU (a no-op move); marked under NCCL-on-CPU (actor.strict_collectives)
+        from dapo_mcore.rollout.device_strict import collective_device
+
+        device = collective_device(group)
+        local_max = device.to(local_max)
         dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
     sums = torch.zeros(2, rows.shape[0], dtype=torch.float32, device=rows.device)  # sum exp, sum exp * x
     step = max(1, (chunk_bytes or ENTROPY_CHUNK_BYTES) // (4 * max(n_real, 1)))
@@ -113,7 +118,8 @@ def token_entropy(vocab_parallel_logits: torch.Tensor, temperature: float, true_
         sums[0, start:start + step] = exp.sum(dim=-1)
         sums[1, start:start + step] = (exp * shifted).sum(dim=-1)
         del shifted, exp
-    if group is not None and tp_size > 1:
+    if reduced:
+        sums = device.to(sums)
         dist.all_reduce(sums, group=group)
     # H = log Z - E[x] with x shifted by the max: log(sum_exp) - sum(exp * x) / sum_exp.
     return (torch.log(sums[0]) - sums[1] / sums[0]).view(vocab_parallel_logits.shape[:-1])

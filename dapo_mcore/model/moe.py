@@ -161,9 +161,12 @@ class _AllToAll(torch.autograd.Function):
         ctx.group, ctx.output_split_sizes, ctx.input_split_sizes = group, output_split_sizes, input_split_sizes
         if group.size() == 1:
             return input_
-        input_ = input_.contiguous()
+        from dapo_mcore.rollout.device_strict import collective_device
+
+        device = collective_device(group)  # the tokens' own device on a GPU (a no-op); marked under NCCL-on-CPU
+        input_ = device.to(input_.contiguous())
         rows = input_.shape[0] if output_split_sizes is None else sum(output_split_sizes)
-        output = input_.new_empty((rows, *input_.shape[1:]))
+        output = device.to(input_.new_empty((rows, *input_.shape[1:])))
         dist.all_to_all_single(output, input_, output_split_sizes=output_split_sizes,
                                input_split_sizes=input_split_sizes, group=group)
         return output
@@ -241,20 +244,26 @@ class RouterStats:
     A forward hook on each Megatron ``TopKRouter`` adds its routing map's tokens per expert (this rank's tokens; with
     TP every TP rank routes the same tokens). `metrics` (a collective over the default group) sums them over the
     job, giving per-layer ``max / mean`` tokens per expert (1 = perfectly balanced), and reads Megatron's aux-loss
-    tracker (the unscaled load-balancing loss, averaged over layers and router calls)."""
+    tracker (the unscaled load-balancing loss, averaged over layers and router calls). The counts stay on the
+    routers' device between updates; `metrics` reduces them on the default group's collective device (NCCL on a GPU
+    refuses a CPU tensor) and reads them back with one host sync."""
 
     def __init__(self, chunks: list, num_layers: int, num_experts: int):
         from megatron.core.transformer.moe.router import TopKRouter
 
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64)
         self.calls = torch.zeros(num_layers, dtype=torch.float64)
+        self._on_device = False
         self.routers = [m for c in chunks for m in c.modules() if isinstance(m, TopKRouter)]
         for router in self.routers:
             router.register_forward_hook(self._record)
 
     def _record(self, router, _inputs, output) -> None:
         layer = router.layer_number - 1  # Megatron numbers layers from 1 (global, across pipeline stages)
-        self.counts[layer] += output[1].detach().sum(dim=0).to("cpu", torch.float64)
+        routed = output[1].detach().sum(dim=0)
+        if not self._on_device:  # the routers' device, found at the first call: no host sync per layer and call
+            self.counts, self.calls, self._on_device = self.counts.to(routed.device), self.calls.to(routed.device), True
+        self.counts[layer] += routed.to(torch.float64)
         self.calls[layer] += 1
 
     def reset(self) -> None:
@@ -270,10 +279,9 @@ class RouterStats:
         aux = torch.zeros_like(self.calls)
         tracked = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
         if tracked is not None:
-            aux += tracked["values"].detach().to("cpu", torch.float64)[: aux.numel()]
-        packed = torch.cat([self.counts.flatten(), self.calls, aux])
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(packed)
+            values = tracked["values"].detach()[: aux.numel()]
+            aux[: values.numel()] += values.to(aux.device, torch.float64)
+        packed = _summed_over_job(torch.cat([self.counts.flatten(), self.calls, aux]))
         n_layers, n_experts = self.counts.shape
         counts = packed[: n_layers * n_experts].view(n_layers, n_experts) / tensor_parallel
         calls = packed[n_layers * n_experts: n_layers * (n_experts + 1)]
@@ -359,7 +367,18 @@ class RouterReplay:
     def mismatch(self) -> float | None:
         """Fraction of recorded (token, MoE layer) pairs routed to another top-k set than the engine's, over the
         job (a collective); None when nothing was recorded."""
-        packed = torch.tensor([self.differ, self.counted], dtype=torch.float64)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(packed)
+        packed = _summed_over_job(torch.tensor([self.differ, self.counted], dtype=torch.float64))
         return None if packed[1] == 0 else float(packed[0] / packed[1])
+
+
+def _summed_over_job(packed: Tensor) -> Tensor:
+    """``packed`` summed over the default group, on the host: moved onto the group's collective device (CUDA under
+    NCCL), all-reduced there and read back once (one host sync); itself on one process."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return packed.cpu()
+    from dapo_mcore.rollout.device_strict import collective_device
+
+    device = collective_device()
+    on_device = device.to(packed)
+    dist.all_reduce(on_device)
+    return device.host(on_device)

@@ -89,26 +89,28 @@ def _broadcast(value: Any, root: bool) -> Any:
     """Trainer rank 0's ``value`` (a batch message, an evaluation's groups, a failure) on every trainer rank, packed
     (``rollout.wire``) and sent as tensors on the trainer group's device."""
     from dapo_mcore.rollout import wire
+    from dapo_mcore.rollout.device_strict import collective_device
 
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    sizes = torch.zeros(3, dtype=torch.int64, device=device)
+    device = collective_device()
+    sizes = device.to(torch.zeros(3, dtype=torch.int64))
     if root:
         message = ({"groups": value} if isinstance(value, list) else
                    wire.light(value) if isinstance(value, dict) and "batch" in value else {"value": value})
         packed = wire.pack(message, routes=False)  # each trainer rank fetches its own (actor.route_exchange)
         parts = [torch.frombuffer(bytearray(packed.meta), dtype=torch.uint8), packed.token_ids, packed.logprobs]
-        sizes = torch.tensor([t.numel() for t in parts], dtype=torch.int64, device=device)
+        sizes = device.to(torch.tensor([t.numel() for t in parts], dtype=torch.int64))
     dist.broadcast(sizes, src=0)
     if not root:
-        parts = [torch.empty(int(n), dtype=dt) for n, dt in zip(sizes.tolist(), (torch.uint8, torch.int32,
-                                                                                   torch.float32), strict=True)]
-    parts = [t.to(device) for t in parts]
+        parts = [torch.empty(int(n), dtype=dt) for n, dt in zip(device.host(sizes).tolist(),
+                                                                (torch.uint8, torch.int32, torch.float32), strict=True)]
+    parts = [device.to(t) for t in parts]
     for t in parts:
         if t.numel():
             dist.broadcast(t, src=0)
     if root:
         return value
-    got = wire.unpack(wire.Packed(parts[0].cpu().numpy().tobytes(), parts[1].cpu(), parts[2].cpu()))
+    parts = [device.host(t) for t in parts]
+    got = wire.unpack(wire.Packed(parts[0].numpy().tobytes(), parts[1], parts[2]))
     return got["groups"] if set(got) == {"groups"} else got["value"] if set(got) == {"value"} else got
 
 

@@ -18,7 +18,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ENV", "DeviceStrictGroup", "SimulatedDevice", "TransferDevice"]
+__all__ = ["ENV", "DeviceStrictGroup", "SimulatedDevice", "TransferDevice", "collective_device"]
 
 ENV = "DAPO_MCORE_STRICT_DEVICE"
 _MARK = "_dapo_on_transfer_device"
@@ -35,6 +35,10 @@ class TransferDevice:
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=self.name)
+
+    def host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` on the host: one device-to-host copy, which waits for the device (a host sync)."""
+        return tensor.cpu()
 
     def synchronize(self) -> None:
         """Block the host until the device's queued work (a broadcast) is done: without it the sender of the
@@ -59,6 +63,10 @@ class SimulatedDevice(TransferDevice):
         made = torch.empty(numel, dtype=dtype)
         setattr(made, _MARK, True)
         return made
+
+    def host(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.syncs += 1
+        return tensor.detach().clone()  # unmarked: back on the host
 
     def synchronize(self) -> None:
         self.syncs += 1
@@ -98,13 +106,28 @@ _COLLECTIVES = frozenset({"broadcast", "allreduce", "send", "recv", "reduce"})
 
 
 def transfer_device(backend: str) -> TransferDevice:
-    """The weights group's device for ``backend``; the simulated one on gloo when ``DAPO_MCORE_STRICT_DEVICE=1``."""
+    """The device of a group on ``backend``; the simulated one on gloo when ``DAPO_MCORE_STRICT_DEVICE=1`` (one per
+    process, so its host syncs add up)."""
+    global _SIMULATED
     if backend == "nccl":
-        return TransferDevice("cuda")
+        return TransferDevice(f"cuda:{torch.cuda.current_device()}")
     if os.environ.get(ENV) == "1":
-        log.info("%s=1: the weights group refuses tensors off its (simulated) device, as NCCL does", ENV)
-        return SimulatedDevice()
+        if _SIMULATED is None:
+            log.info("%s=1: groups that are NCCL on a GPU refuse tensors off their (simulated) device", ENV)
+            _SIMULATED = SimulatedDevice()
+        return _SIMULATED
     return TransferDevice("cpu")
+
+
+_SIMULATED: SimulatedDevice | None = None
+
+
+def collective_device(group: Any = None) -> TransferDevice:
+    """The device of ``group``'s tensors (the default group when None): every tensor a collective of ours sends on a
+    group that is NCCL on a GPU goes through it (``.to``/``.empty``), and comes back with ``.host`` (one sync)."""
+    import torch.distributed as dist
+
+    return transfer_device(dist.get_backend(group))
 
 
 def strict(group: Any, device: TransferDevice) -> Any:

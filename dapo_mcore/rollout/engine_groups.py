@@ -23,7 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dapo_mcore.rollout.gather import broadcast_shares, collective_device
+from dapo_mcore.rollout.device_strict import collective_device as strict_device
+from dapo_mcore.rollout.gather import broadcast_shares
 from dapo_mcore.rollout.protocol import PartialGroup, Response
 
 __all__ = ["EngineGroups", "EngineGroupStream", "ExchangeTally", "round_robin"]
@@ -61,9 +62,10 @@ def round_robin(num_items: int, groups: EngineGroups) -> list[int]:
 
 
 def _sum_over_ranks(values: list[int]) -> list[int]:
-    t = torch.tensor(values, dtype=torch.int64, device=collective_device())
+    device = strict_device()
+    t = device.to(torch.tensor(values, dtype=torch.int64))
     dist.all_reduce(t)
-    return [int(x) for x in t.tolist()]
+    return [int(x) for x in device.host(t).tolist()]
 
 
 class EngineGroupStream:

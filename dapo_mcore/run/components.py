@@ -151,10 +151,12 @@ class Components:
         """True on every rank if it is True on any rank (a MAX all-reduce; collective)."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return flag
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32,
-                         device="cuda" if torch.cuda.is_available() else "cpu")
+        from dapo_mcore.rollout.device_strict import collective_device
+
+        device = collective_device()
+        t = device.to(torch.tensor([1 if flag else 0], dtype=torch.int32))
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+        return bool(device.host(t).item())
 
     def log_base_eval(self, metrics: dict[str, Any], seconds: dict[str, float] | None = None) -> None:
         """Held-out scores of the starting model, logged as step 0, with its time (``time/eval`` of step 0: before

@@ -6,6 +6,7 @@ those arguments (only the process whose job ``RANK`` is RANK, when given: one of
     publish:VERSION:BUCKET   trainer rank 0 (async mode), after sending bucket BUCKET of policy version VERSION
     generate:STEP            an engine rank (async mode), as it starts generating the batch of step STEP
     saved:STEP               a trainer rank, once the checkpoint of step STEP is complete on every rank
+    step:STEP                a trainer rank, as it starts step STEP (``dapo-mcore rehearse`` kills one rank there)
 """
 
 from __future__ import annotations

@@ -1,0 +1,134 @@
+"""NCCL on CPU: every tensor collective that dapo_mcore code issues on a group that is NCCL on a GPU refuses a tensor
+that did not come through the collective device, with NCCL's own error.
+
+On a GPU the default group and Megatron's model/data/expert groups are NCCL, which refuses a CPU tensor ("No backend
+type associated with device type cpu"); on CPU they are gloo, which takes anything, so a collective on a CPU tensor
+passes every CPU test and fails on first use on a cluster. With ``DAPO_MCORE_STRICT_DEVICE=1`` (set by the test suite
+and by ``dapo-mcore rehearse``, never otherwise) :func:`install` wraps torch.distributed's tensor collectives: a call
+whose caller is a module of ours (``dapo_mcore.*``, ``conversion.*``) on such a group checks that each tensor was made
+by or moved through :func:`dapo_mcore.rollout.device_strict.collective_device` (a ``SimulatedDevice`` on CPU).
+
+Why the caller's frame and not our call sites: a wrapper at each call site is only as complete as the list of call
+sites, and a new ``dist.all_reduce`` written tomorrow would go unchecked; wrapping torch.distributed itself sees every
+call, and the caller's module (one frame up, a dictionary look-up) keeps Megatron-Core's own collectives, whose tensors
+are its model's and whose device is its business, out of it. Groups made as gloo on purpose stay gloo on a GPU too and
+are not checked: those made with ``new_group(backend="gloo")`` (Megatron's ``*_GLOO`` groups) and gloo process groups
+constructed directly (the async bridge's ``all`` and ``batches`` groups). The weights group has its own check
+(``DeviceStrictGroup``). Object collectives and barriers are not checked: torch moves those onto the current device
+itself.
+
+It is installed when ``dapo_mcore`` is imported with the variable set, so every process that runs our code is covered
+however it made its process group (``init_distributed``, the async split world, a test's own ``init_process_group``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dapo_mcore.rollout.device_strict import ENV, SimulatedDevice
+
+__all__ = ["NCCL_CPU_ERROR", "StrictDeviceError", "install", "installed"]
+
+NCCL_CPU_ERROR = "No backend type associated with device type cpu"
+"""What ProcessGroupNCCL's dispatcher says to a CPU tensor (torch's ``ProcessGroup::getBackend``)."""
+
+_TENSOR_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "gather",
+                       "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
+                       "send", "recv")
+# Not isend/irecv: Megatron's pipeline hands them to ``P2POp``, which checks the function's identity (a wrapper is
+# "Invalid ``op``"); no module of ours calls them.
+_OURS = ("dapo_mcore.", "conversion.")
+_PENDING = frozenset({"dapo_mcore.rollout.gather", "dapo_mcore.weights.export", "conversion.verify",
+                      "dapo_mcore.algo.rollout_correction"})
+"""Modules whose collectives are not checked: ``rollout.gather`` moves its tensors through its own
+``collective_device`` (a ``torch.device``, "cuda" under NCCL) and is being reworked elsewhere; ``weights.export``,
+``conversion.verify`` and ``algo.rollout_correction`` reduce the model's own parameters, logits and log-prob sums (and
+buffers made with ``device=`` theirs), on the GPU by construction, through views and results a per-tensor mark does
+not follow (and ``algo`` imports nothing of ours). Take a module out once it uses ``collective_device``."""
+_gloo_on_purpose: dict[int, Any] = {}
+_installed = False
+
+
+class StrictDeviceError(RuntimeError):
+    """A collective of ours got a tensor that NCCL would refuse."""
+
+
+def installed() -> bool:
+    return _installed
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for t in value if isinstance(t, torch.Tensor)]
+    return []
+
+
+def _nccl_on_gpu(group: Any) -> bool:
+    """Whether ``group`` (None: the default group) would be NCCL on a GPU."""
+    if group is not None and (isinstance(group, dist.ProcessGroupGloo) or id(group) in _gloo_on_purpose):
+        return False
+    return dist.get_backend(group) == "gloo"  # gloo here, because this is a CPU: NCCL there
+
+
+def _checked(name: str, fn: Any) -> Any:
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def collective(*args: Any, **kwargs: Any) -> Any:
+        caller = sys._getframe(1)
+        module = caller.f_globals.get("__name__", "")
+        if module.startswith(_OURS) and module not in _PENDING:
+            bound = sig.bind(*args, **kwargs)
+            if _nccl_on_gpu(bound.arguments.get("group")):
+                for arg, value in bound.arguments.items():
+                    for t in _tensors(value):
+                        if not SimulatedDevice.holds(t):
+                            raise StrictDeviceError(
+                                f"{NCCL_CPU_ERROR} (dist.{name}, argument {arg!r}, from {module} line "
+                                f"{caller.f_lineno}: the tensor did not come through "
+                                "dapo_mcore.rollout.device_strict.collective_device(); NCCL refuses it on a GPU; "
+                                f"{ENV}=1 simulates that on CPU)")
+        return fn(*args, **kwargs)
+
+    collective.__wrapped_strict__ = True
+    return collective
+
+
+def _new_group(fn: Any) -> Any:
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def new_group(*args: Any, **kwargs: Any) -> Any:
+        group = fn(*args, **kwargs)
+        backend = sig.bind(*args, **kwargs).arguments.get("backend")
+        if group is not None and str(backend).lower() == "gloo":
+            _gloo_on_purpose[id(group)] = group  # kept alive: the id stays this group's
+        return group
+
+    new_group.__wrapped_strict__ = True
+    return new_group
+
+
+def install() -> None:
+    """Wrap torch.distributed's tensor collectives and ``new_group`` (idempotent; see the module docstring)."""
+    global _installed
+    if _installed:
+        return
+    for name in _TENSOR_COLLECTIVES:
+        setattr(dist, name, _checked(name, getattr(dist, name)))
+    dist.new_group = _new_group(dist.new_group)
+    _installed = True
+
+
+def install_if_asked() -> None:
+    if os.environ.get(ENV) == "1":
+        install()

@@ -1,0 +1,114 @@
+"""``dapo-mcore rehearse``: the shrink mapping of every shipped recipe (unit), and one real rehearsal (e2e)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dapo_mcore.commands.config import precheck
+from dapo_mcore.commands.rehearse import recipe_model, shrink
+from dapo_mcore.config import load_config
+from dapo_mcore.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+
+
+def _plan(name: str, *overrides: str, vllm: bool = False, nproc: int | None = None):
+    cfg = load_config(ROOT / "examples" / name, list(overrides))
+    return shrink(cfg, recipe_model(cfg)[0], vllm_installed=vllm, nproc=nproc)
+
+
+def _value(plan, key: str) -> str:
+    hits = [o.split("=", 1)[1] for o in plan.overrides if o.split("=", 1)[0] == key]
+    assert hits, key
+    return hits[-1]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("recipe", EXAMPLES, ids=lambda p: p.name)
+def test_every_recipes_rehearsal_passes_the_configs_own_checks_at_its_world(recipe, tmp_path):
+    """The shrunk model is divisible the way the layout needs (heads by TP, layers by the pipeline's stages, experts
+    by EP): the trainer's own validation accepts the rehearsal's config at the rehearsal's world size."""
+    cfg = load_config(recipe, [])
+    plan = shrink(cfg, recipe_model(cfg)[0], vllm_installed=False)
+    extra = []
+    if plan.hf is not None:
+        (tmp_path / "config.json").write_text(json.dumps(plan.hf))
+        extra = [f"model.hf_path={tmp_path}"]
+    checked = precheck(str(recipe), [*plan.overrides, *extra, f"run.dir={tmp_path / 'run'}"],
+                       world_size=plan.world, warn=False, check_files=False)
+    assert checked.parallel.backend == "gloo" and not checked.model.fp8.enabled
+    assert plan.world <= 8
+
+
+@pytest.mark.unit
+def test_the_moe_recipe_keeps_every_switch_at_two():
+    plan = _plan("qwen3-30b-a3b.yaml")
+    assert plan.world == 2  # DP 2, EP 2 inside DP; TP 1: MoE with TP needs SP, which needs TE (not on a CPU)
+    assert (_value(plan, "parallel.tensor_parallel"), _value(plan, "parallel.expert_parallel"),
+            _value(plan, "parallel.sequence_parallel"), _value(plan, "parallel.pipeline_parallel")) == \
+        ("1", "2", "false", "1")
+    assert any(n.startswith("TP with MoE") for n in plan.not_rehearsed)
+    assert "sequence parallel (TE layers only)" in plan.not_rehearsed
+    hf = plan.hf
+    assert hf["model_type"] == "qwen3_moe" and hf["num_experts"] % 2 == 0 and hf["num_experts_per_tok"] == 2
+    assert hf["num_attention_heads"] % 2 == 0 and hf["num_key_value_heads"] % 2 == 0
+    assert not any(o.startswith("algo.router_replay") or o.startswith("algo.tis_cap") for o in plan.overrides)
+    assert "router_replay=rollout" in plan.kept and "rollout correction" in plan.kept
+    assert _value(plan, "rollout.engine") == "hf"
+    assert any(n.startswith("vLLM (not installed") for n in plan.not_rehearsed)
+    assert _value(plan, "rollout.engine") == "hf"
+    assert _value(_plan("qwen3-30b-a3b.yaml", vllm=True), "rollout.engine") == "vllm"
+
+
+@pytest.mark.unit
+def test_pipeline_virtual_stages_and_async_engine_ranks_map_to_two():
+    plan = _plan("qwen3-32b-fp8.yaml", "parallel.virtual_pipeline=4")
+    assert (_value(plan, "parallel.pipeline_parallel"), _value(plan, "parallel.virtual_pipeline")) == ("2", "2")
+    assert plan.hf["num_hidden_layers"] % 4 == 0 and plan.world == 8 and "FP8" in plan.not_rehearsed
+    asy = _plan("qwen2.5-32b-fp8-async.yaml")
+    assert _value(asy, "rollout.pipeline.engine_ranks") == "2"
+    assert asy.world == 2 * 2 * 1 + 2  # DP 2 would be 10 processes: DP drops to 1, and the closing line says DP=1
+    assert "DP=1" in asy.kept and "async with 2 engine ranks" in asy.kept
+    assert _plan("qwen2.5-32b-fp8-async.yaml", nproc=10).world == 10
+
+
+@pytest.mark.unit
+def test_a_cpu_recipe_keeps_its_tiny_model_and_one_process():
+    plan = _plan("tiny_cpu.yaml")
+    assert plan.hf is None and plan.world == 1 and not any(o.startswith("model.hf_path") for o in plan.overrides)
+
+
+@pytest.mark.unit
+def test_a_world_the_layout_cannot_take_is_one_line():
+    with pytest.raises(UserError, match=r"--nproc-per-node 3: .*use 2 or 4"):
+        _plan("qwen3-30b-a3b.yaml", nproc=3)
+
+
+@pytest.mark.unit
+def test_a_model_path_that_is_not_here_and_names_no_preset_is_one_line():
+    cfg = load_config(ROOT / "examples" / "qwen2.5-7b.yaml", ["model.hf_path=/nowhere/my-model"])
+    with pytest.raises(UserError, match="model.preset=NAME"):
+        recipe_model(cfg)
+
+
+@pytest.mark.e2e
+def test_a_two_rank_rehearsal_trains_is_killed_and_resumes(tmp_path, cli_env):
+    """tiny_cpu.yaml on 2 ranks: two steps, rank 1 killed (-9) at the third, the resume finishes it."""
+    proc = subprocess.run([sys.executable, "-m", "dapo_mcore.cli", "rehearse", "examples/tiny_cpu.yaml",
+                           "--nproc-per-node", "2", "--run-dir", str(tmp_path / "run")], cwd=ROOT, env=cli_env,
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    line = proc.stdout.strip().splitlines()[-1]
+    assert line.startswith("rehearsed examples/tiny_cpu.yaml") and "rank 1 killed (-9) at step 3" in line
+    assert "DP=2" in line and "not rehearsed:" in line
+    log = (tmp_path / "run.log").read_text()
+    assert "DAPO_MCORE_FAULT=step:3@1: killing this process" in log and "checkpoints/step_000002 (step 2)" in log
+    steps = [json.loads(r)["step"] for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+             if '"step"' in r]
+    assert max(steps) == 3

@@ -1,0 +1,93 @@
+"""NCCL on CPU (``dapo_mcore.actor.strict_collectives``): on in every process of the suite, it refuses a CPU tensor on
+a group that is NCCL on a GPU, with NCCL's error, and the MoE metrics' reductions pass it with one host sync."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from gloo_workers import run_gloo_workers
+
+pytestmark = pytest.mark.distributed
+
+
+def _probe(module: str, code: str, **names) -> str:
+    """Run ``code`` as if written in ``module`` (the check reads the caller's module); 'ok' or the error."""
+    import torch
+    import torch.distributed as dist
+
+    from dapo_mcore.actor.strict_collectives import StrictDeviceError
+
+    try:
+        exec(code, {"__name__": module, "dist": dist, "torch": torch, **names})
+    except StrictDeviceError as e:
+        return str(e)
+    return "ok"
+
+
+def _worker(rank: int, world: int, port: int, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import dapo_mcore  # noqa: F401  (installs the check when the variable is set, as in every process)
+    from dapo_mcore.actor.strict_collectives import installed
+    from dapo_mcore.model.moe import RouterReplay, RouterStats
+    from dapo_mcore.rollout.device_strict import collective_device
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    out = {"env": os.environ.get("DAPO_MCORE_STRICT_DEVICE"), "installed": installed()}
+    device = collective_device()
+    out["cpu_default"] = _probe("dapo_mcore.probe", "dist.all_reduce(torch.ones(2))")
+    out["moved"] = _probe("dapo_mcore.probe", "dist.all_reduce(d.to(torch.ones(2)))", d=device)
+    out["megatron"] = _probe("megatron.core.probe", "dist.all_reduce(torch.ones(2))")
+    out["model_group"] = _probe("dapo_mcore.probe", "dist.all_reduce(torch.ones(2), group=g)",
+                                g=dist.new_group(list(range(world))))
+    out["gloo_group"] = _probe("dapo_mcore.probe", "dist.all_reduce(torch.ones(2), group=g)",
+                               g=dist.new_group(list(range(world)), backend="gloo"))
+    out["p2pop"] = type(dist.P2POp(dist.isend, torch.zeros(1), (rank + 1) % world)).__name__  # Megatron's pipeline
+    replay = RouterReplay([], (), replay=False)
+    replay.differ, replay.counted = float(rank), 10.0
+    syncs = device.syncs
+    out["mismatch"] = replay.mismatch()
+    stats = RouterStats([], num_layers=1, num_experts=2)
+    stats.counts += torch.tensor([[1.0 + rank, 3.0]], dtype=torch.float64)
+    stats.calls += 1
+    out["metrics"] = stats.metrics(tensor_parallel=1)
+    out["syncs"] = device.syncs - syncs
+    dist.destroy_process_group()
+    queue.put((rank, out))
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    assert os.environ.get("DAPO_MCORE_STRICT_DEVICE") == "1", "tests/conftest.py turns NCCL-on-CPU on for the suite"
+    return run_gloo_workers(_worker, 2)
+
+
+def test_the_check_is_active_in_spawned_ranks(ranks):
+    for out in ranks.values():
+        assert out["env"] == "1" and out["installed"] is True
+
+
+def test_a_cpu_tensor_on_a_group_that_is_nccl_on_a_gpu_is_refused_with_nccls_error(ranks):
+    for out in ranks.values():
+        assert out["cpu_default"].startswith("No backend type associated with device type cpu")
+        assert "dapo_mcore.probe" in out["cpu_default"]
+        assert out["model_group"].startswith("No backend type associated with device type cpu")
+
+
+def test_what_the_check_lets_through(ranks):
+    """Tensors moved through the collective device; Megatron's own calls; groups that are gloo on a GPU too."""
+    for out in ranks.values():
+        assert out["moved"] == out["megatron"] == out["gloo_group"] == "ok"
+        assert out["p2pop"] == "P2POp"  # P2POp checks isend's identity: the check must not wrap it
+
+
+def test_moe_metrics_reduce_on_the_collective_device_with_one_host_sync_each(ranks):
+    """The old code all-reduced CPU tensors on the default group: refused here, as NCCL refuses them on a GPU."""
+    for out in ranks.values():
+        assert out["mismatch"] == pytest.approx(1 / 20)  # (0 + 1) of (10 + 10)
+        # counts summed over both ranks: [[1 + 2, 3 + 3]] -> max / mean = 6 / 4.5
+        assert out["metrics"]["moe/load_max_over_mean"] == pytest.approx(6 / 4.5)
+        assert out["metrics"]["moe/tokens_per_expert_mean"] == pytest.approx(4.5)
+        assert out["syncs"] == 2
