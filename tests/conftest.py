@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # NCCL on CPU for the whole suite: every collective our code issues on a group that is NCCL on a GPU refuses a tensor
-# that did not come through the collective device (dapo_mcore.actor.strict_collectives). Set before anything imports
+# that did not come through the collective device (dapo_mcore.collectives.strict). Set before anything imports
 # dapo_mcore, and inherited by every subprocess the tests launch (torchrun, multiprocessing, the CLI).
 os.environ["DAPO_MCORE_STRICT_DEVICE"] = "1"
 

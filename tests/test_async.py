@@ -40,7 +40,7 @@ def _cmd(run_dir: Path, steps: int, nproc: int, *extra: str) -> list[str]:
 
 
 def _strict(env: dict[str, str]) -> dict[str, str]:
-    """The weights group refuses tensors off its device, as NCCL does on a GPU (rollout.device_strict)."""
+    """The weights group refuses tensors off its device, as NCCL does on a GPU (collectives.device)."""
     return dict(env, DAPO_MCORE_STRICT_DEVICE="1")
 
 

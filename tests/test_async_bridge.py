@@ -108,7 +108,7 @@ def test_a_version_crosses_a_device_strict_weights_group_to_two_engine_ranks(mon
 def test_the_strict_group_refuses_a_host_tensor_and_passes_a_moved_one():
     import torch
 
-    from dapo_mcore.rollout.device_strict import DeviceStrictGroup, SimulatedDevice
+    from dapo_mcore.collectives.device import DeviceStrictGroup, SimulatedDevice
 
     class Group:
         def broadcast(self, tensors, opts):

@@ -13,7 +13,7 @@ PKG = Path(__file__).resolve().parents[1] / "dapo_mcore"
 
 # Lowest first; docs/architecture.md shows the same table.
 FLOORS = [
-    {"errors", "signals"},
+    {"errors", "signals", "collectives"},
     {"model", "algo", "reward"},
     {"data", "telemetry", "weights"},
     {"actor"},

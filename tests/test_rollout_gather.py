@@ -46,7 +46,7 @@ def test_empty_share_round_trips():
 def _worker(rank: int, world: int, port: int, queue) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     indices = list(range(rank, 9, world))  # strided shares of 9 prompts, uneven sizes
-    merged = all_gather_responses(indices, _random_share(100 + rank, indices), device=torch.device("cpu"))
+    merged = all_gather_responses(indices, _random_share(100 + rank, indices))
     queue.put((rank, merged))
     dist.destroy_process_group()
 

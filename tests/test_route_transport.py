@@ -86,7 +86,9 @@ def _exchange_worker(rank: int, world: int, port: int, queue) -> None:
     # Rank 0 holds samples 0-2, rank 1 holds 3-5 (their engine shares); rank 0 trains on 0, 3, 4; rank 1 on 1, 2, 5.
     samples = [_Sample(truth[i] if (i < 3) == (rank == 0) else None) for i in range(6)]
     needed = [0, 3, 4] if rank == 0 else [1, 2, 5]
-    got = exchange_routes(samples, needed, torch.device("cpu"))
+    from dapo_mcore.collectives.device import collective_device
+
+    got = exchange_routes(samples, needed, collective_device())  # marked under the NCCL-on-CPU check
     exact = all(torch.equal(samples[i].extra["routed_experts"], truth[i]) for i in needed)
     untouched = [i for i in range(6) if samples[i].extra["routed_experts"] is None]
     queue.put((rank, (exact, got, untouched)))

@@ -1,4 +1,4 @@
-"""NCCL on CPU (``dapo_mcore.actor.strict_collectives``): on in every process of the suite, it refuses a CPU tensor on
+"""NCCL on CPU (``dapo_mcore.collectives.strict``): on in every process of the suite, it refuses a CPU tensor on
 a group that is NCCL on a GPU, with NCCL's error, and the MoE metrics' reductions pass it with one host sync."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ def _probe(module: str, code: str, **names) -> str:
     import torch
     import torch.distributed as dist
 
-    from dapo_mcore.actor.strict_collectives import StrictDeviceError
+    from dapo_mcore.collectives.strict import StrictDeviceError
 
     try:
         exec(code, {"__name__": module, "dist": dist, "torch": torch, **names})
@@ -30,9 +30,9 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
     import torch.distributed as dist
 
     import dapo_mcore  # noqa: F401  (installs the check when the variable is set, as in every process)
-    from dapo_mcore.actor.strict_collectives import installed
+    from dapo_mcore.collectives.device import collective_device
+    from dapo_mcore.collectives.strict import installed
     from dapo_mcore.model.moe import RouterReplay, RouterStats
-    from dapo_mcore.rollout.device_strict import collective_device
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     out = {"env": os.environ.get("DAPO_MCORE_STRICT_DEVICE"), "installed": installed()}

@@ -104,8 +104,8 @@ def token_entropy(vocab_parallel_logits: torch.Tensor, temperature: float, true_
     else:  # a rank that holds only padding columns
         local_max = rows.new_full(rows.shape[:-1], _MASKED_LOGIT, dtype=torch.float32)
     reduced = group is not None and tp_size > 1
-    if reduced:  # the logits' own device on a GPU (a no-op move); marked under NCCL-on-CPU (actor.strict_collectives)
-        from dapo_mcore.rollout.device_strict import collective_device
+    if reduced:  # the logits' own device on a GPU (a no-op move); marked under NCCL-on-CPU (collectives.strict)
+        from dapo_mcore.collectives.device import collective_device
 
         device = collective_device(group)
         local_max = device.to(local_max)

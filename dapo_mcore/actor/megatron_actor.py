@@ -293,7 +293,7 @@ class MegatronActor:
         if not self.s.router_replay or not dist.is_initialized() or dist.get_world_size() == 1:
             return
         from dapo_mcore.actor.route_exchange import RoutesMissing, exchange_routes
-        from dapo_mcore.rollout.gather import collective_device
+        from dapo_mcore.collectives.device import collective_device
 
         try:
             self.route_bytes_received += exchange_routes(samples, [i for g in groups for i in g], collective_device())
@@ -319,7 +319,7 @@ class MegatronActor:
             raise RuntimeError("algo.router_replay=rollout but a rollout carries no routed experts (an engine or path "
                                "that does not record them); set algo.router_replay=none.")
         if self.replay is not None and routes and all(r is not None for r in routes):
-            from dapo_mcore.rollout.routes import align_routes
+            from dapo_mcore.actor.route_exchange import align_routes
 
             self._routes_of[id(mb)] = align_routes(routes, int(mb.tokens.shape[1]), self.layout != "rows", self.top_k)
         return mb
@@ -394,7 +394,7 @@ class MegatronActor:
             return [local[i] for i in range(len(widths))]
         from megatron.core import parallel_state as ps
 
-        from dapo_mcore.rollout.gather import all_gather_packed
+        from dapo_mcore.collectives.packed import all_gather_packed
 
         sender = self.is_last_stage and ps.get_tensor_model_parallel_rank() == 0
         mine = sorted(local) if sender else []

@@ -33,7 +33,7 @@ def any_rank(flag: bool) -> bool:
     """True on every rank if ``flag`` is True on any rank (collective over the default group, if there is one)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return flag
-    from dapo_mcore.rollout.device_strict import collective_device
+    from dapo_mcore.collectives.device import collective_device
 
     device = collective_device()
     t = device.to(torch.tensor([1 if flag else 0], dtype=torch.int32))

@@ -15,10 +15,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 __all__ = ["RoutesMissing", "exchange_routes", "plan_transfers"]
 
 KEY = "routed_experts"
+
+
+UNKNOWN = -1
+"""A position whose route was not recorded (padding, the last sampled token)."""
 
 
 class RoutesMissing(RuntimeError):
@@ -55,26 +60,28 @@ def plan_transfers(tables: torch.Tensor) -> dict[tuple[int, int], list[int]]:
     return plan
 
 
-def exchange_routes(samples: Sequence[Any], needed: Sequence[int], device: torch.device,
+def exchange_routes(samples: Sequence[Any], needed: Sequence[int], device: Any,
                     group: Any = None) -> int:
     """Give this rank the routes of ``samples[i]`` for every ``i`` in ``needed`` (``sample.extra["routed_experts"]``),
     fetched from the rank that holds them; a collective over ``group`` (the trainer ranks). Returns the bytes this
-    rank received. Tensors travel on ``device`` (the group's collective device) as raw bytes: NCCL has no int16."""
+    rank received. Tensors travel on ``device`` (``collectives.device.collective_device``: its ``to``/``empty``/``host``) as
+    raw bytes: NCCL has no int16."""
     world, me = dist.get_world_size(group), dist.get_rank(group)
-    mine = _table(samples, needed).to(device)
-    gathered = [torch.empty_like(mine) for _ in range(world)]
+    table = _table(samples, needed)
+    mine = device.to(table.reshape(-1))  # flat: a view of a tensor on the device is not marked as on it
+    gathered = [device.empty(table.numel(), table.dtype) for _ in range(world)]
     dist.all_gather(gathered, mine, group=group)
-    tables = torch.stack([g.cpu() for g in gathered])
+    tables = torch.stack([device.host(g).view(table.shape) for g in gathered])
     plan = plan_transfers(tables)
     ops, inbox = [], []
     for (src, dst), indices in sorted(plan.items()):
         if src == me:
             flat = torch.cat([samples[i].extra[KEY].to(torch.int16).reshape(-1) for i in indices])
-            ops.append(dist.P2POp(dist.isend, flat.view(torch.uint8).to(device), dist.get_global_rank(group, dst)
+            ops.append(dist.P2POp(dist.isend, device.to(flat.view(torch.uint8)), dist.get_global_rank(group, dst)
                                   if group is not None else dst, group))
         elif dst == me:
             shapes = [tuple(tables[src, 2:, i].tolist()) for i in indices]
-            buf = torch.empty(sum(2 * int(torch.Size(s).numel()) for s in shapes), dtype=torch.uint8, device=device)
+            buf = device.empty(sum(2 * int(torch.Size(s).numel()) for s in shapes), torch.uint8)
             ops.append(dist.P2POp(dist.irecv, buf, dist.get_global_rank(group, src)
                                   if group is not None else src, group))
             inbox.append((indices, shapes, buf))
@@ -83,7 +90,7 @@ def exchange_routes(samples: Sequence[Any], needed: Sequence[int], device: torch
             work.wait()
     received = 0
     for indices, shapes, buf in inbox:
-        flat = buf.cpu().view(torch.int16)
+        flat = device.host(buf).view(torch.int16)
         at = 0
         for i, shape in zip(indices, shapes, strict=True):
             n = int(torch.Size(shape).numel())
@@ -91,3 +98,20 @@ def exchange_routes(samples: Sequence[Any], needed: Sequence[int], device: torch
             at += n
         received += buf.numel()
     return received
+
+
+def align_routes(routes: list[Tensor], width: int, packed: bool, top_k: int) -> tuple[Tensor, Tensor]:
+    """One micro-batch's routes laid out like its tokens: rows ``[B, width, L, k]`` (row i from 0) or packed
+    ``[1, width, L, k]`` (sequences one after another), and where a route was recorded (``[B or 1, width]``).
+    Positions without one (padding, a last token) get experts ``0..k-1``: replay needs some valid experts there, and
+    nothing the loss reads depends on them."""
+    layers = routes[0].shape[1]
+    out = torch.full((1 if packed else len(routes), width, layers, top_k), UNKNOWN, dtype=torch.long)
+    offset = 0
+    for i, r in enumerate(routes):
+        row, start = (0, offset) if packed else (i, 0)
+        out[row, start:start + r.shape[0]] = r.long()
+        offset += r.shape[0]
+    known = (out >= 0).all(dim=-1).all(dim=-1)
+    filler = torch.arange(top_k).expand_as(out)
+    return torch.where(out >= 0, out, filler), known

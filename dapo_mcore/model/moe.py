@@ -161,7 +161,7 @@ class _AllToAll(torch.autograd.Function):
         ctx.group, ctx.output_split_sizes, ctx.input_split_sizes = group, output_split_sizes, input_split_sizes
         if group.size() == 1:
             return input_
-        from dapo_mcore.rollout.device_strict import collective_device
+        from dapo_mcore.collectives.device import collective_device
 
         device = collective_device(group)  # the tokens' own device on a GPU (a no-op); marked under NCCL-on-CPU
         input_ = device.to(input_.contiguous())
@@ -376,7 +376,7 @@ def _summed_over_job(packed: Tensor) -> Tensor:
     NCCL), all-reduced there and read back once (one host sync); itself on one process."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return packed.cpu()
-    from dapo_mcore.rollout.device_strict import collective_device
+    from dapo_mcore.collectives.device import collective_device
 
     device = collective_device()
     on_device = device.to(packed)

@@ -88,8 +88,8 @@ def _is_failure(value: Any) -> bool:
 def _broadcast(value: Any, root: bool) -> Any:
     """Trainer rank 0's ``value`` (a batch message, an evaluation's groups, a failure) on every trainer rank, packed
     (``rollout.wire``) and sent as tensors on the trainer group's device."""
+    from dapo_mcore.collectives.device import collective_device
     from dapo_mcore.rollout import wire
-    from dapo_mcore.rollout.device_strict import collective_device
 
     device = collective_device()
     sizes = device.to(torch.zeros(3, dtype=torch.int64))

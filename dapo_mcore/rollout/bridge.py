@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from dapo_mcore.actor.parallel import LaunchEnv, choose_backend
-from dapo_mcore.rollout.device_strict import TransferDevice, strict, transfer_device
+from dapo_mcore.collectives.device import TransferDevice, strict, transfer_device
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dapo_mcore.rollout.device_strict import collective_device as strict_device
+from dapo_mcore.collectives.device import collective_device as strict_device
 from dapo_mcore.rollout.gather import broadcast_shares
 from dapo_mcore.rollout.protocol import PartialGroup, Response
 

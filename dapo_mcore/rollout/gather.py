@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from dapo_mcore.collectives.packed import all_gather_packed
 from dapo_mcore.errors import UserError
 from dapo_mcore.rollout.protocol import EngineError, Response
 
@@ -96,37 +97,10 @@ def unpack_responses(ints: torch.Tensor, floats: torch.Tensor) -> dict[int, list
     return out
 
 
-def all_gather_packed(ints: torch.Tensor, floats: torch.Tensor,
-                      device: torch.device | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every rank's (int64, float32) pair of flat tensors, on every rank, on the CPU (collective, default group).
-
-    The tensors may differ in length between ranks: sizes are exchanged first and the data padded to the largest.
-    """
-    device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-                        else torch.device("cpu"))
-    world = dist.get_world_size()
-    sizes = torch.tensor([ints.numel(), floats.numel()], dtype=torch.int64, device=device)
-    all_sizes = [torch.empty_like(sizes) for _ in range(world)]
-    dist.all_gather(all_sizes, sizes)
-    max_i = max(max(int(s[0]) for s in all_sizes), 1)
-    max_f = max(max(int(s[1]) for s in all_sizes), 1)
-    pad_i = torch.zeros(max_i, dtype=torch.int64, device=device)
-    pad_i[: ints.numel()] = ints.to(device)
-    pad_f = torch.zeros(max_f, dtype=torch.float32, device=device)
-    pad_f[: floats.numel()] = floats.to(device=device, dtype=torch.float32)
-    got_i = [torch.empty_like(pad_i) for _ in range(world)]
-    got_f = [torch.empty_like(pad_f) for _ in range(world)]
-    dist.all_gather(got_i, pad_i)
-    dist.all_gather(got_f, pad_f)
-    return [(gi[: int(n[0])].cpu(), gf[: int(n[1])].cpu())
-            for gi, gf, n in zip(got_i, got_f, all_sizes, strict=True)]
-
-
-def all_gather_responses(indices: Sequence[int], results: Sequence[Sequence[Response]],
-                         device: torch.device | None = None) -> dict[int, list[Response]]:
+def all_gather_responses(indices: Sequence[int], results: Sequence[Sequence[Response]]) -> dict[int, list[Response]]:
     """Every rank's (prompt index -> responses), merged, on every rank (a collective over the default group)."""
     merged: dict[int, list[Response]] = {}
-    for ints, floats in all_gather_packed(*pack_responses(indices, results), device=device):
+    for ints, floats in all_gather_packed(*pack_responses(indices, results)):
         merged.update(unpack_responses(ints, floats))
     return merged
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-UNKNOWN = -1
+from dapo_mcore.actor.route_exchange import UNKNOWN
 
 
 class RouteRecorder:
@@ -72,23 +72,6 @@ class RouteRecorder:
         assert self.table is not None
         picked = self.table[rows]
         return [picked[i, :n].clone() for i, n in enumerate(lens)]
-
-
-def align_routes(routes: list[Tensor], width: int, packed: bool, top_k: int) -> tuple[Tensor, Tensor]:
-    """One micro-batch's routes laid out like its tokens: rows ``[B, width, L, k]`` (row i from 0) or packed
-    ``[1, width, L, k]`` (sequences one after another), and where a route was recorded (``[B or 1, width]``).
-    Positions without one (padding, a last token) get experts ``0..k-1``: replay needs some valid experts there, and
-    nothing the loss reads depends on them."""
-    layers = routes[0].shape[1]
-    out = torch.full((1 if packed else len(routes), width, layers, top_k), UNKNOWN, dtype=torch.long)
-    offset = 0
-    for i, r in enumerate(routes):
-        row, start = (0, offset) if packed else (i, 0)
-        out[row, start:start + r.shape[0]] = r.long()
-        offset += r.shape[0]
-    known = (out >= 0).all(dim=-1).all(dim=-1)
-    filler = torch.arange(top_k).expand_as(out)
-    return torch.where(out >= 0, out, filler), known
 
 
 def routes_from_vllm(routed: object, length: int) -> Tensor:

@@ -151,7 +151,7 @@ class Components:
         """True on every rank if it is True on any rank (a MAX all-reduce; collective)."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return flag
-        from dapo_mcore.rollout.device_strict import collective_device
+        from dapo_mcore.collectives.device import collective_device
 
         device = collective_device()
         t = device.to(torch.tensor([1 if flag else 0], dtype=torch.int32))

@@ -6,7 +6,7 @@ type associated with device type cpu"); on CPU they are gloo, which takes anythi
 passes every CPU test and fails on first use on a cluster. With ``DAPO_MCORE_STRICT_DEVICE=1`` (set by the test suite
 and by ``dapo-mcore rehearse``, never otherwise) :func:`install` wraps torch.distributed's tensor collectives: a call
 whose caller is a module of ours (``dapo_mcore.*``, ``conversion.*``) on such a group checks that each tensor was made
-by or moved through :func:`dapo_mcore.rollout.device_strict.collective_device` (a ``SimulatedDevice`` on CPU).
+by or moved through :func:`dapo_mcore.collectives.device.collective_device` (a ``SimulatedDevice`` on CPU).
 
 Why the caller's frame and not our call sites: a wrapper at each call site is only as complete as the list of call
 sites, and a new ``dist.all_reduce`` written tomorrow would go unchecked; wrapping torch.distributed itself sees every
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dapo_mcore.rollout.device_strict import ENV, SimulatedDevice
+from dapo_mcore.collectives.device import ENV, SimulatedDevice
 
 __all__ = ["NCCL_CPU_ERROR", "StrictDeviceError", "install", "installed"]
 
@@ -95,7 +95,7 @@ def _checked(name: str, fn: Any) -> Any:
                             raise StrictDeviceError(
                                 f"{NCCL_CPU_ERROR} (dist.{name}, argument {arg!r}, from {module} line "
                                 f"{caller.f_lineno}: the tensor did not come through "
-                                "dapo_mcore.rollout.device_strict.collective_device(); NCCL refuses it on a GPU; "
+                                "dapo_mcore.collectives.device.collective_device(); NCCL refuses it on a GPU; "
                                 f"{ENV}=1 simulates that on CPU)")
         return fn(*args, **kwargs)
 
