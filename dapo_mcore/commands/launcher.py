@@ -89,9 +89,11 @@ class RankWatch:
         for child in children:
             if child.pid not in self._ranks:
                 try:
-                    self._ranks[child.pid] = child.environ().get("RANK", "?")
+                    self._ranks[child.pid] = child.environ().get("RANK", "")
                 except (psutil.Error, OSError):
                     continue
+            if not self._ranks[child.pid]:  # not a rank (a helper process of whoever called launch): not ours to judge
+                continue
             signum = _killed_by(child.pid)
             if signum is not None and dead is None:
                 dead = (child.pid, signum)
@@ -99,10 +101,15 @@ class RankWatch:
             return None
         pid, signum = dead
         self.code = 128 + signum
+        own = os.getpgid(0)
         for child in children:
-            if child.pid != pid:
+            if child.pid != pid and self._ranks.get(child.pid):
                 try:
-                    os.killpg(os.getpgid(child.pid), signal.SIGKILL)
+                    group = os.getpgid(child.pid)
+                    if group == own:  # a child in this process's own group: stop it alone, never the group (us)
+                        os.kill(child.pid, signal.SIGKILL)
+                    else:
+                        os.killpg(group, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     continue
         name = signal.Signals(signum).name if signum in signal.Signals._value2member_map_ else f"signal {signum}"
