@@ -11,6 +11,7 @@ megatron-core's source (plan/activations.py) and pinned below by its arithmetic.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,7 +41,9 @@ def _measure(cli_env: dict, nproc: int, specs: list[str]) -> dict[str, float]:
     proc = subprocess.run([*launch, str(SCRIPT), str(TOKENS), *specs], cwd=REPO, env=cli_env, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line[6:]) for line in proc.stdout.splitlines() if line.startswith("SAVED ")]
+    # ranks share one stdout: two ranks' lines can run together, so read every "SAVED {...}" wherever it stands
+    rows = [json.loads(m) for m in re.findall(r"SAVED (\{[^{}]*\})", proc.stdout)]
+    assert rows, proc.stdout[-2000:]
     out: dict[str, list[float]] = {}
     for r in rows:
         out.setdefault(r["spec"], []).append(r["bytes"])

@@ -73,8 +73,9 @@ def main(tokens: int, specs: list[str]) -> None:
     for spec in specs:
         kind, tp, ep, recompute = spec.split(":")
         saved = measure(kind, int(tp), int(ep), recompute, tokens)
-        print("SAVED " + json.dumps({"spec": spec, "rank": int(os.environ.get("RANK", "0")), "bytes": saved}),
-              flush=True)
+        line = "SAVED " + json.dumps({"spec": spec, "rank": int(os.environ.get("RANK", "0")), "bytes": saved}) + "\n"
+        sys.stdout.write(line)  # one write per line: the ranks share this stdout
+        sys.stdout.flush()
     shutdown()
 
 
