@@ -79,3 +79,32 @@ def test_tensor_factories_keep_their_sizes_and_to_still_redirects():
         print("ok")
     """)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
+
+
+def test_a_recompute_inside_backward_still_redirects():
+    """A full recompute runs the layer's forward again inside backward (Megatron's CheckpointFunction; its MoE router
+    moves its weight to torch.cuda.current_device() on every call). torch 2.13 hands backward() to the mode, which is
+    off while its handler runs: the recompute then met CUDA ('Cannot access accelerator device'). Both spellings of
+    backward, with a gradient given and not, must reach the same gradients as without the recompute."""
+    proc = _python("""
+        import torch
+        from torch.utils.checkpoint import checkpoint
+        from dapo_mcore.model import cpu_compat
+        cpu_compat.apply()
+        w = torch.nn.Parameter(torch.randn(3, 3))
+
+        def layer(x):
+            return torch.tanh(x @ w.to(device=torch.cuda.current_device()))
+
+        x = torch.randn(2, 3, requires_grad=True)
+        torch.autograd.backward(checkpoint(layer, x, use_reentrant=True).sum())
+        recomputed = w.grad.clone()
+        w.grad = None
+        layer(x).sum().backward()
+        assert torch.equal(w.grad, recomputed), (w.grad, recomputed)
+        w.grad = None
+        checkpoint(layer, x, use_reentrant=True).backward(gradient=torch.ones(2, 3))
+        assert torch.equal(w.grad, recomputed)
+        print("ok")
+    """)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]

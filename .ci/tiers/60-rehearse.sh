@@ -14,9 +14,7 @@ if [[ ! -x .venv/bin/python ]]; then
     ci_venv .venv torch==2.13.0 -e ".[dev]"
 fi
 export DAPO_MCORE_CI_NO_SKIPS=1
-declare -A EXPECTED_FAIL=(
-    [qwen3-30b-a3b]="algo.router_replay=rollout with more than one process stops at step 1: 'a rollout carries no routed experts' (routes are not carried between ranks yet)"
-)
+declare -A EXPECTED_FAIL=()  # none today: [name]="why" for a recipe with a known defect
 start=$(date +%s)
 failed=0
 

@@ -73,6 +73,12 @@ class _CpuRedirectMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        if func is torch.autograd.backward or func is torch.Tensor.backward:
+            # torch 2.13 hands backward() to the mode, which is off while its handler runs: the engine, and a full
+            # recompute's forward inside it (Megatron's router moves its weight to torch.cuda.current_device()), would
+            # run without the redirect. Run the engine with the mode back on.
+            with _CpuRedirectMode():
+                return _run_backward(func, *args, **kwargs)
         if "device" in kwargs:
             kwargs["device"] = _redirect(kwargs["device"])
         if func is torch.Tensor.cuda:
@@ -84,6 +90,23 @@ class _CpuRedirectMode(TorchFunctionMode):
             # Only `to` takes a device positionally; the positional ints of new_zeros(2, 3) etc. are sizes.
             args = (args[0], *(_redirect(a) if not isinstance(a, torch.Tensor) else a for a in args[1:]))
         return func(*args, **kwargs)
+
+
+def _run_backward(func: Any, tensors: Any, grad_tensors: Any = None, retain_graph: bool | None = None,
+                  create_graph: bool = False, inputs: Any = None, **legacy: Any) -> None:
+    """``torch.autograd.backward`` / ``Tensor.backward`` (``gradient=``) without handing it to the modes again."""
+    from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
+    from torch.autograd.graph import _engine_run_backward
+
+    if func is torch.Tensor.backward and "gradient" in legacy:
+        grad_tensors = legacy.pop("gradient")
+    if legacy:
+        raise TypeError(f"backward() got unexpected arguments {sorted(legacy)}")
+    tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+    grads = _make_grads(tensors, _tensor_or_tensors_to_tuple(grad_tensors, len(tensors)), is_grads_batched=False)
+    inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs or ())
+    _engine_run_backward(tensors, grads, create_graph if retain_graph is None else retain_graph, create_graph, inputs,
+                         allow_unreachable=True, accumulate_grad=True)
 
 
 def _fake_get_rng_state(device: Any = "cuda") -> torch.Tensor:
