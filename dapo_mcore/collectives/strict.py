@@ -45,10 +45,9 @@ _TENSOR_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_g
 # Not isend/irecv: Megatron's pipeline hands them to ``P2POp``, which checks the function's identity (a wrapper is
 # "Invalid ``op``"); no module of ours calls them.
 _OURS = ("dapo_mcore.", "conversion.")
-_PENDING = frozenset({"dapo_mcore.rollout.gather", "dapo_mcore.weights.export", "conversion.verify",
+_PENDING = frozenset({"dapo_mcore.weights.export", "conversion.verify",
                       "dapo_mcore.algo.rollout_correction"})
-"""Modules whose collectives are not checked: ``rollout.gather`` moves its tensors through its own
-``collective_device`` (a ``torch.device``, "cuda" under NCCL) and is being reworked elsewhere; ``weights.export``,
+"""Modules whose collectives are not checked: ``weights.export``,
 ``conversion.verify`` and ``algo.rollout_correction`` reduce the model's own parameters, logits and log-prob sums (and
 buffers made with ``device=`` theirs), on the GPU by construction, through views and results a per-tensor mark does
 not follow (and ``algo`` imports nothing of ours). Take a module out once it uses ``collective_device``."""

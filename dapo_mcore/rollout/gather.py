@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from dapo_mcore.collectives.device import collective_device
 from dapo_mcore.collectives.packed import all_gather_packed
 from dapo_mcore.errors import UserError
 from dapo_mcore.rollout.protocol import EngineError, Response
@@ -105,25 +106,18 @@ def all_gather_responses(indices: Sequence[int], results: Sequence[Sequence[Resp
     return merged
 
 
-def collective_device() -> torch.device:
-    """Where a collective's tensors must live: the current GPU under NCCL, else the CPU."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _broadcast_chunked(flat: torch.Tensor | None, numel: int, dtype: torch.dtype, src: int,
-                       device: torch.device, chunk: int) -> torch.Tensor:
-    """``flat`` (on rank ``src``) on every rank's CPU, moved through the device ``chunk`` elements at a time."""
+def _broadcast_chunked(flat: torch.Tensor | None, numel: int, dtype: torch.dtype, src: int, device: Any,
+                       chunk: int) -> torch.Tensor:
+    """``flat`` (on rank ``src``) on every rank's CPU, moved through the collective device ``chunk`` elements at a
+    time."""
     out = flat if flat is not None else torch.empty(numel, dtype=dtype)
-    buf = torch.empty(min(chunk, max(numel, 1)), dtype=dtype, device=device)
     for start in range(0, numel, chunk):
-        part = buf[: min(chunk, numel - start)]
+        part = device.empty(min(chunk, numel - start), dtype)
         if flat is not None:
             part.copy_(flat[start:start + part.numel()])
         dist.broadcast(part, src=src)
         if flat is None:
-            out[start:start + part.numel()] = part.cpu()
+            out[start:start + part.numel()] = device.host(part)
     return out
 
 
@@ -141,12 +135,12 @@ def broadcast_shares(indices: Sequence[int], results: Sequence[Sequence[Response
         ints, floats = pack_responses(indices, results)
     else:
         ints, floats = torch.zeros(0, dtype=torch.int64), torch.zeros(0)
-    sizes = torch.tensor([int(sender), ints.numel(), floats.numel()], dtype=torch.int64, device=device)
-    all_sizes = [torch.empty_like(sizes) for _ in range(dist.get_world_size())]
+    sizes = device.to(torch.tensor([int(sender), ints.numel(), floats.numel()], dtype=torch.int64))
+    all_sizes = [device.empty(3, torch.int64) for _ in range(dist.get_world_size())]
     dist.all_gather(all_sizes, sizes)
     me = dist.get_rank()
     out = []
-    for src, (is_sender, n_int, n_float) in enumerate(s.tolist() for s in all_sizes):
+    for src, (is_sender, n_int, n_float) in enumerate(device.host(s).tolist() for s in all_sizes):
         if not is_sender:
             continue
         got_i = _broadcast_chunked(ints if src == me else None, n_int, torch.int64, src, device, chunk_elems)
@@ -160,28 +154,28 @@ def broadcast_shares(indices: Sequence[int], results: Sequence[Sequence[Response
     return out
 
 
-def _route_to(share: dict[int, list[Response]], src: int, dst: int, device: torch.device) -> None:
+def _route_to(share: dict[int, list[Response]], src: int, dst: int, device: Any) -> None:
     """The routes of ``share`` from rank ``src`` (which holds them) to rank ``dst``: a header of their shapes, then
     their int16 values as bytes (NCCL has no int16)."""
     responses = [r for rs in share.values() for r in rs]
     if dist.get_rank() == src:
         shapes = [tuple(r.routed_experts.shape) if r.routed_experts is not None else (0, 0, 0) for r in responses]
-        header = torch.tensor([x for s in shapes for x in s], dtype=torch.int64).to(device)
+        header = device.to(torch.tensor([x for s in shapes for x in s], dtype=torch.int64))
         flat = [r.routed_experts.to(torch.int16).reshape(-1) for r in responses if r.routed_experts is not None]
-        data = (torch.cat(flat) if flat else torch.zeros(0, dtype=torch.int16)).view(torch.uint8).to(device)
+        data = device.to((torch.cat(flat) if flat else torch.zeros(0, dtype=torch.int16)).view(torch.uint8))
         if header.numel():
             dist.send(header, dst)
         if data.numel():
             dist.send(data, dst)
         return
-    header = torch.empty(3 * len(responses), dtype=torch.int64, device=device)
+    header = device.empty(3 * len(responses), torch.int64)
     if header.numel():
         dist.recv(header, src)
-    shapes = header.cpu().view(-1, 3).tolist()
-    data = torch.empty(2 * sum(a * b * c for a, b, c in shapes), dtype=torch.uint8, device=device)
+    shapes = device.host(header).view(-1, 3).tolist()
+    data = device.empty(2 * sum(a * b * c for a, b, c in shapes), torch.uint8)
     if data.numel():
         dist.recv(data, src)
-    table, at = data.cpu().view(torch.int16), 0
+    table, at = device.host(data).view(torch.int16), 0
     for r, (a, b, c) in zip(responses, shapes, strict=True):
         if a:
             r.routed_experts = table[at:at + a * b * c].reshape(a, b, c).clone()
