@@ -120,7 +120,8 @@ def test_format_bridge_writes_what_bridge_writes(model, tp, tmp_path):
     def files(d: Path) -> set[str]:  # how many .distcp files a rank writes is the writer's thread count
         return {p.name for p in d.iterdir() if p.suffix != ".distcp"} | {"*.distcp"}
 
-    assert files(out / "iter_0000000") - {"common.pt"} == files(ref / "iter_0000000")  # common.pt: megatron-core 0.16
+    # common.pt: megatron-core 0.16; dapo_mcore_checksums.json: ours (Bridge reads past it, and its own carry none)
+    assert files(out / "iter_0000000") - {"common.pt", "dapo_mcore_checksums.json"} == files(ref / "iter_0000000")
     meta_ours = {k: v for k, v in _tensor_meta(out / "iter_0000000").items() if k != "common_state"}
     meta_ref = {k: v for k, v in _tensor_meta(ref / "iter_0000000").items() if k != "common_state"}
     assert meta_ours == meta_ref
