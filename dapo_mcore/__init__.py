@@ -5,6 +5,6 @@ __version__ = "0.1.0"
 import os as _os
 
 if _os.environ.get("DAPO_MCORE_STRICT_DEVICE") == "1":  # NCCL on CPU (tests, rehearse): collectives.strict
-    from dapo_mcore.collectives.strict import install as _install
+    from dapo_mcore.collectives.hook import install_when_torch_distributed_loads as _install
 
     _install()
