@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.unit
-pytest.importorskip("wandb")
 
 ROOT = Path(__file__).resolve().parents[1]
 _LOG_THEN_DIE = """import os, signal, sys
