@@ -59,7 +59,7 @@ def hf_reference(model, prompt: list[int], response: list[int], temperature: flo
 
 
 def _write_workspace(ws: Path, preset: str = "tiny") -> dict:
-    """``preset``: "tiny" (Qwen2) or "tiny-qwen3" (tests/test_qwen3_actor.py)."""
+    """``preset``: "tiny" (Qwen2) or "tiny-qwen3" / "tiny-llama" (tests/test_family_actor.py)."""
     import transformers
 
     from conversion.synthetic import save_tiny_hf_model
