@@ -1,10 +1,14 @@
-"""A tiny Llama 3.x through the real vLLM engine on vLLM's CPU build (the ``vllm`` tier).
+"""A tiny model of each family with its own traits through the real vLLM engine on vLLM's CPU build (the ``vllm``
+tier). Two ranks, actor TP=2 and one vLLM engine at TP=2, a short DAPO run from a tiny random HF model (head_dim 32, the
+smallest vLLM's CPU attention accepts; tied embeddings): the weights the actor exports after every update load into
+vLLM's own model, and its log-probs on the sampled tokens match the Megatron actor's.
 
-Two ranks, actor TP=2 and one vLLM engine at TP=2, a short DAPO run from a tiny random ``LlamaForCausalLM`` (head_dim
-32, the smallest vLLM's CPU attention accepts; tied embeddings as Llama 3.2 1B/3B; the llama3 RoPE scaling with a
-16-token original context, so vLLM's own llama3 frequencies and Megatron's must agree within the sampled sequences):
-the weights the actor exports after every update load into vLLM's own Llama model (the tied LM head re-dispatched),
-and its log-probs on the sampled tokens match the Megatron actor's. Same skip rule as ``test_rollout_vllm_cpu.py``.
+- Qwen3 (``Qwen3ForCausalLM``): the exported HF names include the q/k norms.
+- Llama 3.x (``LlamaForCausalLM``, tied as Llama 3.2 1B/3B): the llama3 RoPE scaling with a 16-token original context,
+  so vLLM's own llama3 frequencies and Megatron's must agree within the sampled sequences; the tied LM head is
+  re-dispatched.
+
+Same skip rule as ``test_rollout_vllm_cpu.py``.
 """
 
 from __future__ import annotations
@@ -14,15 +18,18 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.test_rollout_vllm_cpu import CONFIG, ROOT, TOL, _free_port, pytestmark  # noqa: F401 (the same skip rule)
 
 
-def test_tiny_llama_dapo_run_on_vllm_tp2(tmp_path):
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-llama"])
+def test_tiny_dapo_run_on_vllm_tp2(tmp_path, preset):
     from conversion.synthetic import save_tiny_hf_model
     from dapo_mcore.data.tokenizer import build_tiny_tokenizer
 
-    hf = tmp_path / "llama"
-    save_tiny_hf_model(hf, seed=2, preset="tiny-llama")
+    hf = tmp_path / "hf"
+    save_tiny_hf_model(hf, seed=2, preset=preset)
     build_tiny_tokenizer().save_pretrained(hf)
     env = dict(os.environ)
     env["DAPO_MCORE_CACHE"] = str(tmp_path / "cache")  # nothing is pre-trained: the model comes from hf_path
