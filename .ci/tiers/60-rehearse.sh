@@ -7,6 +7,9 @@
 # the tier (DAPO_MCORE_CI_NO_SKIPS=1 is the suite's rule; there is no pytest run to apply it to). EXPECTED_FAIL names
 # a recipe with a known defect and why: it must fail (the tier fails if it passes, so the entry goes when the fix
 # lands). By hand: CI_REHEARSE='examples/tiny_cpu.yaml' .ci/tiers/60-rehearse.sh rehearses only those.
+# ci-beside-main: the main suite keeps about one of the two cores busy and shares nothing with it (its own run
+# dirs under .cache/rehearse, its own bases under the cache's rehearse/ folder, built whole-or-absent; free ports);
+# run in order after the suite it would add ~10 min to the total.
 set -euo pipefail
 source .ci/lib.sh
 
