@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from conversion_helpers import load_dir
 
 from conversion.hf_to_mcore import convert_hf_to_mcore
 from conversion.hf_to_mcore import main as hf_to_mcore_main
@@ -19,13 +18,6 @@ from dapo_mcore.weights.checkpoint import read_megatron_rank, read_meta
 
 pytestmark = pytest.mark.unit
 
-
-def _load_dir(path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(os.listdir(path)):
-        if f.endswith(".safetensors"):
-            out.update(load_file(os.fspath(path / f)))
-    return out
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
@@ -41,12 +33,12 @@ def hf_dir(request, tmp_path_factory):
                                             (2, 2, 2, "local"), (1, 4, 1, "transformer_engine"),
                                             (2, 1, 2, "local")])
 def test_round_trip_is_bit_identical(hf_dir, tmp_path, tp, pp, vpp, spec):
-    ref = _load_dir(hf_dir)
+    ref = load_dir(hf_dir)
     layout = ParallelLayout(tp=tp, pp=pp, vpp=vpp, layer_spec=spec)
     meta = convert_hf_to_mcore(hf_dir, tmp_path / "mcore", layout)
     assert read_meta(tmp_path / "mcore").layout == layout and meta.padded_vocab_size == 128 * tp
     convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "back", max_shard_bytes=50_000)
-    got = _load_dir(tmp_path / "back")
+    got = load_dir(tmp_path / "back")
     assert sorted(got) == sorted(ref)
     for name, tensor in ref.items():
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
@@ -79,8 +71,8 @@ def test_cli_bf16_cast_trainer_dir_and_hf_loadable(hf_dir, tmp_path):
     assert mcore_to_hf_main(["--mcore", str(trainer), "--out", str(tmp_path / "hf"), "--tokenizer", str(tok),
                              "--no-progress"]) == 0
     assert (tmp_path / "hf" / "tokenizer_config.json").exists()
-    got = _load_dir(tmp_path / "hf")
-    ref = _load_dir(hf_dir)
+    got = load_dir(tmp_path / "hf")
+    ref = load_dir(hf_dir)
     assert all(torch.equal(got[k], ref[k].to(torch.bfloat16)) for k in ref)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert model.dtype == torch.bfloat16

@@ -4,13 +4,8 @@ non-integer RoPE base matches Hugging Face at fp32 tolerance, and a bf16 Megatro
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from conversion_helpers import run_verify
 
 from conversion.hf_to_mcore import convert_hf_to_mcore
 from conversion.synthetic import save_tiny_hf_model
@@ -18,34 +13,22 @@ from dapo_mcore.weights import ParallelLayout
 
 pytestmark = pytest.mark.unit
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _verify(tmp_path, *args) -> tuple[int, dict, str]:
-    out = tmp_path / f"verify{len(list(tmp_path.glob('verify*.json')))}.json"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        env.pop(k, None)
-    proc = subprocess.run([sys.executable, "-m", "conversion.verify", *args, "--json", str(out)], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=300)
-    stats = json.loads(out.read_text()) if out.exists() else {}
-    return proc.returncode, stats, proc.stderr[-3000:]
 
 
 def test_transformers5_theta_and_bf16_mcore_verify(tmp_path):
     hf = tmp_path / "hf"
     save_tiny_hf_model(hf, seed=3, rope_theta=1234567.5)  # saved as rope_parameters; not an integer
-    rc, stats, err = _verify(tmp_path, "--hf", str(hf), "--seq-len", "48")
+    rc, stats, err = run_verify(tmp_path, "--hf", str(hf), "--seq-len", "48")
     assert rc == 0, err
     assert stats["max_abs_diff"] < 1e-5 and stats["top1_agreement"] == 1.0  # base 10000 or int(theta) fail this
 
     convert_hf_to_mcore(hf, tmp_path / "m16", ParallelLayout(), dtype=__import__("torch").bfloat16)
-    rc, stats, err = _verify(tmp_path, "--hf", str(hf), "--mcore", str(tmp_path / "m16"), "--dtype", "bfloat16")
+    rc, stats, err = run_verify(tmp_path, "--hf", str(hf), "--mcore", str(tmp_path / "m16"), "--dtype", "bfloat16")
     assert rc == 0, err
     assert stats["top1_agreement"] >= 0.95 and stats["max_abs_diff"] <= stats["atol"]
     assert 1e-4 < stats["atol"] and stats["max_abs_diff"] > 0  # bf16 arithmetic differs: fp32's 1e-4 is wrong
 
-    rc, _, err = _verify(tmp_path, "--hf", str(hf), "--mcore", str(tmp_path / "m16"), "--dtype", "float32")
+    rc, _, err = run_verify(tmp_path, "--hf", str(hf), "--mcore", str(tmp_path / "m16"), "--dtype", "float32")
     assert rc == 2 and "verify --dtype bfloat16" in err and "Traceback" not in err
 
 
@@ -59,10 +42,10 @@ def test_verify_defaults_to_the_checkpoints_dtype_and_names_torchrun(tmp_path):
     save_tiny_hf_model(hf, seed=3)
     convert_hf_to_mcore(hf, tmp_path / "m16", ParallelLayout(), dtype=__import__("torch").bfloat16)
     assert checkpoint_dtype(hf, None) == "float32" and checkpoint_dtype(hf, str(tmp_path / "m16")) == "bfloat16"
-    rc, stats, err = _verify(tmp_path, "--hf", str(hf), "--mcore", str(tmp_path / "m16"))
+    rc, stats, err = run_verify(tmp_path, "--hf", str(hf), "--mcore", str(tmp_path / "m16"))
     assert rc == 0 and "comparing logits in bfloat16" in err and stats["top1_agreement"] >= 0.95, err
     with pytest.raises(WeightsError, match="run under torchrun --nproc_per_node 4 -m conversion.verify"):
         check_world(1, 2, 2)
     check_world(8, 2, 2)
-    rc, _, err = _verify(tmp_path, "--hf", str(hf), "--tp", "2", "--pp", "2")
+    rc, _, err = run_verify(tmp_path, "--hf", str(hf), "--tp", "2", "--pp", "2")
     assert rc == 2 and "torchrun --nproc_per_node 4" in err and "Traceback" not in err

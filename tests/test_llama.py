@@ -6,17 +6,12 @@ tied embeddings, positions past the original context) and bf16, the refusals, an
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from conversion_helpers import assert_round_trip, assert_verify_fp32_tp2_pp2_and_bf16, load_dir
 
-from conversion.hf_to_mcore import convert_hf_to_mcore
-from conversion.mcore_to_hf import convert_mcore_to_hf
 from conversion.synthetic import build_tiny_hf_model, save_tiny_hf_model, tiny_hf_config
 from dapo_mcore.model.hf_config import HFConfigError, QwenShape
 from dapo_mcore.model.presets import preset_config
@@ -24,14 +19,6 @@ from dapo_mcore.weights import ParallelLayout, get_mapping
 
 pytestmark = pytest.mark.unit
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _load_dir(path: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out.update(load_file(os.fspath(f)))
-    return out
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
@@ -112,28 +99,10 @@ def test_megatron_names_and_shapes_match_the_table():
 
 @pytest.mark.parametrize("tp,pp,vpp,spec", [(2, 1, 1, "local"), (2, 2, 2, "local"), (1, 2, 1, "transformer_engine")])
 def test_round_trip_is_bit_identical(llama_dir, tmp_path, tp, pp, vpp, spec):
-    ref = _load_dir(llama_dir)
-    convert_hf_to_mcore(llama_dir, tmp_path / "mcore", ParallelLayout(tp=tp, pp=pp, vpp=vpp, layer_spec=spec))
-    convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "back", max_shard_bytes=100_000)
-    got = _load_dir(tmp_path / "back")
-    assert sorted(got) == sorted(ref)
-    for name, tensor in ref.items():
-        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+    assert_round_trip(llama_dir, tmp_path, ParallelLayout(tp=tp, pp=pp, vpp=vpp, layer_spec=spec), 100_000)
     back_cfg = json.loads((tmp_path / "back" / "config.json").read_text())
     assert QwenShape.from_hf(back_cfg).rope_scaling == (4.0, 1.0, 4.0, 16)  # the scaling survives the trip
 
-
-def _verify(tmp_path: Path, *args: str, nproc: int = 1) -> tuple[int, dict, str]:
-    out = tmp_path / f"verify{len(list(tmp_path.glob('verify*.json')))}.json"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        env.pop(k, None)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)] if nproc > 1 \
-        else [sys.executable]
-    proc = subprocess.run([*launcher, "-m", "conversion.verify", *args, "--json", str(out)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
-    stats = json.loads(out.read_text()) if out.exists() else {}
-    return proc.returncode, stats, proc.stderr[-3000:]
 
 
 def test_verify_against_hf_llama_fp32_tp2_pp2_tied_and_bf16(tmp_path):
@@ -156,13 +125,7 @@ def test_verify_against_hf_llama_fp32_tp2_pp2_tied_and_bf16(tmp_path):
             other.load_state_dict(model.state_dict())
             assert (other(ids).logits - ref).abs().max() > 1e-3, rope  # 100x the tolerance below
 
-    rc, stats, err = _verify(tmp_path, "--hf", str(hf), "--tp", "2", "--pp", "2", "--seq-len", "24", nproc=4)
-    assert rc == 0, err
-    assert stats["max_abs_diff"] < 1e-5 and stats["top1_agreement"] == 1.0, stats
-
-    rc, stats, err = _verify(tmp_path, "--hf", str(hf), "--dtype", "bfloat16", "--seq-len", "24")
-    assert rc == 0, err
-    assert stats["top1_agreement"] >= 0.95 and 0 < stats["max_abs_diff"] <= stats["atol"], stats
+    assert_verify_fp32_tp2_pp2_and_bf16(tmp_path, hf)
 
 
 REFUSED = [
@@ -222,7 +185,7 @@ def test_torch_dist_carries_the_llama3_factor_and_refuses_what_megatron_lm_canno
     assert not args.untie_embeddings_and_output_weights
     assert mcore_to_hf_main(["--format", "torch_dist", "--mcore", str(tmp_path / "td"), "--hf-config",
                              str(tmp_path / "hf"), "--out", str(tmp_path / "back"), "--no-progress"]) == 0
-    ref, got = _load_dir(tmp_path / "hf"), _load_dir(tmp_path / "back")
+    ref, got = load_dir(tmp_path / "hf"), load_dir(tmp_path / "back")
     assert sorted(ref) == sorted(got) and all(torch.equal(ref[k], got[k]) for k in ref)
 
     save_tiny_hf_model(tmp_path / "hf16", seed=3, preset="tiny-llama")  # original context 16

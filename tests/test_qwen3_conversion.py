@@ -5,32 +5,18 @@ round trips bit-exact at TP/PP/VPP and both layer specs, and ``verify``'s logit 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from conversion_helpers import assert_round_trip, assert_verify_fp32_tp2_pp2_and_bf16, load_dir
 
-from conversion.hf_to_mcore import convert_hf_to_mcore
-from conversion.mcore_to_hf import convert_mcore_to_hf
 from conversion.synthetic import build_tiny_hf_model, save_tiny_hf_model, tiny_hf_config
 from dapo_mcore.weights import ParallelLayout, get_mapping
 from dapo_mcore.weights.checkpoint import read_megatron_rank
 
 pytestmark = pytest.mark.unit
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _load_dir(path: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out.update(load_file(os.fspath(f)))
-    return out
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
@@ -79,31 +65,13 @@ def test_megatron_names_and_shapes_match_the_table():
 
 @pytest.mark.parametrize("tp,pp,vpp,spec", [(2, 1, 1, "local"), (2, 2, 2, "local"), (1, 2, 1, "transformer_engine")])
 def test_round_trip_is_bit_identical(qwen3_dir, tmp_path, tp, pp, vpp, spec):
-    ref = _load_dir(qwen3_dir)
-    convert_hf_to_mcore(qwen3_dir, tmp_path / "mcore", ParallelLayout(tp=tp, pp=pp, vpp=vpp, layer_spec=spec))
-    convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "back", max_shard_bytes=50_000)
-    got = _load_dir(tmp_path / "back")
-    assert sorted(got) == sorted(ref)
-    for name, tensor in ref.items():
-        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+    mcore = assert_round_trip(qwen3_dir, tmp_path, ParallelLayout(tp=tp, pp=pp, vpp=vpp, layer_spec=spec), 50_000)
     if (tp, pp, spec) == (2, 1, "local"):  # the q/k norms are replicated, whole, on every TP rank
+        k_norm = load_dir(qwen3_dir)["model.layers.1.self_attn.k_norm.weight"]
         for tp_rank in range(2):
-            sd = read_megatron_rank(tmp_path / "mcore", tp_rank, 0)
-            assert torch.equal(sd["decoder.layers.1.self_attention.k_layernorm.weight"],
-                               ref["model.layers.1.self_attn.k_norm.weight"])
+            sd = read_megatron_rank(mcore, tp_rank, 0)
+            assert torch.equal(sd["decoder.layers.1.self_attention.k_layernorm.weight"], k_norm)
 
-
-def _verify(tmp_path: Path, *args: str, nproc: int = 1) -> tuple[int, dict, str]:
-    out = tmp_path / f"verify{len(list(tmp_path.glob('verify*.json')))}.json"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        env.pop(k, None)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)] if nproc > 1 \
-        else [sys.executable]
-    proc = subprocess.run([*launcher, "-m", "conversion.verify", *args, "--json", str(out)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
-    stats = json.loads(out.read_text()) if out.exists() else {}
-    return proc.returncode, stats, proc.stderr[-3000:]
 
 
 def test_verify_against_hf_qwen3_fp32_tp2_pp2_and_bf16(tmp_path):
@@ -118,13 +86,7 @@ def test_verify_against_hf_qwen3_fp32_tp2_pp2_and_bf16(tmp_path):
         no_norm = model(ids).logits
     assert (ref - no_norm).abs().max() > 1e-2  # so fp32's 1e-4 below cannot pass with the norms dropped
 
-    rc, stats, err = _verify(tmp_path, "--hf", str(hf), "--tp", "2", "--pp", "2", "--seq-len", "24", nproc=4)
-    assert rc == 0, err
-    assert stats["max_abs_diff"] < 1e-5 and stats["top1_agreement"] == 1.0, stats
-
-    rc, stats, err = _verify(tmp_path, "--hf", str(hf), "--dtype", "bfloat16", "--seq-len", "24")
-    assert rc == 0, err
-    assert stats["top1_agreement"] >= 0.95 and 0 < stats["max_abs_diff"] <= stats["atol"], stats
+    assert_verify_fp32_tp2_pp2_and_bf16(tmp_path, hf)
 
 
 def test_torch_dist_round_trip_carries_qk_layernorm(qwen3_dir, tmp_path):
@@ -138,5 +100,5 @@ def test_torch_dist_round_trip_carries_qk_layernorm(qwen3_dir, tmp_path):
     assert args.qk_layernorm and not args.add_qkv_bias and args.kv_channels == 32
     assert mcore_to_hf_main(["--format", "torch_dist", "--mcore", str(tmp_path / "td"), "--hf-config", str(qwen3_dir),
                              "--out", str(tmp_path / "back"), "--no-progress"]) == 0
-    ref, got = _load_dir(qwen3_dir), _load_dir(tmp_path / "back")
+    ref, got = load_dir(qwen3_dir), load_dir(tmp_path / "back")
     assert sorted(ref) == sorted(got) and all(torch.equal(ref[k], got[k]) for k in ref)
