@@ -26,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -107,6 +108,21 @@ class Plain:
         return float(loss)
 
 
+def time_runners(runners: dict[str, dict[str, Callable[[], object]]], warmup: int,
+                 reps: int) -> dict[tuple[str, str, str], list[float]]:
+    """Every ``runners[kind][variant]()`` call timed in turn, ``warmup`` rounds discarded then ``reps`` kept:
+    ``{(kind, variant, "wall" | "cpu"): [seconds per kept round]}``."""
+    times: dict[tuple[str, str, str], list[float]] = {}
+    for rep in range(warmup + reps):
+        for kind, variants in runners.items():
+            for variant, fn in variants.items():
+                wall, cpu = _timed(fn)
+                if rep >= warmup:
+                    times.setdefault((kind, variant, "wall"), []).append(wall)
+                    times.setdefault((kind, variant, "cpu"), []).append(cpu)
+    return times
+
+
 def make_actor(hf_dir: Path, hf_config: dict, attention: str, tokens: int):
     from dapo_mcore.actor.megatron_actor import ActorSettings, MegatronActor
     from dapo_mcore.algo.config import AlgoConfig
@@ -154,14 +170,7 @@ def bench_model(name: str, overrides: dict, args, work: Path, device: torch.devi
                                                   for a, x in actors.items()}},
                "logprob": {"plain": plain.logprobs, **{a: (lambda x=x: x.compute_logprobs(samples))
                                                        for a, x in actors.items()}}}
-    times: dict[tuple[str, str, str], list[float]] = {}
-    for rep in range(args.warmup + args.reps):
-        for kind, variants in runners.items():
-            for variant, fn in variants.items():
-                wall, cpu = _timed(fn)
-                if rep >= args.warmup:
-                    times.setdefault((kind, variant, "wall"), []).append(wall)
-                    times.setdefault((kind, variant, "cpu"), []).append(cpu)
+    times = time_runners(runners, args.warmup, args.reps)
     out = {}
     print(f"[{name}] hidden {hf_config['hidden_size']}, {hf_config['num_hidden_layers']} layers, "
           f"{hf_config['num_attention_heads']}/{hf_config['num_key_value_heads']} heads, vocab "

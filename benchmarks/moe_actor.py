@@ -32,7 +32,7 @@ MOE = dict(vocab_size=2000, hidden_size=256, intermediate_size=768, moe_intermed
 
 
 def run(args) -> dict[str, float]:
-    from actor_overhead import LR, Plain, _timed, make_actor, make_batch
+    from actor_overhead import LR, Plain, make_actor, make_batch, time_runners
 
     from conversion.synthetic_moe import save_tiny_moe_model, tiny_moe_config
 
@@ -54,14 +54,7 @@ def run(args) -> dict[str, float]:
     print(f"log-prob max |actor - plain| = {diff:.2e} ({len(samples)} sequences, {tokens} tokens)", flush=True)
     runners = {"train": {"plain": plain.train, "actor": lambda: actor.train_mini_batch(samples, LR)},
                "logprob": {"plain": plain.logprobs, "actor": lambda: actor.compute_logprobs(samples)}}
-    times: dict[tuple[str, str, str], list[float]] = {}
-    for rep in range(args.warmup + args.reps):
-        for kind, variants in runners.items():
-            for variant, fn in variants.items():
-                wall, cpu = _timed(fn)
-                if rep >= args.warmup:
-                    times.setdefault((kind, variant, "wall"), []).append(wall)
-                    times.setdefault((kind, variant, "cpu"), []).append(cpu)
+    times = time_runners(runners, args.warmup, args.reps)
     out = {}
     for kind in runners:
         for clock in ("cpu", "wall"):
