@@ -69,25 +69,27 @@ def test_k2_kill9_of_a_trainer_or_an_engine_rank_resumes_exactly(reference_k2, c
 
 PARTIAL = ("rollout.pipeline.engine_ranks=2", "rollout.pipeline.max_staleness=2", "rollout.schedule.streaming=true",
            "rollout.schedule.stream_chunk_prompts=16", "rollout.schedule.partial=true",
-           "rollout.schedule.exchange_every=2", "train.prompts_per_step=4")
+           "rollout.schedule.exchange_every=2", "train.prompts_per_step=4", "rollout.schedule.order=completion")
 
 
 @pytest.mark.e2e
 def test_k2_partial_rollouts_continue_across_a_weight_update_and_resume_exactly(cli_env, tmp_path):
-    """Prefixes sampled by version k - 2 are continued by version k - 1 after the update between the two batches: a
-    trained response holds tokens of both; kill -9 of an engine rank mid-generation resumes to the same record."""
+    """Step 4's batch (version 2) continues groups batch 3 (version 1) aborted in flight, after the update between the
+    two batches: a trained response holds tokens of both, at lags 2 and 1; kill -9 of engine rank 0 as it starts
+    batch 4 resumes to the same record."""
     from dapo_mcore.telemetry.rollout_store import ROLLOUTS_DIR, RolloutReader
 
     ref, run = tmp_path / "reference", tmp_path / "run"
-    proc = _train(ref, cli_env, 3, 3, *PARTIAL)
+    proc = _train(ref, cli_env, 4, 3, *PARTIAL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = _rows(ref)
-    assert rows[3]["staleness/tokens_lag_1"] > 0 and rows[3]["staleness/tokens_lag_2"] > 0, rows[3]
-    kept = [r for r in RolloutReader(ref / ROLLOUTS_DIR).read_step(3) if r.kept]
-    assert any(0 < r.stale_tokens < r.response_len for r in kept)  # version 0's prefix, version 1's tail
-    killed = _train(run, cli_env, 3, 3, *PARTIAL, fault="generate:2@2")
+    assert rows[4]["staleness/tokens_lag_1"] > 0 and rows[4]["staleness/tokens_lag_2"] > 0, rows[4]
+    assert all(r["staleness/tokens_lag_0"] == 0 for s, r in rows.items() if s > 1)  # never fresher than one behind
+    kept = [r for r in RolloutReader(ref / ROLLOUTS_DIR).read_step(4) if r.kept]
+    assert any(0 < r.stale_tokens < r.response_len for r in kept)  # version 1's prefix, version 2's tail
+    killed = _train(run, cli_env, 4, 3, *PARTIAL, fault="generate:3@2")
     assert killed.returncode != 0 and "killing this process (SIGKILL)" in killed.stderr, killed.stderr[-3000:]
-    resumed = _train(run, cli_env, 3, 3, *PARTIAL)
+    resumed = _train(run, cli_env, 4, 3, *PARTIAL)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "loaded checkpoint" in resumed.stderr
     _same(ref, run, (*EXACT, "staleness/tokens_lag_1", "staleness/tokens_lag_2", "sampling/tokens_stale_kept"))
