@@ -417,7 +417,9 @@ def test_partial_rollouts_buffer_aborted_groups_and_continue_them_first_next_ste
     again.load_state_dict(state)
     assert [(b.index, b.step, b.group.index) for b in again.partials.items] == buffered
     pos = buffered[0][2]
-    assert again.partials.items[0].group.responses == [Response([pos, j], [-0.5, -0.25], "length") for j in range(N)]
+    # each buffered token keeps the version that sampled it (step 0's) through the checkpoint
+    assert again.partials.items[0].group.responses == [Response([pos, j], [-0.5, -0.25], "length", versions=[(0, 2)])
+                                                       for j in range(N)]
     with pytest.raises(ValueError, match="no resume callback"):
         again.collect(FakeEngine(), _merge, step=1)
 
