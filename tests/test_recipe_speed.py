@@ -20,9 +20,18 @@ def test_paper_overrides_give_the_published_sync_loop(recipe):
     assert variants_of(cfg)[0] == "today"
 
 
+@pytest.mark.parametrize("recipe,preset", [("examples/qwen2.5-32b-fp8.yaml", "qwen2.5-32b"),
+                                           ("examples/qwen3-32b-fp8.yaml", "qwen3-32b")])
+def test_shipped_dense_recipes_are_priced_as_completion_order_partial_rollouts(recipe, preset):
+    assert variants_of(load(recipe, preset, []))[0] == "sync_partial_done"
+    assert variants_of(load(recipe, preset, PAPER_SYNC))[0] == "today"
+
+
 def test_streaming_partial_recipe_is_priced_as_its_own_variant():
+    # (the recipe ships completion order: prompt order spelled out)
     shipped = load("examples/qwen2.5-32b-fp8.yaml", "qwen2.5-32b",
-                   ["rollout.schedule.streaming=true", "rollout.schedule.partial=true", "algo.tis_cap=2.0"])
+                   ["rollout.schedule.streaming=true", "rollout.schedule.partial=true", "algo.tis_cap=2.0",
+                    "rollout.schedule.order=prompt"])
     assert variants_of(shipped)[0] == "sync_partial_rr"
 
 
