@@ -85,3 +85,14 @@ def test_plan_rank_variants_needs_a_vllm_config(capsys):
         main(["--model", "tiny", "--rank-variants"])
     assert err.value.code == 2
     assert "--rank-variants prices vLLM engines of a project config" in capsys.readouterr().err
+
+
+def test_plan_rank_variants_refuses_the_moe_recipe_in_one_line(capsys):
+    # 3B active parameters decode faster per sequence in a full engine than the step model's lone dense sequence:
+    # the decode model cannot be built, and the user gets one line, not a traceback.
+    from dapo_mcore.commands.plan import main
+    from dapo_mcore.errors import UserError
+
+    with pytest.raises(UserError, match="--rank-variants cannot price this recipe's engines: .* an MoE"):
+        main(["examples/qwen3-30b-a3b.yaml", "model.hf_path=null", "model.preset=qwen3-30b-a3b", "--nodes", "16",
+              "--rank-variants", "--rank-steps", "1"])
