@@ -64,8 +64,9 @@ class ScheduleConfig:
     partial: bool = UNSET
     """Partial rollouts (off-policy, streaming only): the groups still in flight when a streamed step fills are kept
     as far as they got (tokens and the engine's log-probs) and continued first thing at the next step, by the new
-    policy, instead of being thrown away. Their earlier tokens are one policy version old (the staleness bound is one
-    step, by construction: everything kept is continued at the very next step) and are corrected by an off-policy
+    policy, instead of being thrown away. Their earlier tokens are one batch older than the batch that continues them
+    (everything kept is continued at the very next step; one policy version in sync mode, up to
+    rollout.pipeline.max_staleness in async mode) and are corrected by an off-policy
     correction: needs algo.tis_cap or algo.rollout_correction. Counted in sampling/groups_resumed, sampling/tokens_stale_kept
     (trained tokens an older policy sampled) and sampling/tokens_partial_buffered."""
 

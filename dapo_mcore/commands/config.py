@@ -115,11 +115,13 @@ def _process_lines(cfg: Config, world_size: int) -> list[str]:
                 f"rollout engine: {r.engine}, {world_size // engine_tp} engine group(s) of {engine_tp} process(es), "
                 "colocated with the trainer (rollout.pipeline.mode=sync)"]
     engines = r.pipeline.engine_ranks
+    lead = r.pipeline.max_staleness - (1 if r.schedule.partial else 0)
+    ahead = "step n+1" if lead == 1 else f"steps n+1 .. n+{lead}"
     return [f"processes: {world_size} = {trainers} trainer ranks (0-{trainers - 1}) + {engines} engine ranks "
             f"({trainers}-{world_size - 1}), rollout.pipeline.mode=async",
             f"trainer: {trainers} = {layout}",
             f"engines: {engines} = {engines // engine_tp} {r.engine} engine(s) (data parallel) x tensor parallel "
-            f"{engine_tp}; they generate step n+1 while the trainer trains step n (max_staleness "
+            f"{engine_tp}; they generate {ahead} while the trainer trains step n (max_staleness "
             f"{r.pipeline.max_staleness}, weights in {r.pipeline.bucket_mb:g} MiB buckets)"]
 
 

@@ -70,7 +70,9 @@ def sync_step(phases: Phases) -> StepTime:
 
 
 def async_step(generation_next: float, trainer: Phases, transfer: float) -> StepTime:
-    """One asynchronous period: batch k+1 generated (``generation_next`` s) while the trainer works on batch k."""
+    """One asynchronous period: batch k+1 generated (``generation_next`` s) while the trainer works on batch k
+    (one-step-off, ``rollout.pipeline.max_staleness`` 1; a larger bound lets the engines run further ahead and
+    absorb a slow batch, which this steady-state period does not model: its mean step time is the same)."""
     work = trainer.trainer
     phases = Phases(generation_next, trainer.old_logprobs, trainer.train, transfer)
     return StepTime(phases, max(generation_next, work) + transfer, max(0.0, generation_next - work),

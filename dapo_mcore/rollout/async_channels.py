@@ -39,22 +39,44 @@ class BatchSender:
         self._send, self._pack = send, pack
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
+        self._delivered = -1
+        """The step of the last batch the trainer has received."""
+        self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="dapo-engine-sender", daemon=True)
         self._thread.start()
 
     def put(self, message: dict[str, Any]) -> None:
         """Packed now (the message may hold state that changes after this call), sent when the trainer reads."""
+        self._raise()
+        step = message["step"] if message["kind"] == "batch" else None
+        self._queue.put((step, self._pack(message)))
+
+    def wait_delivered(self, step: int) -> None:
+        """Until the trainer has received batch ``step`` (it reads it right after publishing the version the engines
+        just took, so this is short): the trainer then holds every batch the engines lead it by, whatever happens to
+        the engines next (a checkpoint after that step has them)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._delivered >= step or self._error is not None)
+        self._raise()
+
+    def _raise(self) -> None:
         if self._error is not None:
             raise RuntimeError(f"sending to the trainer failed: {self._error}") from self._error
-        self._queue.put(self._pack(message))
 
     def _run(self) -> None:
-        while (packed := self._queue.get()) is not None:
+        while (item := self._queue.get()) is not None:
+            step, packed = item
             try:
                 self._send(packed)
             except Exception as exc:  # noqa: BLE001 - the trainer is gone or failed; the loop learns at its next put
-                self._error = exc
+                with self._cond:
+                    self._error = exc
+                    self._cond.notify_all()
                 return
+            if step is not None:
+                with self._cond:
+                    self._delivered = step
+                    self._cond.notify_all()
 
     def close(self, timeout: float) -> bool:
         """Wait (at most ``timeout`` seconds) for the queue to drain; False when messages nobody read are left (a

@@ -103,12 +103,14 @@ class EngineLoop:
         steps = self.cfg.train.steps
         # A fresh start generates batch 0; a resume after s steps has batches s .. s + n - 1 in the checkpoint, so
         # s + n (n = 0 for a finished run's last checkpoint whose train.steps was raised: then batch s).
-        k = self.version + int(header.get("pending") or 0)
+        k = first = self.version + int(header.get("pending") or 0)
         if self.lead > 1:  # versions arrive while the engines generate, up to D - 1 ahead of the one they hold
             self._versions = VersionReceiver(lambda: self._receive(staged=True), self.lead - 1, _Stop)
         while k < steps:
             while self.version < k - self.lead:  # version k - D: published after step k - D - 1
                 self._take()
+            if self._sender is not None and k - self.lead >= first:  # the trainer reads it once it published k - D
+                self._sender.wait_delivered(k - self.lead)
             faults.point("generate", k)
             self.rollouts.version = self.version
             try:
