@@ -33,6 +33,9 @@ last line,
 more than that noise below the baseline's (1.00 when none is).
 
     OMP_NUM_THREADS=1 python benchmarks/staleness_study.py --steps 40 --seeds 1 2 [--out DIR] [--reuse]
+
+Two seeds (~10 min on 2 shared cores) can underestimate the noise badly: on this task the baseline's seeds 1 and 2
+agreed to 0.002 while seeds 3 and 4 moved it by 0.03; ``--seeds 1 2 3 4`` (~20 min) is what the recipes followed.
 """
 
 from __future__ import annotations
