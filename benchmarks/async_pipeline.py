@@ -1,10 +1,15 @@
 """Today's synchronous loop vs the async mode, same processes, same steps, side by side.
 
 For each task (``max4``: examples/tiny_cpu.yaml; ``chain``: examples/tiny_cpu_chain.yaml, whose response lengths
-vary), two real CLI runs on ``--nproc`` gloo processes:
+vary; ``tail``: the chain task with ``rollout.max_new_tokens=160``, so the responses that ramble without answering run
+to 160 tokens while the answered ones end at 9-31: a long-tailed length distribution, and batches whose generation
+time varies with how many rambles they draw), real CLI runs on ``--nproc`` gloo processes:
 - ``sync``: every process trains (data parallel) and generates (its own engine group), one phase after the other;
 - ``async``: ``--nproc - 1`` trainer processes and one engine process; the engine generates step n+1's batch with
   the policy after step n-1 while the trainer trains step n (algo.tis_cap=2 corrects the lag);
+- ``async-k2`` / ``async-k4``: the same processes as ``async`` with bounded staleness
+  (``rollout.pipeline.max_staleness`` 2 / 4): the engine runs up to 2 / 4 batches ahead, so a slow batch is absorbed
+  by the ones generated before it;
 - ``async2``: the same ``--nproc - 1`` trainer processes beside two engine ranks (two engine groups; one process
   more);
 - ``async2-inline``: the same, with the trainer waiting for each evaluation after its step
@@ -13,7 +18,9 @@ vary), two real CLI runs on ``--nproc`` gloo processes:
 Per run: wall seconds of the steps (the sum of ``time/step``: set-up excluded), held-out avg@4 at the end, the lag
 of the trained tokens, and for async the share of generation hidden behind training. Run from the repository root:
 ``.venv/bin/python benchmarks/async_pipeline.py [--steps 40] [--nproc 2]``.
-Last line: ``async_over_sync_wall: X`` = sync wall / async wall on the chain task (> 1: async is faster).
+The line before the last: ``bounded_over_one_step_off: X`` = async wall / async-k2 wall (async-k4 without k2) on the
+last task that ran both (> 1: bounded staleness is faster). Last line: ``async_over_sync_wall: X`` = sync wall /
+async wall on the chain task (> 1: async is faster).
 """
 
 from __future__ import annotations
@@ -27,8 +34,14 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = {"max4": ROOT / "examples" / "tiny_cpu.yaml", "chain": ROOT / "examples" / "tiny_cpu_chain.yaml"}
+CONFIGS = {"max4": ROOT / "examples" / "tiny_cpu.yaml", "chain": ROOT / "examples" / "tiny_cpu_chain.yaml",
+           "tail": ROOT / "examples" / "tiny_cpu_chain.yaml"}
+TASK_OVERRIDES = {"tail": ("rollout.max_new_tokens=160",)}
 MODES = {"sync": (), "async": ("rollout.pipeline.mode=async", "rollout.pipeline.engine_ranks=1"),
+         "async-k2": ("rollout.pipeline.mode=async", "rollout.pipeline.engine_ranks=1",
+                      "rollout.pipeline.max_staleness=2"),
+         "async-k4": ("rollout.pipeline.mode=async", "rollout.pipeline.engine_ranks=1",
+                      "rollout.pipeline.max_staleness=4"),
          "async2": ("rollout.pipeline.mode=async", "rollout.pipeline.engine_ranks=2"),
          "async2-inline": ("rollout.pipeline.mode=async", "rollout.pipeline.engine_ranks=2")}
 
@@ -36,7 +49,7 @@ MODES = {"sync": (), "async": ("rollout.pipeline.mode=async", "rollout.pipeline.
 def run(task: str, mode: str, steps: int, nproc: int, out: Path, eval_every: int,
         overrides: list[str]) -> dict[str, float]:
     run_dir = out / f"{task}-{mode}"
-    extra = list(MODES[mode])
+    extra = [*TASK_OVERRIDES.get(task, ()), *MODES[mode]]
     procs = nproc + 1 if mode.startswith("async2") else nproc  # the second engine rank is one process more
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "-m", "dapo_mcore.cli",
            "train", str(CONFIGS[task]), f"run.dir={run_dir}", f"train.steps={steps}", "checkpoint.every=0",
@@ -77,7 +90,7 @@ def main() -> None:
                 results[task, mode] = run(task, mode, args.steps, args.nproc, Path(tmp), args.eval_every,
                                           args.overrides)
                 r = results[task, mode]
-                print(f"{task:6s} {mode:5s} wall {r['wall_s']:7.1f} s (eval {r['eval_s']:5.1f} s)  held-out "
+                print(f"{task:6s} {mode:8s} wall {r['wall_s']:7.1f} s (eval {r['eval_s']:5.1f} s)  held-out "
                       f"avg@4 {r['base_avg_at_4']:.3f} -> {r['avg_at_4']:.3f}  lag {r['lag_mean']:.2f}  "
                       f"trainer waited {r['trainer_wait_s']:6.1f} s  overlap {r['overlap']:.2f}  trainer on evals "
                       f"{r['trainer_eval_s']:5.1f} s", flush=True)
@@ -92,6 +105,16 @@ def main() -> None:
             print(f"{task}: eval overlap (2 engine ranks): the trainer's seconds on evaluations {before['trainer_eval_s']:.1f} "
                   f"-> {after['trainer_eval_s']:.1f} (engines evaluated {after['engine_eval_s']:.1f} s); wall "
                   f"{before['wall_s']:.1f} -> {after['wall_s']:.1f} s ({before['wall_s'] / after['wall_s']:.2f}x)")
+    bounded = [(t, m) for t in args.tasks.split(",") for m in ("async-k2", "async-k4")
+               if (t, m) in results and (t, "async") in results]
+    for task, mode in bounded:
+        print(f"{task}: one-step-off/{mode} wall {results[task, 'async']['wall_s'] / results[task, mode]['wall_s']:.2f}x"
+              f"; trainer waited {results[task, 'async']['trainer_wait_s']:.1f} -> "
+              f"{results[task, mode]['trainer_wait_s']:.1f} s; lag {results[task, mode]['lag_mean']:.2f}")
+    if bounded:  # the last task's K = 2 (or K = 4 where K = 2 did not run)
+        task = bounded[-1][0]
+        mode = "async-k2" if (task, "async-k2") in results else "async-k4"
+        print(f"bounded_over_one_step_off: {results[task, 'async']['wall_s'] / results[task, mode]['wall_s']:.3f}")
     last = "chain" if ("chain", "sync") in results else args.tasks.split(",")[-1]
     print(f"async_over_sync_wall: {results[last, 'sync']['wall_s'] / results[last, 'async']['wall_s']:.3f}")
 

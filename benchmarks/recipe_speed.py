@@ -37,9 +37,11 @@ from dapo_mcore.plan.step_model import (  # noqa: E402
     variants_of,
 )
 
-PAPER_SYNC = ["rollout.pipeline.mode=sync", "rollout.schedule.streaming=false", "rollout.schedule.partial=false",
-              "rollout.schedule.adaptive=false", "rollout.schedule.stage_responses=0", "rollout.schedule.history=false"]
-"""Overrides that turn any recipe into DAPO's published synchronous batch-and-filter loop."""
+PAPER_SYNC = ["rollout.pipeline.mode=sync", "rollout.schedule.preset=paper", "rollout.schedule.streaming=false",
+              "rollout.schedule.order=prompt", "rollout.schedule.partial=false", "rollout.schedule.adaptive=false",
+              "rollout.schedule.stage_responses=0", "rollout.schedule.history=false"]
+"""Overrides that turn any recipe into DAPO's published synchronous batch-and-filter loop (the preset, and every
+switch spelled out, so a recipe that sets a switch beside its preset is covered too)."""
 
 
 def load(path: str, preset: str, extra: list[str]):

@@ -146,7 +146,7 @@ class Trainer:
                     mask = torch.zeros(resp.length)
                 samples.append(TrainSample(g.prompt_ids, list(resp.token_ids), float(adv[gi, ri]), loss_mask=mask,
                                            extra={"engine_logp": torch.tensor(resp.logprobs, dtype=torch.float32),
-                                                  "stale_tokens": resp.stale_tokens,
+                                                  "stale_tokens": resp.stale_tokens, "versions": resp.versions,
                                                   "routed_experts": resp.routed_experts}))
         return samples
 
@@ -245,7 +245,7 @@ class Trainer:
             if late is not None:
                 metrics.update(self._eval_metrics(late[1], late[0]))
         elif self.cfg.rollout.schedule.partial:  # sync: partial prefixes are one step old, the rest fresh
-            metrics.update(self._sync_staleness(samples))
+            metrics.update(staleness.metrics(staleness.histogram(self._lags(samples, self.step)), 1))
         from dapo_mcore.telemetry.perf import StepWork
 
         work = StepWork.of(self.p.actor.s.hf_config, [len(s.prompt_ids) + len(s.response_ids) for s in samples],
@@ -254,24 +254,21 @@ class Trainer:
         self.p.step_work = work
         return metrics, generated
 
-    @staticmethod
-    def _sync_staleness(samples: list[TrainSample]) -> dict[str, float]:
-        """The synchronous loop with partial rollouts: continued prefixes lag one version, the rest none."""
+    def _lags(self, samples: list[TrainSample], version: int) -> list[tuple[int, int]]:
+        """``(lag, tokens)`` runs of the trained tokens: lag = this step's version (steps done) minus the version that
+        produced the token (``Response.versions``; ``version`` for a response without them)."""
         pairs = []
         for s in samples:
-            stale = int(s.extra.get("stale_tokens", 0))
-            pairs += [(0, len(s.response_ids) - stale), (1, stale)]
-        return staleness.metrics(staleness.histogram(pairs), 1)
+            runs = s.extra.get("versions") or [(version, len(s.response_ids))]
+            assert sum(n for _, n in runs) == len(s.response_ids), (runs, len(s.response_ids))
+            pairs += [(self.step - v, n) for v, n in runs]
+        return pairs
 
     def _pipeline_metrics(self, batch: StepBatch, samples: list[TrainSample]) -> dict[str, float]:
-        """Async mode: how many policy versions the trained tokens lag (a response's first ``stale_tokens`` were
-        sampled by ``prefix_version``, the rest by ``policy_version``), and who waited for whom."""
-        lags, counts = [], []
-        for s in samples:
-            stale = int(s.extra.get("stale_tokens", 0))
-            fresh = len(s.response_ids) - stale
-            lags += [self.step - batch.policy_version, self.step - batch.prefix_version]
-            counts += [fresh, stale]
+        """Async mode: how many policy versions the trained tokens lag (each token's producing version travels with
+        it, ``Response.versions``), the groups dropped for lagging too far, and who waited for whom."""
+        pairs = self._lags(samples, batch.policy_version)
+        lags, counts = [lag for lag, _ in pairs], [n for _, n in pairs]
         tokens = sum(counts)
         lag_max = max((lag for lag, c in zip(lags, counts, strict=True) if c), default=0)
         limit = self.cfg.rollout.pipeline.max_staleness
@@ -282,7 +279,8 @@ class Trainer:
         return {**staleness.metrics(staleness.histogram(zip(lags, counts, strict=True)), limit),
                 "async/lag_mean": sum(lag * c for lag, c in zip(lags, counts, strict=True)) / max(tokens, 1),
                 "async/lag_max": float(lag_max), "async/policy_version": float(batch.policy_version),
-                "async/overlap_frac": hidden, **{f"async/{k}": float(v) for k, v in seconds.items()}}
+                "async/overlap_frac": hidden, "async/dropped_stale_groups": float(batch.stats.groups_dropped_stale),
+                **{f"async/{k}": float(v) for k, v in seconds.items()}}
 
     def _step_metrics(self, groups, generated, stats, samples, tm, mismatch) -> dict[str, Any]:
         from dapo_mcore.algo.metrics import response_length_stats

@@ -70,7 +70,7 @@ def _worker(rank, world, port, queue):
         time.sleep(GENERATE_S)  # a generation longer than the timeout: the trainer must not be in a collective
         engine = _Engine()
         loop = EngineLoop(cfg, None, engine, bridge, [], PhaseTimer())
-        header = loop._receive()
+        header = loop._receive()[0]  # (header, buckets, seconds)
         try:
             loop._receive()
         except _Stop:

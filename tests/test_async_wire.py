@@ -74,10 +74,12 @@ def test_a_resume_with_other_engine_ranks_says_so_in_one_line(caplog):
     from dapo_mcore.rollout.bridge import Role
 
     bridge = types.SimpleNamespace(role=Role(True, 0, 1, 2))
-    pending = pickle.dumps({"step": 2, "state": {"sampler": 1}, "engine_ranks": 1})
+    cfg = types.SimpleNamespace(rollout=types.SimpleNamespace(pipeline=types.SimpleNamespace(max_staleness=1),
+                                                              schedule=types.SimpleNamespace(partial=False)))
+    pending = pickle.dumps({"step": 2, "state": {"sampler": 1}, "engine_ranks": 1})  # one-step-off's older format
     with caplog.at_level(logging.INFO, logger="dapo_mcore.rollout.async_source"):
-        AsyncRollouts(None, bridge, None).resume_from(2, {}, pending)
-        AsyncRollouts(None, types.SimpleNamespace(role=Role(True, 0, 1, 1)), None).resume_from(2, {}, pending)
+        AsyncRollouts(cfg, bridge, None).resume_from(2, {}, pending)
+        AsyncRollouts(cfg, types.SimpleNamespace(role=Role(True, 0, 1, 1)), None).resume_from(2, {}, pending)
     lines = [r.getMessage() for r in caplog.records if "engine_ranks" in r.getMessage()]
     assert len(lines) == 1 and "engine_ranks=2" in lines[0] and "came from 1" in lines[0], lines
 

@@ -23,6 +23,18 @@ def test_config_prints_resolved_config_and_layout(capsys):
     assert "# updates: 4 optimizer step(s) per rollout step (16 / 4 prompts per mini-batch x 1 epoch(s)); " \
            "10 steps = 40 updates" in out
     assert "# run dir: /nonexistent/run (new)" in out
+    assert "# rollout schedule: batch and filter, DAPO's published loop (every rollout.schedule switch off)" in out
+
+
+def test_config_names_the_recipe_schedule_and_the_key_back_to_the_paper_loop(capsys):
+    recipe = [str(ROOT / "examples/qwen2.5-32b-fp8.yaml"), "model.hf_path=null", "model.preset=qwen2.5-32b",
+              "--world-size", "128"]
+    assert main(recipe) == 0
+    assert ("# rollout schedule: streaming + partial rollouts, completion order "
+            "(rollout.schedule.preset=partial_completion); DAPO's published loop: rollout.schedule.preset=paper"
+            in capsys.readouterr().out)
+    assert main([*recipe, "rollout.schedule.preset=paper"]) == 0
+    assert "# rollout schedule: batch and filter, DAPO's published loop" in capsys.readouterr().out
 
 
 def test_config_validates_the_layout_for_a_world_size(capsys):

@@ -20,9 +20,18 @@ def test_paper_overrides_give_the_published_sync_loop(recipe):
     assert variants_of(cfg)[0] == "today"
 
 
+@pytest.mark.parametrize("recipe,preset", [("examples/qwen2.5-32b-fp8.yaml", "qwen2.5-32b"),
+                                           ("examples/qwen3-32b-fp8.yaml", "qwen3-32b")])
+def test_shipped_dense_recipes_are_priced_as_completion_order_partial_rollouts(recipe, preset):
+    assert variants_of(load(recipe, preset, []))[0] == "sync_partial_done"
+    assert variants_of(load(recipe, preset, PAPER_SYNC))[0] == "today"
+
+
 def test_streaming_partial_recipe_is_priced_as_its_own_variant():
+    # (the recipe ships completion order: prompt order spelled out)
     shipped = load("examples/qwen2.5-32b-fp8.yaml", "qwen2.5-32b",
-                   ["rollout.schedule.streaming=true", "rollout.schedule.partial=true", "algo.tis_cap=2.0"])
+                   ["rollout.schedule.streaming=true", "rollout.schedule.partial=true", "algo.tis_cap=2.0",
+                    "rollout.schedule.order=prompt"])
     assert variants_of(shipped)[0] == "sync_partial_rr"
 
 
@@ -76,3 +85,14 @@ def test_plan_rank_variants_needs_a_vllm_config(capsys):
         main(["--model", "tiny", "--rank-variants"])
     assert err.value.code == 2
     assert "--rank-variants prices vLLM engines of a project config" in capsys.readouterr().err
+
+
+def test_plan_rank_variants_refuses_the_moe_recipe_in_one_line(capsys):
+    # 3B active parameters decode faster per sequence in a full engine than the step model's lone dense sequence:
+    # the decode model cannot be built, and the user gets one line, not a traceback.
+    from dapo_mcore.commands.plan import main
+    from dapo_mcore.errors import UserError
+
+    with pytest.raises(UserError, match="--rank-variants cannot price this recipe's engines: .* an MoE"):
+        main(["examples/qwen3-30b-a3b.yaml", "model.hf_path=null", "model.preset=qwen3-30b-a3b", "--nodes", "16",
+              "--rank-variants", "--rank-steps", "1"])

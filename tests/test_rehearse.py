@@ -81,6 +81,16 @@ def test_pipeline_virtual_stages_and_async_engine_ranks_map_to_two():
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("name", ["qwen2.5-32b-fp8.yaml", "qwen3-32b-fp8.yaml"])
+def test_the_dense_recipes_rehearse_their_schedule_and_the_paper_key_drops_it(name):
+    schedule = ("streaming", "partial", "completion order")
+    plan = _plan(name)
+    assert all(s in plan.kept for s in schedule)
+    assert _value(plan, "rollout.schedule.stream_chunk_prompts") == "2"  # a chunk of one prompt per data-parallel rank (DP=2)
+    assert not any(s in _plan(name, "rollout.schedule.preset=paper").kept for s in schedule)
+
+
+@pytest.mark.unit
 def test_a_cpu_recipe_keeps_its_tiny_model_and_one_process():
     plan = _plan("tiny_cpu.yaml")
     assert plan.hf is None and plan.world == 1 and not any(o.startswith("model.hf_path") for o in plan.overrides)

@@ -1,5 +1,6 @@
 """Rollout scheduler: all switches off is the published loop; each switch against a naive reference."""
 
+import dataclasses
 import json
 import math
 import random
@@ -278,6 +279,45 @@ def test_engine_stream_decides_in_prompt_order_not_completion_order(chunk):
     assert stats.tokens_generated == stats.tokens_kept + stats.tokens_rejected
 
 
+def test_presets_fill_the_switches_and_fields_beside_them_win():
+    fast = ScheduleConfig(preset="partial_completion")
+    assert (fast.streaming, fast.partial, fast.order, fast.adaptive, fast.history, fast.stage_responses) == \
+        (True, True, "completion", False, False, 0)
+    # paper = the published loop: equal, switch for switch, to no preset at all
+    assert dataclasses.replace(ScheduleConfig(preset="paper"), preset=None) == ScheduleConfig()
+    # a switch given beside the preset is the user's, also at its plain default
+    assert ScheduleConfig(preset="partial_completion", partial=False).partial is False
+    assert ScheduleConfig(preset="paper", streaming=True).streaming is True
+    with pytest.raises(ValueError, match=r"rollout.schedule.preset='fast' is unknown; use one of paper, partial_completion"):
+        ScheduleConfig(preset="fast").validate(n=8, dynamic_sampling=True)
+
+
+def test_one_key_turns_a_preset_recipe_back_into_the_published_loop(tmp_path):
+    from pathlib import Path
+
+    import yaml
+
+    from dapo_mcore.config import load_config
+    from dapo_mcore.config.tree import to_dict
+
+    recipe = tmp_path / "fast.yaml"
+    tiny = yaml.safe_load((Path(__file__).resolve().parents[1] / "examples" / "tiny_cpu.yaml").read_text())
+    tiny.setdefault("algo", {})["tis_cap"] = 2.0
+    tiny.setdefault("rollout", {})["schedule"] = {"preset": "partial_completion"}
+    recipe.write_text(yaml.safe_dump(tiny))
+    shipped = load_config(recipe)
+    shipped.validate(1)
+    assert (shipped.rollout.schedule.streaming, shipped.rollout.schedule.partial) == (True, True)
+    paper = load_config(recipe, ["rollout.schedule.preset=paper"])
+    paper.validate(1)
+    assert not paper.rollout.schedule.enabled and not paper.rollout.schedule.partial
+    assert paper.rollout.schedule.order == "prompt"
+    # config.yaml records the effective switches beside the name, and reads back to the same schedule
+    written = tmp_path / "config.yaml"
+    written.write_text(yaml.safe_dump(to_dict(shipped)))
+    assert load_config(written).rollout.schedule == shipped.rollout.schedule
+
+
 def test_run_config_refuses_a_bad_schedule_naming_the_key():
     from pathlib import Path
 
@@ -377,7 +417,9 @@ def test_partial_rollouts_buffer_aborted_groups_and_continue_them_first_next_ste
     again.load_state_dict(state)
     assert [(b.index, b.step, b.group.index) for b in again.partials.items] == buffered
     pos = buffered[0][2]
-    assert again.partials.items[0].group.responses == [Response([pos, j], [-0.5, -0.25], "length") for j in range(N)]
+    # each buffered token keeps the version that sampled it (step 0's) through the checkpoint
+    assert again.partials.items[0].group.responses == [Response([pos, j], [-0.5, -0.25], "length", versions=[(0, 2)])
+                                                       for j in range(N)]
     with pytest.raises(ValueError, match="no resume callback"):
         again.collect(FakeEngine(), _merge, step=1)
 

@@ -45,6 +45,20 @@ def test_another_run_is_refused_naming_every_changed_key(tmp_path):
     assert "tensor_parallel" not in msg and "run.overwrite=true" in msg
 
 
+def test_a_schedule_preset_is_its_switches_not_its_name(tmp_path):
+    # A run started with every switch off resumes under rollout.schedule.preset=paper (the same loop, named); a
+    # preset that turns switches on is another run, named by the switches that changed.
+    run_dir = _existing_run(tmp_path)
+    prepare_run_dir(load_config(str(CONFIG), [f"run.dir={run_dir}", "rollout.schedule.preset=paper"]), RANK0)
+    cfg = load_config(str(CONFIG), [f"run.dir={run_dir}", "rollout.schedule.preset=partial_completion",
+                                    "algo.tis_cap=2.0"])
+    with pytest.raises(ConfigError) as err:
+        prepare_run_dir(cfg, RANK0)
+    msg = str(err.value)
+    assert "rollout.schedule.order: 'prompt' -> 'completion'" in msg and "rollout.schedule.partial: False -> True" in msg
+    assert "rollout.schedule.preset" not in msg
+
+
 def test_identity_diff_against_a_naive_walk():
     old = {"algo": {"clip_high": 0.28, "nested": {"a": [1, 2]}}, "train": {"steps": 5, "seed": 1}, "parallel": {"tp": 1}}
     new = {"algo": {"clip_high": 0.28, "nested": {"a": [1, 3], "b": True}}, "train": {"steps": 9, "seed": 2},

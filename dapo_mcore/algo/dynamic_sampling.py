@@ -112,6 +112,11 @@ class SamplingStats:
     """Of tokens_generated, the prefixes of resumed groups: decoded in the previous step, not this one."""
     tokens_partial_buffered: int = 0
     """Tokens of the groups this step aborted and kept for the next one (not yet in tokens_generated)."""
+    groups_dropped_stale: int = 0
+    """Partial groups a step did not continue: their oldest token would have lagged more policy versions than
+    rollout.pipeline.max_staleness allows."""
+    tokens_dropped_stale: int = 0
+    """Their tokens (decoded in an earlier step, in its tokens_partial_buffered; counted as generated, never trained)."""
     _usable_seen: int = field(default=0, repr=False)
 
     @property

@@ -1,21 +1,45 @@
 """Settings of the rollout scheduler (``rollout.schedule``): how a step gathers its usable groups cheaply.
 
 Every switch is off by default, and all off is DAPO's published batch-and-filter loop exactly (same prompts,
-same seeds, same kept groups). Pure configuration: no torch.
+same seeds, same kept groups). ``preset`` names a set of switches: a recipe ships a faster one and
+``rollout.schedule.preset=paper`` brings the published loop back in one key. Pure configuration: no torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["ScheduleConfig"]
+__all__ = ["SCHEDULE_PRESETS", "ScheduleConfig"]
+
+
+class _Unset:
+    """The default of a preset-driven switch: "not given", so the preset fills it (a value given beside a preset,
+    even the plain default, is the user's and wins)."""
+
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+UNSET: Any = _Unset()
+_PLAIN: dict[str, Any] = {"streaming": False, "order": "prompt", "partial": False, "adaptive": False,
+                          "stage_responses": 0, "history": False}
+"""The switches a preset sets, at their values when neither the user nor a preset sets them (all off)."""
+
+SCHEDULE_PRESETS: dict[str, dict[str, Any]] = {
+    "paper": {},
+    "partial_completion": {"streaming": True, "partial": True, "order": "completion"},
+}
+"""Named sets of switches (the others stay off). ``paper``: DAPO's published batch-and-filter loop, every switch off.
+``partial_completion``: streaming with partial rollouts in completion order (off-policy tokens one step old: needs a
+correction such as algo.tis_cap), what the step model ranks fastest for the 32B recipes (docs/rollout.md)."""
 
 
 @dataclass
 class ScheduleConfig:
     """Rollout scheduling switches (see docs/rollout.md, "Rollout cost")."""
 
-    streaming: bool = False
+    streaming: bool = UNSET
     """Generate each round in chunks of ``stream_chunk_prompts`` prompts, decide the groups of each chunk in prompt
     order, and stop as soon as the step holds train.prompts_per_step usable groups: prompts after that point are
     never drawn (they stay for the next step)."""
@@ -24,7 +48,7 @@ class ScheduleConfig:
     """Prompts per streamed chunk (streaming only). Smaller stops closer to the need; larger batches the engine
     better (on GPUs, a few hundred)."""
 
-    order: str = "prompt"
+    order: str = UNSET
     """Streaming: the order the step decides its groups in. ``prompt`` (default): each chunk of
     ``stream_chunk_prompts`` prompts is decided in prompt order and the engines drain between chunks. ``completion``:
     a whole round goes to every engine group at once and the step takes each group as it ends (the engine groups'
@@ -37,15 +61,16 @@ class ScheduleConfig:
     ended (each exchange is a few collectives over all ranks). Smaller stops closer to the need and costs more
     exchanges; the step is a pure function of the seed, the data, the world size and this value."""
 
-    partial: bool = False
+    partial: bool = UNSET
     """Partial rollouts (off-policy, streaming only): the groups still in flight when a streamed step fills are kept
     as far as they got (tokens and the engine's log-probs) and continued first thing at the next step, by the new
-    policy, instead of being thrown away. Their earlier tokens are one policy version old (the staleness bound is one
-    step, by construction: everything kept is continued at the very next step) and are corrected by an off-policy
+    policy, instead of being thrown away. Their earlier tokens are one batch older than the batch that continues them
+    (everything kept is continued at the very next step; one policy version in sync mode, up to
+    rollout.pipeline.max_staleness in async mode) and are corrected by an off-policy
     correction: needs algo.tis_cap or algo.rollout_correction. Counted in sampling/groups_resumed, sampling/tokens_stale_kept
     (trained tokens an older policy sampled) and sampling/tokens_partial_buffered."""
 
-    adaptive: bool = False
+    adaptive: bool = UNSET
     """Size each generation round from the usable-group fraction observed so far instead of a fixed
     rollout.gen_batch_prompts: need / estimated fraction x adaptive_margin, capped at adaptive_max_prompts."""
 
@@ -61,7 +86,7 @@ class ScheduleConfig:
     adaptive_min_fraction: float = 0.05
     """Floor of the usable-fraction estimate, so a run of bad steps cannot ask for unbounded rounds."""
 
-    stage_responses: int = 0
+    stage_responses: int = UNSET
     """Staged groups: generate this many responses (k < rollout.n) of each prompt first and complete only the groups
     whose first k are mixed (they are sure to be usable); groups whose first k agree are skipped and counted
     (sampling/groups_stage_skipped; a bias towards prompts of middling difficulty). 0 = off."""
@@ -70,7 +95,7 @@ class ScheduleConfig:
     """Fraction of stage-skipped groups completed anyway, only to measure the bias: how many of them would have been
     usable (sampling/groups_stage_audit_usable of sampling/groups_stage_audited). They are never trained on."""
 
-    history: bool = False
+    history: bool = UNSET
     """Prompt history (GRESO-like): skip prompts whose recent visits were all right or all wrong, with a probability
     that grows with the streak, is capped by history_max_skip_prob and decays with each skip. Saved in checkpoints."""
 
@@ -83,6 +108,17 @@ class ScheduleConfig:
     history_decay: float = 0.5
     """Each skip multiplies a prompt's skip probability by this (in [0, 1]), until its next visit."""
 
+    preset: str | None = None
+    """A named set of the switches above (SCHEDULE_PRESETS): ``paper`` (DAPO's published loop, all off) or
+    ``partial_completion`` (streaming + partial + order=completion). A switch given beside it overrides it; the
+    switches hold the effective values (what config.yaml records). null: each switch as given, else off."""
+
+    def __post_init__(self) -> None:
+        chosen = SCHEDULE_PRESETS.get(self.preset, {}) if self.preset is not None else {}  # unknown: validate() names it
+        for name, plain in _PLAIN.items():
+            if getattr(self, name) is UNSET:
+                setattr(self, name, chosen.get(name, plain))
+
     @property
     def enabled(self) -> bool:
         """Any switch on (else the trainer runs the published batch-and-filter loop)."""
@@ -90,6 +126,9 @@ class ScheduleConfig:
 
     def validate(self, n: int, dynamic_sampling: bool) -> None:
         """Raise ValueError naming the key and the fix."""
+        if self.preset is not None and self.preset not in SCHEDULE_PRESETS:
+            raise ValueError(f"rollout.schedule.preset={self.preset!r} is unknown; use one of "
+                             f"{', '.join(SCHEDULE_PRESETS)} (or null)")
         if self.enabled and not dynamic_sampling:
             raise ValueError("rollout.schedule switches (streaming, adaptive, stage_responses, history) select usable "
                              "groups for dynamic sampling; set algo.dynamic_sampling=true or turn them off")

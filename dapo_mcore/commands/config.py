@@ -70,12 +70,26 @@ def describe_layout(cfg: Config, world_size: int) -> list[str]:
         + (f", refilled up to {cfg.algo.max_gen_batches} times (dynamic sampling)" if cfg.algo.dynamic_sampling else ""),
         f"updates: {updates} optimizer step(s) per rollout step ({t.prompts_per_step} / {t.mini_batch_prompts} "
         f"prompts per mini-batch x {t.epochs} epoch(s)); {t.steps} steps = {t.steps * updates} updates",
+        _schedule_line(cfg),
         f"learning rate: {cfg.optim.lr:g}, warm-up {cfg.optim.warmup_steps} step(s)",
         f"eval: every {cfg.eval.every} steps, avg@{cfg.eval.k}; checkpoint every {cfg.checkpoint.every} steps",
         f"reward: {cfg.reward.name}" + (f" in {cfg.reward.workers} isolated worker(s), {cfg.reward.timeout_s:g}s per "
                                         "answer" if cfg.reward.workers else " in the trainer process"),
         f"run dir: {run_dir} ({state})",
     ]
+
+
+def _schedule_line(cfg: Config) -> str:
+    """Which rollout schedule runs, and the key that gives DAPO's published loop when it is another."""
+    s = cfg.rollout.schedule
+    on = [name for name, value in (("streaming", s.streaming), ("partial rollouts", s.partial),
+                                   ("adaptive rounds", s.adaptive), ("prompt history", s.history),
+                                   (f"staged groups of {s.stage_responses}", s.stage_responses)) if value]
+    if not on:
+        return "rollout schedule: batch and filter, DAPO's published loop (every rollout.schedule switch off)"
+    named = f" (rollout.schedule.preset={s.preset})" if s.preset else ""
+    return (f"rollout schedule: {' + '.join(on)}, {s.order} order{named}; DAPO's published loop: "
+            "rollout.schedule.preset=paper")
 
 
 def _expert_line(cfg: Config, hf: dict, world_size: int) -> str | None:
@@ -101,11 +115,13 @@ def _process_lines(cfg: Config, world_size: int) -> list[str]:
                 f"rollout engine: {r.engine}, {world_size // engine_tp} engine group(s) of {engine_tp} process(es), "
                 "colocated with the trainer (rollout.pipeline.mode=sync)"]
     engines = r.pipeline.engine_ranks
+    lead = r.pipeline.max_staleness - (1 if r.schedule.partial else 0)
+    ahead = "step n+1" if lead == 1 else f"steps n+1 .. n+{lead}"
     return [f"processes: {world_size} = {trainers} trainer ranks (0-{trainers - 1}) + {engines} engine ranks "
             f"({trainers}-{world_size - 1}), rollout.pipeline.mode=async",
             f"trainer: {trainers} = {layout}",
             f"engines: {engines} = {engines // engine_tp} {r.engine} engine(s) (data parallel) x tensor parallel "
-            f"{engine_tp}; they generate step n+1 while the trainer trains step n (max_staleness "
+            f"{engine_tp}; they generate {ahead} while the trainer trains step n (max_staleness "
             f"{r.pipeline.max_staleness}, weights in {r.pipeline.bucket_mb:g} MiB buckets)"]
 
 

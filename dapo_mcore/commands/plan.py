@@ -134,7 +134,14 @@ def ranking_lines(cfg: Any, plan: PlanInput, steps: int) -> list[str]:
     split = plan_disagg.own_split(cfg, p, rates)
     sync_v, async_v = variants_of(cfg)
     own = (async_v, split.engine_gpus) if cfg.rollout.pipeline.mode == "async" else (sync_v, None)
-    rows = rank_variants(cfg, p, rates, SimSettings(steps=steps), split)
+    try:
+        rows = rank_variants(cfg, p, rates, SimSettings(steps=steps), split)
+    except ValueError as err:  # EngineModel.from_throughput: the decode rates contradict each other
+        from dapo_mcore.errors import UserError
+
+        raise UserError(f"--rank-variants cannot price this recipe's engines: {err} (the step model's lone sequence "
+                        "decodes at the dense 32B's rate, slower than this model's full engine per sequence: an MoE "
+                        "with few active parameters); rank a dense recipe, or price it without --rank-variants") from err
     return ["rollout schedules of this recipe, fastest first (the step model of benchmarks/rollout_sim.py, "
             f"{steps} simulated step(s) per training stage; a model, not a measurement):", *format_ranking(rows, own)]
 

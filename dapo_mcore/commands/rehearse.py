@@ -133,7 +133,8 @@ def shrink(cfg: Any, hf: dict[str, Any], *, vllm_installed: bool, nproc: int | N
     if a.tis_cap is not None or a.rollout_correction.active:
         kept.append("rollout correction")
     sched = r.schedule
-    kept += [name for name, on in (("streaming", sched.streaming), ("partial", sched.partial)) if on]
+    kept += [name for name, on in (("streaming", sched.streaming), ("partial", sched.partial),
+                                   ("completion order", sched.order == "completion")) if on]
     if p.tensor_parallel > 1 and moe:
         not_rehearsed.append("TP with MoE (Megatron needs sequence parallelism there, which needs TE layers)")
     if p.sequence_parallel:

@@ -225,9 +225,12 @@ class PipelineConfig:
     """async: ranks (processes, one GPU each) given to the engines; the trainer gets the others. With vLLM, a multiple
     of rollout.vllm.tensor_parallel (each engine is one TP group)."""
     max_staleness: int = 1
-    """async: the most policy versions any trained token may lag the policy that trains on it. Generation runs one
-    version ahead (the batch of step n+1 is sampled by the weights after step n-1), so 1 is the minimum; partial
-    rollouts continue prefixes sampled one more version back and need 2."""
+    """async: K, the most policy versions any trained token may lag the policy that trains on it (asserted every
+    step, per token). The engines run K batches ahead of the trainer (batch k is sampled by the weights after step
+    max(0, k-K)) and take each new version at a batch boundary; 1 is one-step-off. Partial rollouts continue prefixes
+    sampled for the batch before, one version older, so with ``rollout.schedule.partial`` the engines run K-1 ahead
+    and K must be >= 2; a partial group that would still lag more than K is dropped (``async/dropped_stale_groups``).
+    sync: must be 1."""
     bucket_mb: float = 256.0
     """async: the weight transfer's bucket size (MiB): each bucket is one broadcast, tensors are never split."""
 

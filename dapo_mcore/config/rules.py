@@ -270,6 +270,10 @@ def _validate_bypass(cfg: Config) -> None:
 def _validate_pipeline(cfg: Config) -> None:
     pipe, r = cfg.rollout.pipeline, cfg.rollout
     if pipe.mode != "async":
+        if pipe.max_staleness > 1:
+            raise ConfigError(f"rollout.pipeline.max_staleness={pipe.max_staleness} bounds how far the engines of "
+                              f"rollout.pipeline.mode=async run ahead; the synchronous loop trains on its own fresh "
+                              f"batch: set rollout.pipeline.mode=async, or max_staleness=1")
         return
     if not cfg.algo.correction.active:
         raise ConfigError("rollout.pipeline.mode=async trains on responses the previous policy sampled; it needs an "
@@ -281,6 +285,13 @@ def _validate_pipeline(cfg: Config) -> None:
         raise ConfigError("rollout.schedule.partial in async mode continues prefixes sampled two policy versions "
                           "before the step that trains on them: set rollout.pipeline.max_staleness=2 (or turn "
                           "rollout.schedule.partial off)")
+    lead = pipe.max_staleness - (1 if r.schedule.partial else 0)
+    if cfg.algo.correction.bypass and lead > 1:
+        raise ConfigError(f"algo.rollout_correction bypass takes the rollout log-probs as pi_old, so with "
+                          f"rollout.pipeline.max_staleness={pipe.max_staleness} its PPO clip would be anchored to a "
+                          f"policy {lead} versions older than the one training (the engines run {lead} batches "
+                          f"ahead): use a decoupled preset (token_tis, seq_mis, icepop: pi_old is recomputed), or "
+                          f"max_staleness={1 + (1 if r.schedule.partial else 0)}")
     if r.engine == "vllm" and pipe.engine_ranks % r.vllm.tensor_parallel:
         raise ConfigError(f"rollout.pipeline.engine_ranks={pipe.engine_ranks} is not a multiple of "
                           f"rollout.vllm.tensor_parallel={r.vllm.tensor_parallel}: each vLLM engine is one TP group.")

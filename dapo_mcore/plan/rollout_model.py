@@ -17,7 +17,9 @@ The generation policies make one DAPO step each:
   ``order="prompt"``, once every earlier prompt's group has ended too, as the trainer's scheduler decides), and the
   step stops once enough usable groups are kept; everything in flight is aborted. With ``partial=True`` the aborted
   groups are carried into the next step (queued first) and continue from the tokens they have, for at most
-  ``max_staleness`` further steps.
+  ``max_staleness`` further steps. Here that argument counts carries; the product carries a group once (continued at
+  the very next step and finished there), so 1 models it, in sync mode and in async mode alike (where the prefix then
+  lags ``rollout.pipeline.max_staleness`` versions: the engines' lead plus this one carry).
 Token accounting per step: each group's tokens are counted once, in the step that decides its fate (kept, rejected,
 surplus, aborted); carried groups move tokens between steps (``carried_in`` / ``carried_out``).
 """

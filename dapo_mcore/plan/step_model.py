@@ -70,7 +70,9 @@ def sync_step(phases: Phases) -> StepTime:
 
 
 def async_step(generation_next: float, trainer: Phases, transfer: float) -> StepTime:
-    """One asynchronous period: batch k+1 generated (``generation_next`` s) while the trainer works on batch k."""
+    """One asynchronous period: batch k+1 generated (``generation_next`` s) while the trainer works on batch k
+    (one-step-off, ``rollout.pipeline.max_staleness`` 1; a larger bound lets the engines run further ahead and
+    absorb a slow batch, which this steady-state period does not model: its mean step time is the same)."""
     work = trainer.trainer
     phases = Phases(generation_next, trainer.old_logprobs, trainer.train, transfer)
     return StepTime(phases, max(generation_next, work) + transfer, max(0.0, generation_next - work),
@@ -295,14 +297,14 @@ def rank_variants(cfg: Any, p: Any, rates: Any, st: Any = SimSettings(), split: 
 
 
 VARIANT_SWITCHES = {
-    "today": "(paper-exact: every rollout.schedule switch off, rollout.pipeline.mode=sync)",
+    "today": "(paper-exact: rollout.schedule.preset=paper, every switch off, rollout.pipeline.mode=sync)",
     "today_chunked": "rollout.schedule.streaming=true, one engine group per chunk (no stream)",
     "sync_stream": "streaming over all engines, prompt order (model only)",
     "sync_partial": "partial rollouts over all engines, prompt order (model only)",
     "sync_stream_rr": "rollout.schedule.streaming=true",
     "sync_partial_rr": "rollout.schedule.streaming=true partial=true",
     "sync_stream_done": "rollout.schedule.streaming=true order=completion",
-    "sync_partial_done": "rollout.schedule.streaming=true partial=true order=completion",
+    "sync_partial_done": "rollout.schedule.preset=partial_completion (streaming=true partial=true order=completion)",
     "async": "rollout.pipeline.mode=async",
     "async_stream": "rollout.pipeline.mode=async + streaming",
     "async_partial": "rollout.pipeline.mode=async + streaming + partial (max_staleness=2)",

@@ -1,13 +1,22 @@
-"""The engine ranks of the async mode: generate batch k with version max(0, k - 1) while the trainer trains.
+"""The engine ranks of the async mode: generate batch k with version max(start, k - D) while the trainer trains.
 
-The engine ranks run the synchronous rollout side (``rollout.colocated.ColocatedRollouts``: engine groups, scoring
-once over the engine ranks, overlong shaping, dynamic sampling, streaming, partial rollouts) over their own default
-process group, and talk to the trainer in the order ``rollout.async_source`` fixes:
+D, the engines' lead (``async_source.lead``), is ``rollout.pipeline.max_staleness`` (one less with partial rollouts,
+whose continued prefixes are one version older than the batch). The engine ranks run the synchronous rollout side
+(``rollout.colocated.ColocatedRollouts``: engine groups, scoring once over the engine ranks, overlong shaping,
+dynamic sampling, streaming, partial rollouts) over their own default process group, and talk to the trainer in the
+order ``rollout.async_source`` fixes:
 
-    receive version s (weights + start step + sampler/schedule state); evaluate it if flagged
-    for k = start ...: generate batch k; receive version k (unless it is the start's); send batch k; evaluate
-                       version k if flagged (while the trainer trains on batch k)
-    receive the last version (evaluate it if flagged), then "stop"
+    receive version s (weights + start step + sampler/schedule state + batches pending); evaluate it if flagged
+    for k = s + pending ...: take every version up to k - D (waiting only for one the trainer has not published
+                       yet; evaluate each flagged one), generate batch k, queue batch k for the trainer
+    take the remaining versions (evaluating the flagged ones), then "stop"
+
+A version lands in the engine between two batches (the start of batch v + D), never mid-batch: the point is a pure
+function of the step, so a run is a pure function of its seed and resumes exactly (an update at whichever decode
+step it arrived would depend on the wall clock). With partial rollouts, the sequences in flight across that point
+(aborted at the end of batch k - 1) continue under the new version, and their tokens keep the version that produced
+each (``Response.versions``). Batches are sent on their own thread and, with D > 1, versions received on another
+(``rollout.async_channels``), so the engines wait for the trainer only when they need a version it has not published.
 
 Signals are the trainer's business (it checkpoints and tells the engines to stop): SIGTERM/SIGUSR1/SIGINT are
 logged and otherwise ignored here, and the engines leave when the trainer says stop.
@@ -22,7 +31,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from dapo_mcore.errors import UserError
-from dapo_mcore.rollout.async_source import unflatten_bucket
+from dapo_mcore.rollout.async_channels import BatchSender, Received, VersionReceiver
+from dapo_mcore.rollout.async_source import lead, unflatten_bucket
 from dapo_mcore.rollout.bridge import Bridge
 from dapo_mcore.rollout.protocol import EngineError, WeightBucket
 from dapo_mcore.signals import faults
@@ -30,6 +40,9 @@ from dapo_mcore.signals import faults
 log = logging.getLogger(__name__)
 
 __all__ = ["EngineLoop"]
+
+SENDER_DRAIN_S = 60.0
+"""At the stop: how long the sender may take to hand the trainer what it still reads."""
 
 
 class _Stop(Exception):
@@ -51,12 +64,15 @@ class EngineLoop:
     def __init__(self, cfg: Any, rollouts: Any, engine: Any, bridge: Bridge, eval_records: list, timer: Any):
         self.cfg, self.rollouts, self.engine, self.bridge = cfg, rollouts, engine, bridge
         self.eval_records, self.timer = eval_records, timer
+        self.lead = lead(cfg)
+        """D: batch k is sampled by version max(start, k - D)."""
         self.version = -1
-        self.prefix_version = 0
         self.wait_s = self.transfer_s = 0.0
         self.failed = False
         """This rank's rollout side failed; the trainer was told, reports it (one line) and ends the run with its
         code (2 for a user error such as a failing reward, 1 otherwise)."""
+        self._sender = BatchSender(bridge.send_packed, bridge.pack) if bridge.sends_batches else None
+        self._versions: VersionReceiver | None = None
 
     def run(self) -> int:
         previous = {sig: signal.signal(sig, self._ignore) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
@@ -67,6 +83,8 @@ class EngineLoop:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+        if self._sender is not None and not self._sender.close(SENDER_DRAIN_S):
+            log.info("engine rank 0: messages the trainer did not read are dropped (the run stopped early)")
         self.bridge.barrier()  # the trainer's shutdown barrier
         self.bridge.close()
         log.info("engine rank %d: stopped after version %d", self.bridge.role.rank, self.version)
@@ -78,59 +96,76 @@ class EngineLoop:
                  signal.Signals(signum).name)
 
     def _loop(self) -> None:
-        header = self._receive()
+        header = self._apply(self._receive(), 0.0)  # the start's version, straight into the engine
         self._load_state(header.get("state"))
         if header["eval"]:
             self._evaluate()
-        start_version = self.version
         steps = self.cfg.train.steps
-        # A fresh start generates batch 0; a resume after s steps has batch s in the checkpoint, so s + 1, unless
-        # the checkpoint is a finished run's last (no batch after it) whose train.steps was raised: then batch s.
-        k = start_version + 1 if header.get("pending") else start_version
-        self.prefix_version = max(0, start_version - 1)
+        # A fresh start generates batch 0; a resume after s steps has batches s .. s + n - 1 in the checkpoint, so
+        # s + n (n = 0 for a finished run's last checkpoint whose train.steps was raised: then batch s).
+        k = first = self.version + int(header.get("pending") or 0)
+        if self.lead > 1:  # versions arrive while the engines generate, up to D - 1 ahead of the one they hold
+            self._versions = VersionReceiver(lambda: self._receive(staged=True), self.lead - 1, _Stop)
         while k < steps:
-            version = self.version  # the one generating batch k: k - 1, or the start's
+            while self.version < k - self.lead:  # version k - D: published after step k - D - 1
+                self._take()
+            if self._sender is not None and k - self.lead >= first:  # the trainer reads it once it published k - D
+                self._sender.wait_delivered(k - self.lead)
             faults.point("generate", k)
+            self.rollouts.version = self.version
             try:
                 batch = self.rollouts.step_batch(k, stop=lambda: False)
             except Exception as exc:  # noqa: BLE001 - sent to the trainer, which reports it and stops the run
-                if k > start_version:
-                    # The trainer is publishing version k and reads nothing until the engines hold it: take it
-                    # first, or both sides wait on each other.
-                    self._receive()
                 self._fail(exc)
                 raise _Stop from exc
             seconds = self.timer.pop_step()
-            header = self._receive() if k > start_version else {"eval": False}  # version k: after step k - 1
             self._send({"kind": "batch", "step": k, "batch": batch, "state": self.rollouts.scheduler.checkpoint_state(),
-                        "version": version, "prefix_version": self.prefix_version,
-                        "engine_ranks": self.bridge.role.engine_ranks,
+                        "version": self.version, "engine_ranks": self.bridge.role.engine_ranks,
                         "transfer_s": self.transfer_s,
                         "seconds": {"engine_generate_s": seconds.get("generate", 0.0),
                                     "engine_reward_s": seconds.get("reward", 0.0),
                                     "engine_wait_weights_s": self.wait_s, "weights_transfer_s": self.transfer_s}})
-            if header["eval"]:  # version k, while the trainer trains on batch k (async_source: behind the trainer)
-                self._evaluate()
-            self.prefix_version = version
+            self.wait_s = self.transfer_s = 0.0
             k += 1
-        while True:  # the last version (and its evaluation), then stop
-            if self._receive()["eval"]:
-                self._evaluate()
+        while True:  # the versions after the last batch (and their evaluations), then stop
+            self._take()
 
     # ---- weights ------------------------------------------------------------------------------------------------
-    def _receive(self) -> dict[str, Any]:
-        """The next version from the trainer, into the engine (bucket by bucket); its header says whether the
-        caller evaluates it (where depends on the order above)."""
+    def _take(self) -> None:
+        """The next version into the engine, at a batch boundary; evaluated if its header says so."""
+        if self._versions is None:
+            t0 = time.monotonic()
+            received = self._receive()
+            waited = time.monotonic() - t0 - received[2]
+        else:
+            received, waited = self._versions.take()
+        if self._apply(received, waited)["eval"]:
+            self._evaluate()
+
+    def _apply(self, received: Received, waited: float) -> dict[str, Any]:
+        header, buckets, transfer = received
         t0 = time.monotonic()
+        if buckets is not None:  # staged on the host by the receiver thread
+            self.engine.update_weights(iter(buckets))
+        self.version = int(header["version"])
+        self.wait_s += waited
+        self.transfer_s += transfer + time.monotonic() - t0
+        return header
+
+    def _receive(self, staged: bool = False) -> Received:
+        """The next version from the trainer: straight into the engine (bucket by bucket) on the loop's thread, kept
+        on the host on the receiver's (then ``buckets`` is the list, applied when the loop takes it)."""
         self.bridge.meet()  # the trainer is ready to publish (Bridge.meet)
         header = self.bridge.broadcast_header(None)
         if header.get("stop"):
             raise _Stop
         t1 = time.monotonic()
-        self.engine.update_weights(self._buckets())
-        self.version = int(header["version"])
-        self.wait_s, self.transfer_s = t1 - t0, time.monotonic() - t1
-        return header
+        if staged:
+            buckets = [[(name, t.cpu()) for name, t in bucket] for bucket in self._buckets()]
+        else:
+            self.engine.update_weights(self._buckets())
+            buckets = None
+        return header, buckets, time.monotonic() - t1
 
     def _buckets(self) -> Iterator[WeightBucket]:
         while True:
@@ -159,8 +194,8 @@ class EngineLoop:
             self.rollouts.scheduler.load_checkpoint_state(state)
 
     def _send(self, message: dict[str, Any]) -> None:
-        if self.bridge.sends_batches:
-            self.bridge.send_object(message)
+        if self._sender is not None:
+            self._sender.put(message)
 
     def _fail(self, exc: Exception) -> None:
         """Any failure of the rollout side (generation, a reward, an evaluation, memory): the trainer gets it and
@@ -178,4 +213,4 @@ class EngineLoop:
         log.info("engine rank %d: %s: %s (the trainer reports it and stops the run)", self.bridge.role.rank,
                  type(exc).__name__, exc)
         while True:  # the trainer reports it and says stop
-            self._receive()
+            self._take()

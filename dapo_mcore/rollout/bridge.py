@@ -102,9 +102,17 @@ class Bridge:
     # ---- batches: engine rank 0 -> trainer rank 0 ---------------------------------------------------------------
     def send_object(self, message: dict[str, Any]) -> None:
         """A message (batch, evaluation, error): its tokens and log-probs as tensors, the rest pickled (``wire``)."""
+        self.send_packed(self.pack(message))
+
+    @staticmethod
+    def pack(message: dict[str, Any]) -> Any:
+        """``message`` as it travels (``rollout.wire``): what ``send_packed`` sends."""
         from dapo_mcore.rollout import wire
 
-        packed = wire.pack(message)
+        return wire.pack(message)
+
+    def send_packed(self, packed: Any) -> None:
+        """A packed message; returns once trainer rank 0 has received it (a gloo send waits for the receive)."""
         sizes = torch.tensor([len(packed.meta), packed.token_ids.numel(), packed.logprobs.numel(),
                               packed.routes.numel()], dtype=torch.int64)
         self.batches_pg.send([sizes], 0, 0).wait()

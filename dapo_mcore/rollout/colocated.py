@@ -24,7 +24,7 @@ from dapo_mcore.data.records import PromptRecord
 from dapo_mcore.rollout.engine_groups import EngineGroups, EngineGroupStream, ExchangeTally, round_robin
 from dapo_mcore.rollout.gather import apply_once, broadcast_shares, merge_shares, plan_shares
 from dapo_mcore.rollout.groups import GroupData, as_group
-from dapo_mcore.rollout.partial import Buffered, join, stale_response
+from dapo_mcore.rollout.partial import Buffered, join, runs, stale_response
 from dapo_mcore.rollout.protocol import Response, SamplingParams, WeightBucket
 from dapo_mcore.rollout.source import RolloutInterrupted, StepBatch
 
@@ -66,6 +66,10 @@ class ColocatedRollouts:
         """Exchanges between engine groups while streaming (several groups) since start, and their wall seconds."""
         self.progress: Any = None
         """Rank 0's ``telemetry.progress.StepProgress`` (batches, usable groups, tokens inside a step), else None."""
+        self.version: int | None = None
+        """The policy version the engine holds (async mode: set by the engine loop before each batch); None: the
+        synchronous loop's, the number of steps done. Every token of a batch is stamped with the version that produced
+        it (``Response.versions``)."""
         self.lockstep = getattr(engine, "groups_step_together", False)
         """The engine groups step together (vLLM's data-parallel engines): a group with nothing to stream or resume
         still streams (nothing) and ticks, or runs a one-token placeholder."""
@@ -103,18 +107,24 @@ class ColocatedRollouts:
         def stream(records: list[PromptRecord], n: int, slot: int) -> _Stream:
             return self._stream_and_score(records, params(n, slot), slot)
 
+        version = step if self.version is None else self.version
+
         def resume(buffered: list[Buffered], slot: int) -> list[Group]:
-            return self._noted(slot, [as_group(g) for g in self._resume_and_score(buffered, params(1, slot), slot)])
+            return self._noted(slot, [as_group(g) for g in self._resume_and_score(buffered, params(1, slot), slot,
+                                                                                  version)])
 
         if self.progress is not None:
             self.progress.begin(step + 1)  # ``step`` steps are done: this batch is for step + 1
         kept, generated, stats = self.scheduler.collect(generate, GroupData.joined, step,
                                                         stream if self.streams else None,
-                                                        resume if self.streams else None)
+                                                        resume if self.streams else None, version)
         batch = StepBatch([g.payload for g in kept], [g.payload for g in generated], stats)
         chosen = {id(g) for g in batch.kept}
         for g in batch.generated:
             g.kept = id(g) in chosen
+            for r in g.responses:  # sampled whole by this batch's version (continued ones were stamped by join)
+                if r.versions is None:
+                    r.versions = runs([(version, r.length)])
         return batch
 
     def _noted(self, slot: int, groups: list[Group]) -> list[Group]:
@@ -203,7 +213,8 @@ class ColocatedRollouts:
 
         return _Stream(scored(), stream.abort, stream.partials)
 
-    def _resume_and_score(self, buffered: list[Buffered], params: SamplingParams, gen_batch: int) -> list[GroupData]:
+    def _resume_and_score(self, buffered: list[Buffered], params: SamplingParams, gen_batch: int,
+                          version: int) -> list[GroupData]:
         """Partial rollouts: continue the unfinished responses of the groups the last step aborted (split over the
         engine groups round robin), then score the whole groups."""
         records = [self.scheduler.sampler.records[b.index] for b in buffered]
@@ -216,7 +227,7 @@ class ColocatedRollouts:
                                      [buffered[gi].group.responses[ri].token_ids for gi, ri in todo], params)
         outputs = [[stale_response(r) for r in b.group.responses] for b in buffered]
         for (gi, ri), tail in zip(todo, tails, strict=True):
-            outputs[gi][ri] = join(buffered[gi].group.responses[ri], tail)
+            outputs[gi][ri] = join(buffered[gi].group.responses[ri], tail, version)
         with self.timer.phase("reward"):
             return self._scored_groups(records, prompt_ids, outputs, gen_batch)
 

@@ -5,11 +5,15 @@ still in flight. With ``rollout.schedule.partial`` those groups are not thrown a
 each one's responses so far (token ids and the engine's log-probs, i.e. the behaviour policy's) with the step that
 sampled them, and the next step continues every unfinished response with the new policy before it draws new
 prompts (``ResumingEngine.resume``). A continued response is the old prefix followed by the new tokens
-(:func:`join`); ``Response.stale_tokens`` says how many leading tokens the older policy sampled, and the trainer's
-truncated importance weights (``algo.tis_cap``) correct them token by token against the current policy's log-probs.
+(:func:`join`); ``Response.stale_tokens`` says how many leading tokens the older policy sampled and
+``Response.versions`` which version produced each token, and the trainer's truncated importance weights
+(``algo.tis_cap``) correct them token by token against the recomputed old policy's log-probs.
 
-Everything kept is continued at the very next step, so no token is more than one policy version old. The buffer
-is part of the scheduler's checkpoint state: a resumed run continues the same partial groups.
+Everything kept is continued at the very next step, so a prefix is one batch older than the batch that continues it
+(one policy version in the synchronous loop; in async mode the engines' lead is one less than
+``rollout.pipeline.max_staleness`` so that the prefix stays within it). A group whose oldest token would still lag
+more than the bound (a resume with another bound) is dropped instead and counted (``RolloutScheduler``). The buffer
+is part of the scheduler's checkpoint state, versions included: a resumed run continues the same partial groups.
 """
 
 from __future__ import annotations
@@ -22,21 +26,35 @@ import numpy as np
 
 from dapo_mcore.rollout.protocol import PartialGroup, Response
 
-__all__ = ["Buffered", "PartialBuffer", "join", "stale_response"]
+__all__ = ["Buffered", "PartialBuffer", "join", "runs", "stale_response"]
 
 
-def join(prefix: Response, tail: Response) -> Response:
-    """``prefix`` continued by ``tail`` (what ``resume`` sampled after it): one response whose first
-    ``len(prefix)`` tokens are stale."""
+def runs(versions: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(version, tokens)`` runs with empty runs left out and neighbours of one version merged."""
+    out: list[tuple[int, int]] = []
+    for v, n in versions:
+        if n <= 0:
+            continue
+        if out and out[-1][0] == v:
+            out[-1] = (v, out[-1][1] + n)
+        else:
+            out.append((int(v), int(n)))
+    return out
+
+
+def join(prefix: Response, tail: Response, version: int) -> Response:
+    """``prefix`` continued by ``tail`` (what ``resume`` sampled after it, by ``version``): one response whose first
+    ``len(prefix)`` tokens are stale, each with the version that produced it."""
+    assert prefix.versions is not None, "a buffered prefix always has its versions (PartialBuffer.add)"
     return Response(token_ids=list(prefix.token_ids) + list(tail.token_ids),
                     logprobs=list(prefix.logprobs) + list(tail.logprobs), finish_reason=tail.finish_reason,
-                    stale_tokens=prefix.length)
+                    stale_tokens=prefix.length, versions=runs([*prefix.versions, (version, tail.length)]))
 
 
 def stale_response(done: Response) -> Response:
     """A response that had already ended when its group was aborted: every token is stale."""
     return Response(token_ids=list(done.token_ids), logprobs=list(done.logprobs), finish_reason=done.finish_reason,
-                    stale_tokens=done.length)
+                    stale_tokens=done.length, versions=list(done.versions or []))
 
 
 @dataclass
@@ -48,7 +66,12 @@ class Buffered:
     group: PartialGroup
     """Its responses as they stood when the stream was aborted."""
     step: int
-    """The step whose policy sampled them."""
+    """The batch (the step it was generated for) that sampled them."""
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The oldest policy version among the buffered tokens (None: no token yet)."""
+        return min((v for r in self.group.responses for v, _ in r.versions or []), default=None)
 
 
 class PartialBuffer:
@@ -57,11 +80,16 @@ class PartialBuffer:
     def __init__(self) -> None:
         self.items: list[Buffered] = []
 
-    def add(self, indices: list[int], partials: list[PartialGroup], step: int) -> None:
-        """Keep ``partials`` of a stream call whose prompt ``i`` is sampler record ``indices[i]``."""
+    def add(self, indices: list[int], partials: list[PartialGroup], step: int, version: int | None = None) -> None:
+        """Keep ``partials`` of a stream call whose prompt ``i`` is sampler record ``indices[i]``, sampled by policy
+        ``version`` (the synchronous loop's: ``step``) for batch ``step``."""
+        version = step if version is None else version
         for p in partials:
             if not p.done or len(p.done) != len(p.responses):
                 raise ValueError(f"partial group {p.index}: {len(p.responses)} responses, {len(p.done)} done flags")
+            for r in p.responses:
+                if r.versions is None:
+                    r.versions = runs([(version, r.length)])
             self.items.append(Buffered(indices[p.index], p, step))
 
     def take(self) -> list[Buffered]:
@@ -79,15 +107,22 @@ class PartialBuffer:
         be one line per number in trainer_state.json. float64 keeps every log-prob bit for bit."""
         return [{"index": b.index, "step": b.step, "position": b.group.index, "done": list(b.group.done),
                  "responses": [{"token_ids": _pack(r.token_ids, "<i4"), "logprobs": _pack(r.logprobs, "<f8"),
-                                "finish_reason": r.finish_reason} for r in b.group.responses]}
+                                "finish_reason": r.finish_reason, "versions": [list(x) for x in r.versions or []]}
+                               for r in b.group.responses]}
                 for b in self.items]
 
     def load_state_dict(self, state: list[dict[str, Any]]) -> None:
+        """A checkpoint's buffer; one written before versions were recorded gets its batch's step as their version
+        (the synchronous loop's)."""
+        def response(r: dict[str, Any], step: int) -> Response:
+            ids = [int(t) for t in _unpack(r["token_ids"], "<i4")]
+            versions = r.get("versions")
+            return Response(ids, [float(x) for x in _unpack(r["logprobs"], "<f8")], r["finish_reason"],
+                            versions=runs([(step, len(ids))] if versions is None else [tuple(x) for x in versions]))
+
         self.items = [Buffered(int(d["index"]), PartialGroup(
-            int(d["position"]), [Response([int(t) for t in _unpack(r["token_ids"], "<i4")],
-                                          [float(x) for x in _unpack(r["logprobs"], "<f8")], r["finish_reason"])
-                                 for r in d["responses"]], [bool(x) for x in d["done"]]), int(d["step"]))
-            for d in state]
+            int(d["position"]), [response(r, int(d["step"])) for r in d["responses"]], [bool(x) for x in d["done"]]),
+            int(d["step"])) for d in state]
 
 
 def _pack(values: list, dtype: str) -> str:

@@ -125,6 +125,9 @@ class Response:
     routed_experts: Any = None
     """MoE models, transformers engine: int16 ``[prompt + response tokens, MoE layers, top_k]``, the experts each
     token was routed to while sampling (-1 where not recorded: the last token); None otherwise (rollout/routes.py)."""
+    versions: list[tuple[int, int]] | None = None
+    """The policy versions that produced the tokens, as ``(version, tokens)`` runs, oldest first, covering every
+    token (a continued partial rollout has two); None until the rollout side stamps them (an engine's raw output)."""
 
     @property
     def length(self) -> int:

@@ -72,11 +72,13 @@ class RolloutScheduler:
         max_rounds: most rounds per step (algo.max_gen_batches; 0 = no limit).
         dynamic_sampling: False (GRPO) takes one batch unfiltered; only with every switch off.
         seed: the run's seed (the staged-group audit draws).
+        max_lag: the most policy versions a trained token may lag (``rollout.pipeline.max_staleness``): a buffered
+            partial group whose oldest token would lag more in the batch being collected is dropped, not continued.
     """
 
     def __init__(self, cfg: ScheduleConfig, sampler: Any, *, n: int, target: int, gen_batch_prompts: int,
-                 max_rounds: int, dynamic_sampling: bool = True, seed: int = 0) -> None:
-        self.cfg, self.sampler, self.n, self.target = cfg, sampler, n, target
+                 max_rounds: int, dynamic_sampling: bool = True, seed: int = 0, max_lag: int = 1) -> None:
+        self.cfg, self.sampler, self.n, self.target, self.max_lag = cfg, sampler, n, target, max_lag
         self.gen_batch_prompts, self.max_rounds, self.dynamic_sampling, self.seed = (
             gen_batch_prompts, max_rounds, dynamic_sampling, seed)
         self.usable_estimate: float | None = None
@@ -85,11 +87,13 @@ class RolloutScheduler:
         """Groups the last streamed step aborted, continued at the next (rollout.schedule.partial)."""
 
     def collect(self, generate: GenerateFn, merge: MergeFn, step: int = 0, stream: StreamFn | None = None,
-                resume: ResumeFn | None = None) -> tuple[list[Group], list[Group], SamplingStats]:
+                resume: ResumeFn | None = None, version: int | None = None
+                ) -> tuple[list[Group], list[Group], SamplingStats]:
         """``(kept, generated, stats)``: the step's kept groups (exactly ``target``, prompt order), every group it
         generated (kept or not, in decision order) and the sampling counters. With ``stream`` (an engine that
         streams finished groups, over every engine group), streamed chunks are aborted as soon as the step is full; with
-        ``resume`` too and ``partial`` on, the aborted groups are kept and continued at the next step."""
+        ``resume`` too and ``partial`` on, the aborted groups are kept and continued at the next step. ``version`` is
+        the policy version generating the batch for step ``step`` (the synchronous loop's: ``step``)."""
         if not self.cfg.enabled:
             generated: list[Group] = []
 
@@ -100,18 +104,18 @@ class RolloutScheduler:
 
             kept, stats = collect_groups(batch, self.target, self.max_rounds, enabled=self.dynamic_sampling)
             return kept, generated, stats
-        return self._collect_scheduled(generate, merge, step, stream, resume)
+        return self._collect_scheduled(generate, merge, step, stream, resume, step if version is None else version)
 
     def _collect_scheduled(self, generate: GenerateFn, merge: MergeFn, step: int, stream: StreamFn | None,
-                           resume: ResumeFn | None) -> tuple[list[Group], list[Group], SamplingStats]:
+                           resume: ResumeFn | None, version: int) -> tuple[list[Group], list[Group], SamplingStats]:
         stats, kept, generated = SamplingStats(), [], []
         slots = itertools.count()
         history = self.sampler.history
         partial = self.cfg.partial and stream is not None and resume is not None
-        if self.partials.items:
+        items = self.fresh_enough(self.partials.take(), step, stats)
+        if items:
             if resume is None:
                 raise ValueError("the scheduler holds partial groups but was given no resume callback")
-            items = self.partials.take()
             for item, group in zip(items, resume(items, next(slots)), strict=True):
                 generated.append(group)
                 stats.groups_resumed += 1
@@ -134,7 +138,7 @@ class RolloutScheduler:
                 drawn += len(indices)
                 records = [self.sampler.records[i] for i in indices]
                 if self.cfg.streaming and stream is not None and not self.cfg.stage_responses:
-                    keep = (indices, step) if partial else None
+                    keep = (indices, step, version) if partial else None
                     groups = stream(records, self.n, next(slots))
                     decided = (self._stream_completion(groups, len(records), kept, stats, keep)
                                if self.cfg.order == "completion" else self._stream_chunk(groups, kept, stats, keep))
@@ -169,7 +173,7 @@ class RolloutScheduler:
                     stats.tokens_aborted += groups.abort()
                 else:
                     stats.tokens_aborted += groups.abort(keep_partial=True)
-                    self.partials.add(keep[0], groups.partials(), keep[1])
+                    self.partials.add(keep[0], groups.partials(), keep[1], keep[2])
                 break
         for pos in sorted(done):
             yield pos, (done[pos], False)
@@ -195,7 +199,24 @@ class RolloutScheduler:
         seen = ended | {p.index for p in inflight}
         unstarted = [PartialGroup(pos, [Response([], [], "length") for _ in range(self.n)], [False] * self.n)
                      for pos in range(count) if pos not in seen]
-        self.partials.add(keep[0], sorted(inflight + unstarted, key=lambda p: p.index), keep[1])
+        self.partials.add(keep[0], sorted(inflight + unstarted, key=lambda p: p.index), keep[1], keep[2])
+
+    def fresh_enough(self, items: list[Buffered], step: int, stats: SamplingStats) -> list[Buffered]:
+        """The buffered groups the batch for step ``step`` may continue: a group whose oldest token would lag more
+        than ``max_lag`` versions when that step trains is dropped (its prompt is not drawn again) and counted in
+        ``groups_dropped_stale``, its tokens in ``tokens_dropped_stale`` (decoded, so they count as generated)."""
+        out = []
+        for item in items:
+            oldest = item.oldest_version
+            if oldest is not None and step - oldest > self.max_lag:
+                stats.groups_dropped_stale += 1
+                stats.tokens_dropped_stale += item.group.num_tokens()
+                log.info("partial group of prompt %d dropped: its oldest token (version %d) would lag %d versions at "
+                         "step %d, more than rollout.pipeline.max_staleness=%d", item.index, oldest, step - oldest,
+                         step + 1, self.max_lag)
+            else:
+                out.append(item)
+        return out
 
     def _decide(self, group: Group, staged_out: bool, kept: list[Group], stats: SamplingStats) -> None:
         """Prompt order: the first ``target`` usable groups are kept, later usable ones are surplus."""

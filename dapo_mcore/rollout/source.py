@@ -39,9 +39,8 @@ class StepBatch:
     stats: SamplingStats
     """Dynamic sampling's counters for the step (usable groups, batches drawn, tokens aborted, ...)."""
     policy_version: int | None = None
-    """Async mode: the policy version (steps trained) that sampled the batch; None when it is the trainer's own."""
-    prefix_version: int | None = None
-    """Async mode: the version that sampled the prefixes partial rollouts continued (the previous batch's)."""
+    """Async mode: the policy version (steps trained) that sampled the batch (its responses' ``versions`` say which
+    produced each token: continued prefixes are older); None when it is the trainer's own."""
 
 
 @runtime_checkable

@@ -80,8 +80,8 @@ def pack(message: dict[str, Any], routes: bool = True) -> Packed:
     tables: list[torch.Tensor] = []
     shapes, swap = [], {}
     for g in groups:
-        shapes.append([(len(r.token_ids), len(r.logprobs), r.finish_reason, r.stale_tokens, _route_shape(r, routes))
-                       for r in g.responses])
+        shapes.append([(len(r.token_ids), len(r.logprobs), r.finish_reason, r.stale_tokens, _route_shape(r, routes),
+                        r.versions) for r in g.responses])
         for r in g.responses:
             ids += r.token_ids
             lps += r.logprobs
@@ -102,13 +102,14 @@ def unpack(packed: Packed) -> dict[str, Any]:
     table = packed.routes.contiguous().view(torch.int16)
     at_id = at_lp = at_route = 0
     for g, shape in zip(_groups(message), shapes, strict=True):
-        for n_ids, n_lps, finish, stale, route_shape in shape:
+        for n_ids, n_lps, finish, stale, route_shape, versions in shape:
             routed = None
             if route_shape is not None:
                 n = int(torch.Size(route_shape).numel())
                 routed = table[at_route:at_route + n].reshape(route_shape).clone()
                 at_route += n
-            g.responses.append(Response(ids[at_id:at_id + n_ids], lps[at_lp:at_lp + n_lps], finish, stale, routed))
+            g.responses.append(Response(ids[at_id:at_id + n_ids], lps[at_lp:at_lp + n_lps], finish, stale, routed,
+                                        versions))
             at_id, at_lp = at_id + n_ids, at_lp + n_lps
     if (at_id, at_lp, at_route) != (len(ids), len(lps), table.numel()):
         raise ValueError(f"a packed message holds {len(ids)} token ids, {len(lps)} log-probs and {table.numel()} "

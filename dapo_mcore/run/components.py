@@ -189,11 +189,12 @@ def _ledger_counts(metrics: dict[str, Any]) -> dict[str, int]:
         "rollouts_generated": int(metrics.get("sampling/rollouts_generated", 0)),
         "rollouts_kept": int(metrics.get("sampling/rollouts_kept", 0)),
         "tokens_generated": int(metrics.get("sampling/tokens_generated", 0))
-        + int(metrics.get("sampling/tokens_aborted", 0)),
+        + int(metrics.get("sampling/tokens_aborted", 0)) + int(metrics.get("sampling/tokens_dropped_stale", 0)),
         "tokens_generated_kept": int(metrics.get("sampling/tokens_kept", 0)),
         "tokens_trained": int(metrics.get("train/tokens", 0)),
         "tokens_generated_surplus": int(metrics.get("sampling/tokens_surplus", 0)),
-        "tokens_generated_aborted": int(metrics.get("sampling/tokens_aborted", 0)),
+        "tokens_generated_aborted": int(metrics.get("sampling/tokens_aborted", 0))
+        + int(metrics.get("sampling/tokens_dropped_stale", 0)),
         "prompts_skipped": int(metrics.get("sampling/prompts_history_skipped", 0)),
     }
 

@@ -28,7 +28,9 @@ _IDENTITY_SECTIONS = ("model", "algo", "data", "rollout", "train", "optim", "tin
 # The parallel section is not identity at all: checkpoints reshard to any layout (actor.checkpoint).
 _NOT_IDENTITY = ("train.steps", "train.micro_batch_tokens", "model.layer_spec", "model.make_vocab_size_divisible_by",
                  "model.vocab_padding", "model.recompute", "rollout.vllm", "optim.skip_nonfinite_updates", "rollout.pipeline.engine_ranks",
-                 "rollout.pipeline.bucket_mb")
+                 "rollout.pipeline.bucket_mb",
+                 # a name only: the switches it sets are recorded beside it, and those are compared
+                 "rollout.schedule.preset")
 
 
 def prepare_run_dir(cfg: Config, launch: LaunchEnv) -> None:

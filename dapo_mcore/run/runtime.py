@@ -364,7 +364,8 @@ def _build_scheduler(cfg: Config, sampler: Any) -> Any:
 
     return RolloutScheduler(cfg.rollout.schedule, sampler, n=cfg.rollout.n, target=cfg.train.prompts_per_step,
                             gen_batch_prompts=cfg.rollout.gen_batch_prompts, max_rounds=cfg.algo.max_gen_batches,
-                            dynamic_sampling=cfg.algo.dynamic_sampling, seed=cfg.train.seed)
+                            dynamic_sampling=cfg.algo.dynamic_sampling, seed=cfg.train.seed,
+                            max_lag=cfg.rollout.pipeline.max_staleness)
 
 
 def _drop_long(records: list, tokenizer, cfg: Config, which: str, filter_by_length) -> list:

@@ -1,8 +1,9 @@
 """Staleness histogram: how many trained tokens each policy-version lag holds (``staleness/tokens_lag_<k>``).
 
 A trained token's lag is the number of policy versions between the policy that sampled it and the one that trains on
-it: 0 in the synchronous loop, 1 for the async mode's fresh tokens (one version behind), one more for the prefixes
-partial rollouts continue. Logged per step whenever a run can train on stale tokens (async mode or partial
+it (each token carries the version that produced it, ``Response.versions``): 0 in the synchronous loop, up to
+``rollout.pipeline.max_staleness`` in async mode (the engines run that many batches ahead; one less with partial
+rollouts, whose continued prefixes are one version older). Logged per step whenever a run can train on stale tokens (async mode or partial
 rollouts), summed over a window by ``dapo-mcore profile`` and drawn per step by ``dapo-mcore report``
 (``staleness.png``). Pure: no torch.
 """

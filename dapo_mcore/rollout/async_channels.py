@@ -1,0 +1,133 @@
+"""The engine ranks' two channels to the trainer in async mode, each on a thread of its own so generation never
+waits on the trainer for anything but a version it needs (``rollout.async_engines``):
+
+- ``BatchSender`` (engine rank 0): the batches, evaluations and failures, sent in the order they were queued. A
+  gloo send returns only once the trainer posts the matching receive, and the trainer receives a batch only when it
+  trains on it: the engines running ahead queue their batches here and go on generating.
+- ``VersionReceiver`` (every engine rank, ``rollout.pipeline.max_staleness`` > 1): the trainer's versions, received
+  as soon as the trainer publishes them (up to ``staged`` versions ahead of the one the engines hold), kept on the
+  host until the engines take them at a batch boundary. With ``staged = 0`` (one-step-off) nothing runs ahead: the
+  engine loop receives each version itself, straight into the engine, when it needs it.
+
+A version lands in the engine only at a batch boundary (the start of the batch it samples), never mid-batch: where it
+lands is then a pure function of the step, so a run stays a pure function of its seed and resumes exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from dapo_mcore.rollout.protocol import WeightBucket
+
+log = logging.getLogger(__name__)
+
+__all__ = ["BatchSender", "Received", "VersionReceiver"]
+
+Received = tuple[dict[str, Any], list[WeightBucket], float]
+"""A version as received: its header, its buckets (host tensors), the seconds its transfer took."""
+
+
+class BatchSender:
+    """Sends queued messages to the trainer in order, on a daemon thread (module docstring)."""
+
+    def __init__(self, send: Callable[[Any], None], pack: Callable[[dict[str, Any]], Any]) -> None:
+        self._send, self._pack = send, pack
+        self._queue: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._delivered = -1
+        """The step of the last batch the trainer has received."""
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="dapo-engine-sender", daemon=True)
+        self._thread.start()
+
+    def put(self, message: dict[str, Any]) -> None:
+        """Packed now (the message may hold state that changes after this call), sent when the trainer reads."""
+        self._raise()
+        step = message["step"] if message["kind"] == "batch" else None
+        self._queue.put((step, self._pack(message)))
+
+    def wait_delivered(self, step: int) -> None:
+        """Until the trainer has received batch ``step`` (it reads it right after publishing the version the engines
+        just took, so this is short): the trainer then holds every batch the engines lead it by, whatever happens to
+        the engines next (a checkpoint after that step has them)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._delivered >= step or self._error is not None)
+        self._raise()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"sending to the trainer failed: {self._error}") from self._error
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            step, packed = item
+            try:
+                self._send(packed)
+            except Exception as exc:  # noqa: BLE001 - the trainer is gone or failed; the loop learns at its next put
+                with self._cond:
+                    self._error = exc
+                    self._cond.notify_all()
+                return
+            if step is not None:
+                with self._cond:
+                    self._delivered = step
+                    self._cond.notify_all()
+
+    def close(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` seconds) for the queue to drain; False when messages nobody read are left (a
+        run that failed): the daemon thread is left behind and ends with the process."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
+class VersionReceiver:
+    """Receives the trainer's versions on a thread, at most ``staged`` ahead of the last one taken.
+
+    Args:
+        receive: receives the next version (meet, header, buckets) and returns ``Received``; raises ``stop`` when the
+            trainer said stop.
+        staged: how many versions may wait on the host beyond the one the engines hold.
+        stop: the exception ``receive`` raises on the trainer's stop (re-raised by ``take``).
+    """
+
+    def __init__(self, receive: Callable[[], Received], staged: int, stop: type[BaseException]) -> None:
+        assert staged >= 1, staged
+        self._receive, self._staged, self._stop = receive, staged, stop
+        self._queue: queue.Queue = queue.Queue()
+        self._taken = 0
+        self._received = 0
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="dapo-engine-versions", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:  # at most ``staged`` versions on the host beyond the one held
+                self._cond.wait_for(lambda: self._received < self._taken + self._staged)
+            try:
+                got = self._receive()
+            except BaseException as exc:  # noqa: BLE001 - the stop or a failure: handed to the loop by ``take``
+                self._queue.put(exc)
+                return
+            with self._cond:
+                self._received += 1
+            self._queue.put(got)
+
+    def take(self) -> tuple[Received, float]:
+        """The next version and the seconds the loop waited for it (0 when it had arrived)."""
+        t0 = time.monotonic()
+        got = self._queue.get()
+        waited = time.monotonic() - t0
+        if isinstance(got, BaseException):
+            self._queue.put(got)  # every later take says the same
+            raise got
+        with self._cond:
+            self._taken += 1
+            self._cond.notify_all()
+        return got, waited
