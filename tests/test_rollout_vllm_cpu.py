@@ -205,17 +205,30 @@ def test_two_vllm_engine_groups_stream_in_lockstep_with_partial_rollouts(env, tm
     assert all(steps[s + 1]["sampling/groups_resumed"] > 0 for s in buffered), steps
 
 
-def test_async_run_with_two_vllm_engine_ranks(env, tmp_path):
+@pytest.mark.parametrize("bound", [1, 2], ids=["one-step-off", "max_staleness=2"])
+def test_async_run_with_two_vllm_engine_ranks(env, tmp_path, bound):
     """rollout.pipeline.mode=async on 3 ranks: the trainer on one, two vLLM engine ranks (vLLM TP=1: data-parallel 2)
     on the others, their weights from the trainer's bucketed broadcast through a device-strict weights group. Step 1
     trains on version 0's batch with version 0 (engine and actor log-probs agree as in sync mode); step 2 on version
     0's batch with version 1 (one version behind: the lag, and TIS corrects it). It fails when vLLM takes its
     data-parallel rank from the job's RANK (1 and 2, not the engine side's 0 and 1): "data_parallel_rank (2) must be
-    in the range [0, 2)"."""
+    in the range [0, 2)". With ``max_staleness=2`` the engines run two batches ahead, the versions they take staged on
+    the host by their receiver thread and loaded into vLLM at a batch boundary: step 3 trains on batch 2, which
+    version 0 sampled (lag 2, the bound), step 4 on batch 3, sampled by version 1 after vLLM loaded it from the host
+    (its transfer is in that batch's seconds), and no trained token lags more."""
+    steps_run = 2 if bound == 1 else 4
     rows = _train(dict(env, DAPO_MCORE_STRICT_DEVICE="1"), tmp_path / "run", 3, "rollout.pipeline.mode=async",
-                  "algo.tis_cap=2.0", "rollout.pipeline.bucket_mb=0.02", "rollout.pipeline.engine_ranks=2")
+                  "algo.tis_cap=2.0", "rollout.pipeline.bucket_mb=0.02", "rollout.pipeline.engine_ranks=2",
+                  f"rollout.pipeline.max_staleness={bound}", f"train.steps={steps_run}")
     steps = {r["step"]: r for r in rows if "async/lag_mean" in r}
-    assert sorted(steps) == [1, 2], rows
+    assert sorted(steps) == list(range(1, steps_run + 1)), rows
     assert steps[1]["async/lag_max"] == 0.0 and steps[2]["async/lag_mean"] == 1.0
     assert steps[1]["mismatch/logp_abs_diff_max"] < TOL, steps[1]
-    assert steps[2]["async/weights_transfer_s"] > 0
+    # each batch carries the transfer of the version taken before it: batch 0 the start's (the later ones are all
+    # sampled by version 0 too, at this length)
+    assert steps[1]["async/weights_transfer_s"] > 0, steps[1]
+    if bound > 1:
+        assert steps[3]["async/lag_max"] == 2.0 and steps[3]["staleness/tokens_lag_2"] > 0, steps[3]
+        assert steps[4]["async/policy_version"] == 1.0 and steps[4]["async/weights_transfer_s"] > 0, steps[4]
+        assert all(float(v) == 0.0 for r in steps.values() for k, v in r.items()
+                   if k.startswith("staleness/tokens_lag_") and int(k.rsplit("_", 1)[1]) > bound)
