@@ -346,7 +346,8 @@ class MegatronActor:
         if self.replay is not None and routes and all(r is not None for r in routes):
             from dapo_mcore.actor.route_exchange import align_routes
 
-            self._routes_of[id(mb)] = align_routes(routes, int(mb.tokens.shape[1]), self.layout != "rows", self.top_k)
+            self._routes_of[id(mb)] = align_routes(routes, int(mb.tokens.shape[1]), self.layout != "rows", self.top_k,
+                                                   rows=int(mb.tokens.shape[0]))
         return mb
 
     def _run(self, mbs: list[MicroBatch], loss_fn, forward_only: bool) -> list[dict[str, Any]]:
