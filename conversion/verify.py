@@ -36,15 +36,18 @@ def megatron_logits(model_chunks: list, input_ids: torch.Tensor, vocab_size: int
     """Full logits [batch, seq, vocab] on every rank: a plain stage-by-stage forward (no schedule).
 
     Hidden states go from each (chunk, stage) to the next by broadcast within the pipeline group;
-    vocab-parallel logits are all-gathered within the TP group and the padding is stripped.
+    vocab-parallel logits are all-gathered within the TP group and the padding is stripped. What the collectives
+    carry goes through the collective device (the model's GPU under NCCL, where the model's outputs already are).
     """
     from megatron.core import parallel_state as ps
 
+    from dapo_mcore.collectives.device import collective_device
     from dapo_mcore.weights.live import unwrap
 
     pp, pp_rank, vpp = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank(), len(model_chunks)
     pp_group = ps.get_pipeline_model_parallel_group()
     pp_ranks = dist.get_process_group_ranks(pp_group)
+    cdev = collective_device(pp_group)
     device = next(unwrap(model_chunks[0]).parameters()).device
     ids = input_ids.to(device)
     b, s = ids.shape
@@ -65,28 +68,27 @@ def megatron_logits(model_chunks: list, input_ids: torch.Tensor, vocab_size: int
                 break
             if pp > 1:
                 config = unwrap(model_chunks[0]).config
-                buf = out if p == pp_rank else torch.empty(s, b, config.hidden_size, dtype=config.params_dtype,
-                                                            device=device)
+                buf = cdev.to(out) if p == pp_rank else cdev.empty((s, b, config.hidden_size), config.params_dtype)
                 dist.broadcast(buf, src=pp_ranks[p], group=pp_group)
                 hidden = buf
             else:
                 hidden = out
-    return _gather_logits(hidden, vocab_size, b, s, device, pp, pp_rank, pp_ranks, pp_group)
+    return _gather_logits(hidden, vocab_size, b, s, cdev, pp, pp_rank, pp_ranks, pp_group)
 
 
-def _gather_logits(local, vocab_size, b, s, device, pp, pp_rank, pp_ranks, pp_group) -> torch.Tensor:
+def _gather_logits(local, vocab_size, b, s, cdev, pp, pp_rank, pp_ranks, pp_group) -> torch.Tensor:
     from megatron.core import parallel_state as ps
 
     tp = ps.get_tensor_model_parallel_world_size()
     if pp_rank == pp - 1:
-        local = local.contiguous().float()
+        local = cdev.to(local.contiguous().float())
         if tp > 1:
-            parts = [torch.empty_like(local) for _ in range(tp)]
+            parts = [cdev.empty(tuple(local.shape), local.dtype) for _ in range(tp)]
             dist.all_gather(parts, local, group=ps.get_tensor_model_parallel_group())
             local = torch.cat(parts, dim=-1)
-        logits = local[..., :vocab_size].contiguous()
+        logits = cdev.to(local[..., :vocab_size].contiguous())
     else:
-        logits = torch.empty(b, s, vocab_size, dtype=torch.float32, device=device)
+        logits = cdev.empty((b, s, vocab_size), torch.float32)
     if pp > 1:
         dist.broadcast(logits, src=pp_ranks[pp - 1], group=pp_group)
     return logits

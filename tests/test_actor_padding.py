@@ -83,3 +83,27 @@ def test_padding_stays_out_of_the_loss_inputs_and_the_token_count(layout):
             # No real token attends to a padded position (True = masked).
             mask = padded.attention_mask.expand(padded.tokens.shape[0], 1, -1, -1)
             assert bool(mask[:, :, :s, s:].all())
+
+
+@pytest.mark.parametrize("layout", ["thd", "packed", "rows"])
+def test_one_shape_for_every_micro_batch_under_virtual_pipeline_stages(layout):
+    """With virtual pipeline stages the actor pads every micro-batch to the largest one's shape (Megatron's interleaved
+    schedule deadlocked with the per-micro-batch shape handshake); the padding rows and columns are never read."""
+    rng = random.Random(3)
+    for _ in range(20):
+        prompts, responses = _random_batch(rng, rng.randint(1, 5))
+        plain = build_micro_batch(prompts, responses, layout=layout)
+        rows, length = plain.tokens.shape[0] + 2, plain.tokens.shape[1] + 5
+        padded = build_micro_batch(prompts, responses, layout=layout, min_rows=rows, min_len=length)
+        assert padded.tokens.shape == ((rows if layout == "rows" else 1), length)
+        assert padded.num_tokens == plain.num_tokens
+        assert torch.equal(padded.resp_row, plain.resp_row) and torch.equal(padded.resp_col, plain.resp_col)
+        assert torch.equal(padded.resp_mask, plain.resp_mask)
+        r, s = plain.tokens.shape
+        assert torch.equal(padded.tokens[:r, :s], plain.tokens)
+        if layout != "thd":
+            mask = padded.attention_mask.expand(padded.tokens.shape[0], 1, -1, -1)
+            assert bool(mask[:r, :, :s, s:].all())  # no real token attends to the padding
+        # already as large: nothing added
+        same = build_micro_batch(prompts, responses, layout=layout, min_rows=r, min_len=s)
+        assert same.tokens.shape == plain.tokens.shape

@@ -68,6 +68,20 @@ def test_balance_splits_to_equal_counts():
         balance_across_ranks([1], 10, 2)
 
 
+@pytest.mark.parametrize("multiple", [2, 3, 4])
+def test_the_count_is_rounded_up_to_a_multiple_for_virtual_pipeline_stages(multiple):
+    """Megatron's interleaved schedule refuses a micro-batch count that is not a multiple of PP (one micro-batch at
+    PP=2 x VPP=2 was a traceback): the packer splits micro-batches until the count is one, on every rank."""
+    lengths = [4, 4, 4, 4, 4, 4]
+    assert [len(r) for r in balance_across_ranks(lengths, 100, 1)] == [1]  # everything fits one micro-batch
+    for dp in [d for d in (1, 2) if 6 // d >= multiple]:
+        ranks = balance_across_ranks(lengths, 100, dp, multiple)
+        assert {len(r) for r in ranks} == {multiple}
+        assert sorted(i for r in ranks for mb in r for i in mb) == list(range(6))
+    with pytest.raises(ValueError, match="micro-batches \\(a multiple of 4\\) from 3 sequences"):
+        balance_across_ranks(lengths, 100, 2, 4)
+
+
 def test_efficiencies_match_naive():
     lengths = [3, 5, 2, 8]
     assert padded_efficiency(lengths, 2) == pytest.approx(18 / (2 * 5 + 2 * 8))

@@ -72,6 +72,21 @@ def test_responses_not_dividing_over_data_parallel_ranks():
     load_config(TINY, ["train.mini_batch_prompts=4", "rollout.n=8"]).validate(4)  # 32 % 4 == 0
 
 
+def test_virtual_pipeline_stages_need_pipeline_parallel_responses_per_rank():
+    """Megatron's interleaved schedule runs micro-batches in groups of PP: fewer responses per rank than PP could
+    never form them (a traceback at the first update before)."""
+    from dapo_mcore.config.rules import validate_batches
+
+    vpp = ["parallel.pipeline_parallel=2", "parallel.virtual_pipeline=2"]  # (the rule alone: the tiny base has 2 layers)
+    with pytest.raises(ConfigError) as info:  # 2 responses over DP 2
+        validate_batches(load_config(TINY, [*vpp, "train.mini_batch_prompts=1", "rollout.n=2"]), world_size=4)
+    msg = str(info.value)
+    assert "1 responses" in msg and "pipeline_parallel=2" in msg and "at least 4" in msg
+    validate_batches(load_config(TINY, [*vpp, "train.mini_batch_prompts=1", "rollout.n=4"]), world_size=4)
+    validate_batches(load_config(TINY, ["parallel.pipeline_parallel=2", "train.mini_batch_prompts=1",
+                                        "rollout.n=2"]), world_size=4)  # no virtual stages: one micro-batch will do
+
+
 # ------------------------------------------------------------------------------------------ keys and types
 @pytest.mark.parametrize("override, key, suggestion", [
     ("algo.clip_hihg=0.3", "algo.clip_hihg", "clip_high"),

@@ -69,10 +69,17 @@ def test_the_moe_recipe_keeps_every_switch_at_two():
 
 
 @pytest.mark.unit
-def test_pipeline_virtual_stages_and_async_engine_ranks_map_to_two():
+def test_pipeline_virtual_stages_and_async_engine_ranks_map_to_two(tmp_path):
     plan = _plan("qwen3-32b-fp8.yaml", "parallel.virtual_pipeline=4")
     assert (_value(plan, "parallel.pipeline_parallel"), _value(plan, "parallel.virtual_pipeline")) == ("2", "2")
     assert plan.hf["num_hidden_layers"] % 4 == 0 and plan.world == 8 and "FP8" in plan.not_rehearsed
+    # the trainer's own checks accept it: layers by PP x VPP, and each DP rank's mini-batch at least PP responses
+    # (the interleaved schedule runs micro-batches in groups of PP)
+    (tmp_path / "config.json").write_text(json.dumps(plan.hf))
+    checked = precheck(str(ROOT / "examples" / "qwen3-32b-fp8.yaml"),
+                       ["parallel.virtual_pipeline=4", *plan.overrides, f"model.hf_path={tmp_path}",
+                        f"run.dir={tmp_path / 'run'}"], world_size=plan.world, warn=False, check_files=False)
+    assert checked.parallel.virtual_pipeline == 2
     asy = _plan("qwen2.5-32b-fp8-async.yaml")
     assert _value(asy, "rollout.pipeline.engine_ranks") == "2"
     assert asy.world == 2 * 2 * 1 + 2  # DP 2 would be 10 processes: DP drops to 1, and the closing line says DP=1

@@ -115,3 +115,18 @@ def test_the_lowest_holder_sends_and_a_route_held_nowhere_is_named():
     t[1, 1, 2] = 1  # sample 2 needed by rank 1, held by nobody
     with pytest.raises(RoutesMissing, match="sample 2 first.*algo.router_replay=none"):
         plan_transfers(t)
+
+
+@pytest.mark.unit
+def test_routes_of_a_micro_batch_padded_with_rows_cover_every_row():
+    """Under virtual pipeline stages a rows micro-batch is padded with rows of padding: the replayed routes must cover
+    them too (one per token the router sees), unrecorded there, the real rows' routes where they were."""
+    from dapo_mcore.actor.route_exchange import align_routes
+
+    routes = [torch.tensor([[[1, 2]], [[3, 0]]]), torch.tensor([[[2, 3]]])]  # [tokens, layers=1, k=2]
+    out, known = align_routes(routes, width=3, packed=False, top_k=2, rows=4)
+    assert out.shape == (4, 3, 1, 2) and known.shape == (4, 3)
+    assert out[0, :2].tolist() == [[[1, 2]], [[3, 0]]] and out[1, 0].tolist() == [[2, 3]]
+    assert known.tolist() == [[True, True, False], [True, False, False], [False] * 3, [False] * 3]
+    assert bool((out[2:] == torch.arange(2)).all())  # filler experts 0..k-1 on the padding rows
+    assert align_routes(routes, width=3, packed=False, top_k=2)[0].shape[0] == 2  # unpadded: one row per response

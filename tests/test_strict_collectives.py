@@ -44,6 +44,11 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
                                 g=dist.new_group(list(range(world))))
     out["gloo_group"] = _probe("dapo_mcore.probe", "dist.all_reduce(torch.ones(2), group=g)",
                                g=dist.new_group(list(range(world)), backend="gloo"))
+    # the modules once exempt: each is checked like every other module of ours
+    out["once_exempt"] = {m: _probe(m, "dist.all_reduce(torch.ones(2))") for m in ONCE_EXEMPT}
+    out["view"] = _probe("dapo_mcore.probe", "dist.all_reduce(d.empty(6, torch.float32).view(2, 3)[1:])", d=device)
+    out["result"] = _probe("dapo_mcore.probe", "dist.all_reduce(d.to(torch.ones(2)) * 2)", d=device)
+    out["correction"] = _correction(rank)
     out["p2pop"] = type(dist.P2POp(dist.isend, torch.zeros(1), (rank + 1) % world)).__name__  # Megatron's pipeline
     replay = RouterReplay([], (), replay=False)
     replay.differ, replay.counted = float(rank), 10.0
@@ -56,6 +61,22 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
     out["syncs"] = device.syncs - syncs
     dist.destroy_process_group()
     queue.put((rank, out))
+
+
+ONCE_EXEMPT = ("dapo_mcore.weights.export", "conversion.verify", "dapo_mcore.algo.rollout_correction")
+
+
+def _correction(rank: int) -> tuple[float, float]:
+    """Batch-normalized token TIS over both ranks (the all-reduce in algo.rollout_correction); the weight mean."""
+    import torch
+    import torch.distributed as dist
+
+    from dapo_mcore.algo.rollout_correction import RolloutCorrectionConfig, correction
+
+    cfg = RolloutCorrectionConfig(is_level="token", is_batch_normalize=True)
+    log_ratio = torch.log(torch.tensor([[1.0 + rank, 2.0 + rank]]))  # weights 1, 2 on rank 0; 2, 3 on rank 1
+    w, _, _ = correction(log_ratio, torch.ones(1, 2), cfg, group=dist.group.WORLD)
+    return w[0, 0].item(), w[0, 1].item()
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +102,25 @@ def test_what_the_check_lets_through(ranks):
     for out in ranks.values():
         assert out["moved"] == out["megatron"] == out["gloo_group"] == "ok"
         assert out["p2pop"] == "P2POp"  # P2POp checks isend's identity: the check must not wrap it
+
+
+def test_the_once_exempt_modules_are_checked(ranks):
+    """weights.export, conversion.verify and algo.rollout_correction were exempt (their CPU tensors passed)."""
+    for out in ranks.values():
+        for module, said in out["once_exempt"].items():
+            assert said.startswith("No backend type associated with device type cpu") and module in said, module
+
+
+def test_a_view_of_a_device_tensor_passes_and_a_new_result_does_not(ranks):
+    for out in ranks.values():
+        assert out["view"] == "ok"
+        assert out["result"].startswith("No backend type associated with device type cpu")
+
+
+def test_rollout_correction_all_reduces_on_the_collective_device(ranks):
+    """Its all-reduce once took the CPU sums as they were (the module was exempt). The mean of 1, 2, 2, 3 is 2."""
+    assert ranks[0]["correction"] == pytest.approx((0.5, 1.0))
+    assert ranks[1]["correction"] == pytest.approx((1.0, 1.5))
 
 
 def test_moe_metrics_reduce_on_the_collective_device_with_one_host_sync_each(ranks):

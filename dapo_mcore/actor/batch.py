@@ -61,8 +61,13 @@ def _response_index(starts: Sequence[int], prompt_lens: Sequence[int], resp_lens
 
 
 def build_micro_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *,
-                      layout: Layout = "rows", pad_id: int = 0, pad_to_multiple: int = 1) -> MicroBatch:
-    """Build one micro-batch from prompt and response token ids (response may be empty)."""
+                      layout: Layout = "rows", pad_id: int = 0, pad_to_multiple: int = 1, min_rows: int = 0,
+                      min_len: int = 0) -> MicroBatch:
+    """Build one micro-batch from prompt and response token ids (response may be empty).
+
+    ``min_rows`` / ``min_len``: pad to at least that many rows (rows layout: rows of padding, no response) and that
+    sequence length (the packed total in the packed layouts), so that micro-batches can share one shape.
+    """
     if len(prompts) != len(responses) or not prompts:
         raise ValueError("build_micro_batch needs the same, non-zero number of prompts and responses")
     seqs = [list(p) + list(r) for p, r in zip(prompts, responses, strict=True)]
@@ -70,8 +75,8 @@ def build_micro_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequ
         raise ValueError("every sequence needs at least one prompt token (the first response token is predicted from it)")
     p_lens, r_lens = [len(p) for p in prompts], [len(r) for r in responses]
     if layout == "rows":
-        return _rows(seqs, p_lens, r_lens, pad_id, pad_to_multiple)
-    return _packed(seqs, p_lens, r_lens, pad_id, pad_to_multiple, thd=layout == "thd")
+        return _rows(seqs, p_lens, r_lens, pad_id, pad_to_multiple, min_rows, min_len)
+    return _packed(seqs, p_lens, r_lens, pad_id, pad_to_multiple, thd=layout == "thd", min_len=min_len)
 
 
 # Transformer Engine's FP8 GEMMs need the token dimension of every GEMM input to be a multiple of this
@@ -98,23 +103,24 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _rows(seqs, p_lens, r_lens, pad_id, pad_to_multiple) -> MicroBatch:
-    s = _round_up(max(len(x) for x in seqs), pad_to_multiple)
-    tokens = torch.full((len(seqs), s), pad_id, dtype=torch.long)
+def _rows(seqs, p_lens, r_lens, pad_id, pad_to_multiple, min_rows: int = 0, min_len: int = 0) -> MicroBatch:
+    s = _round_up(max(max(len(x) for x in seqs), min_len), pad_to_multiple)
+    rows = max(len(seqs), min_rows)
+    tokens = torch.full((rows, s), pad_id, dtype=torch.long)
     for i, x in enumerate(seqs):
         tokens[i, : len(x)] = torch.tensor(x, dtype=torch.long)
     targets = torch.zeros_like(tokens)
     targets[:, :-1] = tokens[:, 1:]
-    positions = torch.arange(s).unsqueeze(0).expand(len(seqs), s).contiguous()
+    positions = torch.arange(s).unsqueeze(0).expand(rows, s).contiguous()
     causal = torch.ones(s, s, dtype=torch.bool).triu(1).view(1, 1, s, s)
     row, col, mask = _response_index([0] * len(seqs), p_lens, r_lens, list(range(len(seqs))))
     return MicroBatch(tokens, positions, causal, targets, row, col, mask, num_tokens=sum(map(len, seqs)))
 
 
-def _packed(seqs, p_lens, r_lens, pad_id, pad_to_multiple, thd: bool) -> MicroBatch:
+def _packed(seqs, p_lens, r_lens, pad_id, pad_to_multiple, thd: bool, min_len: int = 0) -> MicroBatch:
     lens = [len(x) for x in seqs]
     total = sum(lens)
-    s = _round_up(total, pad_to_multiple)
+    s = _round_up(max(total, min_len), pad_to_multiple)
     flat = [t for x in seqs for t in x] + [pad_id] * (s - total)
     tokens = torch.tensor(flat, dtype=torch.long).unsqueeze(0)
     positions = torch.cat([torch.arange(n) for n in lens] + [torch.arange(s - total)]).unsqueeze(0)

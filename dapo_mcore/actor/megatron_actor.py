@@ -169,7 +169,17 @@ class MegatronActor:
             virtual_pipeline=settings.virtual_pipeline, sequence_parallel=settings.sequence_parallel,
             params_dtype=settings.params_dtype, recompute=settings.recompute, fp8=settings.fp8,
             expert_parallel=settings.expert_parallel, routing_replay=settings.router_replay)
-        tconfig.variable_seq_lengths = settings.pipeline_parallel > 1
+        # Micro-batches of different shapes cross the pipeline with a shape handshake before each transfer; under
+        # Megatron's interleaved schedule (virtual stages) that handshake deadlocks (seen at PP=2: the two stages
+        # post different numbers of transfers where warm-up meets the steady state, and the shape and data messages
+        # to the one neighbour fall out of step), so there every micro-batch is padded to one shape (`_shape_of`).
+        tconfig.variable_seq_lengths = settings.pipeline_parallel > 1 and not settings.virtual_pipeline
+        if settings.virtual_pipeline:
+            # Batched p2p posts [send_prev, send_next] to a neighbour that receives [recv_prev, recv_next]: at PP=2
+            # both neighbours are the one other stage, and gloo pairs messages in posting order, so gradients and
+            # activations of one shape swapped places (a silently wrong update, measured: tests/test_actor_vpp.py).
+            # Megatron's unbatched path orders even and odd stages to match (Megatron-LM's VPP default too).
+            tconfig.batch_p2p_comm = False
         self.tconfig = tconfig
         chunks = build_gpt_model(settings.hf_config, tconfig, spec=settings.layer_spec,
                                  make_vocab_size_divisible_by=settings.make_vocab_size_divisible_by,
@@ -282,9 +292,11 @@ class MegatronActor:
 
     # ---- micro-batching ------------------------------------------------------------------------------------
     def _my_micro_batches(self, samples: Sequence[TrainSample]) -> list[list[int]]:
-        """Indices of this DP rank's micro-batches (token budget, balanced over DP ranks)."""
+        """Indices of this DP rank's micro-batches (token budget, balanced over DP ranks; with virtual pipeline stages
+        a multiple of the pipeline's size, which Megatron's interleaved schedule needs)."""
         lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-        per_rank = pack_micro_batches(lengths, self.s.micro_batch_tokens, self.dp_size)
+        multiple = self.s.pipeline_parallel if len(self.model) > 1 else 1
+        per_rank = pack_micro_batches(lengths, self.s.micro_batch_tokens, self.dp_size, multiple)
         return per_rank[self.dp_rank]
 
     def _fetch_routes(self, samples: Sequence[TrainSample], groups: list[list[int]]) -> None:
@@ -300,10 +312,23 @@ class MegatronActor:
         except RoutesMissing as exc:
             raise RuntimeError(str(exc)) from None
 
-    def _make_mb(self, samples: Sequence[TrainSample], indices: list[int], with_loss_inputs: bool) -> MicroBatch:
+    def _shape_of(self, samples: Sequence[TrainSample], groups: list[list[int]]) -> tuple[int, int]:
+        """(rows, length) every micro-batch is padded to: the largest of ``groups`` with virtual pipeline stages
+        (their schedule needs one shape, see __init__), else (0, 0): each its own. Every rank of a pipeline has
+        the same groups, so the same shape."""
+        if len(self.model) == 1 or not groups:
+            return 0, 0
+        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+        if self.layout == "rows":
+            return max(map(len, groups)), max(lengths[i] for g in groups for i in g)
+        return 1, max(sum(lengths[i] for i in g) for g in groups)
+
+    def _make_mb(self, samples: Sequence[TrainSample], indices: list[int], with_loss_inputs: bool,
+                 shape: tuple[int, int] = (0, 0)) -> MicroBatch:
         chosen = [samples[i] for i in indices]
         mb = build_micro_batch([s.prompt_ids for s in chosen], [s.response_ids for s in chosen],
-                               layout=self.layout, pad_id=self.s.pad_id, pad_to_multiple=self.pad_multiple)
+                               layout=self.layout, pad_id=self.s.pad_id, pad_to_multiple=self.pad_multiple,
+                               min_rows=shape[0], min_len=shape[1])
         if with_loss_inputs:
             width = mb.resp_mask.shape[1]
             mb.old_logp = _pad_stack([s.old_logprobs for s in chosen], width)
@@ -321,7 +346,8 @@ class MegatronActor:
         if self.replay is not None and routes and all(r is not None for r in routes):
             from dapo_mcore.actor.route_exchange import align_routes
 
-            self._routes_of[id(mb)] = align_routes(routes, int(mb.tokens.shape[1]), self.layout != "rows", self.top_k)
+            self._routes_of[id(mb)] = align_routes(routes, int(mb.tokens.shape[1]), self.layout != "rows", self.top_k,
+                                                   rows=int(mb.tokens.shape[0]))
         return mb
 
     def _run(self, mbs: list[MicroBatch], loss_fn, forward_only: bool) -> list[dict[str, Any]]:
@@ -359,7 +385,8 @@ class MegatronActor:
             m.eval()
         groups = self._my_micro_batches(samples)
         self._fetch_routes(samples, groups)
-        mbs = [self._make_mb(samples, idx, with_loss_inputs=False) for idx in groups]
+        shape = self._shape_of(samples, groups)
+        mbs = [self._make_mb(samples, idx, with_loss_inputs=False, shape=shape) for idx in groups]
         vocab, temp = self.shape.vocab_size, self.s.temperature
         if self.replay is not None:
             self.replay.reset()
@@ -424,7 +451,8 @@ class MegatronActor:
         self.set_lr(lr)
         groups = self._my_micro_batches(samples)
         self._fetch_routes(samples, groups)
-        mbs = [self._make_mb(samples, idx, with_loss_inputs=True) for idx in groups]
+        shape = self._shape_of(samples, groups)
+        mbs = [self._make_mb(samples, idx, with_loss_inputs=True, shape=shape) for idx in groups]
         bypass = algo.correction.bypass
         if bypass:  # rejection needs pi_theta: denominators are known after the forward (see _bypass_scale)
             global_tokens = global_seqs = 1.0

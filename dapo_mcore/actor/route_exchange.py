@@ -100,13 +100,13 @@ def exchange_routes(samples: Sequence[Any], needed: Sequence[int], device: Any,
     return received
 
 
-def align_routes(routes: list[Tensor], width: int, packed: bool, top_k: int) -> tuple[Tensor, Tensor]:
-    """One micro-batch's routes laid out like its tokens: rows ``[B, width, L, k]`` (row i from 0) or packed
-    ``[1, width, L, k]`` (sequences one after another), and where a route was recorded (``[B or 1, width]``).
-    Positions without one (padding, a last token) get experts ``0..k-1``: replay needs some valid experts there, and
-    nothing the loss reads depends on them."""
+def align_routes(routes: list[Tensor], width: int, packed: bool, top_k: int, rows: int = 0) -> tuple[Tensor, Tensor]:
+    """One micro-batch's routes laid out like its tokens: rows ``[B, width, L, k]`` (row i from 0; B at least
+    ``rows``: a micro-batch padded with rows of padding) or packed ``[1, width, L, k]`` (sequences one after
+    another), and where a route was recorded (``[B or 1, width]``). Positions without one (padding, a last token)
+    get experts ``0..k-1``: replay needs some valid experts there, and nothing the loss reads depends on them."""
     layers = routes[0].shape[1]
-    out = torch.full((1 if packed else len(routes), width, layers, top_k), UNKNOWN, dtype=torch.long)
+    out = torch.full((1 if packed else max(len(routes), rows), width, layers, top_k), UNKNOWN, dtype=torch.long)
     offset = 0
     for i, r in enumerate(routes):
         row, start = (0, offset) if packed else (i, 0)

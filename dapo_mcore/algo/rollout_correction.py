@@ -11,7 +11,8 @@ tokens never contribute: their values (even NaN) are replaced before any arithme
   (IcePop: zeroed outside the band, not clipped).
 - Batch normalization (``is_batch_normalize``): after truncation, w / mean(w), the mean over the global batch's valid
   tokens (token level) or responses (sequence level). Pass the global mean in (``weight_mean``) or a process group
-  (``group``: the sums are all-reduced over it); nothing here reads Megatron's global state.
+  (``group``: the sums are all-reduced over it, on its collective device); nothing here reads Megatron's global
+  state.
 - Rejection (``rs``/``rs_thresholds``, all must pass): k1 = log r, k2 = (log r)^2/2, k3 = r - 1 - log r per token.
   ``token_k1`` keeps lo <= r_t <= hi; ``token_k2``/``token_k3`` keep k <= u; ``seq_sum_k1``/``seq_mean_k1`` (Geo-RS)
   keep a response if lo <= exp(clamp(sum/mean of k1, -20, 20)) <= hi; ``seq_{sum,mean,max}_k{2,3}`` keep it if the
@@ -39,6 +40,7 @@ from dapo_mcore.algo.rollout_correction_config import (  # the settings live tor
     RS_OPTIONS,
     RolloutCorrectionConfig,
 )
+from dapo_mcore.collectives.device import collective_device
 
 __all__ = ["LOG_CLAMP", "PRESETS", "RS_OPTIONS", "CorrectionStats", "RolloutCorrectionConfig", "correction",
            "correction_packed", "correction_stats"]
@@ -155,7 +157,8 @@ def correction_stats(log_ratio: Tensor, mask: Tensor, cfg: RolloutCorrectionConf
     if cfg.is_batch_normalize and cfg.is_level is not None:
         if weight_mean is None:
             sums = torch.stack([norm_sum, norm_count])
-            if group is not None:
+            if group is not None:  # on the group's device (the GPU under NCCL, where the sums already are: no copy)
+                sums = collective_device(group).to(sums)
                 dist.all_reduce(sums, group=group)
             weight_mean = sums[0] / sums[1] if sums[1] > 0 else sums.new_ones(())
         if float(weight_mean) > 0:

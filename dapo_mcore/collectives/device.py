@@ -33,8 +33,9 @@ class TransferDevice:
     def to(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.name)
 
-    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(numel, dtype=dtype, device=self.name)
+    def empty(self, size: int | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised tensor of ``size`` (a number of elements or a shape) on this device."""
+        return torch.empty(size, dtype=dtype, device=self.name)
 
     def host(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` on the host: one device-to-host copy, which waits for the device (a host sync)."""
@@ -59,8 +60,8 @@ class SimulatedDevice(TransferDevice):
         setattr(moved, _MARK, True)
         return moved
 
-    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        made = torch.empty(numel, dtype=dtype)
+    def empty(self, size: int | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        made = torch.empty(size, dtype=dtype)
         setattr(made, _MARK, True)
         return made
 
@@ -73,7 +74,10 @@ class SimulatedDevice(TransferDevice):
 
     @staticmethod
     def holds(tensor: torch.Tensor) -> bool:
-        return bool(getattr(tensor, _MARK, False))
+        """Whether ``tensor`` was moved onto or made on this device, or is a view of such a tensor (a view shares its
+        base's storage, so lives where its base does: a slice of a received buffer, a reshaped staging buffer)."""
+        base = tensor._base
+        return bool(getattr(tensor, _MARK, False) or (base is not None and getattr(base, _MARK, False)))
 
 
 class DeviceStrictGroup:

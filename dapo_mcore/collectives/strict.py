@@ -6,7 +6,8 @@ type associated with device type cpu"); on CPU they are gloo, which takes anythi
 passes every CPU test and fails on first use on a cluster. With ``DAPO_MCORE_STRICT_DEVICE=1`` (set by the test suite
 and by ``dapo-mcore rehearse``, never otherwise) :func:`install` wraps torch.distributed's tensor collectives: a call
 whose caller is a module of ours (``dapo_mcore.*``, ``conversion.*``) on such a group checks that each tensor was made
-by or moved through :func:`dapo_mcore.collectives.device.collective_device` (a ``SimulatedDevice`` on CPU).
+by or moved through :func:`dapo_mcore.collectives.device.collective_device` (a ``SimulatedDevice`` on CPU), or is a
+view of such a tensor. Every module of ours is checked: none is exempt.
 
 Why the caller's frame and not our call sites: a wrapper at each call site is only as complete as the list of call
 sites, and a new ``dist.all_reduce`` written tomorrow would go unchecked; wrapping torch.distributed itself sees every
@@ -45,12 +46,6 @@ _TENSOR_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_g
 # Not isend/irecv: Megatron's pipeline hands them to ``P2POp``, which checks the function's identity (a wrapper is
 # "Invalid ``op``"); no module of ours calls them.
 _OURS = ("dapo_mcore.", "conversion.")
-_PENDING = frozenset({"dapo_mcore.weights.export", "conversion.verify",
-                      "dapo_mcore.algo.rollout_correction"})
-"""Modules whose collectives are not checked: ``weights.export``,
-``conversion.verify`` and ``algo.rollout_correction`` reduce the model's own parameters, logits and log-prob sums (and
-buffers made with ``device=`` theirs), on the GPU by construction, through views and results a per-tensor mark does
-not follow (and ``algo`` imports nothing of ours). Take a module out once it uses ``collective_device``."""
 _gloo_on_purpose: dict[int, Any] = {}
 _installed = False
 
@@ -85,7 +80,7 @@ def _checked(name: str, fn: Any) -> Any:
     def collective(*args: Any, **kwargs: Any) -> Any:
         caller = sys._getframe(1)
         module = caller.f_globals.get("__name__", "")
-        if module.startswith(_OURS) and module not in _PENDING:
+        if module.startswith(_OURS):
             bound = sig.bind(*args, **kwargs)
             if _nccl_on_gpu(bound.arguments.get("group")):
                 for arg, value in bound.arguments.items():

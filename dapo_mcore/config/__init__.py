@@ -136,7 +136,10 @@ class ParallelConfig:
     pipeline_parallel: int = 1
     """Pipeline-parallel size: must divide the number of layers (times virtual_pipeline)."""
     virtual_pipeline: int | None = None
-    """Virtual pipeline stages per rank (interleaved 1F1B); needs pipeline_parallel > 1."""
+    """Virtual pipeline stages per rank (interleaved 1F1B); needs pipeline_parallel > 1. The interleaved schedule runs
+    a multiple of pipeline_parallel micro-batches (the token-budget packing splits further to reach one, so each data-
+    parallel rank needs at least pipeline_parallel responses per mini-batch) and pads every micro-batch of a call to
+    the largest one's shape."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs tensor_parallel > 1)."""
     expert_parallel: int = 1

@@ -163,6 +163,13 @@ def validate_batches(cfg: Config, world_size: int) -> None:
     if rollouts_per_mini % dp:
         raise ConfigError(f"a mini-batch holds {rollouts_per_mini} responses, which {dp} data-parallel ranks cannot share "
                           f"equally; make train.mini_batch_prompts x rollout.n a multiple of {dp}.")
+    pp = cfg.parallel.pipeline_parallel
+    if cfg.parallel.virtual_pipeline and rollouts_per_mini // dp < pp:
+        raise ConfigError(f"parallel.virtual_pipeline={cfg.parallel.virtual_pipeline}: Megatron's interleaved schedule "
+                          f"runs micro-batches in groups of pipeline_parallel={pp}, and a mini-batch gives each of the "
+                          f"{dp} data-parallel ranks {rollouts_per_mini // dp} responses, too few for {pp} "
+                          f"micro-batches; raise train.mini_batch_prompts x rollout.n to at least {pp * dp} or unset "
+                          "parallel.virtual_pipeline.")
     o, c = cfg.optim, cfg.checkpoint
     _at_least(("train.micro_batch_tokens", t.micro_batch_tokens, 1), ("optim.warmup_steps", o.warmup_steps, 0),
               ("optim.grad_clip", o.grad_clip, 0), ("checkpoint.every", c.every, 0), ("checkpoint.keep_last", c.keep_last, 1))

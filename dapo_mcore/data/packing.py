@@ -6,7 +6,9 @@ Pure Python over sequence lengths; everything returns lists of indices into the 
   concatenated THD-style, so nothing is padded).
 - :func:`balance_across_ranks`: first spread sequences over ranks so their token loads are even
   (longest-processing-time greedy), then pack each rank and split its fullest micro-batches until
-  every rank runs the same number of micro-batches (needed for lock-step pipeline/DP execution).
+  every rank runs the same number of micro-batches (needed for lock-step pipeline/DP execution), a multiple of
+  ``multiple_of`` when asked (Megatron's interleaved pipeline schedule runs micro-batches in groups of the pipeline's
+  size: with virtual pipeline stages it refuses a count that is not a multiple of it).
 """
 
 from __future__ import annotations
@@ -63,15 +65,15 @@ def partition_by_load(lengths: Sequence[int], parts: int) -> list[list[int]]:
     return groups
 
 
-def _split_to_count(bins: list[list[int]], lengths: Sequence[int], count: int) -> list[list[int]]:
+def _split_to_count(bins: list[list[int]], lengths: Sequence[int], count: int, why: str = "") -> list[list[int]]:
     """Split micro-batches (the one holding most sequences first) until there are ``count`` of them."""
     bins = [list(b) for b in bins]
     while len(bins) < count:
         b = max(range(len(bins)), key=lambda j: (len(bins[j]), sum(lengths[i] for i in bins[j])))
         if len(bins[b]) < 2:
-            raise ValueError(f"cannot form {count} non-empty micro-batches from {sum(map(len, bins))} sequences "
-                             "on one rank; use fewer data-parallel ranks, more prompts per step, or a larger "
-                             "micro-batch token budget")
+            raise ValueError(f"cannot form {count} non-empty micro-batches{why} from {sum(map(len, bins))} "
+                             "sequences on one rank; use fewer data-parallel ranks, more prompts per step, or a "
+                             "larger micro-batch token budget")
         members = sorted(bins[b], key=lambda i: -lengths[i])
         first, second = _halves(members, lengths)
         bins[b:b + 1] = [first, second]
@@ -93,11 +95,13 @@ def _halves(members: list[int], lengths: Sequence[int]) -> tuple[list[int], list
     return a, b
 
 
-def balance_across_ranks(lengths: Sequence[int], max_tokens: int, dp_size: int) -> list[list[list[int]]]:
+def balance_across_ranks(lengths: Sequence[int], max_tokens: int, dp_size: int,
+                         multiple_of: int = 1) -> list[list[list[int]]]:
     """Per data-parallel rank, its micro-batches (lists of indices into ``lengths``).
 
     Guarantees: every index exactly once over all ranks; each micro-batch within ``max_tokens``;
-    every rank has the same number of micro-batches; rank token loads are balanced greedily.
+    every rank has the same number of micro-batches, a multiple of ``multiple_of``; rank token loads are balanced
+    greedily.
     """
     _check(lengths, max_tokens)
     if dp_size < 1:
@@ -110,8 +114,9 @@ def balance_across_ranks(lengths: Sequence[int], max_tokens: int, dp_size: int) 
     for group in groups:
         local = [lengths[i] for i in group]
         per_rank.append([[group[j] for j in mb] for mb in pack_by_token_budget(local, max_tokens)])
-    count = max(len(r) for r in per_rank)
-    return [_split_to_count(r, lengths, count) for r in per_rank]
+    count = -(-max(len(r) for r in per_rank) // multiple_of) * multiple_of
+    why = f" (a multiple of {multiple_of})" if multiple_of > 1 else ""
+    return [_split_to_count(r, lengths, count, why) for r in per_rank]
 
 
 def token_efficiency(micro_batches: Sequence[Sequence[int]], lengths: Sequence[int], max_tokens: int) -> float:

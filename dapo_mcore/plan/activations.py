@@ -17,10 +17,13 @@ Each term is a tensor Megatron-Core's layer saves for its backward (checked agai
   the expert SwiGLU (3 or 6 expert widths) and its fp32 probability. With tensor parallelism the dispatcher
   all-gathers the dispatched tokens over the expert-TP group (``MoEAlltoAllTokenDispatcher.dispatch_postprocess``,
   megatron-core 0.16.1 ``transformer/moe/token_dispatcher.py``; expert-TP defaults to TP in ``parallel_state.py``),
-  so the ``k h`` term is NOT divided by TP, while the experts' own widths are. Expert parallelism moves tokens but
+  so the ``k h`` term is NOT divided by TP, while the experts' own widths are (measured at TP 2 with sequence
+  parallelism: to the byte). Expert parallelism moves tokens but
   not their number: balanced, a rank keeps ``k`` routed tokens per token of its micro-batch whatever EP is.
 
-Sequence parallelism (on whenever TP > 1 in the planner) splits the norms' and the routing's tokens over TP.
+Sequence parallelism (on whenever TP > 1 in the planner) splits the norms' and the routing's tokens over TP
+(measured at TP 2, dense and MoE, on gloo: Megatron-Core's local layers run it there but for one assert, in its torch
+norm, which the measurement lets through: ``tests/dist_scripts/saved_bytes.py`` says why that is sound).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dapo_mcore.collectives.device import collective_device
 from dapo_mcore.weights.export_plan import CopyPlan, column_block, copy_plan, copy_runs
 from dapo_mcore.weights.layout import ParallelLayout
 from dapo_mcore.weights.live import live_ep_rank, live_layout, live_tensors, plain_tensor
@@ -48,8 +49,8 @@ def iter_hf_weights(model_chunks: list, hf_config: dict[str, Any], *, layer_spec
                     bucket_bytes: int = 256 << 20) -> Iterator[Bucket]:
     """Yield lists of (HF name, full tensor) in HF order; a bucket exceeds `bucket_bytes` only when one tensor does.
 
-    Tensors have the model's (nominal) dtype and device and are fresh copies (safe to keep); FP8 parameters are
-    dequantized first. The tied output layer is not
+    Tensors have the model's (nominal) dtype and are fresh copies (safe to keep) on the collective device (the model's
+    GPU under NCCL); FP8 parameters are dequantized first. The tied output layer is not
     yielded (HF ties ``lm_head`` to ``model.embed_tokens.weight``).
     """
     from megatron.core import parallel_state as ps
@@ -71,14 +72,14 @@ def iter_hf_weights(model_chunks: list, hf_config: dict[str, Any], *, layer_spec
     if missing:
         raise KeyError(f"the live model lacks {missing[:5]} ({len(missing)} missing); is layer_spec={layer_spec!r} "
                        "right and the model built from this hf_config?")
-    first = next(iter(params.values()))
-    dtype, device = first.dtype, first.device
+    dtype = next(iter(params.values())).dtype
+    device = collective_device(ps.get_tensor_model_parallel_group())  # every group here is NCCL on a GPU, or none is
     tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
     pp_ranks = dist.get_process_group_ranks(pp_group) if layout.pp > 1 else [dist.get_rank()]
 
     ep_group = ps.get_expert_model_parallel_group() if layout.ep > 1 else None
     ep_ranks = dist.get_process_group_ranks(ep_group) if ep_group is not None else []
-    exporter = _Exporter(mapping, layout, params, tp_group)
+    exporter = _Exporter(mapping, layout, params, tp_group, device)
     owned = iter([pl for pl in placements if held_here(pl)])
     # One placement ahead: its TP transfers are in flight while this one is finished and while the consumer
     # sends or loads the bucket just yielded (the generator is suspended at ``yield``, the collectives are not).
@@ -91,7 +92,7 @@ def iter_hf_weights(model_chunks: list, hf_config: dict[str, Any], *, layer_spec
                 current, inflight = inflight, exporter.start(next(owned, None))
                 tensors = exporter.finish(current)
             else:
-                tensors = [(n, torch.empty(s, dtype=dtype, device=device)) for n, s in mapping.hf_output_shapes(pl)]
+                tensors = [(n, device.empty(tuple(s), dtype)) for n, s in mapping.hf_output_shapes(pl)]
             for name, tensor in tensors:
                 if ep_group is not None and pl.ep_rank is not None and pl.pp_rank == pp_rank:
                     dist.broadcast(tensor, src=ep_ranks[pl.ep_rank], group=ep_group)  # an expert: from its holder
@@ -132,8 +133,11 @@ class _Exporter:
     buffer, merged by `merge_gathered` (a copy on the GPU is cheap next to the transfer).
     """
 
-    def __init__(self, mapping: ModelMapping, layout: ParallelLayout, params: dict[str, torch.Tensor], tp_group):
+    def __init__(self, mapping: ModelMapping, layout: ParallelLayout, params: dict[str, torch.Tensor], tp_group,
+                 device: Any):
         self.mapping, self.layout, self.params, self.group = mapping, layout, params, tp_group
+        self.device = device
+        """The collective device: the parameters are on it already on a GPU (``to`` is then no copy)."""
         self.geo = mapping.geometry(layout)
         self.by_plan = layout.tp == 1 or dist.get_backend(tp_group) == "gloo"
         self.ranks = dist.get_process_group_ranks(tp_group) if layout.tp > 1 else [dist.get_rank()]
@@ -146,16 +150,16 @@ class _Exporter:
         if pl is None:
             return None
         local = plain_tensor(self.params[self.layout.chunk_prefix(pl.vchunk) + pl.key]).detach().contiguous()
+        local = self.device.to(local)
         if not self.by_plan:
-            flat = torch.empty((self.layout.tp * local.shape[0], *local.shape[1:]), dtype=local.dtype,
-                               device=local.device)
+            flat = self.device.empty((self.layout.tp * local.shape[0], *local.shape[1:]), local.dtype)
             return InFlight(pl, [flat], [dist.all_gather_into_tensor(flat, local, group=self.group, async_op=True)])
         shapes = tuple(s for _, s in self.mapping.hf_output_shapes(pl))
         geo = self.geo
         if pl.rule.split is Split.VOCAB:  # the live padding (the layout here says divisible by 1)
             geo = replace(geo, padded_vocab_size=local.shape[0] * self.layout.tp)
         plan = copy_plan(pl.rule.split, shapes, self.layout.tp, geo)
-        outs = [torch.empty(s, dtype=local.dtype, device=local.device) for s in plan.shapes]
+        outs = [self.device.empty(tuple(s), local.dtype) for s in plan.shapes]
         job = InFlight(pl, outs, [])
         if plan.columns:
             self._start_columns(plan, local, job)
@@ -198,8 +202,8 @@ class _Exporter:
         slot, self._slot = self._slot, 1 - self._slot
         need = count * like.numel()
         buf = self._staging[slot]
-        if buf is None or buf.numel() < need or buf.dtype != like.dtype or buf.device != like.device:
-            buf = self._staging[slot] = torch.empty(need, dtype=like.dtype, device=like.device)
+        if buf is None or buf.numel() < need or buf.dtype != like.dtype:
+            buf = self._staging[slot] = self.device.empty(need, like.dtype)
         return buf[:need].view(count, *like.shape)
 
     def finish(self, job: InFlight) -> Bucket:
@@ -208,7 +212,7 @@ class _Exporter:
             work.wait()
         if not self.by_plan:
             merged = merge_gathered(job.pl.rule.split, job.outs[0], self.layout.tp, job.pl.hf_names, self.geo)
-            return [(n, t.contiguous()) for n, t in merged]
+            return [(n, self.device.to(t.contiguous())) for n, t in merged]  # (on the device already: no copy)
         for block, buf in job.columns:
             block.copy_(buf)
         return list(zip(job.pl.hf_names, job.outs, strict=True))

@@ -3,8 +3,16 @@ Megatron GPT (local spec, SDPA core attention, fp32) of a given structure runs o
 every tensor an autograd node saves while a layer runs is charged to that layer, once per storage, parameters
 excluded. Prints one JSON line per rank: {"dense": bytes/token/layer, "moe": bytes/token/layer}.
 
-Run: [torchrun --nproc_per_node N] tests/dist_scripts/saved_bytes.py TOKENS KIND:TP:EP:RECOMPUTE ...
+Run: [torchrun --nproc_per_node N] tests/dist_scripts/saved_bytes.py TOKENS KIND:TP:EP:RECOMPUTE[:sp] ...
 (one process group, one model after another; one line per spec: SAVED {"spec": ..., "rank": r, "bytes": b}).
+
+``:sp`` turns sequence parallelism on. Megatron-Core's local spec refuses it in one place only: its torch norm
+(``WrappedTorchNorm``, megatron/core/transformer/torch_norm.py) asserts ``not config.sequence_parallel``, because
+a norm's weight then sees a 1/TP slice of the tokens and its gradient needs an all-reduce over TP, which Megatron
+does for parameters marked ``sequence_parallel`` (Transformer Engine's norms mark theirs; the torch norm does not).
+The norm's forward is per token, the same with or without it, so for a forward's saved bytes the norm is built as
+if the flag were off and its weight marked as TE marks it (:func:`_norms_under_sequence_parallelism`); the linear
+layers' all-gather / reduce-scatter and the MoE dispatcher run as they are, on gloo.
 """
 
 from __future__ import annotations
@@ -27,7 +35,26 @@ def _hf(kind: str) -> dict:
     return base
 
 
-def measure(kind: str, tp: int, ep: int, recompute: str, tokens: int) -> float:
+def _norms_under_sequence_parallelism() -> None:
+    """Let the local spec's torch norm be built with ``sequence_parallel=True`` (see the module docstring)."""
+    from megatron.core.transformer import torch_norm
+
+    built = torch_norm.WrappedTorchNorm.__new__
+
+    def new(cls, config, *args, **kwargs):
+        sp, config.sequence_parallel = config.sequence_parallel, False
+        try:
+            norm = built(cls, config, *args, **kwargs)
+        finally:
+            config.sequence_parallel = sp
+        for p in norm.parameters():
+            p.sequence_parallel = sp
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = new
+
+
+def measure(kind: str, tp: int, ep: int, recompute: str, tokens: int, sp: bool = False) -> float:
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     from dapo_mcore.actor.parallel import init_model_parallel
@@ -35,7 +62,8 @@ def measure(kind: str, tp: int, ep: int, recompute: str, tokens: int) -> float:
 
     init_model_parallel(tp, 1, expert_parallel=ep, seed=1)
     hf = _hf(kind)
-    tconfig = transformer_config(hf, tensor_parallel=tp, expert_parallel=ep, recompute=recompute)
+    tconfig = transformer_config(hf, tensor_parallel=tp, expert_parallel=ep, recompute=recompute,
+                                 sequence_parallel=sp)
     model = build_gpt_model(hf, tconfig, make_vocab_size_divisible_by=16)[0]
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     current: list[int | None] = [None]
@@ -69,10 +97,11 @@ def main(tokens: int, specs: list[str]) -> None:
     from dapo_mcore.model import cpu_compat
 
     cpu_compat.apply()
+    _norms_under_sequence_parallelism()
     init_distributed(read_launch_env(), "gloo")
     for spec in specs:
-        kind, tp, ep, recompute = spec.split(":")
-        saved = measure(kind, int(tp), int(ep), recompute, tokens)
+        kind, tp, ep, recompute, *sp = spec.split(":")
+        saved = measure(kind, int(tp), int(ep), recompute, tokens, sp == ["sp"])
         line = "SAVED " + json.dumps({"spec": spec, "rank": int(os.environ.get("RANK", "0")), "bytes": saved}) + "\n"
         sys.stdout.write(line)  # one write per line: the ranks share this stdout
         sys.stdout.flush()
