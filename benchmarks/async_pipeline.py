@@ -1,9 +1,10 @@
 """Today's synchronous loop vs the async mode, same processes, same steps, side by side.
 
 For each task (``max4``: examples/tiny_cpu.yaml; ``chain``: examples/tiny_cpu_chain.yaml, whose response lengths
-vary; ``tail``: the chain task with ``rollout.max_new_tokens=160``, so the responses that ramble without answering run
-to 160 tokens while the answered ones end at 9-31: a long-tailed length distribution, and batches whose generation
-time varies with how many rambles they draw), real CLI runs on ``--nproc`` gloo processes:
+vary; ``tail``: the chain task with ``rollout.max_new_tokens=96`` (the tiny base's 128 positions less the longest
+prompt), so the responses that ramble without answering run to 96 tokens while the answered ones end at 9-31: a
+long-tailed length distribution, and batches whose generation time varies with how many rambles they draw), real CLI
+runs on ``--nproc`` gloo processes:
 - ``sync``: every process trains (data parallel) and generates (its own engine group), one phase after the other;
 - ``async``: ``--nproc - 1`` trainer processes and one engine process; the engine generates step n+1's batch with
   the policy after step n-1 while the trainer trains step n (algo.tis_cap=2 corrects the lag);
@@ -36,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"max4": ROOT / "examples" / "tiny_cpu.yaml", "chain": ROOT / "examples" / "tiny_cpu_chain.yaml",
            "tail": ROOT / "examples" / "tiny_cpu_chain.yaml"}
-TASK_OVERRIDES = {"tail": ("rollout.max_new_tokens=160",)}
+TASK_OVERRIDES = {"tail": ("rollout.max_new_tokens=96",)}
 MODES = {"sync": (), "async": ("rollout.pipeline.mode=async", "rollout.pipeline.engine_ranks=1"),
          "async-k2": ("rollout.pipeline.mode=async", "rollout.pipeline.engine_ranks=1",
                       "rollout.pipeline.max_staleness=2"),
@@ -79,8 +80,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--eval-every", type=int, default=10)
-    ap.add_argument("--tasks", default="max4,chain")
-    ap.add_argument("--modes", default="sync,async,async2,async2-inline")
+    ap.add_argument("--tasks", default="max4,chain,tail")
+    ap.add_argument("--modes", default="sync,async,async-k2,async2,async2-inline")
     ap.add_argument("overrides", nargs="*", help="key=value for every run, e.g. train.epochs=4 (a trainer-bound step)")
     args = ap.parse_args()
     results: dict[tuple[str, str], dict[str, float]] = {}

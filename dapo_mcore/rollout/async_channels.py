@@ -79,8 +79,8 @@ class BatchSender:
                     self._cond.notify_all()
 
     def close(self, timeout: float) -> bool:
-        """Wait (at most ``timeout`` seconds) for the queue to drain; False when messages nobody read are left (a
-        run that failed): the daemon thread is left behind and ends with the process."""
+        """Wait (at most ``timeout`` seconds) for the queue to drain; False when messages nobody reads are left (a
+        run stopped after a checkpoint, or failed): the daemon thread is left behind and ends with the process."""
         self._queue.put(None)
         self._thread.join(timeout)
         return not self._thread.is_alive()

@@ -41,8 +41,10 @@ log = logging.getLogger(__name__)
 
 __all__ = ["EngineLoop"]
 
-SENDER_DRAIN_S = 60.0
-"""At the stop: how long the sender may take to hand the trainer what it still reads."""
+SENDER_DRAIN_S = 1.0
+"""At the stop: how long the sender may take to finish. The trainer says stop only once it has read everything it
+will read (the batches it trains and checkpoints, the evaluations it waits for), so what is left (a batch generated
+past a checkpoint the trainer stopped at) is never read: the loop does not wait for it."""
 
 
 class _Stop(Exception):
@@ -84,7 +86,8 @@ class EngineLoop:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         if self._sender is not None and not self._sender.close(SENDER_DRAIN_S):
-            log.info("engine rank 0: messages the trainer did not read are dropped (the run stopped early)")
+            log.info("engine rank 0: batches generated past the trainer's last checkpoint are dropped (generated "
+                     "again, the same, when the run resumes)")
         self.bridge.barrier()  # the trainer's shutdown barrier
         self.bridge.close()
         log.info("engine rank %d: stopped after version %d", self.bridge.role.rank, self.version)

@@ -227,7 +227,8 @@ class AsyncRollouts:
 
     def publish(self, weights: Iterable[WeightBucket]) -> None:
         """Every trainer rank iterates the export (a collective for TP/PP); trainer rank 0 sends each bucket. Returns
-        once the engines hold the version, i.e. once they finished the batch this version follows."""
+        once the engines have received the version: with a lead of 1 once they take it (they finished the batch this
+        version follows); with D > 1 as soon as they hold version ``version - D + 1`` (module docstring)."""
         start = self._start
         version = start if self.version is None else self.version + 1
         t0 = time.monotonic()
