@@ -93,14 +93,16 @@ def test_the_pipeline_lanes_draw_an_evaluation_behind_the_trainer_where_it_ran()
          "async/trainer_wait_eval_s": 0.4, "async/trainer_wait_publish_s": 0.3, "time/sync_weights": 0.2,
          "async/engine_eval_s": 0.6, "eval/policy_version": 2.0}
     nxt = {"step": 4, "async/engine_generate_s": 1.0, "async/engine_reward_s": 0.1,
-           "async/engine_wait_weights_s": 0.2, "async/weights_transfer_s": 0.2}
+           "async/engine_wait_weights_s": 0.5, "async/weights_transfer_s": 0.5}  # the version taken before batch 4
+    after = {"step": 5, "async/engine_wait_weights_s": 0.2, "async/weights_transfer_s": 0.2}  # the one after it
     trainer = lanes.trainer_segments(r, 0.0)
     assert [s.what for s in trainer] == ["wait for rollouts", "train", "wait for eval", "wait for rollouts", "publish",
                                          "other"]
     assert sum(s.width for s in trainer) == pytest.approx(2.0)
-    engines = lanes.engine_segments(r, nxt, publish_end=1.7)
+    engines = lanes.engine_segments(r, nxt, publish_end=1.7, after=after)
     assert [s.what for s in engines] == ["eval", "generate + score", "wait for weights", "receive weights"]
     assert engines[0].width == 0.6 and engines[-1].start + engines[-1].width == pytest.approx(1.7)
+    assert [s.width for s in engines[2:]] == [0.2, 0.2]  # after batch 4: the next batch's wait and copy
     # The last version's evaluation (on the trainer's path, labelled with its own step) comes after the publish.
     last = dict(r, **{"eval/policy_version": 3.0})
     assert [s.what for s in lanes.engine_segments(last, nxt, publish_end=1.7)][-1] == "eval"

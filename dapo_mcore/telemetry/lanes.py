@@ -87,15 +87,19 @@ def trainer_segments(r: dict[str, Any], t: float) -> list[Segment]:
     return out
 
 
-def engine_segments(r: dict[str, Any], nxt: dict[str, Any] | None, publish_end: float) -> list[Segment]:
-    """The engines during step ``r``: batch n + 1 (``nxt``'s seconds) ends at ``publish_end``, then eval if due; an
-    evaluation behind the trainer (of version n - 1, labelled so in ``r``) comes first, before the generation."""
+def engine_segments(r: dict[str, Any], nxt: dict[str, Any] | None, publish_end: float,
+                    after: dict[str, Any] | None = None) -> list[Segment]:
+    """The engines during step ``r`` (one-step-off): batch n + 1 (``nxt``'s seconds) is generated, then the engines
+    wait for and receive the next version, which ends at ``publish_end``; then eval if due. A batch's line carries the
+    wait and transfer of the version taken before it, so that wait and copy are ``after``'s (the batch after
+    ``nxt``). An evaluation behind the trainer (of version n - 1, labelled so in ``r``) comes first."""
     step, out = r[keys.STEP], []
     evaluation = _f(r, "async/engine_eval_s") if "async/engine_eval_s" in r else _f(r, keys.TIME_EVAL)
     behind = "eval/policy_version" in r and _f(r, "eval/policy_version") < step
     if nxt is not None:
         gen = _f(nxt, "async/engine_generate_s") + _f(nxt, "async/engine_reward_s")
-        idle, copy = _f(nxt, "async/engine_wait_weights_s"), _f(nxt, "async/weights_transfer_s")
+        idle, copy = (0.0, 0.0) if after is None else (_f(after, "async/engine_wait_weights_s"),
+                                                       _f(after, "async/weights_transfer_s"))
         t = publish_end - copy - idle - gen - (evaluation if behind else 0.0)
         for what, width in (("eval", evaluation if behind else 0.0), ("generate + score", gen),
                             ("wait for weights", idle), ("receive weights", copy)):
@@ -117,7 +121,7 @@ def layout(records: Sequence[dict[str, Any]], steps: Sequence[int]) -> list[Segm
         trainer = trainer_segments(r, t)
         publish_end = max((s.start + s.width for s in trainer if s.what == "publish"),
                           default=trainer[-1].start + trainer[-1].width if trainer else t)
-        out += trainer + engine_segments(r, by_step.get(step + 1), publish_end)
+        out += trainer + engine_segments(r, by_step.get(step + 1), publish_end, by_step.get(step + 2))
         t += _f(r, keys.TIME_STEP)
     return out
 
