@@ -8,6 +8,8 @@ engine ranks' ``EngineLoop`` exactly.
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 
 from tests.gloo_workers import run_gloo_workers
@@ -76,7 +78,9 @@ def _worker(rank, world, port, queue):
         except _Stop:
             pass
         bridge.barrier()
-        queue.put((rank, {"version": header["version"], "loaded": engine.loaded}))
+        # as bytes: a tensor put on the queue is shared by a file descriptor that dies with this process, which may
+        # exit before the test reads it
+        queue.put((rank, {"version": header["version"], "loaded": pickle.dumps(engine.loaded)}))
     except Exception as exc:  # noqa: BLE001 - reported to the test, which fails naming it
         queue.put((rank, {"error": f"{type(exc).__name__}: {exc}"}))
         raise
@@ -99,7 +103,7 @@ def test_a_version_crosses_a_device_strict_weights_group_to_two_engine_ranks(mon
     want = {name: t for bucket in _weights() for name, t in bucket}
     for rank in (1, 2):
         assert got[rank]["version"] == 0
-        loaded = got[rank]["loaded"]
+        loaded = pickle.loads(got[rank]["loaded"])
         assert sorted(loaded) == sorted(want)
         for name, t in want.items():
             assert loaded[name].dtype == t.dtype and torch.equal(loaded[name], t), (rank, name)

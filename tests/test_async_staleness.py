@@ -7,7 +7,7 @@ uninterrupted record. With partial rollouts (K = 2: the engines lead by one, pre
 holds tokens of two versions, and a run killed mid-generation resumes exactly too. Units: the carry drops a partial
 group past the bound and counts it; the trainer's correction weighs the rollout log-probs against the recomputed
 pi_old (the proximal policy), never the current one; a bypass preset is refused where the engines lead by more than
-one version, and K > 1 in sync mode.
+one version, and K > 1 in sync mode; the engines' version receiver stages no more than its bound.
 """
 
 from __future__ import annotations
@@ -187,3 +187,41 @@ def test_bypass_stays_accepted_one_version_behind():
         cfg = load_config(ROOT / "examples" / "tiny_cpu.yaml", ["rollout.pipeline.mode=async",
                                                                  "algo.rollout_correction.preset=bypass_ppo_clip", *extra])
         cfg.validate(2)
+
+
+@pytest.mark.unit
+def test_the_version_receiver_stages_at_most_its_bound_ahead_and_hands_the_stop_on():
+    """K = 3 (lead 3): at most 2 versions wait on the host beyond the one the engines hold; each take lets one more
+    in, in order; the trainer's stop reaches every later take."""
+    import threading
+    import time
+
+    from dapo_mcore.rollout.async_channels import VersionReceiver
+
+    class Stop(Exception):
+        pass
+
+    received, gate = [], threading.Semaphore(0)
+
+    def receive():
+        if len(received) == 4:
+            raise Stop
+        received.append(len(received))
+        gate.release()
+        return {"version": received[-1]}, [], 0.0
+
+    def settle(n):
+        for _ in range(n):
+            assert gate.acquire(timeout=10)
+        time.sleep(0.2)  # a receiver that ignored its bound would have taken another by now
+
+    rx = VersionReceiver(receive, 2, Stop)
+    settle(2)
+    assert received == [0, 1]
+    (header, _, _), _ = rx.take()
+    settle(1)
+    assert header["version"] == 0 and received == [0, 1, 2]
+    assert [rx.take()[0][0]["version"] for _ in range(3)] == [1, 2, 3]
+    for _ in range(2):
+        with pytest.raises(Stop):
+            rx.take()

@@ -11,6 +11,7 @@ from dapo_mcore.algo.dynamic_sampling import SamplingStats
 from dapo_mcore.data.records import PromptRecord
 from dapo_mcore.rollout import wire
 from dapo_mcore.rollout.groups import GroupData
+from dapo_mcore.rollout.partial import runs
 from dapo_mcore.rollout.protocol import Response
 from dapo_mcore.rollout.source import StepBatch
 
@@ -23,7 +24,9 @@ def _group(i: int, g: torch.Generator, kept: bool) -> GroupData:
         n = int(torch.randint(1, 9, (1,), generator=g))
         ids = torch.randint(0, 151_000, (n,), generator=g).tolist()
         lps = (-torch.rand(n, generator=g)).tolist()  # float32 values, as the engines compute them
-        responses.append(Response(ids, lps, "stop" if j else "length", stale_tokens=j))
+        stale = min(j, n)  # the first tokens an older version produced: each token's version travels too
+        responses.append(Response(ids, lps, "stop" if j else "length", stale_tokens=stale,
+                                  versions=runs([(1, stale), (2, n - stale)])))
     return GroupData(record=PromptRecord(f"p{i}", "1", "synthetic", i), prompt_ids=[1, i], responses=responses,
                      scores=[1.0, -1.0, 1.0], acc=[True, False, True], rewards=[1.0, -1.0, 1.0], gen_batch=0,
                      preds=["1", None, "1"], kept=kept)

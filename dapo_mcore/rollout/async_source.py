@@ -18,8 +18,9 @@ token lags at most K versions (its version is carried per token, ``Response.vers
 ``async/lag_*`` and ``staleness/tokens_lag_*``. With D = 1 this is one-step-off: batch k by version max(0, k - 1).
 
 Evaluation runs behind the trainer: the engines evaluate version v (an eval step; not the first, the last, the one
-before it, nor any with ``eval.every: 1``: ``evaluates_behind``) while the trainer trains the next step, and the trainer takes the result at its next publish, before the meeting
-(the engines send it before they generate on): it lands in step v + 1's metrics, with ``eval/policy_version: v``.
+before it, nor any with ``eval.every: 1``: ``evaluates_behind``) when they take it (D = 1: while the trainer trains the
+next step), and the trainer takes the result at its next publish, before the meeting (the engines send it before they
+generate on): it lands in step v + 1's metrics, with ``eval/policy_version: v``.
 Version 0 (``eval.at_start``) and the last version are waited for, as nothing trains beside them. A checkpoint after
 an eval step v is taken before v's evaluation arrives; a run resumed from it has the engines evaluate its start
 version v again (the same weights and seeds), so the result lands where it would have. ``DAPO_MCORE_EVAL_INLINE=1``

@@ -534,7 +534,7 @@ def _print_step(reader: RolloutReader, step: int, limit: int, which: str, decode
     for i, (r, what) in enumerate(shown):
         print(f"\n--- [{i}] group {r.group_id}  gen_batch {r.gen_batch}  reward {r.reward:+.3f}  acc {r.acc}  "
               f"{what}  finish {r.finish_reason}{_stop_text(r, decode)}  prompt {r.prompt_len} tok  "
-              f"response {r.response_len} tok" + (f" ({r.stale_tokens} from the previous policy)" if r.stale_tokens else ""))
+              f"response {r.response_len} tok" + (f" ({r.stale_tokens} from an older policy)" if r.stale_tokens else ""))
         print(f"prompt:   {decode(r.prompt_ids)!r}")
         print(f"response: {decode(r.response_ids)!r}")
 
