@@ -21,7 +21,7 @@ for exe in munged slurmctld slurmd sinfo; do
 done
 
 host=$(hostname -s)
-cpus=$(nproc)
+cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc honours OMP_NUM_THREADS, often 1 on a cluster login shell
 mem_mb=$(awk '/MemTotal/ {print int($2 / 1024 * 0.9)}' /proc/meminfo)
 
 free_port() {
