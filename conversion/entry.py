@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from dapo_mcore.model.qwen import HFConfigError
 from dapo_mcore.weights.errors import WeightsError
@@ -51,6 +52,11 @@ def run(body: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> 
         stop = None if isinstance(exc, SystemExit) else stop_signal(exc)
         if stop is None:
             raise
+        out = getattr(args, "out", None)
+        if out is not None and Path(out).is_dir() and any(Path(out).iterdir()):
+            # the signal came after the output was renamed into place (it was absent or empty before): it is whole
+            report_written(str(out))
+            return 0
         what = "terminated (SIGTERM)" if stop == signal.SIGTERM else "interrupted (SIGINT)"
         print(f"dapo-mcore convert: {what}; no output was written", file=sys.stderr)
         return 128 + stop

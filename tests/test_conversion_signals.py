@@ -119,3 +119,38 @@ def test_an_interrupted_command_exits_130_even_after_a_keyboard_interrupt_escape
     proc = subprocess.run([sys.executable, "-m", "interrupted_cli"], capture_output=True, text=True, cwd=ROOT,
                           env=env, timeout=120)
     assert proc.returncode == 130, (proc.returncode, proc.stderr[-2000:])
+
+
+@pytest.mark.unit
+def test_a_signal_after_the_rename_keeps_the_whole_output_and_says_wrote(tmp_path, monkeypatch, capsys):
+    """A stop signal between the output's rename into place and ``wrote OUT`` (here during the parent dir's fsync):
+    the output is whole, so it stays, and the command reports it written with exit 0, never "no output was written"
+    beside a complete output (seen under load in the random-kill test above)."""
+    import argparse
+
+    from conversion.entry import run
+    from dapo_mcore.weights import atomic
+
+    fsync_dir = atomic.fsync_dir
+
+    def interrupted(path):  # the output's parent, after the rename (the temp tree's own dirs are synced before it)
+        if Path(path) == tmp_path:
+            raise KeyboardInterrupt
+        fsync_dir(path)
+
+    monkeypatch.setattr(atomic, "fsync_dir", interrupted)
+    out = tmp_path / "out"
+
+    def body(args):
+        with atomic_directory(args.out) as tmp:
+            (tmp / "weights.bin").write_bytes(b"whole")
+        return 0
+
+    assert run(body, argparse.Namespace(out=str(out))) == 0
+    assert (out / "weights.bin").read_bytes() == b"whole"
+    captured = capsys.readouterr()
+    assert captured.out.strip() == f"wrote {out}" and "no output was written" not in captured.err, captured
+    with pytest.raises(KeyboardInterrupt):  # atomic_directory itself hands the signal on instead of a false removal
+        with atomic_directory(tmp_path / "out2") as tmp:
+            (tmp / "weights.bin").write_bytes(b"whole")
+    assert (tmp_path / "out2" / "weights.bin").is_file()

@@ -145,15 +145,19 @@ def atomic_directory(target: str | Path, *, fsync: bool = True) -> Iterator[Path
         tmp.mkdir()
     except OSError as err:
         raise output_os_error(err, target) from err
+    renamed = False
     try:
         with _sigterm_raises():
             yield tmp
             last_fsync_seconds = fsync_tree(tmp) if fsync else 0.0
             check_target_free(target)  # created by someone else meanwhile: never rename over it
             os.rename(tmp, target)
+            renamed = True
         if fsync:
             fsync_dir(target.parent)
     except BaseException as err:
+        if renamed:  # `target` is whole: a signal from here on is the caller's to report, not a removal
+            raise
         shutil.rmtree(tmp, ignore_errors=True)
         stop = None if isinstance(err, SystemExit) else stop_signal(err)
         if stop is not None:
