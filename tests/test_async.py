@@ -207,6 +207,13 @@ def test_two_engine_ranks_stream_with_partial_rollouts_two_versions_behind(cli_e
       "rollout.schedule.partial=true"], "set rollout.pipeline.max_staleness=2"),
     (["rollout.pipeline.mode=async", "algo.tis_cap=2", "rollout.pipeline.engine_ranks=2"],
      "rollout.pipeline.engine_ranks=2 leaves no trainer rank of the 2 launched: launch 3 processes"),
+    (["rollout.pipeline.max_staleness=2"], "rollout.pipeline.max_staleness=2 bounds how far the engines of "
+                                           "rollout.pipeline.mode=async run ahead"),
+    (["rollout.pipeline.mode=async", "rollout.pipeline.max_staleness=2",
+      "algo.rollout_correction.preset=bypass_ppo_clip"],
+     "its PPO clip would be anchored to a policy 2 versions older"),
+    (["rollout.pipeline.mode=async", "rollout.pipeline.max_staleness=0", "algo.tis_cap=2"],
+     "rollout.pipeline.max_staleness"),
 ])
 def test_async_configs_that_cannot_work_are_refused_naming_the_key(overrides, message):
     cfg = load_config(ROOT / "examples" / "tiny_cpu.yaml", overrides)
