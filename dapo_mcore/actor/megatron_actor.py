@@ -61,6 +61,8 @@ class ActorSettings:
     pad_id: int = 0
     algo: Any = None  # AlgoConfig
     max_response_len: int | None = None
+    lora: Any = None  # model.lora (LoRAConfig): adapters on the linear layers, base frozen; None or rank 0 = off
+    seed: int = 0  # the run's seed: the adapters' initial A is drawn from it (model/lora/adapter.py)
 
     @property
     def seq_pad_multiple(self) -> int:
@@ -188,6 +190,12 @@ class MegatronActor:
             # Megatron's torch norms ignore params_dtype (fp32 weights in a bf16 model): cast like its Float16Module
             # does, so every parameter has one dtype (PP weight broadcasts allocate by dtype; fused rms_norm needs it).
             chunk.to(device=self.device, dtype=settings.params_dtype)
+        self.lora = settings.lora if settings.lora is not None and settings.lora.enabled else None
+        if self.lora is not None:  # before DDP and the optimizer: they then see the adapters alone
+            from dapo_mcore.model.lora.attach import attach_lora
+
+            attach_lora(chunks, self.lora, sequence_parallel=settings.sequence_parallel, seed=settings.seed,
+                        inputs_require_grad=settings.recompute != "none")
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
             use_distributed_optimizer=settings.distributed_optimizer)

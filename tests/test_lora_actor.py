@@ -1,0 +1,141 @@
+"""LoRA on the Megatron actor, against Hugging Face peft and across layouts (one 2-process launch).
+
+The same tiny Qwen2 and the same adapter (a peft adapter directory: q/k/v share one A, gate/up share one A, as
+Megatron's fused layers do) at DP=2, TP=2 and PP=2 (tests/dist_scripts/lora_layouts.py) give:
+* the logits of peft's own model (``PeftModel.from_pretrained``) with that adapter;
+* the same loss, grad norm, adapter gradients, updated adapters and merged weights at every layout;
+* merged weights (what the weight sync sends, merged shard-locally) equal to a naive ``W + alpha/r * B @ A`` on the
+  whole matrices;
+* a base that is frozen for real: unchanged, no gradient buffers, no optimizer state (the optimizer holds exactly
+  the adapters).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.dist_scripts import harness
+
+pytestmark = pytest.mark.distributed
+
+RANK, ALPHA = 4, 8.0
+LAYOUTS = "1x1,2x1,1x2"  # with 2 processes: DP=2, TP=2, PP=2
+NAMES = ["tp1_pp1_dp2", "tp2_pp1_dp1", "tp1_pp2_dp1"]
+FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "fc1", "up_proj": "fc1"}
+
+
+def random_adapter(hf_model, seed: int) -> dict[str, torch.Tensor]:
+    """peft-named adapter tensors for every projection; the projections of one fused Megatron layer share A."""
+    gen = torch.Generator().manual_seed(seed)
+    out, shared = {}, {}
+    for name, mod in hf_model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf not in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+            continue
+        layer = name.rsplit(".", 2)[0]
+        key = (layer, FUSED.get(leaf, leaf))
+        if key not in shared:
+            shared[key] = torch.randn(RANK, mod.in_features, generator=gen) * 0.3
+        out[f"base_model.model.{name}.lora_A.weight"] = shared[key]
+        out[f"base_model.model.{name}.lora_B.weight"] = torch.randn(mod.out_features, RANK, generator=gen) * 0.3
+    return out
+
+
+def write_adapter(directory: Path, tensors: dict[str, torch.Tensor]) -> None:
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                         "up_proj", "down_proj"]).save_pretrained(directory)
+    save_file({k: v.clone().contiguous() for k, v in tensors.items()}, str(directory / "adapter_model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def runs():
+    import transformers
+    from peft import PeftModel
+
+    ws = Path(tempfile.mkdtemp(prefix="dapo_lora_"))
+    try:
+        spec = harness._write_workspace(ws)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(ws / "hf", dtype=torch.float32).eval()
+        adapter = random_adapter(hf, seed=17)
+        write_adapter(ws / "adapter", adapter)
+        peft_model = PeftModel.from_pretrained(hf, ws / "adapter").eval()
+        with torch.no_grad():
+            peft_logits = peft_model(torch.tensor(spec["ids"])).logits.float()
+        proc = harness._launch([str(harness.HERE / "lora_layouts.py"), str(ws), LAYOUTS], nproc=2)
+        harness._wait(proc, "LoRA layouts")
+        out = [torch.load(ws / "out" / f"lora_rank{r}.pt", weights_only=False) for r in range(2)]
+        yield {"spec": spec, "peft_logits": peft_logits, "adapter": adapter, "out": out, "ws": ws}
+    finally:
+        shutil.rmtree(ws, ignore_errors=True)
+
+
+def _each(runs):
+    for rank in range(2):
+        assert sorted(runs["out"][rank]) == sorted(NAMES)
+        for name in NAMES:
+            yield name, rank, runs["out"][rank][name]
+
+
+def test_logits_equal_peft_with_the_same_adapter(runs):
+    want = runs["peft_logits"]
+    for name, rank, res in _each(runs):
+        assert (res["logits"] - want).abs().max().item() < 1e-4, (name, rank)
+
+
+def test_the_adapter_changes_the_logits(runs):
+    """Guard: the adapter is not a no-op (a model without it would fail the comparison above)."""
+    ws = runs["ws"]
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(ws / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        plain = hf(torch.tensor(runs["spec"]["ids"])).logits.float()
+    assert (plain - runs["peft_logits"]).abs().max().item() > 0.1
+
+
+def test_every_layout_gives_the_same_update(runs):
+    ref = runs["out"][0][NAMES[0]]
+    for name, rank, res in _each(runs):
+        for key in ("loss", "grad_norm"):
+            assert abs(res["metrics"][key] - ref["metrics"][key]) < 1e-5, (name, rank, key)
+        assert res["metrics"]["update_ok"] == 1.0
+        for what in ("grads", "adapters", "merged"):
+            assert sorted(res[what]) == sorted(ref[what]), (name, what)
+            diff = max((res[what][k] - ref[what][k]).abs().max().item() for k in ref[what])
+            assert diff < 1e-5, (name, rank, what, diff)
+
+
+def test_gradients_reach_every_adapter_and_the_update_moves_them(runs):
+    ref = runs["out"][0][NAMES[0]]
+    assert len(ref["grads"]) == len(runs["adapter"]) == 2 * 7 * 2  # 2 layers x 7 projections x (A, B)
+    for k, g in ref["grads"].items():
+        assert g.abs().max() > 0, k
+        assert (ref["adapters"][k] - runs["adapter"][k]).abs().max() > 1e-6, k
+
+
+def test_merged_weights_equal_a_naive_full_matrix_merge(runs):
+    from safetensors.torch import load_file
+
+    base = load_file(str(runs["ws"] / "hf" / "model.safetensors"))
+    for name, rank, res in _each(runs):
+        for hf_name, w in base.items():
+            module = hf_name[: -len(".weight")]
+            a = res["adapters"].get(f"base_model.model.{module}.lora_A.weight")
+            want = w if a is None else w + ALPHA / RANK * res["adapters"][f"base_model.model.{module}.lora_B.weight"] @ a
+            assert (res["merged"][hf_name] - want).abs().max().item() < 1e-5, (name, rank, hf_name)
+
+
+def test_the_base_is_frozen_for_real(runs):
+    for name, rank, res in _each(runs):
+        f = res["frozen"]
+        assert f["base_requires_grad"] == 0 and f["base_main_grad"] == 0, (name, rank, f)
+        assert f["optimizer_is_adapters"] and f["optimizer_params"] == f["adapters"] > 0, (name, rank, f)
+        assert f["unadapted_equal_hf"], (name, rank)
