@@ -66,6 +66,9 @@ def runs():
         hf = transformers.AutoModelForCausalLM.from_pretrained(ws / "hf", dtype=torch.float32).eval()
         adapter = random_adapter(hf, seed=17)
         write_adapter(ws / "adapter", adapter)
+        from conversion.synthetic import save_tiny_hf_model
+
+        save_tiny_hf_model(ws / "hf_other", seed=4, vocab_size=spec["vocab_size"])  # another base, same shapes
         peft_model = PeftModel.from_pretrained(hf, ws / "adapter").eval()
         with torch.no_grad():
             peft_logits = peft_model(torch.tensor(spec["ids"])).logits.float()
@@ -139,3 +142,35 @@ def test_the_base_is_frozen_for_real(runs):
         assert f["base_requires_grad"] == 0 and f["base_main_grad"] == 0, (name, rank, f)
         assert f["optimizer_is_adapters"] and f["optimizer_params"] == f["adapters"] > 0, (name, rank, f)
         assert f["unadapted_equal_hf"], (name, rank)
+
+
+def test_resume_at_another_layout_continues_exactly(runs):
+    """Every layout resumes the DP=2 run's checkpoint (taken after the first update): the adapters and Adam's
+    moments are the saved ones, and the second update is the uninterrupted run's."""
+    first = runs["out"][0][NAMES[0]]
+    for name, rank, res in _each(runs):
+        for got, want in ((res["resumed_adapters"], first["adapters"]), (res["resumed_moments"], first["moments"])):
+            assert sorted(got) == sorted(want)
+            assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-6, (name, rank)
+        for key in ("loss", "grad_norm"):
+            assert abs(res["resumed_update2"][key] - res["update2"][key]) < 1e-5, (name, rank, key)
+    assert max(v.abs().max().item() for v in first["moments"].values()) > 0  # the moments are not all zero
+
+
+def test_every_tp_shard_of_every_adapter_is_in_the_checkpoint(runs):
+    """The TP=2 run's checkpoint holds each adapter whole (both ranks' shards of B, of row layers' A)."""
+    from safetensors.torch import load_file
+
+    res = runs["out"][0]["tp2_pp1_dp1"]
+    files = sorted((runs["ws"] / "ckpt" / "tp2_pp1_dp1" / "step_000001" / "lora" / "adapter").glob("*.safetensors"))
+    saved = {k: v for f in files for k, v in load_file(str(f)).items()}
+    assert sorted(saved) == sorted(res["adapters"]) and len(saved) == 28
+    for k, v in saved.items():
+        assert torch.equal(v, res["adapters"][k]), k
+        assert v.shape == runs["adapter"][k].shape, k
+
+
+def test_a_resume_on_another_base_is_refused_in_one_line(runs):
+    for name, _rank, res in _each(runs):
+        msg = res["other_base"]
+        assert msg is not None and "hf_other" in msg and "base" in msg and "\n" not in msg, (name, msg)

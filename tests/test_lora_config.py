@@ -43,5 +43,10 @@ def test_bad_values_are_refused_in_one_line(override, words):
     assert words in str(err.value) and "\n" not in str(err.value)
 
 
+def test_the_distributed_optimizer_is_refused_with_lora():
+    with pytest.raises(ConfigError, match="distributed_optimizer=false"):
+        _cfg("model.lora.rank=8", "parallel.distributed_optimizer=true").validate(world_size=1, check_files=False)
+
+
 def test_rank_zero_ignores_the_other_fields():
     _cfg("model.lora.alpha=0", "model.lora.target_modules=[]").model.validate()

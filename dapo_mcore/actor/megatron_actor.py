@@ -230,6 +230,8 @@ class MegatronActor:
             self.replay = RouterReplay(chunks, moe.moe_layers, settings.router_replay, settings.sequence_parallel)
             self.top_k = moe.topk
         self._routes_of: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.base_source: str | None = None  # where the weights were loaded from (load_hf / load_megatron)
+        self._base_identity: dict | None = None
 
     # ---- weights -------------------------------------------------------------------------------------------
     @property
@@ -241,6 +243,7 @@ class MegatronActor:
         """Load a Hugging Face checkpoint into the live model (this rank's slices only, streamed)."""
         from dapo_mcore.weights.live import load_hf_into_model
 
+        self.base_source, self._base_identity = hf_dir, None  # LoRA: the base's identity (actor.lora_state)
         load_hf_into_model(self.chunks, hf_dir, layer_spec=self.s.layer_spec,
                            make_vocab_size_divisible_by=self.s.make_vocab_size_divisible_by,
                            vocab_padding=self.s.vocab_padding)
@@ -254,6 +257,7 @@ class MegatronActor:
         from dapo_mcore.weights import dist_checkpoint
         from dapo_mcore.weights.live import load_megatron_checkpoint_into_model
 
+        self.base_source, self._base_identity = directory, None
         if dist_checkpoint.is_dist_checkpoint(directory):
             dist_checkpoint.load_into_model(self.chunks, directory)
             self.refresh_main_params()

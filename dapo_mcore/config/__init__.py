@@ -435,6 +435,10 @@ class Config:
         settings are refused by ``runtime.check_hardware``, so cluster configs validate on a laptop;
         ``check_files=False`` also leaves out whether the dataset files exist on this machine)."""
         self.model.validate()
+        if self.model.lora.enabled and self.parallel.distributed_optimizer:
+            raise ConfigError("model.lora.rank > 0 with parallel.distributed_optimizer=true: the adapters' optimizer "
+                              "state is small and LoRA checkpoints keep it per adapter; set "
+                              "parallel.distributed_optimizer=false.")
         for section in (self.algo, self.data, self.tiny_base):
             try:
                 section.validate(check_files) if section is self.data else section.validate()

@@ -15,6 +15,7 @@ whole is cheap; the merged base weights are never gathered here (the weight sync
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,6 +29,8 @@ from dapo_mcore.weights.registry import get_mapping
 from dapo_mcore.weights.transforms import DictSource, Split, merge, shard
 
 PEFT_PREFIX = "base_model.model."
+Getter = Callable[[torch.nn.Parameter], torch.Tensor]
+Putter = Callable[[torch.nn.Parameter, torch.Tensor], None]
 
 
 def peft_name(hf_weight: str, which: str) -> str:
@@ -66,12 +69,12 @@ def _gather_tp(t: torch.Tensor, group) -> list[torch.Tensor]:
     return [dev.host(p) for p in parts]
 
 
-def layer_pieces(layer: AdaptedLayer, pl: Placement, geo, grads: bool = False) -> dict[str, torch.Tensor]:
-    """One adapted layer's ``peft`` tensors (a collective over the layer's TP group), fp32; with ``grads``, their
-    gradients (Megatron's ``main_grad``) in the same form."""
+def layer_pieces(layer: AdaptedLayer, pl: Placement, geo, get: Getter | None = None) -> dict[str, torch.Tensor]:
+    """One adapted layer's ``peft`` tensors (a collective over the layer's TP group), fp32. ``get`` picks what of
+    each adapter parameter: its value by default; its gradient, or an optimizer state of its shape, in the same form."""
     ad = layer.adapter
-    a, b = (ad.a.main_grad, ad.b.main_grad) if grads else (ad.a, ad.b)
-    a, b = a.detach().float(), b.detach().float()
+    get = get or (lambda p: p)
+    a, b = get(ad.a).detach().float(), get(ad.b).detach().float()
     out: dict[str, torch.Tensor] = {}
     if ad.parallel == "column":
         bs = merge(pl.rule.split, _gather_tp(b, ad.group), pl.hf_names, geo)
@@ -86,25 +89,27 @@ def layer_pieces(layer: AdaptedLayer, pl: Placement, geo, grads: bool = False) -
 
 
 def gather_adapters(model_chunks: list, hf_config: dict[str, Any], layer_spec: str = "local",
-                    grads: bool = False) -> dict[str, torch.Tensor]:
+                    get: Getter | None = None) -> dict[str, torch.Tensor]:
     """This rank's adapters (its pipeline stage's and expert-parallel rank's layers) by ``peft`` name, whole along
-    TP, fp32 (with ``grads``: their gradients). A collective over each TP group."""
+    TP, fp32 (``get``: see `layer_pieces`). A collective over each TP group."""
     mapping, layout, placed = _placements(model_chunks, hf_config, layer_spec)
     geo = mapping.geometry(layout)
     out: dict[str, torch.Tensor] = {}
     for layer in adapted_layers(model_chunks):
-        out.update(layer_pieces(layer, placed[_key(layout, layer)], geo, grads))
+        out.update(layer_pieces(layer, placed[_key(layout, layer)], geo, get))
     return out
 
 
 @torch.no_grad()
 def load_adapters(model_chunks: list, hf_config: dict[str, Any], tensors: dict[str, torch.Tensor],
-                  layer_spec: str = "local") -> int:
+                  layer_spec: str = "local", put: Putter | None = None) -> int:
     """Set this rank's adapters from ``peft``-named whole tensors (any layout wrote them); returns how many layers
-    were set. KeyError naming the first missing tensor; ValueError on a rank or shape mismatch."""
+    were set. ``put(param, shard)`` stores a shard (default: into the parameter; an optimizer state instead). Every
+    shape is checked before anything is stored: KeyError naming the first missing tensor, ValueError on a rank or
+    shape mismatch."""
     mapping, layout, placed = _placements(model_chunks, hf_config, layer_spec)
     geo = mapping.geometry(layout)
-    count = 0
+    todo = []
     for layer in adapted_layers(model_chunks):
         pl, ad = placed[_key(layout, layer)], layer.adapter
         tp, rank = ad.group.size(), ad.group.rank()
@@ -122,6 +127,23 @@ def load_adapters(model_chunks: list, hf_config: dict[str, Any], tensors: dict[s
             if tuple(live.shape) != tuple(new.shape):
                 raise ValueError(f"adapter {what} of {layer.name}: shape {tuple(new.shape)} does not fit the live "
                                  f"{tuple(live.shape)} (another model.lora.rank or model?)")
-            live.copy_(new.to(live.dtype))
-        count += 1
-    return count
+            todo.append((live, new))
+    put = put or (lambda param, value: param.copy_(value.to(param.dtype)))
+    for live, new in todo:
+        put(live, new)
+    return len(todo) // 2
+
+
+def hf_target_modules(target_modules: list[str]) -> list[str]:
+    """peft's ``target_modules`` (Hugging Face module names) of Megatron targets."""
+    from dapo_mcore.model.lora.config import HF_TARGETS
+
+    return [hf for t in target_modules for hf in HF_TARGETS[t]]
+
+
+def adapter_config(lora, base_path: str | None, hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The ``adapter_config.json`` peft reads (``LoraConfig`` fields; ``PeftModel.from_pretrained`` loads it)."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_path,
+            "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "bias": "none",
+            "target_modules": hf_target_modules(list(lora.target_modules)), "fan_in_fan_out": False,
+            "use_rslora": False, "inference_mode": True, "modules_to_save": None}

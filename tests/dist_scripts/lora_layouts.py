@@ -12,7 +12,10 @@ on every rank:
   merged         the HF weights the weight sync sends after it (export_hf_weights: merged shard-locally)
   frozen         base weights bit-identical to the HF checkpoint after the update; no main grad / no optimizer
                  state for them; the optimizer holds exactly the adapters
-  ckpt           adapters + optimizer state saved and reloaded into a fresh actor at this layout: equal
+  moments / update2                 Adam's exp_avg of the adapters, and a second update, after the first
+  resumed_*      a fresh actor at this layout resumes the FIRST layout's checkpoint (taken after the first update):
+                 adapters, exp_avg and the second update as the uninterrupted run has them
+  other_base     the refusal when the resuming run's base is another model (None if it was not refused)
 written to WS/out/lora_rank<R>.pt.
 """
 
@@ -62,7 +65,8 @@ def everywhere(part: dict) -> dict:
 def gathered(actor, attr: str | None = None) -> dict:
     from dapo_mcore.weights.lora import gather_adapters
 
-    return everywhere(gather_adapters(actor.chunks, actor.s.hf_config, grads=attr == "grad"))
+    get = (lambda p: p.main_grad) if attr == "grad" else None
+    return everywhere(gather_adapters(actor.chunks, actor.s.hf_config, get=get))
 
 
 def frozen_report(actor, ws: Path) -> dict:
@@ -85,7 +89,38 @@ def frozen_report(actor, ws: Path) -> dict:
                                       if not any(k in n for k in ("proj",)))}
 
 
-def check_layout(ws: Path, spec: dict, tp: int, pp: int) -> dict:
+def moments(actor) -> dict:
+    from dapo_mcore.actor.lora_state import _getter
+    from dapo_mcore.weights.lora import gather_adapters
+
+    return everywhere(gather_adapters(actor.chunks, actor.s.hf_config, get=_getter(actor, "exp_avg")))
+
+
+def resume_checks(ws: Path, spec: dict, tp: int, pp: int, actor, name: str, first: str) -> dict:
+    """Save a checkpoint; update on; a fresh actor resumes the FIRST layout's checkpoint and updates the same."""
+    from dapo_mcore.actor import checkpoint as ckpt
+    from dapo_mcore.weights.checkpoint import CheckpointError
+
+    out: dict = {"moments": moments(actor)}
+    ckpt.save_checkpoint(ws / "ckpt" / name, 1, actor, {"step": 1}, keep_last=1)
+    dist.barrier()
+    out["update2"] = actor.train_mini_batch(c.samples(spec, "update2"), lr=spec["lr"])
+    fresh = make_lora_actor(ws, spec, tp, pp)
+    source = ws / "ckpt" / first / "step_000001"
+    ckpt.load_checkpoint(source, fresh)
+    out["resumed_adapters"], out["resumed_moments"] = gathered(fresh), moments(fresh)
+    out["resumed_update2"] = fresh.train_mini_batch(c.samples(spec, "update2"), lr=spec["lr"])
+    other = make_lora_actor(ws, spec, tp, pp)
+    other.base_source, other._base_identity = str(ws / "hf_other"), None
+    try:
+        ckpt.load_checkpoint(source, other)
+        out["other_base"] = None
+    except CheckpointError as err:
+        out["other_base"] = str(err)
+    return out
+
+
+def check_layout(ws: Path, spec: dict, tp: int, pp: int, name: str, first: str) -> dict:
     from safetensors.torch import load_file
 
     from conversion.verify import megatron_logits
@@ -107,6 +142,7 @@ def check_layout(ws: Path, spec: dict, tp: int, pp: int) -> dict:
     res["adapters"] = gathered(actor)
     res["merged"] = c.export(actor)
     res["frozen"] = frozen_report(actor, ws)
+    res.update(resume_checks(ws, spec, tp, pp, actor, name, first))
     return res
 
 
@@ -114,10 +150,11 @@ def main() -> None:
     ws, layouts = Path(sys.argv[1]), sys.argv[2]
     spec = c.read_spec(ws)
     env = c.start()
-    results = {}
+    results: dict = {}
     for layout in layouts.split(","):
         tp, pp = (int(x) for x in layout.split("x"))
-        results[f"tp{tp}_pp{pp}_dp{env.world_size // (tp * pp)}"] = check_layout(ws, spec, tp, pp)
+        name = f"tp{tp}_pp{pp}_dp{env.world_size // (tp * pp)}"
+        results[name] = check_layout(ws, spec, tp, pp, name, first=next(iter(results), name))
     c.save(results, ws / "out" / f"lora_rank{env.rank}.pt")
     from dapo_mcore.actor.parallel import shutdown
 
