@@ -12,6 +12,7 @@ Megatron's fused layers do) at DP=2, TP=2 and PP=2 (tests/dist_scripts/lora_layo
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -174,3 +175,62 @@ def test_a_resume_on_another_base_is_refused_in_one_line(runs):
     for name, _rank, res in _each(runs):
         msg = res["other_base"]
         assert msg is not None and "hf_other" in msg and "base" in msg and "\n" not in msg, (name, msg)
+
+
+def _tp2_checkpoint(runs) -> Path:
+    return runs["ws"] / "ckpt" / "tp2_pp1_dp1" / "step_000001"
+
+
+def test_merged_export_differs_from_the_base_only_in_targeted_projections_by_rank_r(runs, tmp_path):
+    from safetensors.torch import load_file
+
+    from conversion.mcore_to_hf import main
+
+    assert main(["--mcore", str(_tp2_checkpoint(runs)), "--out", str(tmp_path / "merged"), "--no-progress"]) == 0
+    merged = {k: v for f in (tmp_path / "merged").glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    base = load_file(str(runs["ws"] / "hf" / "model.safetensors"))
+    assert sorted(merged) == sorted(base)
+    want = runs["out"][0]["tp2_pp1_dp1"]["merged"]  # what the weight sync sent after the same update
+    changed = []
+    for name, w in base.items():
+        assert (merged[name] - want[name]).abs().max().item() < 1e-6, name
+        delta = (merged[name] - w).double()
+        if delta.abs().max() > 0:
+            changed.append(name.split(".")[-2])
+            # fp32 storage rounds W + delta (~1e-7 relative): singular values below 1e-4 of the largest are that
+            assert 0 < torch.linalg.matrix_rank(delta, rtol=1e-4).item() <= RANK, name
+    assert sorted(set(changed)) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    assert len(changed) == 14  # every projection of both layers; embeddings and norms untouched
+
+
+def test_adapter_only_export_loads_in_peft_and_gives_the_merged_logits(runs, tmp_path):
+    import transformers
+    from peft import PeftModel
+
+    from conversion.mcore_to_hf import main
+
+    ckpt = str(_tp2_checkpoint(runs))
+    assert main(["--mcore", ckpt, "--out", str(tmp_path / "adapter"), "--adapter-only"]) == 0
+    assert main(["--mcore", ckpt, "--out", str(tmp_path / "merged"), "--no-progress"]) == 0
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (RANK, ALPHA)
+    assert sorted(config["target_modules"]) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                        "up_proj", "down_proj"])
+    ids = torch.tensor(runs["spec"]["ids"])
+    base = transformers.AutoModelForCausalLM.from_pretrained(runs["ws"] / "hf", dtype=torch.float32).eval()
+    peft_model = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        got, want = peft_model(ids).logits, merged(ids).logits
+        plain = transformers.AutoModelForCausalLM.from_pretrained(runs["ws"] / "hf", dtype=torch.float32)(ids).logits
+    assert (got - want).abs().max().item() < 1e-4
+    assert (plain - want).abs().max().item() > 0.1  # guard: the adapter matters
+
+
+def test_adapter_only_without_adapters_is_refused_in_one_line(runs, tmp_path, capsys):
+    from conversion.mcore_to_hf import main
+
+    assert main(["--mcore", str(runs["ws"] / "hf"), "--out", str(tmp_path / "a"), "--adapter-only"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "holds no LoRA adapters" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "a").exists()
