@@ -137,6 +137,22 @@ def test_merged_weights_equal_a_naive_full_matrix_merge(runs):
             assert (res["merged"][hf_name] - want).abs().max().item() < 1e-5, (name, rank, hf_name)
 
 
+def test_the_planner_counts_the_adapters_each_rank_holds(runs):
+    """plan/lora.py's adapter parameters per GPU equal the trainable parameters each rank really holds."""
+    import json as _json
+
+    from dapo_mcore.plan.lora import adapter_params_per_gpu
+    from dapo_mcore.telemetry.flops import ModelShape
+
+    hf = _json.loads((runs["ws"] / "hf" / "config.json").read_text())
+    shape = ModelShape.from_hf(hf)
+    targets = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+    for name, rank, res in _each(runs):
+        tp, pp = (1, 1) if name.startswith("tp1_pp1") else ((2, 1) if name.startswith("tp2") else (1, 2))
+        want = adapter_params_per_gpu(shape, RANK, targets, tensor_parallel=tp, pipeline_parallel=pp)
+        assert res["frozen"]["trainable_here"] == want, (name, rank)
+
+
 def test_the_base_is_frozen_for_real(runs):
     for name, rank, res in _each(runs):
         f = res["frozen"]

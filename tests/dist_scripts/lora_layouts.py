@@ -85,6 +85,7 @@ def frozen_report(actor, ws: Path) -> dict:
             "adapters": len(adapters), "optimizer_params": len(in_optimizer),
             "optimizer_is_adapters": in_optimizer == {id(p) for p in adapters},
             "base_live": len(live_tensors(actor.chunks, layout)),
+            "trainable_here": sum(p.numel() for p in adapters),
             "unadapted_equal_hf": all(torch.equal(exported[n], hf[n]) for n in hf
                                       if not any(k in n for k in ("proj",)))}
 
