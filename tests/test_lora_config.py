@@ -48,14 +48,5 @@ def test_the_distributed_optimizer_is_refused_with_lora():
         _cfg("model.lora.rank=8", "parallel.distributed_optimizer=true").validate(world_size=1, check_files=False)
 
 
-def test_te_grouped_experts_are_refused_as_targets():
-    moe = ["model.tiny_base=false", "model.preset=qwen3-30b-a3b", "model.layer_spec=transformer_engine",
-           "model.lora.rank=8"]
-    with pytest.raises(ConfigError, match="target \\[linear_qkv, linear_proj\\]"):
-        _cfg(*moe).validate(world_size=1, check_files=False)
-    cfg = _cfg(*moe, "model.lora.target_modules=[linear_qkv, linear_proj]")
-    cfg.model.validate()  # attention-only LoRA of the MoE model is fine
-
-
 def test_rank_zero_ignores_the_other_fields():
     _cfg("model.lora.alpha=0", "model.lora.target_modules=[]").model.validate()

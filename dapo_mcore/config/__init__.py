@@ -439,14 +439,6 @@ class Config:
             raise ConfigError("model.lora.rank > 0 with parallel.distributed_optimizer=true: the adapters' optimizer "
                               "state is small and LoRA checkpoints keep it per adapter; set "
                               "parallel.distributed_optimizer=false.")
-        lora_mlp = {"linear_fc1", "linear_fc2"} & set(self.model.lora.target_modules)
-        if self.model.lora.enabled and lora_mlp and self.model.layer_spec == "transformer_engine":
-            from dapo_mcore.model.moe import MoEShape
-
-            if MoEShape.from_hf(self.model.hf_config(self.tiny_base.preset)) is not None:
-                raise ConfigError(f"model.lora.target_modules has {', '.join(sorted(lora_mlp))}, but the "
-                                  "transformer_engine spec's experts are grouped (one module per layer): target "
-                                  "[linear_qkv, linear_proj] of this MoE model, or use model.layer_spec=local.")
         for section in (self.algo, self.data, self.tiny_base):
             try:
                 section.validate(check_files) if section is self.data else section.validate()

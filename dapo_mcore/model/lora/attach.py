@@ -9,8 +9,9 @@ unchanged; `adapted_layers` lists the adapters for the merged export (``weights.
 
 Transformer Engine's ``TELayerNormColumnParallelLinear`` (``linear_qkv`` / ``linear_fc1`` of the TE spec) normalizes
 its input itself: it is asked for the normalized input too (TE's ``return_layernorm_output``), and the adapter reads
-that. TE's grouped experts (``TEGroupedMLP``: one weight per expert in one module) have no per-expert linear to hook
-and are refused.
+that. TE's experts are hooked like the local spec's (``SequentialMLP`` of
+``TEColumnParallelLinear`` / ``TERowParallelLinear``: the project builds MoE layers without grouped GEMM); grouped
+experts (``TEGroupedMLP``: every expert's weight in one module) have no per-expert linear to hook and are refused.
 """
 
 from __future__ import annotations
@@ -88,12 +89,19 @@ def global_layer_name(chunk: torch.nn.Module, name: str) -> str:
     return f"layers.{layer.layer_number - 1}.{rest}"
 
 
-def _group_of(module):
+def _expert_layout(module, name: str):
+    """(TP group, explicit expert communication) of a layer. Megatron's local linears store both (``is_expert``,
+    ``explicit_expert_comm``); Transformer Engine's (``TELinear``) store neither, so an expert is known by its place
+    (``...experts.local_experts.N...``) and its communication by Megatron's own rule: an expert layer leaves its
+    transfers to the token dispatcher when it is split over TP ranks or experts over EP ranks."""
     from megatron.core import parallel_state as ps
 
-    if getattr(module, "is_expert", False):
-        return ps.get_expert_tensor_parallel_group()
-    return ps.get_tensor_model_parallel_group()
+    expert = bool(getattr(module, "is_expert", False)) or ".experts." in f".{name}."
+    group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
+    explicit = getattr(module, "explicit_expert_comm", None)
+    if explicit is None:
+        explicit = expert and (group.size() > 1 or ps.get_expert_model_parallel_world_size() > 1)
+    return group, bool(explicit)
 
 
 def _lora_hook(module, args, output):
@@ -116,7 +124,7 @@ def _attach_one(chunk, name: str, module, cfg: LoRAConfig, sequence_parallel: bo
                               "Transformer Engine's grouped experts are not supported): use model.layer_spec=local "
                               "for an MoE model with LoRA, or leave linear_fc1/linear_fc2 out of "
                               "model.lora.target_modules.")
-    group = _group_of(module)
+    group, explicit = _expert_layout(module, name)
     tp_size, tp_rank = group.size(), group.rank()
     leaf = name.rsplit(".", 1)[-1]
     parallel = "column" if leaf in COLUMN_TARGETS else "row"
@@ -126,7 +134,7 @@ def _attach_one(chunk, name: str, module, cfg: LoRAConfig, sequence_parallel: bo
     adapter = LoRAAdapter(
         parallel=parallel, in_features=weight.shape[1], out_features=weight.shape[0], rank=cfg.rank,
         scale=cfg.scale, dropout=cfg.dropout, tp_group=group, tp_size=tp_size, tp_rank=tp_rank,
-        sequence_parallel=sequence_parallel, explicit_comm=bool(getattr(module, "explicit_expert_comm", False)),
+        sequence_parallel=sequence_parallel, explicit_comm=explicit,
         allreduce=bool(getattr(weight, "allreduce", True)), dtype=weight.dtype, device=weight.device,
         init_key=global_layer_name(chunk, name), seed=seed)
     module.add_module(CHILD, adapter)
