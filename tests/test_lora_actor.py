@@ -117,6 +117,19 @@ def test_every_layout_gives_the_same_update(runs):
             assert diff < 1e-5, (name, rank, what, diff)
 
 
+def test_the_logged_adapter_norms_equal_the_adapters_change(runs):
+    """``lora/update_norm`` and ``lora/adapter_norm`` (the report's adapter panel, diagnose's rule) against the
+    adapters before and after the update, each fused layer's shared A counted once."""
+    shared = ("k_proj.lora_A", "v_proj.lora_A", "up_proj.lora_A")  # the same tensor as q_proj's / gate_proj's A
+    for name, rank, res in _each(runs):
+        keep = [k for k in res["adapters"] if not any(s in k for s in shared)]
+        upd = sum((res["adapters"][k] - runs["adapter"][k]).double().pow(2).sum() for k in keep).sqrt().item()
+        par = sum(res["adapters"][k].double().pow(2).sum() for k in keep).sqrt().item()
+        assert abs(res["metrics"]["lora/update_norm"] - upd) < 1e-5 * max(upd, 1), (name, rank)
+        assert abs(res["metrics"]["lora/adapter_norm"] - par) < 1e-5 * par, (name, rank)
+        assert upd > 0
+
+
 def test_gradients_reach_every_adapter_and_the_update_moves_them(runs):
     ref = runs["out"][0][NAMES[0]]
     assert len(ref["grads"]) == len(runs["adapter"]) == 2 * 7 * 2  # 2 layers x 7 projections x (A, B)

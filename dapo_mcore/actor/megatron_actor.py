@@ -490,6 +490,7 @@ class MegatronActor:
         skip = self.nonfinite.check(reduced.get("loss", 0.0), grads_finite(self.chunks), lr)
         skip = skip or bool(reduced.pop("bypass_all_rejected", 0.0))  # bypass: every token rejected
         ok, grad_norm = False, None
+        before = [p.detach().clone() for p in self._adapters()] if self.lora is not None and not skip else None
         if not skip:
             ok, grad_norm, _ = self.optimizer.step()
         for m in self.model:
@@ -499,7 +500,36 @@ class MegatronActor:
             return {"skipped": 1.0, **{k: v for k, v in reduced.items() if k.startswith("rollout_corr/")}}
         reduced["grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
         reduced["update_ok"] = 1.0 if ok else 0.0
+        if before is not None:
+            reduced.update(self._adapter_norms(before))
         return reduced
+
+    def _adapters(self) -> list[torch.nn.Parameter]:
+        """LoRA: the trainable parameters (the adapters), in a fixed order."""
+        return [p for c in self.chunks for p in c.parameters() if p.requires_grad]
+
+    def _adapter_norms(self, before: list[torch.Tensor]) -> dict[str, float]:
+        """LoRA: the L2 norms of this update of the adapters and of the adapters, over the whole model (a collective
+        over the model-parallel group; a TP-replicated factor counted once; with expert parallelism the experts of
+        this rank's share)."""
+        from megatron.core import parallel_state as ps
+
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # summed where the adapters are: one copy
+        first = ps.get_tensor_model_parallel_rank() == 0
+        for p, old in zip(self._adapters(), before, strict=True):
+            if getattr(p, "tensor_model_parallel", False) or first:
+                sums[0] += (p.detach().double() - old.double()).pow(2).sum()
+                sums[1] += p.detach().double().pow(2).sum()
+        sums = sums.cpu()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            from dapo_mcore.collectives.device import collective_device
+
+            group = ps.get_model_parallel_group()
+            device = collective_device(group)
+            moved = device.to(sums)
+            dist.all_reduce(moved, group=group)
+            sums = device.host(moved)
+        return {"lora/update_norm": float(sums[0].sqrt()), "lora/adapter_norm": float(sums[1].sqrt())}
 
     def _sum_over_dp_last_stage(self, sums: dict[str, float]) -> dict[str, float]:
         """Metric contributions summed over DP ranks (last PP stage holds them), known on every rank."""
