@@ -154,7 +154,7 @@ class Trainer:
         """The actor's log-probs of the rollout tokens, compared with what the engine reported: ``mismatch/*`` over
         the tokens the current policy sampled, ``partial/*`` over those an older one did (partial rollouts: the
         policy's drift over a step plus the engine mismatch)."""
-        from dapo_mcore.rollout.mismatch import MismatchStats, apply_correction, mismatch_metrics
+        from dapo_mcore.rollout.correction.mismatch import MismatchStats, apply_correction, mismatch_metrics
 
         logps, _ = self.p.actor.compute_logprobs(samples)
         actor_lp, engine_lp = [], []

@@ -110,7 +110,7 @@ def test_vllm_routed_experts_become_the_engine_neutral_table():
     prompt + response positions; and the LLM kwarg is only set when replay asks for it."""
     import numpy as np
 
-    from dapo_mcore.rollout.routes import routes_from_vllm
+    from dapo_mcore.rollout.correction.routes import routes_from_vllm
     from dapo_mcore.rollout.vllm_engine import VLLMEngineOptions
 
     table = routes_from_vllm(np.arange(24).reshape(4, 3, 2), 5)

@@ -1,8 +1,8 @@
 """Rollout engines: the engine protocol, the HF engine (CPU, small models), the vLLM engine (GPU, colocated),
 and training-inference mismatch metrics. ``VLLMEngine`` imports vLLM only when built."""
 
+from dapo_mcore.rollout.correction.mismatch import MismatchStats, mismatch_metrics, tis_weights
 from dapo_mcore.rollout.hf_engine import HFEngine
-from dapo_mcore.rollout.mismatch import MismatchStats, mismatch_metrics, tis_weights
 from dapo_mcore.rollout.protocol import (
     Engine,
     EngineError,

@@ -124,7 +124,7 @@ class Response:
     are that policy's. 0 for a response sampled in one go."""
     routed_experts: Any = None
     """MoE models, transformers engine: int16 ``[prompt + response tokens, MoE layers, top_k]``, the experts each
-    token was routed to while sampling (-1 where not recorded: the last token); None otherwise (rollout/routes.py)."""
+    token was routed to while sampling (-1 where not recorded: the last token); None otherwise (rollout/correction/routes.py)."""
     versions: list[tuple[int, int]] | None = None
     """The policy versions that produced the tokens, as ``(version, tokens)`` runs, oldest first, covering every
     token (a continued partial rollout has two); None until the rollout side stamps them (an engine's raw output)."""

@@ -58,7 +58,7 @@ def responses_from_outputs(outputs: Sequence[Any], n: int, logprobs: str) -> lis
             token_ids, lps = completion_tokens(c, logprobs, where)
             routes = getattr(c, "routed_experts", None)  # vLLM with enable_return_routed_experts (MoE R3)
             if routes is not None:
-                from dapo_mcore.rollout.routes import routes_from_vllm
+                from dapo_mcore.rollout.correction.routes import routes_from_vllm
 
                 routes = routes_from_vllm(routes, len(out.prompt_token_ids) + len(token_ids))
             group.append(Response(token_ids=token_ids, logprobs=lps, finish_reason=reason, routed_experts=routes))
