@@ -2,7 +2,9 @@
 and training-inference mismatch metrics. ``VLLMEngine`` imports vLLM only when built."""
 
 from dapo_mcore.rollout.correction.mismatch import MismatchStats, mismatch_metrics, tis_weights
-from dapo_mcore.rollout.hf_engine import HFEngine
+from dapo_mcore.rollout.engines.hf_engine import HFEngine
+from dapo_mcore.rollout.engines.vllm_engine import VLLMEngine, VLLMEngineOptions
+from dapo_mcore.rollout.engines.weight_sync import SyncTracker, hf_param_shapes
 from dapo_mcore.rollout.protocol import (
     Engine,
     EngineError,
@@ -17,8 +19,6 @@ from dapo_mcore.rollout.protocol import (
     WeightBucket,
     filter_prompts,
 )
-from dapo_mcore.rollout.vllm_engine import VLLMEngine, VLLMEngineOptions
-from dapo_mcore.rollout.weight_sync import SyncTracker, hf_param_shapes
 
 __all__ = [
     "Engine",

@@ -26,7 +26,7 @@ def _build_engine(cfg: Config, launch: LaunchEnv, role: Any, *args: Any) -> Any:
 
     if cfg.rollout.engine != "vllm":
         return runtime._build_engine(cfg, *args)
-    from dapo_mcore.rollout.vllm_engine import launcher_ranks
+    from dapo_mcore.rollout.engines.vllm_engine import launcher_ranks
 
     with launcher_ranks(role.rank, role.size, launch.local_rank):
         return runtime._build_engine(cfg, *args)

@@ -140,9 +140,9 @@ def _actor_settings(cfg: Config, hf_config: dict[str, Any], pad_id: int):
 
 
 def run_stop_tokens(cfg: Config, hf_dir: Path | None, hf_config: dict[str, Any], tokenizer):
-    """The one stop set both engines use (rollout.stop_tokens): generation_config.json's EOS ids, the tokenizer's EOS
+    """The one stop set both engines use (rollout.engines.stop_tokens): generation_config.json's EOS ids, the tokenizer's EOS
     and rollout.stop_token_ids. Raises ConfigError naming the source of a bad id."""
-    from dapo_mcore.rollout.stop_tokens import StopTokenError, resolve_stop_tokens
+    from dapo_mcore.rollout.engines.stop_tokens import StopTokenError, resolve_stop_tokens
 
     try:
         stops = resolve_stop_tokens(hf_dir, tokenizer.eos_token_id, cfg.rollout.stop_token_ids,
@@ -185,7 +185,7 @@ def log_dtype_rule(cfg: Config, hf_dir: Path | None) -> None:
 
 def _build_engine(cfg: Config, hf_dir: Path | None, hf_config: dict[str, Any], tokenizer, stops):
     if cfg.rollout.engine == "vllm":
-        from dapo_mcore.rollout.vllm_engine import VLLMEngine, VLLMEngineOptions
+        from dapo_mcore.rollout.engines.vllm_engine import VLLMEngine, VLLMEngineOptions
 
         if hf_dir is None:
             raise ConfigError("rollout.engine=vllm needs model.hf_path (vLLM loads the model's config and tokenizer).")
@@ -201,7 +201,7 @@ def _build_engine(cfg: Config, hf_dir: Path | None, hf_config: dict[str, Any], t
         return VLLMEngine(options, hf_config)
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dapo_mcore.rollout.hf_engine import HFEngine
+    from dapo_mcore.rollout.engines.hf_engine import HFEngine
 
     dtype = torch.bfloat16 if cfg.model.params_dtype == "bfloat16" else torch.float32
     # Built from the config alone: build_components syncs every weight from the actor before the first

@@ -24,6 +24,8 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from dapo_mcore.rollout.correction.routes import RouteRecorder
+from dapo_mcore.rollout.engines.sampling import sample_next
+from dapo_mcore.rollout.engines.weight_sync import SyncTracker
 from dapo_mcore.rollout.protocol import (
     EngineError,
     PartialGroup,
@@ -33,8 +35,6 @@ from dapo_mcore.rollout.protocol import (
     check_prompts,
     check_resume,
 )
-from dapo_mcore.rollout.sampling import sample_next
-from dapo_mcore.rollout.weight_sync import SyncTracker
 from dapo_mcore.weights.qwen3_moe import per_expert_views
 
 __all__ = ["HFEngine"]

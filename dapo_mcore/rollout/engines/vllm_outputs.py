@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from dapo_mcore.rollout.protocol import EngineError, FinishReason, PartialGroup, Response, SamplingParams
 
 if TYPE_CHECKING:
-    from dapo_mcore.rollout.vllm_backend import VLLMBackend
+    from dapo_mcore.rollout.engines.vllm_backend import VLLMBackend
 
 __all__ = ["VLLMGroupStream", "completion_tokens", "responses_from_outputs"]
 
