@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dapo_mcore.algo.dynamic_sampling import SamplingStats  # noqa: E402
 from dapo_mcore.data.records import PromptRecord  # noqa: E402
 from dapo_mcore.rollout import wire  # noqa: E402
-from dapo_mcore.rollout.groups import GroupData  # noqa: E402
 from dapo_mcore.rollout.protocol import Response  # noqa: E402
+from dapo_mcore.rollout.scheduling.groups import GroupData  # noqa: E402
 from dapo_mcore.rollout.source import StepBatch  # noqa: E402
 
 VOCAB, GROUP = 152064, 16

@@ -43,7 +43,7 @@ def _variant(rank: int, args: argparse.Namespace, every: int | None, order: str 
     from dapo_mcore.reward.result import RewardResult
     from dapo_mcore.rollout import HFEngine
     from dapo_mcore.rollout.colocated import ColocatedRollouts, EngineGroups
-    from dapo_mcore.rollout.scheduler import RolloutScheduler
+    from dapo_mcore.rollout.scheduling.scheduler import RolloutScheduler
     from dapo_mcore.telemetry.timers import PhaseTimer
 
     torch.manual_seed(0)

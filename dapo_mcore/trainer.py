@@ -27,8 +27,8 @@ from dapo_mcore.algo.dynamic_sampling import DynamicSamplingExhausted
 from dapo_mcore.algo.metrics import average_updates
 from dapo_mcore.config import Config, ConfigError
 from dapo_mcore.errors import UserError
-from dapo_mcore.rollout.groups import GroupData
 from dapo_mcore.rollout.protocol import EngineError
+from dapo_mcore.rollout.scheduling.groups import GroupData
 from dapo_mcore.rollout.source import RolloutInterrupted, StepBatch
 from dapo_mcore.run.components import Components
 from dapo_mcore.run.directory import prepare_run_dir

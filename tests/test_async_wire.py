@@ -10,9 +10,9 @@ import torch
 from dapo_mcore.algo.dynamic_sampling import SamplingStats
 from dapo_mcore.data.records import PromptRecord
 from dapo_mcore.rollout import wire
-from dapo_mcore.rollout.groups import GroupData
-from dapo_mcore.rollout.partial import runs
 from dapo_mcore.rollout.protocol import Response
+from dapo_mcore.rollout.scheduling.groups import GroupData
+from dapo_mcore.rollout.scheduling.partial import runs
 from dapo_mcore.rollout.source import StepBatch
 
 pytestmark = pytest.mark.unit

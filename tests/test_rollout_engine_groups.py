@@ -55,7 +55,7 @@ def _parts(rank: int, world: int, exchange_every: int, partial: bool, order: str
     from dapo_mcore.model.presets import preset_config
     from dapo_mcore.rollout import HFEngine
     from dapo_mcore.rollout.colocated import ColocatedRollouts, EngineGroups
-    from dapo_mcore.rollout.scheduler import RolloutScheduler
+    from dapo_mcore.rollout.scheduling.scheduler import RolloutScheduler
     from dapo_mcore.telemetry.timers import PhaseTimer
 
     torch.manual_seed(0)  # the same weights on every rank, as after a weight sync

@@ -48,8 +48,8 @@ import torch.distributed as dist
 
 from dapo_mcore.errors import UserError
 from dapo_mcore.rollout.bridge import Bridge
-from dapo_mcore.rollout.groups import GroupData
 from dapo_mcore.rollout.protocol import EngineError, WeightBucket
+from dapo_mcore.rollout.scheduling.groups import GroupData
 from dapo_mcore.rollout.source import StepBatch
 from dapo_mcore.signals import faults
 from dapo_mcore.telemetry.evaluation import eval_after

@@ -289,7 +289,7 @@ class StreamingEngine(Engine, Protocol):
 @runtime_checkable
 class TickingEngine(StreamingEngine, Protocol):
     """A streaming engine whose streams also have ``ticks()``: one list per decode step of the groups that ended in it.
-    Several engine groups can then stream together, in lockstep (``rollout.engine_groups``)."""
+    Several engine groups can then stream together, in lockstep (``rollout.scheduling.engine_groups``)."""
 
     stream_ticks: bool
     """True: ``stream()``'s result has ``ticks()``."""

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from dapo_mcore.algo.dynamic_sampling import SamplingStats
-from dapo_mcore.rollout.groups import GroupData
 from dapo_mcore.rollout.protocol import WeightBucket
+from dapo_mcore.rollout.scheduling.groups import GroupData
 
 __all__ = ["RolloutInterrupted", "RolloutSource", "StepBatch"]
 

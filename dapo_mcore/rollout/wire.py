@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from dapo_mcore.rollout.groups import GroupData
 from dapo_mcore.rollout.protocol import Response
+from dapo_mcore.rollout.scheduling.groups import GroupData
 from dapo_mcore.rollout.source import StepBatch
 
 __all__ = ["Packed", "light", "pack", "unpack"]

@@ -51,7 +51,7 @@ class Components:
     ledger: Any = None
     store: Any = None
     scheduler: Any = None
-    """rollout.scheduler.RolloutScheduler: which prompts a step generates and when it is full."""
+    """rollout.scheduling.scheduler.RolloutScheduler: which prompts a step generates and when it is full."""
     model_files: tuple[Path | None, Path | None] = (None, None)
     """(tokenizer dir, model dir) the run starts from: their tokenizer and generation-config files are kept verbatim in
     RUN_DIR/tokenizer (what `convert mcore-to-hf` copies into an export)."""

@@ -360,7 +360,7 @@ def _build_rollouts(parts: Components) -> Any:
 
 
 def _build_scheduler(cfg: Config, sampler: Any) -> Any:
-    from dapo_mcore.rollout.scheduler import RolloutScheduler
+    from dapo_mcore.rollout.scheduling.scheduler import RolloutScheduler
 
     return RolloutScheduler(cfg.rollout.schedule, sampler, n=cfg.rollout.n, target=cfg.train.prompts_per_step,
                             gen_batch_prompts=cfg.rollout.gen_batch_prompts, max_rounds=cfg.algo.max_gen_batches,

@@ -103,7 +103,7 @@ class VLLMGroupStream:
         """One list per engine step: the groups whose last sample ended in it (often none). The loop runs while any of
         vLLM's data-parallel engines has requests (``has_unfinished`` is a collective over them there, and a step
         of an engine with none left runs vLLM's dummy batch), so every engine group takes the same number of ticks
-        and the groups stream in lockstep (``rollout.engine_groups``), also one that serves no prompt."""
+        and the groups stream in lockstep (``rollout.scheduling.engine_groups``), also one that serves no prompt."""
         while self.backend.has_unfinished():
             ended = []
             for rid in self._take(self.backend.step()):
