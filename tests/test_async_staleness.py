@@ -180,7 +180,7 @@ def test_the_version_receiver_stages_at_most_its_bound_ahead_and_hands_the_stop_
     import threading
     import time
 
-    from dapo_mcore.rollout.async_channels import VersionReceiver
+    from dapo_mcore.rollout.pipeline.async_channels import VersionReceiver
 
     class Stop(Exception):
         pass

@@ -63,7 +63,7 @@ def _rollouts(rank: int, score):
     from dapo_mcore.data.records import PromptRecord
     from dapo_mcore.model.presets import preset_config
     from dapo_mcore.rollout import HFEngine
-    from dapo_mcore.rollout.colocated import ColocatedRollouts, EngineGroups
+    from dapo_mcore.rollout.pipeline.colocated import ColocatedRollouts, EngineGroups
 
     torch.manual_seed(0)  # the same weights on both ranks, as after a weight sync
     model = Qwen2ForCausalLM(Qwen2Config(**preset_config("tiny"))).float().eval()

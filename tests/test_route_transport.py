@@ -14,11 +14,11 @@ import torch.distributed as dist
 from dapo_mcore.actor.route_exchange import RoutesMissing, exchange_routes, plan_transfers
 from dapo_mcore.algo.dynamic_sampling import SamplingStats
 from dapo_mcore.data.records import PromptRecord
-from dapo_mcore.rollout import wire
+from dapo_mcore.rollout.pipeline import wire
+from dapo_mcore.rollout.pipeline.source import StepBatch
 from dapo_mcore.rollout.protocol import Response
 from dapo_mcore.rollout.scheduling.gather import broadcast_shares
 from dapo_mcore.rollout.scheduling.groups import GroupData
-from dapo_mcore.rollout.source import StepBatch
 from tests.gloo_workers import run_gloo_workers
 
 LAYERS, TOP_K = 3, 2

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from dapo_mcore.config import Config
-from dapo_mcore.rollout.colocated import ColocatedRollouts
+from dapo_mcore.rollout.pipeline.colocated import ColocatedRollouts
 from dapo_mcore.rollout.protocol import EngineError
 from dapo_mcore.trainer import Trainer
 

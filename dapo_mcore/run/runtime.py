@@ -217,7 +217,7 @@ def build_components(cfg: Config, launch: LaunchEnv, *, resume: bool = True, che
                      for_eval: bool = False, bridge: Any = None) -> Components:
     """Start process groups, lock the run directory (training), build actor, engine, data and telemetry (see module
     docstring for the order). The lock is released by ``Components.close``, or here if building fails. ``bridge``:
-    the async mode's trainer ranks (``rollout.bridge``): no engine here, batches come from the engine ranks."""
+    the async mode's trainer ranks (``rollout.pipeline.bridge``): no engine here, batches come from the engine ranks."""
     from dapo_mcore.actor.parallel import check_shared_dir, init_distributed
     from dapo_mcore.data.sources import load_prompt_records
 
@@ -256,7 +256,7 @@ def _build_parts(cfg: Config, launch: LaunchEnv, *, resume: bool, checkpoint: st
                         expert_parallel=cfg.parallel.expert_parallel)
     hf_dir = resolve_base_model(cfg, launch)
     if bridge is not None:
-        bridge.start()  # the run starts: no refusal (rollout.bridge.Bridge.start)
+        bridge.start()  # the run starts: no refusal (rollout.pipeline.bridge.Bridge.start)
         bridge.barrier()  # the engine ranks read the base model's config and tokenizer once it exists
     hf_config = cfg.model.hf_config(cfg.tiny_base.preset) if hf_dir is None else read_hf_config(hf_dir)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or hf_dir)
@@ -294,7 +294,7 @@ def _build_parts(cfg: Config, launch: LaunchEnv, *, resume: bool, checkpoint: st
         if launch.rank == 0 and parts.scheduler is not None and not for_eval:
             _watch_steps(parts)
     else:
-        from dapo_mcore.rollout.async_source import AsyncRollouts
+        from dapo_mcore.rollout.pipeline.async_source import AsyncRollouts
 
         parts.rollouts = AsyncRollouts(cfg, bridge, parts.timer)
     parts._closers.extend(parts_closers)
@@ -351,7 +351,7 @@ def _engine_streams(cfg: Config, engine_groups: int, engine: Any) -> bool:
 
 
 def _build_rollouts(parts: Components) -> Any:
-    from dapo_mcore.rollout.colocated import ColocatedRollouts, EngineGroups
+    from dapo_mcore.rollout.pipeline.colocated import ColocatedRollouts, EngineGroups
 
     return ColocatedRollouts(parts.cfg, engine=parts.engine, scheduler=parts.scheduler, tokenizer=parts.tokenizer,
                              score=parts.score, encode_prompt=parts.encode_prompt, timer=parts.timer,

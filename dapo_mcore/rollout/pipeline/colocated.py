@@ -21,6 +21,7 @@ import torch
 from dapo_mcore.algo.dynamic_sampling import Group
 from dapo_mcore.algo.overlong import overlong_penalty
 from dapo_mcore.data.records import PromptRecord
+from dapo_mcore.rollout.pipeline.source import RolloutInterrupted, StepBatch
 from dapo_mcore.rollout.protocol import Response, SamplingParams, WeightBucket
 from dapo_mcore.rollout.scheduling.engine_groups import (
     EngineGroups,
@@ -31,7 +32,6 @@ from dapo_mcore.rollout.scheduling.engine_groups import (
 from dapo_mcore.rollout.scheduling.gather import apply_once, broadcast_shares, merge_shares, plan_shares
 from dapo_mcore.rollout.scheduling.groups import GroupData, as_group
 from dapo_mcore.rollout.scheduling.partial import Buffered, join, runs, stale_response
-from dapo_mcore.rollout.source import RolloutInterrupted, StepBatch
 
 __all__ = ["ColocatedRollouts", "EngineGroups", "step_seed"]
 
@@ -45,7 +45,7 @@ def step_seed(base: int, step: int, batch: int) -> int:
 
 
 class ColocatedRollouts:
-    """The synchronous RolloutSource (``rollout.source``); in async mode the engine ranks' rollout side.
+    """The synchronous RolloutSource (``rollout.pipeline.source``); in async mode the engine ranks' rollout side.
 
     Args:
         cfg: the run's config (``rollout``, ``eval``, ``algo``'s overlong shaping, ``train.seed``).
