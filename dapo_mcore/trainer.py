@@ -3,10 +3,10 @@
     batch (rollout side: generate -> score -> overlong shaping -> dynamic sampling) -> advantages -> old log-probs
       -> mini-batch updates -> publish weights -> log / eval / checkpoint
 
-The rollout side is one component behind ``rollout.pipeline.source.RolloutSource``: the trainer asks it for a step's batch
-and hands it the new weights; how the batch is produced (engine groups, streaming, staged groups, partial rollouts)
-is its business. Every rank runs this loop and holds the same batch; the actor splits the work over data-parallel
-ranks itself. Rank 0 writes metrics, the ledger and the rollout store.
+The rollout side is one component behind ``rollout.pipeline.source.RolloutSource``: the trainer asks it for a step's
+batch and hands it the new weights; how the batch is produced (engine groups, streaming, staged groups, partial
+rollouts) is its business. Every rank runs this loop and holds the same batch; the actor splits the work over
+data-parallel ranks itself. Rank 0 writes metrics, the ledger and the rollout store.
 """
 
 from __future__ import annotations

@@ -33,8 +33,8 @@ OWN = "(own modules)"
 
 # Inside a package that holds sub-packages, its rooms (the sub-packages, and its own modules by name or as OWN) are
 # stacked in floors too, lowest first; an import points down or sideways within its room, never up, and never into
-# the package's front door (its ``__init__``) from inside. docs/architecture.md shows the same tables. A room that does
-# not exist yet is a place reserved for it.
+# the package's front door (its ``__init__``) from inside. docs/architecture.md shows the same tables. A room that
+# does not exist yet is a place reserved for it.
 SUB_FLOORS = {
     "rollout": [{"protocol"}, {"correction", "scheduling"}, {"engines"}, {"multiturn"}, {"pipeline"}],
     "model": [{OWN}, {"lora"}],
@@ -176,7 +176,7 @@ def test_every_import_points_down_a_floor():
         assert key in SUB_FLOORS, f"{package} holds sub-packages: stack them in SUB_FLOORS"
         tabled = set().union(*SUB_FLOORS[key])
         inside = {_sub_room(package, m, modules) for m in modules if m.startswith(package + ".")}
-        assert inside <= tabled, f"rooms of {package} without a floor: {sorted(inside - tabled)}; add them to SUB_FLOORS"
+        assert inside <= tabled, f"rooms of {package} without a floor: {sorted(inside - tabled)}; add to SUB_FLOORS"
     assert _upward_imports(modules) == []
 
 

@@ -1,8 +1,9 @@
 """MoE routing replay between ranks: routed experts survive every path a rollout takes to the rank that trains on it,
 and only the routes of the samples a data-parallel rank trains on travel to it (actor.route_exchange).
 
-Before this, the shared batch (rollout.scheduling.gather's shares, the async wire) carried tokens and log-probs only: every
-multi-process run with ``algo.router_replay=rollout`` stopped at step 1 with "a rollout carries no routed experts".
+Before this, the shared batch (rollout.scheduling.gather's shares, the async wire) carried tokens and log-probs only:
+every multi-process run with ``algo.router_replay=rollout`` stopped at step 1 with "a rollout carries no routed
+experts".
 """
 
 from __future__ import annotations

@@ -384,10 +384,11 @@ def streaming_step(pool: PromptPool, recipe: Recipe, model: EngineModel, carry: 
     order, each once every earlier one has finished, as the trainer's scheduler does (its kept batch is a pure
     function of seed and data): the step is full when the first ``prompts_per_step`` usable groups in prompt order
     and every group before them have finished; groups that finished out of order are then surplus or rejected.
-    ``chunk > 0``: streaming over engine groups as ``rollout/scheduling/engine_groups.py`` does it: fresh prompts come in chunks
-    of at most ``chunk`` (never across a round of ``gen_batch_prompts``), prompt i of a chunk queued on engine
-    i mod N (round robin, no pulling by a free engine), and the next chunk starts once this one has drained; carried
-    groups are resumed first, round robin, as a chunk of their own. Without it a free engine pulls the next prompt.
+    ``chunk > 0``: streaming over engine groups as ``rollout/scheduling/engine_groups.py`` does it: fresh prompts come
+    in chunks of at most ``chunk`` (never across a round of ``gen_batch_prompts``), prompt i of a chunk queued on
+    engine i mod N (round robin, no pulling by a free engine), and the next chunk starts once this one has drained;
+    carried groups are resumed first, round robin, as a chunk of their own. Without it a free engine pulls the next
+    prompt.
     """
     if order not in ("completion", "prompt"):
         raise ValueError(f"order={order!r}; use completion or prompt")

@@ -140,8 +140,8 @@ def _actor_settings(cfg: Config, hf_config: dict[str, Any], pad_id: int):
 
 
 def run_stop_tokens(cfg: Config, hf_dir: Path | None, hf_config: dict[str, Any], tokenizer):
-    """The one stop set both engines use (rollout.engines.stop_tokens): generation_config.json's EOS ids, the tokenizer's EOS
-    and rollout.stop_token_ids. Raises ConfigError naming the source of a bad id."""
+    """The one stop set both engines use (rollout.engines.stop_tokens): generation_config.json's EOS ids, the
+    tokenizer's EOS and rollout.stop_token_ids. Raises ConfigError naming the source of a bad id."""
     from dapo_mcore.rollout.engines.stop_tokens import StopTokenError, resolve_stop_tokens
 
     try:
@@ -217,7 +217,8 @@ def build_components(cfg: Config, launch: LaunchEnv, *, resume: bool = True, che
                      for_eval: bool = False, bridge: Any = None) -> Components:
     """Start process groups, lock the run directory (training), build actor, engine, data and telemetry (see module
     docstring for the order). The lock is released by ``Components.close``, or here if building fails. ``bridge``:
-    the async mode's trainer ranks (``rollout.pipeline.bridge``): no engine here, batches come from the engine ranks."""
+    the async mode's trainer ranks (``rollout.pipeline.bridge``): no engine here, batches come from the engine
+    ranks."""
     from dapo_mcore.actor.parallel import check_shared_dir, init_distributed
     from dapo_mcore.data.sources import load_prompt_records
 

@@ -320,7 +320,8 @@ class _HFGroupStream:
     def ticks(self) -> Iterator[list[tuple[int, list[Response]]]]:
         """One list per decode step: the groups whose last sample ended in it (often none), as ``__iter__`` yields
         them. Several engine groups advance their streams tick by tick and exchange what ended
-        (``rollout.scheduling.engine_groups``), so where each stream stands at an exchange is decided by the seed, not by speed."""
+        (``rollout.scheduling.engine_groups``), so where each stream stands at an exchange is decided by the seed, not
+        by speed."""
         for ended in self._steps():
             yield [self._finished(p) for p in ended]
 

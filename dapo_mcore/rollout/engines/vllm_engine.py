@@ -185,8 +185,9 @@ class VLLMEngineOptions:
     splits every expert over the tensor x data-parallel ranks (``FusedMoEParallelConfig.make`` flattens TP across
     DP), so each of the 30B-A3B recipe's 128 experts is cut 128 ways with a collective every layer across nodes."""
     stop_token_ids: tuple[int, ...] = ()
-    """The run's stop set (rollout.engines.stop_tokens.resolve_stop_tokens), added to every request's ``stop_token_ids`` so
-    that vLLM stops on exactly the ids the transformers engine stops on, whatever vLLM reads from the model dir."""
+    """The run's stop set (rollout.engines.stop_tokens.resolve_stop_tokens), added to every request's
+    ``stop_token_ids`` so that vLLM stops on exactly the ids the transformers engine stops on, whatever vLLM reads
+    from the model dir."""
 
     def validate(self, world_size: int = 1) -> None:
         """Raise ValueError naming the fix."""

@@ -1,6 +1,7 @@
 """The async mode's RolloutSource on the trainer ranks: batches arrive from engine ranks that generate ahead.
 
-The protocol (one order, fixed, so a run is a pure function of its seed; ``rollout.pipeline.async_engines`` is the other side):
+The protocol (one order, fixed, so a run is a pure function of its seed; ``rollout.pipeline.async_engines`` is the
+other side):
 
     trainer rank 0 --weights--> engines   version s (the start: weights, the step to generate from, the sampler and
                                           schedule state, how many batches the checkpoint holds), then one version

@@ -256,7 +256,8 @@ class ColocatedRollouts:
         return [merged[k] for k in range(len(todo))]
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Response]]:
-        """Each engine group generates its share (``rollout.scheduling.gather.plan_shares``); every rank gets all the results.
+        """Each engine group generates its share (``rollout.scheduling.gather.plan_shares``); every rank gets all the
+        results.
 
         Every group calls the engine on every generation call, even with fewer samples than groups, because vLLM's
         data-parallel engines step together. Each share has its own seed, derived from the call's seed.
