@@ -166,6 +166,21 @@ def test_the_planner_counts_the_adapters_each_rank_holds(runs):
         assert res["frozen"]["trainable_here"] == want, (name, rank)
 
 
+def test_after_a_weight_sync_the_engine_holds_base_plus_the_naive_delta(runs):
+    from safetensors.torch import load_file
+
+    base = load_file(str(runs["ws"] / "hf" / "model.safetensors"))
+    for name, rank, res in _each(runs):
+        moved = 0
+        for hf_name, w in base.items():
+            module = hf_name[: -len(".weight")]
+            a = res["adapters"].get(f"base_model.model.{module}.lora_A.weight")
+            want = w if a is None else w + ALPHA / RANK * res["adapters"][f"base_model.model.{module}.lora_B.weight"] @ a
+            assert (res["engine"][hf_name] - want).abs().max().item() < 1e-5, (name, rank, hf_name)
+            moved += int(a is not None and (res["engine"][hf_name] - w).abs().max().item() > 1e-3)
+        assert moved == 14, (name, rank, moved)  # every adapted projection really changed in the engine
+
+
 def test_the_base_is_frozen_for_real(runs):
     for name, rank, res in _each(runs):
         f = res["frozen"]

@@ -10,6 +10,7 @@ on every rank:
   grads          the adapters' gradients of that update, by peft name (gathered over TP and pipeline stages)
   adapters       the adapters after it, by peft name
   merged         the HF weights the weight sync sends after it (export_hf_weights: merged shard-locally)
+  engine         the transformers engine's weights after a weight sync (HFEngine.update_weights of those buckets)
   frozen         base weights bit-identical to the HF checkpoint after the update; no main grad / no optimizer
                  state for them; the optimizer holds exactly the adapters
   moments / update2                 Adam's exp_avg of the adapters, and a second update, after the first
@@ -67,6 +68,15 @@ def gathered(actor, attr: str | None = None) -> dict:
 
     get = (lambda p: p.main_grad) if attr == "grad" else None
     return everywhere(gather_adapters(actor.chunks, actor.s.hf_config, get=get))
+
+
+def synced_engine(ws: Path, actor) -> dict:
+    """The transformers engine's weights after a weight sync from the actor (small buckets: several per sync)."""
+    from dapo_mcore.rollout.engines.hf_engine import HFEngine
+
+    engine = HFEngine.from_pretrained(ws / "hf")
+    engine.update_weights(actor.export_hf_weights(bucket_bytes=1 << 14))
+    return {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
 
 
 def frozen_report(actor, ws: Path) -> dict:
@@ -142,6 +152,7 @@ def check_layout(ws: Path, spec: dict, tp: int, pp: int, name: str, first: str) 
     res["grads"] = grads
     res["adapters"] = gathered(actor)
     res["merged"] = c.export(actor)
+    res["engine"] = synced_engine(ws, actor)
     res["frozen"] = frozen_report(actor, ws)
     res.update(resume_checks(ws, spec, tp, pp, actor, name, first))
     return res
