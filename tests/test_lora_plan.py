@@ -45,3 +45,18 @@ def test_lora_keeps_the_weights_and_drops_the_base_grads_and_optimizer():
     assert lora.grads == pytest.approx(4 * adapters) and lora.optimizer == pytest.approx(12 * adapters)
     assert lora.activations == full.activations
     assert lora.train_peak < 0.5 * full.train_peak  # 32B at TP 8 without ZeRO: 18 B/param -> ~2 B/param
+
+
+def test_config_describes_the_adapters_and_their_cost_per_gpu():
+    from dapo_mcore.commands.config import describe_layout
+    from dapo_mcore.config import load_config
+
+    cfg = load_config(None, ["model.tiny_base=false", "model.preset=qwen2.5-32b", "model.params_dtype=bfloat16",
+                             "parallel.tensor_parallel=8", "model.lora.rank=64", "model.lora.alpha=128"])
+    (line,) = [x for x in describe_layout(cfg, 8) if x.startswith("LoRA:")]
+    n = adapter_params_per_gpu(ModelShape.from_hf(preset_config("qwen2.5-32b")), 64, TARGETS, tensor_parallel=8,
+                               pipeline_parallel=1)
+    assert f"{n / 1e6:.1f}M adapter parameters per GPU" in line and "scale 2" in line
+    assert f"{18 * n / 2**30:.2f} GiB" in line  # bf16 copy 2 + fp32 grad 4 + fp32 main 4 + Adam 8 bytes
+    plain = load_config(None, ["model.tiny_base=false", "model.preset=qwen2.5-32b", "parallel.tensor_parallel=8"])
+    assert not [x for x in describe_layout(plain, 8) if x.startswith("LoRA:")]

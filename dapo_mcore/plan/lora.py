@@ -47,3 +47,17 @@ def lora_persistent_bytes(adapters: float, precision: str) -> tuple[float, float
     if precision == "fp32":
         return 4.0 * adapters, 4.0 * adapters, 8.0 * adapters
     return 2.0 * adapters, 4.0 * adapters, 12.0 * adapters
+
+
+def describe_lora(hf: dict, rank: int, alpha: float, targets: list[str], *, tensor_parallel: int,
+                  pipeline_parallel: int, expert_parallel: int, precision: str) -> str | None:
+    """One line on a config's adapters and what they cost per GPU (None without LoRA)."""
+    if rank <= 0:
+        return None
+    shape = ModelShape.from_hf(hf)
+    n = adapter_params_per_gpu(shape, rank, tuple(targets), tensor_parallel=tensor_parallel,
+                               pipeline_parallel=pipeline_parallel, expert_parallel=expert_parallel)
+    total = sum(lora_persistent_bytes(n, precision))
+    return (f"LoRA: rank {rank}, alpha {alpha:g} (scale {alpha / rank:g}) on {', '.join(targets)}; the base frozen "
+            f"(weights only); {n / 1e6:.1f}M adapter parameters per GPU, {total / 2**30:.2f} GiB with their grads "
+            "and optimizer state")
