@@ -1,7 +1,8 @@
 """LoRA on the Megatron actor, against Hugging Face peft and across layouts (one 2-process launch).
 
 The same tiny Qwen2 and the same adapter (a peft adapter directory: q/k/v share one A, gate/up share one A, as
-Megatron's fused layers do) at DP=2, TP=2 and PP=2 (tests/dist_scripts/lora_layouts.py) give:
+Megatron's fused layers do) at DP=2, TP=2, PP=2 and TP=2 with full activation recomputation
+(tests/dist_scripts/lora_layouts.py) give:
 * the logits of peft's own model (``PeftModel.from_pretrained``) with that adapter;
 * the same loss, grad norm, adapter gradients, updated adapters and merged weights at every layout;
 * merged weights (what the weight sync sends, merged shard-locally) equal to a naive ``W + alpha/r * B @ A`` on the
@@ -25,8 +26,9 @@ from tests.dist_scripts import harness
 pytestmark = pytest.mark.distributed
 
 RANK, ALPHA = 4, 8.0
-LAYOUTS = "1x1,2x1,1x2"  # with 2 processes: DP=2, TP=2, PP=2
-NAMES = ["tp1_pp1_dp2", "tp2_pp1_dp1", "tp1_pp2_dp1"]
+LAYOUTS = "1x1,2x1,1x2,2x1f"  # with 2 processes: DP=2, TP=2, PP=2, TP=2 with full recomputation
+NAMES = ["tp1_pp1_dp2", "tp2_pp1_dp1", "tp1_pp2_dp1", "tp2_pp1_dp1_recompute"]
+RESUMED = NAMES[:3]
 FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "fc1", "up_proj": "fc1"}
 
 
@@ -81,10 +83,10 @@ def runs():
         shutil.rmtree(ws, ignore_errors=True)
 
 
-def _each(runs):
+def _each(runs, names=NAMES):
     for rank in range(2):
         assert sorted(runs["out"][rank]) == sorted(NAMES)
-        for name in NAMES:
+        for name in names:
             yield name, rank, runs["out"][rank][name]
 
 
@@ -193,7 +195,7 @@ def test_resume_at_another_layout_continues_exactly(runs):
     """Every layout resumes the DP=2 run's checkpoint (taken after the first update): the adapters and Adam's
     moments are the saved ones, and the second update is the uninterrupted run's."""
     first = runs["out"][0][NAMES[0]]
-    for name, rank, res in _each(runs):
+    for name, rank, res in _each(runs, RESUMED):
         for got, want in ((res["resumed_adapters"], first["adapters"]), (res["resumed_moments"], first["moments"])):
             assert sorted(got) == sorted(want)
             assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-6, (name, rank)
@@ -216,7 +218,7 @@ def test_every_tp_shard_of_every_adapter_is_in_the_checkpoint(runs):
 
 
 def test_a_resume_on_another_base_is_refused_in_one_line(runs):
-    for name, _rank, res in _each(runs):
+    for name, _rank, res in _each(runs, RESUMED):
         msg = res["other_base"]
         assert msg is not None and "hf_other" in msg and "base" in msg and "\n" not in msg, (name, msg)
 

@@ -1,6 +1,7 @@
 """The LoRA actor at several layouts from the same HF weights and the same adapters; results for pytest.
 
-usage: torchrun --nproc_per_node 2 lora_layouts.py WS TPxPP[,TPxPP...]
+usage: torchrun --nproc_per_node 2 lora_layouts.py WS TPxPP[f][,TPxPP[f]...]   (f: full activation recomputation;
+       its checkpoint and resume checks are left out)
 
 The workspace (tests/test_lora_actor.py) holds the tiny HF model (``hf/``), the samples (``spec.json``) and a
 peft adapter (``adapter/``: adapter_config.json + adapter_model.safetensors, fused layers sharing one A). Per layout,
@@ -35,7 +36,7 @@ import _common as c  # noqa: E402
 RANK, ALPHA = 4, 8.0
 
 
-def make_lora_actor(ws: Path, spec: dict, tp: int, pp: int):
+def make_lora_actor(ws: Path, spec: dict, tp: int, pp: int, recompute: str = "none"):
     from dapo_mcore.actor.megatron_actor import ActorSettings, MegatronActor
     from dapo_mcore.actor.parallel import init_model_parallel
     from dapo_mcore.algo.config import AlgoConfig
@@ -47,7 +48,7 @@ def make_lora_actor(ws: Path, spec: dict, tp: int, pp: int):
         hf_config=hf, tensor_parallel=tp, pipeline_parallel=pp, make_vocab_size_divisible_by=spec["vocab_div"],
         micro_batch_tokens=spec["micro_batch_tokens"], temperature=spec["temperature"], lr=spec["lr"],
         eps=spec["adam_eps"], weight_decay=spec["weight_decay"], grad_clip=spec["grad_clip"],
-        algo=AlgoConfig(**spec["algo"]), layout="rows", lora=LoRAConfig(rank=RANK, alpha=ALPHA))
+        algo=AlgoConfig(**spec["algo"]), layout="rows", lora=LoRAConfig(rank=RANK, alpha=ALPHA), recompute=recompute)
     actor = MegatronActor(settings)
     actor.load_hf(str(ws / "hf"))
     return actor
@@ -131,13 +132,13 @@ def resume_checks(ws: Path, spec: dict, tp: int, pp: int, actor, name: str, firs
     return out
 
 
-def check_layout(ws: Path, spec: dict, tp: int, pp: int, name: str, first: str) -> dict:
+def check_layout(ws: Path, spec: dict, tp: int, pp: int, name: str, first: str, recompute: str = "none") -> dict:
     from safetensors.torch import load_file
 
     from conversion.verify import megatron_logits
     from dapo_mcore.weights.lora import load_adapters
 
-    actor = make_lora_actor(ws, spec, tp, pp)
+    actor = make_lora_actor(ws, spec, tp, pp, recompute)
     load_adapters(actor.chunks, actor.s.hf_config, load_file(str(ws / "adapter" / "adapter_model.safetensors")))
     res: dict = {"logits": megatron_logits(actor.chunks, torch.tensor(spec["ids"]), spec["vocab_size"])}
     grads: dict = {}
@@ -149,12 +150,14 @@ def check_layout(ws: Path, spec: dict, tp: int, pp: int, name: str, first: str) 
 
     actor.optimizer.step = step_recording_grads
     res["metrics"] = actor.train_mini_batch(c.samples(spec, "update1"), lr=spec["lr"])
+    actor.optimizer.step = step  # the first update's gradients only (resume_checks updates again)
     res["grads"] = grads
     res["adapters"] = gathered(actor)
     res["merged"] = c.export(actor)
     res["engine"] = synced_engine(ws, actor)
     res["frozen"] = frozen_report(actor, ws)
-    res.update(resume_checks(ws, spec, tp, pp, actor, name, first))
+    if recompute == "none":
+        res.update(resume_checks(ws, spec, tp, pp, actor, name, first))
     return res
 
 
@@ -164,9 +167,10 @@ def main() -> None:
     env = c.start()
     results: dict = {}
     for layout in layouts.split(","):
-        tp, pp = (int(x) for x in layout.split("x"))
-        name = f"tp{tp}_pp{pp}_dp{env.world_size // (tp * pp)}"
-        results[name] = check_layout(ws, spec, tp, pp, name, first=next(iter(results), name))
+        recompute = "full" if layout.endswith("f") else "none"  # TPxPPf: full activation recomputation
+        tp, pp = (int(x) for x in layout.rstrip("f").split("x"))
+        name = f"tp{tp}_pp{pp}_dp{env.world_size // (tp * pp)}" + ("_recompute" if recompute == "full" else "")
+        results[name] = check_layout(ws, spec, tp, pp, name, first=next(iter(results), name), recompute=recompute)
     c.save(results, ws / "out" / f"lora_rank{env.rank}.pt")
     from dapo_mcore.actor.parallel import shutdown
 
