@@ -1,0 +1,368 @@
+"""The code sandbox against hostile code, as an attacker would write it: each attack is contained and the caller
+goes on. Where an attack would leak through a weaker box, the same check is also run unboxed (``backend="none"``) and
+must see the leak there: the check can fail. Attacks that could take the caller down (killing its parent, every
+process, its group) run in a child process of their own session, and only once the code has seen it is pid 2 of a
+pid namespace of its own (so a box without one attacks nothing).
+
+Needs bubblewrap with user namespaces (``.ci/run`` installs it): without it these tests skip, and in CI they fail.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from dapo_mcore.tools import Sandbox, SandboxUnavailable, get_tool
+
+pytestmark = pytest.mark.unit
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 2.0
+SLACK_S = 5.0  # the machine is shared; the point is that the call comes back, not how fast
+CAP = 16 * 1024
+
+
+def _bwrap_or_skip() -> Sandbox:
+    try:
+        return Sandbox(timeout_s=TIMEOUT_S, memory_mb=256, max_output_bytes=CAP)
+    except SandboxUnavailable as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI installs bubblewrap (.ci/run's apt step), yet: {exc}")
+        pytest.skip(f"no bubblewrap sandbox here: {exc}")
+
+
+@pytest.fixture(scope="module")
+def box() -> Sandbox:
+    return _bwrap_or_skip()
+
+
+@pytest.fixture(scope="module")
+def unboxed() -> Sandbox:
+    return Sandbox(timeout_s=TIMEOUT_S, memory_mb=256, max_output_bytes=CAP, backend="none")
+
+
+def _fine_after(box: Sandbox) -> None:
+    after = box.run("print(6 * 7)")
+    assert (after.kind, after.stdout) == ("ok", "42\n")
+
+
+def test_ordinary_code_runs_with_its_own_stdout_stderr_and_exit_code(box):
+    r = box.run("import sys\nprint('out')\nprint('err', file=sys.stderr)\nsys.exit(3)")
+    assert (r.stdout, r.stderr, r.exit_code, r.timed_out, r.truncated, r.kind) == ("out\n", "err\n", 3, False, False,
+                                                                                   "error")
+    assert r.seconds > 0
+
+
+def test_an_endless_loop_is_killed_at_the_timeout(box):
+    r = box.run("while True:\n    pass")
+    assert (r.kind, r.exit_code, r.timed_out) == ("timeout", None, True)
+    assert TIMEOUT_S <= r.seconds < TIMEOUT_S + SLACK_S
+    r = box.run("import time\nprint('before', flush=True)\ntime.sleep(3600)")
+    assert (r.kind, r.stdout) == ("timeout", "before\n")
+    _fine_after(box)
+
+
+@pytest.mark.parametrize("bomb", ["x = bytearray(4 * 1024 ** 3)",
+                                  "chunks = []\nwhile True:\n    chunks.append(bytearray(16 * 1024 ** 2))"])
+def test_a_memory_bomb_fails_at_the_address_space_limit(box, bomb):
+    r = box.run(bomb)
+    assert r.kind == "error" and r.stderr.strip().endswith("MemoryError")
+    _fine_after(box)
+
+
+@pytest.mark.parametrize("flood", ["while True:\n    print('x' * 4096)",
+                                   "import sys\nwhile True:\n    sys.stderr.write('e' * 65536)",
+                                   "import sys\nsys.stdout.write('y' * 50_000_000)"])
+def test_an_output_flood_is_cut_at_the_cap_and_stopped(box, flood):
+    r = box.run(flood)
+    assert (r.kind, r.truncated, r.timed_out) == ("truncated", True, False)
+    assert len(r.stdout.encode()) + len(r.stderr.encode()) == CAP
+    assert r.seconds < TIMEOUT_S  # stopped at the cap, not at the timeout
+    _fine_after(box)
+
+
+def test_a_disk_filler_hits_the_box_limits_not_the_hosts_memory(box):
+    r = box.run("block = b'z' * 1024 ** 2\nfor i in range(200):\n    open(f'/tmp/f{i}', 'wb').write(block)\n"
+                "print('wrote 200 MB')")
+    assert r.kind == "error" and ("No space left on device" in r.stderr or "File too large" in r.stderr), r.stderr
+    r = box.run("open('big', 'wb').write(b'z' * 40 * 1024 ** 2)")
+    assert r.kind == "error" and r.stderr.strip().endswith("OSError: [Errno 27] File too large"), r
+
+
+def _leftovers(marker: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue  # the process exited while we looked
+    return found
+
+
+def _spawner(marker: str) -> str:
+    """Code that leaves 30 sleepers behind (forked, double-forked into their own session, and a Popen), named
+    `marker` in their command line, then exits at once."""
+    return textwrap.dedent(f"""
+        import os, subprocess, sys
+        sleep = [p for p in ("/usr/bin/sleep", "/bin/sleep") if os.path.exists(p)][0]
+        for i in range(28):
+            if os.fork() == 0:
+                if i % 2 and os.fork() != 0:
+                    os._exit(0)
+                os.setsid()
+                os.execv(sleep, ["{marker}", "60"])
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)  # {marker}"], start_new_session=True)
+        os.execv(sleep, ["{marker}", "0.2"])
+    """)
+
+
+def _gone(marker: str, within_s: float = 3.0) -> list[int]:
+    deadline = time.monotonic() + within_s
+    while (left := _leftovers(marker)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+def test_no_process_of_the_box_outlives_the_call(box, unboxed):
+    marker = f"dapo-box-leftover-{uuid.uuid4().hex}"
+    r = box.run(_spawner(marker))
+    assert r.kind == "ok", r.stderr
+    assert _gone(marker) == []
+    # the check sees leftovers where there are some: unboxed, the children in sessions of their own survive
+    marker = f"dapo-unboxed-leftover-{uuid.uuid4().hex}"
+    r = unboxed.run(_spawner(marker))
+    escaped = _leftovers(marker)
+    for pid in escaped:
+        os.kill(pid, signal.SIGKILL)
+    assert r.kind == "ok" and len(escaped) >= 10
+
+
+def test_a_timed_out_box_leaves_nothing_behind(box):
+    marker = f"dapo-box-hung-{uuid.uuid4().hex}"
+    r = box.run(_spawner(marker).replace('"0.2"', '"60"'))
+    assert r.kind == "timeout"
+    assert _gone(marker) == []
+
+
+def _connect_code(port: int) -> str:
+    return textwrap.dedent(f"""
+        import socket
+        for what, attempt in [
+                ("tcp", lambda: socket.create_connection(("127.0.0.1", {port}), timeout=1)),
+                ("dns", lambda: socket.getaddrinfo("pypi.org", 443)),
+                ("udp", lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"x", ("1.1.1.1", 53)))]:
+            try:
+                attempt()
+                print(what, "reached")
+            except OSError as exc:
+                print(what, "failed", type(exc).__name__)
+    """)
+
+
+def test_no_network_the_hosts_listener_sees_no_connection(box, unboxed):
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(4)
+        listener.settimeout(0.5)
+        port = listener.getsockname()[1]
+        r = box.run(_connect_code(port))
+        assert r.kind == "ok", r.stderr
+        assert [ln.split()[:2] for ln in r.stdout.splitlines()] == [["tcp", "failed"], ["dns", "failed"],
+                                                                    ["udp", "failed"]]
+        with pytest.raises(TimeoutError):
+            listener.accept()
+        # unboxed, the same code reaches the listener: the check above can fail
+        r = unboxed.run(_connect_code(port))
+        assert r.stdout.startswith("tcp reached")
+        conn, _ = listener.accept()
+        conn.close()
+
+
+def test_nothing_of_the_host_is_readable_or_writable_outside_the_box(box, unboxed, tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("the-secret-of-the-host")
+    host_tmp = Path(f"/tmp/dapo-box-wrote-{uuid.uuid4().hex}")
+    probe = textwrap.dedent(f"""
+        import os
+        for path in ["/root", "/work", "/home", {str(ROOT)!r}, {str(tmp_path)!r}]:
+            try:
+                print(path, "listed", os.listdir(path))
+            except OSError as exc:
+                print(path, "hidden", type(exc).__name__)
+        for path in [{str(secret)!r}, "/etc/shadow", "/etc/passwd", {str(ROOT / "pyproject.toml")!r}]:
+            try:
+                print(path, "read", open(path).read()[:40])
+            except OSError as exc:
+                print(path, "hidden", type(exc).__name__)
+        for path in [{str(host_tmp)!r}, {str(ROOT / "written-by-the-box")!r}, "/usr/written-by-the-box"]:
+            try:
+                open(path, "w").write("x")
+                print(path, "written")
+            except OSError as exc:
+                print(path, "refused", type(exc).__name__)
+    """)
+    r = box.run(probe)
+    assert r.kind == "ok", r.stderr
+    seen = dict(ln.split(" ", 1) for ln in r.stdout.splitlines())
+    for path in ["/root", "/work", "/home", str(ROOT), str(tmp_path), str(secret), "/etc/shadow", "/etc/passwd",
+                 str(ROOT / "pyproject.toml")]:
+        assert seen[path].startswith("hidden"), (path, seen[path])
+    assert seen[str(host_tmp)] == "written"  # into the box's own /tmp ...
+    assert not host_tmp.exists()  # ... which is not the host's
+    assert seen[str(ROOT / "written-by-the-box")].startswith("refused")
+    assert seen["/usr/written-by-the-box"].startswith("refused")
+    assert not (ROOT / "written-by-the-box").exists()
+    # unboxed, the same probe reads the secret and writes the host's /tmp: the checks above can fail
+    r = unboxed.run(probe.replace(str(ROOT / "written-by-the-box"), str(tmp_path / "unboxed-wrote")))
+    try:
+        assert f"{secret} read the-secret-of-the-host" in r.stdout and host_tmp.exists()
+    finally:
+        host_tmp.unlink(missing_ok=True)
+
+
+SNOOP = textwrap.dedent("""
+    import os
+    key = "SECRET_API_KEY"
+    found = [f"os.environ[{k}]" for k, v in os.environ.items() if k == key or "sk-test-" in v]
+    read = 0
+    for pid in [p for p in os.listdir("/proc") if p.isdigit()]:
+        for part in ("environ", "cmdline"):
+            try:
+                data = open(f"/proc/{pid}/{part}", "rb").read()
+            except OSError:
+                continue
+            read += part == "environ"
+            if key.encode() in data or b"sk-test-" in data:
+                found.append(f"/proc/{pid}/{part}")
+    print(read, found)
+""")
+
+HARNESS = textwrap.dedent("""
+    import json, os, sys
+    from dapo_mcore.tools import Sandbox
+    box = Sandbox(timeout_s=3, memory_mb=256, backend=sys.argv[2])
+    r = box.run(sys.argv[1].replace("HOST_PID", str(os.getpid())))
+    after = box.run("print('still here')")
+    print(json.dumps({"kind": r.kind, "stdout": r.stdout, "stderr": r.stderr[-400:], "after": after.stdout}))
+""")
+
+
+def _in_child(code: str, backend: str = "bwrap", stdin: int = subprocess.DEVNULL, **env: str) -> dict:
+    """Run `code` through a Sandbox in a child process of its own session (the caller an attack aims at); its
+    result and a call after it."""
+    child_env = dict(os.environ, PYTHONPATH=str(ROOT), **env)
+    proc = subprocess.run([sys.executable, "-c", HARNESS, code, backend], env=child_env, cwd=ROOT, timeout=120,
+                          stdin=stdin, capture_output=True, text=True, start_new_session=True)
+    assert proc.returncode == 0, f"the caller died (exit {proc.returncode}): {proc.stderr[-2000:]}"
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_the_trainers_environment_is_not_visible_in_the_box(box):
+    secret = f"sk-test-{uuid.uuid4().hex}"
+    out = _in_child(SNOOP, SECRET_API_KEY=secret)
+    read, found = out["stdout"].split(" ", 1)
+    assert found.strip() == "[]"
+    assert int(read) >= 2  # its own and the launcher's (pid 1 of the box): the scan did read them
+    # unboxed, the trainer's /proc is readable: the scan finds the key there, so the check above can fail
+    out = _in_child(SNOOP, backend="none", SECRET_API_KEY=secret)
+    assert "/environ" in out["stdout"].split(" ", 1)[1]
+
+
+NAMESPACED = "import os, signal\nif os.getpid() != 2:\n    raise SystemExit('not in a pid namespace: no attack')\n" \
+             "print('attacking', flush=True)\n"
+
+
+@pytest.mark.parametrize("attack", ["os.kill(os.getppid(), signal.SIGKILL)", "os.kill(-1, signal.SIGKILL)",
+                                    "os.killpg(os.getpgid(os.getppid()), signal.SIGKILL)",
+                                    "os.killpg(0, signal.SIGKILL)", "os.kill(HOST_PID, signal.SIGKILL)"])
+def test_killing_the_caller_fails_and_the_caller_goes_on(box, attack):
+    out = _in_child(NAMESPACED + attack + "\nimport time; time.sleep(0.2)\nprint('done')")
+    assert out["stdout"].startswith("attacking"), out
+    assert out["after"] == "still here\n"
+
+
+def test_parallel_calls_from_threads_get_their_own_results(box):
+    results: dict[int, object] = {}
+
+    def call(i: int) -> None:
+        results[i] = box.run(f"import time, sys\ntime.sleep(0.05 * ({i} % 3))\nprint({i})\nprint('e{i}', file=sys.stderr)"
+                             f"\nsys.exit({i})")
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert {i: (r.stdout, r.stderr, r.exit_code) for i, r in results.items()} == {
+        i: (f"{i}\n", f"e{i}\n", i) for i in range(8)}
+
+
+def test_stdin_is_closed(box):
+    """The caller's stdin is a pipe nobody writes to (a read of it would hang): the code reads end-of-file at once."""
+    read, write = os.pipe()
+    try:
+        out = _in_child("import sys\nprint(repr(sys.stdin.read()))\ninput()", stdin=read)
+    finally:
+        os.close(read)
+        os.close(write)
+    assert out["kind"] == "error" and out["stdout"] == "''\n", out
+    assert out["stderr"].strip().endswith("EOFError: EOF when reading a line")
+
+
+def test_the_python_tool_runs_a_fenced_block_in_the_box(box):
+    tool = get_tool("python", box)
+    out = tool("```python\nimport math\nprint(math.comb(40, 20))\n```")
+    assert (out.text, out.kind) == (f"{137846528820}\n", "ok")
+    out = tool("print('partial')\nraise ValueError('bad input')")
+    assert (out.text, out.kind, out.errored) == ("partial\nValueError: bad input", "error", True)
+
+
+def test_where_bubblewrap_cannot_run_the_refusal_is_one_line_naming_the_unboxed_setting(tmp_path):
+    with pytest.raises(SandboxUnavailable) as missing:
+        Sandbox(bwrap=str(tmp_path / "no-bwrap"))
+    fake = tmp_path / "bwrap"  # fails as bubblewrap does where user namespaces are off
+    fake.write_text("#!/bin/sh\necho 'bwrap: No permissions to creating new namespace, likely because the kernel "
+                    "does not allow non-privileged user namespaces.' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    with pytest.raises(SandboxUnavailable) as no_userns:
+        Sandbox(bwrap=str(fake))
+    for exc, why in [(missing, "is not installed"), (no_userns, "No permissions to creating new namespace")]:
+        line = str(exc.value)
+        assert "\n" not in line and why in line and "rollout.tools.sandbox=none" in line
+
+
+def test_a_box_that_fails_to_start_at_a_call_is_a_result_not_a_crash(box, tmp_path):
+    broken = Sandbox(timeout_s=TIMEOUT_S, memory_mb=256)
+    fake = tmp_path / "bwrap"
+    fake.write_text("#!/bin/sh\necho 'bwrap: Creating new namespace failed: No space left on device' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    broken._bwrap = str(fake)  # the probe passed at start; later the kernel runs out of namespaces
+    r = broken.run("print(1)")
+    assert (r.kind, r.exit_code) == ("sandbox_failure", 1) and "Creating new namespace failed" in r.stderr
+    broken._bwrap = str(tmp_path / "removed")  # the binary vanished
+    r = broken.run("print(1)")
+    assert (r.kind, r.exit_code) == ("sandbox_failure", None) and "No such file" in r.stderr
+    out = get_tool("python", broken)("print(1)")
+    assert out.kind == "sandbox_failure" and out.errored
+
+
+def test_the_unboxed_backend_warns_at_every_start(caplog):
+    with caplog.at_level(logging.WARNING, logger="dapo_mcore.tools.sandbox"):
+        Sandbox(backend="none")
+        Sandbox(backend="none")
+    warnings = [r.getMessage() for r in caplog.records if "UNBOXED" in r.getMessage()]
+    assert len(warnings) == 2 and "rollout.tools.sandbox=none" in warnings[0]
+    assert Sandbox(backend="none").run("print(1)").kind == "ok"
