@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from dapo_mcore.tools import Sandbox, SandboxUnavailable, get_tool
+from dapo_mcore.tools.box import features
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[1]
@@ -292,6 +293,23 @@ def test_killing_the_caller_fails_and_the_caller_goes_on(box, attack):
     out = _in_child(NAMESPACED + attack + "\nimport time; time.sleep(0.2)\nprint('done')")
     assert out["stdout"].startswith("attacking"), out
     assert out["after"] == "still here\n"
+
+
+def test_the_box_cannot_make_namespaces_or_gain_privileges(box):
+    """No capability in the box; no network or mount namespace of its own (they need one), and no user namespace
+    (where bubblewrap can forbid them: 0.8+), the usual first step of a kernel exploit."""
+    r = box.run(textwrap.dedent("""
+        import ctypes, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        print(open("/proc/self/status").read().split("CapEff:")[1].split()[0])
+        for name, flag in [("user", 0x10000000), ("net", 0x40000000), ("mount", 0x00020000)]:
+            print(name, libc.unshare(flag), os.strerror(ctypes.get_errno()))
+    """))
+    lines = r.stdout.splitlines()
+    assert lines[0] == "0000000000000000", r
+    assert lines[2].startswith("net -1") and lines[3].startswith("mount -1"), r.stdout
+    if "--disable-userns" in features(box._bwrap):
+        assert lines[1].startswith("user -1"), r.stdout
 
 
 def test_parallel_calls_from_threads_get_their_own_results(box):

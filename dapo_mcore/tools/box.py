@@ -108,10 +108,38 @@ def interpreter(python: str) -> Interpreter:
     return found_interpreter
 
 
+OPTIONAL = ("--disable-userns", "--size", "--clearenv")
+"""Options newer bubblewraps have (0.8: --disable-userns, --size); used where ``bwrap --help`` lists them. Without
+them the box may create user namespaces of its own, its tmpfs are bounded only by the file-size limit per file,
+and its environment is the launcher's (already the minimal one)."""
+
+_features: dict[str, frozenset[str]] = {}
+
+
+def features(bwrap: str) -> frozenset[str]:
+    """Which of :data:`OPTIONAL` this bubblewrap knows (cached; empty if it does not run)."""
+    with _lock:
+        if bwrap in _features:
+            return _features[bwrap]
+    try:
+        text = subprocess.run([bwrap, "--help"], env=box_env("/"), stdin=subprocess.DEVNULL, capture_output=True,
+                              text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        text = ""
+    found = frozenset(opt for opt in OPTIONAL if f"{opt} " in text)
+    with _lock:
+        _features[bwrap] = found
+    return found
+
+
 def bwrap_argv(bwrap: str, interp: Interpreter, code_fd: int) -> list[str]:
     """The bubblewrap command line that runs ``/box/main.py`` (read from ``code_fd``) under ``interp``."""
-    argv = [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-            "--hostname", "sandbox", "--clearenv"]
+    has = features(bwrap)
+    argv = [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--hostname", "sandbox"]
+    if "--disable-userns" in has:  # no user namespace of its own inside: less kernel surface to attack
+        argv += ["--unshare-user", "--disable-userns"]
+    if "--clearenv" in has:
+        argv += ["--clearenv"]
     for key, value in box_env(BOX_DIR).items():
         argv += ["--setenv", key, value]
     for d in SYSTEM_DIRS:
@@ -123,9 +151,8 @@ def bwrap_argv(bwrap: str, interp: Interpreter, code_fd: int) -> list[str]:
         argv += ["--ro-bind-try", f, f]
     for d in interp.binds:
         argv += ["--ro-bind", d, d]
-    argv += ["--proc", "/proc", "--dev", "/dev",
-             "--size", str(TMPFS_BYTES), "--tmpfs", "/tmp",
-             "--size", str(TMPFS_BYTES), "--tmpfs", BOX_DIR,
+    size = ["--size", str(TMPFS_BYTES)] if "--size" in has else []
+    argv += ["--proc", "/proc", "--dev", "/dev", *size, "--tmpfs", "/tmp", *size, "--tmpfs", BOX_DIR,
              "--file", str(code_fd), f"{BOX_DIR}/main.py",
              "--remount-ro", "/", "--chdir", BOX_DIR,
              "--", interp.path, "-I", "-B", f"{BOX_DIR}/main.py"]
