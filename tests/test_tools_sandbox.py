@@ -9,9 +9,11 @@ Needs bubblewrap with user namespaces (``.ci/run`` installs it): without it thes
 
 from __future__ import annotations
 
+import ast
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from dapo_mcore.tools import Sandbox, SandboxUnavailable, get_tool
-from dapo_mcore.tools.box import features
+from dapo_mcore.tools.box import SAFE_PATH, features
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,6 +65,26 @@ def test_ordinary_code_runs_with_its_own_stdout_stderr_and_exit_code(box):
     assert (r.stdout, r.stderr, r.exit_code, r.timed_out, r.truncated, r.kind) == ("out\n", "err\n", 3, False, False,
                                                                                    "error")
     assert r.seconds > 0
+
+
+LIMITS = "import resource as r\nprint([r.getrlimit(getattr(r, 'RLIMIT_' + n)) for n in ('AS', 'CPU', 'FSIZE', 'NOFILE', 'CORE')])"
+
+
+@pytest.mark.parametrize("launcher", ["prlimit", "preexec"])
+def test_the_code_runs_under_the_configured_rlimits(box, launcher, monkeypatch):
+    """Set by util-linux's prlimit where it is installed, else between fork and exec: the same limits either way."""
+    if launcher == "preexec":
+        real = shutil.which
+        monkeypatch.setattr("dapo_mcore.tools.sandbox.shutil.which",
+                            lambda name, path=None: None if name == "prlimit" else real(name, path=path))
+    elif shutil.which("prlimit", path=SAFE_PATH) is None:
+        pytest.skip("util-linux's prlimit is not installed")
+    limited = Sandbox(timeout_s=2.5, memory_mb=300, max_output_bytes=CAP, max_file_mb=5, max_open_files=40)
+    assert bool(limited._prefix) == (launcher == "prlimit")
+    want = [(300 * 2**20,) * 2, (4, 4), (5 * 2**20,) * 2, (40, 40), (0, 0)]
+    for sandbox in (limited, Sandbox(timeout_s=2.5, memory_mb=300, max_file_mb=5, max_open_files=40, backend="none")):
+        r = sandbox.run(LIMITS)
+        assert r.kind == "ok" and ast.literal_eval(r.stdout) == want, r
 
 
 def test_an_endless_loop_is_killed_at_the_timeout(box):
@@ -372,7 +394,7 @@ def test_a_box_that_fails_to_start_at_a_call_is_a_result_not_a_crash(box, tmp_pa
     assert (r.kind, r.exit_code) == ("sandbox_failure", 1) and "Creating new namespace failed" in r.stderr
     broken._bwrap = str(tmp_path / "removed")  # the binary vanished
     r = broken.run("print(1)")
-    assert (r.kind, r.exit_code) == ("sandbox_failure", None) and "No such file" in r.stderr
+    assert r.kind == "sandbox_failure" and "No such file" in r.stderr, r
     out = get_tool("python", broken)("print(1)")
     assert out.kind == "sandbox_failure" and out.errored
 

@@ -37,8 +37,9 @@ TMPFS_BYTES = 64 * 1024 * 1024
 """Size of each of the box's two writable tmpfs (/tmp, /box): they are memory, so a cap keeps a write loop from
 filling the host's RAM."""
 
-SETUP_FAILURE = "bwrap: "
-"""bubblewrap's own error lines start so (it exits 1 before running anything)."""
+SETUP_FAILURE = ("bwrap: ", "prlimit: ")
+"""The launchers' own error lines start so (bubblewrap exits 1 before running anything; prlimit 1, or 127 when the
+command it should run is missing)."""
 
 
 class SandboxUnavailable(UserError):

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from dapo_mcore.tools.box import (
+    SAFE_PATH,
     SETUP_FAILURE,
     Interpreter,
     SandboxUnavailable,
@@ -40,6 +41,8 @@ from dapo_mcore.tools.box import (
 log = logging.getLogger(__name__)
 
 ResultKind = Literal["ok", "error", "timeout", "truncated", "sandbox_failure"]
+_PRLIMIT = {resource.RLIMIT_AS: "as", resource.RLIMIT_CPU: "cpu", resource.RLIMIT_FSIZE: "fsize",
+            resource.RLIMIT_NOFILE: "nofile", resource.RLIMIT_CORE: "core"}
 DRAIN_S = 0.5
 """After the code's process exits, how long its pipes may stay open (a child of an unboxed run holding them)."""
 
@@ -90,6 +93,12 @@ class Sandbox:
                         (resource.RLIMIT_FSIZE, int(max_file_mb) * 1024 * 1024),
                         (resource.RLIMIT_NOFILE, int(max_open_files)),
                         (resource.RLIMIT_CORE, 0)]
+        # util-linux's prlimit sets the limits and execs the launcher: the trainer then spawns with vfork, at a cost
+        # that does not grow with its memory. Without it, a preexec function sets them between fork and exec; a
+        # fork copies the page tables of a trainer holding gigabytes (benchmarks/tool_sandbox.py measures both).
+        prlimit = shutil.which("prlimit", path=SAFE_PATH)
+        self._prefix = [prlimit, *(f"--{_PRLIMIT[which]}={value}" for which, value in self._limits)] if prlimit else []
+        self._preexec = None if prlimit else self._set_limits
         if backend == "bwrap":
             found = shutil.which(bwrap, path=os.environ.get("PATH")) if "/" not in bwrap else bwrap
             self._bwrap = found or bwrap
@@ -119,26 +128,27 @@ class Sandbox:
         try:
             os.write(fd, code.encode("utf-8", errors="replace"))
             os.lseek(fd, 0, os.SEEK_SET)
-            proc = subprocess.Popen(bwrap_argv(self._bwrap, self.interpreter, fd), env=box_env("/"),
-                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    start_new_session=True, preexec_fn=self._set_limits, pass_fds=(fd,))
+            proc = subprocess.Popen([*self._prefix, *bwrap_argv(self._bwrap, self.interpreter, fd)],
+                                    env=box_env("/"), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, start_new_session=True, preexec_fn=self._preexec,
+                                    pass_fds=(fd,))
         finally:
             os.close(fd)
-        return self._finish(proc, start, boxed=True)
+        return self._finish(proc, start)
 
     def _run_unboxed(self, code: str, start: float) -> SandboxResult:
         workdir = tempfile.mkdtemp(prefix="dapo-tool-")
         try:
             with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8", errors="replace") as f:
                 f.write(code)
-            proc = subprocess.Popen([self.interpreter.path, "-I", "-B", "main.py"], cwd=workdir, env=box_env(workdir),
-                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    start_new_session=True, preexec_fn=self._set_limits)
-            return self._finish(proc, start, boxed=False)
+            proc = subprocess.Popen([*self._prefix, self.interpreter.path, "-I", "-B", "main.py"], cwd=workdir,
+                                    env=box_env(workdir), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, start_new_session=True, preexec_fn=self._preexec)
+            return self._finish(proc, start)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)  # the code may have made it unremovable: a temp dir, not data
 
-    def _finish(self, proc: subprocess.Popen, start: float, boxed: bool) -> SandboxResult:
+    def _finish(self, proc: subprocess.Popen, start: float) -> SandboxResult:
         try:
             out, err, timed_out, truncated = self._collect(proc, start + self.timeout_s)
         finally:
@@ -149,7 +159,7 @@ class Sandbox:
             kind: ResultKind = "timeout"
         elif truncated:
             kind = "truncated"
-        elif boxed and exit_code == 1 and stderr.startswith(SETUP_FAILURE) and not out:
+        elif exit_code in (1, 127) and stderr.startswith(SETUP_FAILURE) and not out:
             kind = "sandbox_failure"
         else:
             kind = "ok" if exit_code == 0 else "error"
