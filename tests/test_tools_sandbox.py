@@ -115,11 +115,32 @@ def test_an_output_flood_is_cut_at_the_cap_and_stopped(box, flood):
     _fine_after(box)
 
 
+FILL = textwrap.dedent("""
+    for d in ["/tmp", "/box", "/dev/shm", "/dev", "/", "/usr"]:
+        n = 0
+        try:
+            for i in range(20):
+                with open(f"{d}/fill{i}", "wb") as f:
+                    f.write(b"z" * 8 * 2**20)
+                n += 1
+        except OSError as exc:
+            print(d, n, exc.strerror)
+        else:
+            print(d, n, "filled")
+    open("/dev/null", "w").write("device nodes still work")
+""")
+
+
 def test_a_disk_filler_hits_the_box_limits_not_the_hosts_memory(box):
-    r = box.run("block = b'z' * 1024 ** 2\nfor i in range(200):\n    open(f'/tmp/f{i}', 'wb').write(block)\n"
-                "print('wrote 200 MB')")
-    assert r.kind == "error" and ("No space left on device" in r.stderr or "File too large" in r.stderr), r.stderr
-    r = box.run("open('big', 'wb').write(b'z' * 40 * 1024 ** 2)")
+    """The box's writable places are memory (tmpfs): each is capped (64 MiB), the rest is read-only."""
+    r = box.run(FILL)
+    assert r.kind == "ok", r.stderr
+    seen = {ln.split(" ", 1)[0]: ln.split(" ", 2)[1:] for ln in r.stdout.splitlines()}
+    for d in ("/tmp", "/box", "/dev/shm"):
+        assert int(seen[d][0]) <= 8 and seen[d][1] == "No space left on device", (d, seen[d])
+    for d in ("/dev", "/", "/usr"):
+        assert seen[d] == ["0", "Read-only file system"], (d, seen[d])
+    r = box.run("open('big', 'wb').write(b'z' * 40 * 1024 ** 2)")  # one file past max_file_mb
     assert r.kind == "error" and r.stderr.strip().endswith("OSError: [Errno 27] File too large"), r
 
 

@@ -34,7 +34,7 @@ ETC_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/l
 """The few files of /etc the dynamic loader and the interpreter read; no passwd, shadow, hosts or ssl."""
 
 TMPFS_BYTES = 64 * 1024 * 1024
-"""Size of each of the box's two writable tmpfs (/tmp, /box): they are memory, so a cap keeps a write loop from
+"""Size of each of the box's writable tmpfs (/tmp, /box, /dev/shm): they are memory, so a cap keeps a write loop from
 filling the host's RAM."""
 
 SETUP_FAILURE = ("bwrap: ", "prlimit: ")
@@ -153,8 +153,10 @@ def bwrap_argv(bwrap: str, interp: Interpreter, code_fd: int) -> list[str]:
     for d in interp.binds:
         argv += ["--ro-bind", d, d]
     size = ["--size", str(TMPFS_BYTES)] if "--size" in has else []
-    argv += ["--proc", "/proc", "--dev", "/dev", *size, "--tmpfs", "/tmp", *size, "--tmpfs", BOX_DIR,
-             "--file", str(code_fd), f"{BOX_DIR}/main.py",
+    # /dev is a tmpfs bubblewrap makes without a size: read-only (device nodes still work), with a sized /dev/shm
+    shm = [*size, "--tmpfs", "/dev/shm"] if size else []
+    argv += ["--proc", "/proc", "--dev", "/dev", *shm, "--remount-ro", "/dev",
+             *size, "--tmpfs", "/tmp", *size, "--tmpfs", BOX_DIR, "--file", str(code_fd), f"{BOX_DIR}/main.py",
              "--remount-ro", "/", "--chdir", BOX_DIR,
              "--", interp.path, "-I", "-B", f"{BOX_DIR}/main.py"]
     return argv
