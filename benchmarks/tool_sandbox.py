@@ -42,7 +42,7 @@ def ballast_section(boxed: Sandbox, args: argparse.Namespace) -> None:
     """The launcher's cost against the caller's memory: limits set by prlimit (vfork) vs a preexec function (fork,
     which copies the page tables of a caller holding gigabytes: a trainer)."""
     preexec = Sandbox(timeout_s=30, memory_mb=1024, python=args.python)
-    preexec._prefix, preexec._preexec = [], preexec._set_limits
+    preexec._set_launcher(boxed.unprivileged, use_prlimit=False)
     if not boxed._prefix:
         print("no prlimit here: both columns below use a preexec function")
     rows = []

@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -67,7 +68,8 @@ def test_ordinary_code_runs_with_its_own_stdout_stderr_and_exit_code(box):
     assert r.seconds > 0
 
 
-LIMITS = "import resource as r\nprint([r.getrlimit(getattr(r, 'RLIMIT_' + n)) for n in ('AS', 'CPU', 'FSIZE', 'NOFILE', 'CORE')])"
+LIMITS = ("import resource as r\n"
+          "print([r.getrlimit(getattr(r, 'RLIMIT_' + n)) for n in ('AS', 'CPU', 'FSIZE', 'NOFILE', 'CORE', 'NPROC')])")
 
 
 @pytest.mark.parametrize("launcher", ["prlimit", "preexec"])
@@ -79,12 +81,18 @@ def test_the_code_runs_under_the_configured_rlimits(box, launcher, monkeypatch):
                             lambda name, path=None: None if name == "prlimit" else real(name, path=path))
     elif shutil.which("prlimit", path=SAFE_PATH) is None:
         pytest.skip("util-linux's prlimit is not installed")
-    limited = Sandbox(timeout_s=2.5, memory_mb=300, max_output_bytes=CAP, max_file_mb=5, max_open_files=40)
-    assert bool(limited._prefix) == (launcher == "prlimit")
+    limited = Sandbox(timeout_s=2.5, memory_mb=300, max_output_bytes=CAP, max_file_mb=5, max_open_files=40,
+                      max_processes=30)
+    assert (limited._prefix[:1] == [shutil.which("prlimit", path=SAFE_PATH)]) == (launcher == "prlimit")
     want = [(300 * 2**20,) * 2, (4, 4), (5 * 2**20,) * 2, (40, 40), (0, 0)]
-    for sandbox in (limited, Sandbox(timeout_s=2.5, memory_mb=300, max_file_mb=5, max_open_files=40, backend="none")):
+    unboxed = Sandbox(timeout_s=2.5, memory_mb=300, max_file_mb=5, max_open_files=40, max_processes=30,
+                      backend="none")
+    for sandbox in (limited, unboxed):
         r = sandbox.run(LIMITS)
-        assert r.kind == "ok" and ast.literal_eval(r.stdout) == want, r
+        assert r.kind == "ok" and ast.literal_eval(r.stdout)[:5] == want, r
+    # the process limit binds where the box runs unprivileged (a root trainer: as nobody)
+    if limited.unprivileged:
+        assert ast.literal_eval(limited.run(LIMITS).stdout)[5] == (30, 30)
 
 
 def test_an_endless_loop_is_killed_at_the_timeout(box):
@@ -192,6 +200,50 @@ def test_no_process_of_the_box_outlives_the_call(box, unboxed):
     for pid in escaped:
         os.kill(pid, signal.SIGKILL)
     assert r.kind == "ok" and len(escaped) >= 10
+
+
+FORKS = textwrap.dedent("""
+    import os, time
+    n = 0
+    try:
+        for i in range(200):
+            if os.fork() == 0:
+                time.sleep(30)
+                os._exit(0)
+            n += 1
+    except OSError as exc:
+        print(n, exc.strerror)
+    else:
+        print(n, "all forked")
+""")
+
+
+def test_a_fork_bomb_stops_at_the_process_limit(box):
+    """Where the trainer is root the box runs as nobody, under max_processes (root ignores the limit): a fork
+    loop stops there (run bounded: 200 forks at most)."""
+    if not box.unprivileged:
+        pytest.skip("the process limit binds where the trainer runs as root (the box then runs as nobody)")
+    limited = Sandbox(timeout_s=TIMEOUT_S, memory_mb=256, max_processes=24)
+    r = limited.run(FORKS)
+    n, why = r.stdout.split(" ", 1)
+    assert int(n) < 24 and why.strip() == "Resource temporarily unavailable", r
+    _fine_after(limited)
+
+
+def test_as_root_a_box_nobody_can_run_falls_back_to_root_with_a_warning(box, caplog):
+    """An interpreter only root may read (a venv in root's own directory): the box runs as root, and says so."""
+    if not box.unprivileged:
+        pytest.skip("only where the trainer runs as root")
+    private = Path(tempfile.mkdtemp(prefix="dapo-box-root-only-"))  # 0700
+    try:
+        subprocess.run([box.interpreter.path, "-m", "venv", "--without-pip", str(private / "env")], check=True)
+        with caplog.at_level(logging.WARNING, logger="dapo_mcore.tools.sandbox"):
+            rooted = Sandbox(timeout_s=TIMEOUT_S, python=str(private / "env" / "bin" / "python"))
+        assert not rooted.unprivileged
+        assert any("runs as root, not as nobody" in r.getMessage() for r in caplog.records)
+        assert rooted.run("import sys; print(sys.prefix)").stdout == f"{private / 'env'}\n"
+    finally:
+        shutil.rmtree(private)
 
 
 def test_a_timed_out_box_leaves_nothing_behind(box):
@@ -405,15 +457,24 @@ def test_where_bubblewrap_cannot_run_the_refusal_is_one_line_naming_the_unboxed_
         assert "\n" not in line and why in line and "rollout.tools.sandbox=none" in line
 
 
-def test_a_box_that_fails_to_start_at_a_call_is_a_result_not_a_crash(box, tmp_path):
+@pytest.fixture
+def world_readable_dir():
+    """A directory every user can read (the launcher may run as nobody): pytest's tmp_path is root's alone."""
+    path = Path(tempfile.mkdtemp(prefix="dapo-box-test-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path)
+
+
+def test_a_box_that_fails_to_start_at_a_call_is_a_result_not_a_crash(box, world_readable_dir):
     broken = Sandbox(timeout_s=TIMEOUT_S, memory_mb=256)
-    fake = tmp_path / "bwrap"
+    fake = world_readable_dir / "bwrap"
     fake.write_text("#!/bin/sh\necho 'bwrap: Creating new namespace failed: No space left on device' >&2\nexit 1\n")
     fake.chmod(0o755)
     broken._bwrap = str(fake)  # the probe passed at start; later the kernel runs out of namespaces
     r = broken.run("print(1)")
     assert (r.kind, r.exit_code) == ("sandbox_failure", 1) and "Creating new namespace failed" in r.stderr
-    broken._bwrap = str(tmp_path / "removed")  # the binary vanished
+    broken._bwrap = str(world_readable_dir / "removed")  # the binary vanished
     r = broken.run("print(1)")
     assert r.kind == "sandbox_failure" and "No such file" in r.stderr, r
     out = get_tool("python", broken)("print(1)")

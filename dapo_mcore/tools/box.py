@@ -37,9 +37,9 @@ TMPFS_BYTES = 64 * 1024 * 1024
 """Size of each of the box's writable tmpfs (/tmp, /box, /dev/shm): they are memory, so a cap keeps a write loop from
 filling the host's RAM."""
 
-SETUP_FAILURE = ("bwrap: ", "prlimit: ")
-"""The launchers' own error lines start so (bubblewrap exits 1 before running anything; prlimit 1, or 127 when the
-command it should run is missing)."""
+SETUP_FAILURE = ("bwrap: ", "prlimit: ", "setpriv: ")
+"""The launchers' own error lines start so (bubblewrap exits 1 before running anything; prlimit and setpriv 1, or
+126/127 when the command they should run cannot be run or is missing)."""
 
 
 class SandboxUnavailable(UserError):
@@ -150,31 +150,31 @@ def bwrap_argv(bwrap: str, interp: Interpreter, code_fd: int) -> list[str]:
             argv += ["--ro-bind", d, d]
     for f in ETC_FILES:
         argv += ["--ro-bind-try", f, f]
-    for d in interp.binds:
-        argv += ["--ro-bind", d, d]
     size = ["--size", str(TMPFS_BYTES)] if "--size" in has else []
     # /dev is a tmpfs bubblewrap makes without a size: read-only (device nodes still work), with a sized /dev/shm
     shm = [*size, "--tmpfs", "/dev/shm"] if size else []
     argv += ["--proc", "/proc", "--dev", "/dev", *shm, "--remount-ro", "/dev",
-             *size, "--tmpfs", "/tmp", *size, "--tmpfs", BOX_DIR, "--file", str(code_fd), f"{BOX_DIR}/main.py",
-             "--remount-ro", "/", "--chdir", BOX_DIR,
-             "--", interp.path, "-I", "-B", f"{BOX_DIR}/main.py"]
+             *size, "--tmpfs", "/tmp", *size, "--tmpfs", BOX_DIR, "--file", str(code_fd), f"{BOX_DIR}/main.py"]
+    for d in interp.binds:  # after the tmpfs: an interpreter kept under /tmp stays visible
+        argv += ["--ro-bind", d, d]
+    argv += ["--remount-ro", "/", "--chdir", BOX_DIR, "--", interp.path, "-I", "-B", f"{BOX_DIR}/main.py"]
     return argv
 
 
-def probe(bwrap: str, interp: Interpreter) -> str | None:
-    """None when a box runs here (cached per binary and interpreter), else bubblewrap's reason in one line."""
-    key = (bwrap, interp.path)
+def probe(launcher: tuple[str, ...], bwrap: str, interp: Interpreter) -> str | None:
+    """None when a box runs here through ``launcher`` (the commands before bubblewrap: prlimit, setpriv; cached per
+    launcher, binary and interpreter), else the reason in one line."""
+    key = (launcher, bwrap, interp.path)
     with _lock:
         if key in _probes:
             return _probes[key]
-    reason = _probe_once(bwrap, interp)
+    reason = _probe_once(launcher, bwrap, interp)
     with _lock:
         _probes[key] = reason
     return reason
 
 
-def _probe_once(bwrap: str, interp: Interpreter) -> str | None:
+def _probe_once(launcher: tuple[str, ...], bwrap: str, interp: Interpreter) -> str | None:
     found = shutil.which(bwrap, path=SAFE_PATH) if "/" not in bwrap else bwrap
     if found is None or not Path(found).is_file():
         return f"bubblewrap ({bwrap}) is not installed"
@@ -183,8 +183,8 @@ def _probe_once(bwrap: str, interp: Interpreter) -> str | None:
         os.write(write, b"print('box')\n")
         os.close(write)
         write = -1
-        proc = subprocess.run(bwrap_argv(found, interp, read), env=box_env("/"), stdin=subprocess.DEVNULL,
-                              capture_output=True, text=True, timeout=60, pass_fds=(read,))
+        proc = subprocess.run([*launcher, *bwrap_argv(found, interp, read)], env=box_env("/"),
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60, pass_fds=(read,))
     except (OSError, subprocess.SubprocessError) as exc:
         return f"{found} did not run: {exc}"
     finally:
@@ -197,11 +197,9 @@ def _probe_once(bwrap: str, interp: Interpreter) -> str | None:
     return None
 
 
-def require_bwrap(bwrap: str, interp: Interpreter) -> None:
-    """Raise SandboxUnavailable (one line, naming the setting that runs code unboxed) where a box cannot start."""
-    reason = probe(bwrap, interp)
-    if reason is not None:
-        raise SandboxUnavailable(
-            f"the tool-code sandbox cannot start: {reason}; install bubblewrap (apt-get install bubblewrap) and allow "
-            "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1), or set "
-            "rollout.tools.sandbox=none to run tool code unboxed (no isolation: only for code you trust)")
+def unavailable(reason: str) -> SandboxUnavailable:
+    """The one-line refusal: the reason, the fix, and the setting that runs code unboxed."""
+    return SandboxUnavailable(
+        f"the tool-code sandbox cannot start: {reason}; install bubblewrap (apt-get install bubblewrap) and allow "
+        "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1), or set "
+        "rollout.tools.sandbox=none to run tool code unboxed (no isolation: only for code you trust)")

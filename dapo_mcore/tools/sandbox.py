@@ -14,6 +14,7 @@ and the box a pid namespace that dies with it, so killing the launcher's process
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -35,14 +36,17 @@ from dapo_mcore.tools.box import (
     box_env,
     bwrap_argv,
     interpreter,
-    require_bwrap,
+    probe,
+    unavailable,
 )
 
 log = logging.getLogger(__name__)
 
 ResultKind = Literal["ok", "error", "timeout", "truncated", "sandbox_failure"]
 _PRLIMIT = {resource.RLIMIT_AS: "as", resource.RLIMIT_CPU: "cpu", resource.RLIMIT_FSIZE: "fsize",
-            resource.RLIMIT_NOFILE: "nofile", resource.RLIMIT_CORE: "core"}
+            resource.RLIMIT_NOFILE: "nofile", resource.RLIMIT_CORE: "core", resource.RLIMIT_NPROC: "nproc"}
+NOBODY = 65534
+"""The uid and gid a box runs as when the trainer is root."""
 DRAIN_S = 0.5
 """After the code's process exits, how long its pipes may stay open (a child of an unboxed run holding them)."""
 
@@ -73,14 +77,17 @@ class Sandbox:
 
     def __init__(self, timeout_s: float = 10.0, memory_mb: int = 1024, max_output_bytes: int = 64 * 1024,
                  python: str = "python3", backend: Literal["bwrap", "none"] = "bwrap", *, bwrap: str = "bwrap",
-                 max_file_mb: int = 16, max_open_files: int = 256):
+                 max_file_mb: int = 16, max_open_files: int = 256, max_processes: int = 64):
         """``python``: the tool interpreter (a name on PATH or a path; its prefix is visible in the box, read-only):
-        give tools an environment of their own, not the trainer's. ``bwrap``: the bubblewrap binary. Raises
+        give tools an environment of their own, not the trainer's. ``bwrap``: the bubblewrap binary.
+        ``max_processes``: the box's process limit, enforced where the trainer runs as root (the box then runs as
+        nobody; root ignores the limit) and the interpreter is readable by every user. Raises
         :class:`SandboxUnavailable` (one line) where ``backend="bwrap"`` cannot start a box."""
         if backend not in ("bwrap", "none"):
             raise ValueError(f"sandbox backend {backend!r}: use 'bwrap' or 'none'")
         for name, value in (("timeout_s", timeout_s), ("memory_mb", memory_mb), ("max_output_bytes", max_output_bytes),
-                            ("max_file_mb", max_file_mb), ("max_open_files", max_open_files)):
+                            ("max_file_mb", max_file_mb), ("max_open_files", max_open_files),
+                            ("max_processes", max_processes)):
             if not value > 0:
                 raise ValueError(f"sandbox {name}={value!r} must be positive")
         self.timeout_s = float(timeout_s)
@@ -93,20 +100,48 @@ class Sandbox:
                         (resource.RLIMIT_FSIZE, int(max_file_mb) * 1024 * 1024),
                         (resource.RLIMIT_NOFILE, int(max_open_files)),
                         (resource.RLIMIT_CORE, 0)]
-        # util-linux's prlimit sets the limits and execs the launcher: the trainer then spawns with vfork, at a cost
-        # that does not grow with its memory. Without it, a preexec function sets them between fork and exec; a
-        # fork copies the page tables of a trainer holding gigabytes (benchmarks/tool_sandbox.py measures both).
-        prlimit = shutil.which("prlimit", path=SAFE_PATH)
-        self._prefix = [prlimit, *(f"--{_PRLIMIT[which]}={value}" for which, value in self._limits)] if prlimit else []
-        self._preexec = None if prlimit else self._set_limits
-        if backend == "bwrap":
-            found = shutil.which(bwrap, path=os.environ.get("PATH")) if "/" not in bwrap else bwrap
-            self._bwrap = found or bwrap
-            require_bwrap(self._bwrap, self.interpreter)
-        else:
+        self.max_processes = int(max_processes)
+        self.unprivileged = False  # the box runs as nobody under max_processes (set by _start_box)
+        self._set_launcher(unprivileged=False)
+        if backend == "none":
             self._bwrap = ""
             log.warning("rollout.tools.sandbox=none: tool code runs UNBOXED in a plain subprocess (rlimits and an "
                         "empty environment only): it can read and write your files and reach the network")
+            return
+        found = shutil.which(bwrap, path=os.environ.get("PATH")) if "/" not in bwrap else bwrap
+        self._bwrap = found or bwrap
+        self._start_box()
+
+    def _set_launcher(self, unprivileged: bool, use_prlimit: bool = True) -> None:
+        """util-linux's prlimit sets the limits and execs what follows: the trainer spawns with vfork, at a cost that
+        does not grow with its memory. Without prlimit, a preexec function sets them between fork and exec; a fork
+        copies the page tables of a trainer holding gigabytes (benchmarks/tool_sandbox.py measures both).
+        ``unprivileged``: setpriv drops root to nobody first, so that RLIMIT_NPROC (which root ignores) binds."""
+        limits = [*self._limits, *([(resource.RLIMIT_NPROC, self.max_processes)] if unprivileged else [])]
+        prlimit = shutil.which("prlimit", path=SAFE_PATH) if use_prlimit else None
+        self._prefix = [prlimit, *(f"--{_PRLIMIT[which]}={value}" for which, value in limits), "--"] if prlimit else []
+        self._preexec = None if prlimit else functools.partial(_set_limits, limits)
+        if unprivileged:
+            self._prefix += [shutil.which("setpriv", path=SAFE_PATH) or "setpriv", f"--reuid={NOBODY}",
+                             f"--regid={NOBODY}", "--clear-groups", "--"]
+        self.unprivileged = unprivileged
+
+    def _start_box(self) -> None:
+        """Probe the box (once per process and setting); as root, first as nobody under the process limit."""
+        if os.geteuid() == 0 and shutil.which("setpriv", path=SAFE_PATH):
+            self._set_launcher(unprivileged=True)
+            why = probe(tuple(self._prefix), self._bwrap, self.interpreter)
+            if why is None:
+                return
+            self._set_launcher(unprivileged=False)
+            if probe(tuple(self._prefix), self._bwrap, self.interpreter) is None:
+                log.warning("the tool-code sandbox runs as root, not as nobody (%s): a fork bomb is bounded by the "
+                            "timeout only, not by max_processes; give the tools an interpreter every user can read "
+                            "and allow unprivileged user namespaces", why)
+                return
+        why = probe(tuple(self._prefix), self._bwrap, self.interpreter)
+        if why is not None:
+            raise unavailable(why)
 
     def run(self, code: str) -> SandboxResult:
         """Run ``code`` as a script; every outcome is a result, never an exception."""
@@ -118,10 +153,6 @@ class Sandbox:
         except OSError as exc:  # no process: fork failed (EAGAIN, ENOMEM), too many open files, binary gone
             return SandboxResult("", f"sandbox failed to start: {exc}", None, False, False,
                                  time.monotonic() - start, "sandbox_failure")
-
-    def _set_limits(self) -> None:  # in the child, between fork and exec: plain setrlimit calls only
-        for which, value in self._limits:
-            resource.setrlimit(which, (value, value))
 
     def _run_bwrap(self, code: str, start: float) -> SandboxResult:
         fd = os.memfd_create("tool-code", os.MFD_CLOEXEC)
@@ -159,7 +190,7 @@ class Sandbox:
             kind: ResultKind = "timeout"
         elif truncated:
             kind = "truncated"
-        elif exit_code in (1, 127) and stderr.startswith(SETUP_FAILURE) and not out:
+        elif exit_code in (1, 126, 127) and stderr.startswith(SETUP_FAILURE) and not out:
             kind = "sandbox_failure"
         else:
             kind = "ok" if exit_code == 0 else "error"
@@ -195,6 +226,12 @@ class Sandbox:
                     if len(chunk) > room:
                         return bytes(bufs[proc.stdout.fileno()]), bytes(bufs[proc.stderr.fileno()]), False, True
         return bytes(bufs[proc.stdout.fileno()]), bytes(bufs[proc.stderr.fileno()]), False, False
+
+
+def _set_limits(limits: list[tuple[int, int]]) -> None:
+    """In the child, between fork and exec (where prlimit is missing): plain setrlimit calls only."""
+    for which, value in limits:
+        resource.setrlimit(which, (value, value))
 
 
 def _exited(pid: int) -> bool:
