@@ -66,6 +66,19 @@ def test_ordinary_code_runs_with_its_own_stdout_stderr_and_exit_code(box):
     assert (r.stdout, r.stderr, r.exit_code, r.timed_out, r.truncated, r.kind) == ("out\n", "err\n", 3, False, False,
                                                                                    "error")
     assert r.seconds > 0
+    big = "x = " + repr("y" * 300_000) + "\nprint(len(x))"  # past the kernel's 128 KiB limit on one argument
+    assert box.run(big).stdout == "300000\n"
+
+
+@pytest.mark.parametrize("backend", ["bwrap", "none"])
+def test_code_that_closes_its_output_still_gets_its_time_and_no_more(box, unboxed, backend):
+    sandbox = box if backend == "bwrap" else unboxed
+    r = sandbox.run("import os, sys\nos.close(1)\nos.close(2)\nwhile True:\n    pass")
+    assert (r.kind, r.exit_code, r.timed_out) == ("timeout", None, True)
+    assert TIMEOUT_S <= r.seconds < TIMEOUT_S + SLACK_S
+    r = sandbox.run("import os, time\nprint('bye', flush=True)\nos.close(1)\nos.close(2)\ntime.sleep(0.3)\n"
+                    "os._exit(3)")
+    assert (r.kind, r.exit_code, r.stdout) == ("error", 3, "bye\n")
 
 
 LIMITS = ("import resource as r\n"

@@ -225,6 +225,11 @@ class Sandbox:
                     total += min(len(chunk), room)
                     if len(chunk) > room:
                         return bytes(bufs[proc.stdout.fileno()]), bytes(bufs[proc.stderr.fileno()]), False, True
+        # both pipes are closed, but code that closed them itself may still run: it gets the rest of its time
+        while drain_until is None and not _exited(proc.pid):
+            if time.monotonic() >= deadline:
+                return bytes(bufs[proc.stdout.fileno()]), bytes(bufs[proc.stderr.fileno()]), True, False
+            time.sleep(0.01)
         return bytes(bufs[proc.stdout.fileno()]), bytes(bufs[proc.stderr.fileno()]), False, False
 
 
