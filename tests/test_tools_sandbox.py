@@ -479,6 +479,19 @@ def world_readable_dir():
     shutil.rmtree(path)
 
 
+def test_an_interpreter_that_cannot_serve_is_refused_in_one_line_naming_the_setting(tmp_path, monkeypatch):
+    with pytest.raises(SandboxUnavailable, match="rollout.tools.python") as missing:
+        Sandbox(python="python3.0-not-here")
+    home = tmp_path / "home"  # an interpreter installed with its prefix at a home directory the run works in
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(home)], check=True)
+    (home / "project").mkdir()
+    monkeypatch.chdir(home / "project")
+    with pytest.raises(SandboxUnavailable, match="holds the working directory") as exposing:
+        Sandbox(python=str(home / "bin" / "python"), backend="none")
+    for exc in (missing, exposing):
+        assert "\n" not in str(exc.value) and "rollout.tools.python" in str(exc.value)
+
+
 def test_a_box_that_fails_to_start_at_a_call_is_a_result_not_a_crash(box, world_readable_dir):
     broken = Sandbox(timeout_s=TIMEOUT_S, memory_mb=256)
     fake = world_readable_dir / "bwrap"

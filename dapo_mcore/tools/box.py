@@ -83,8 +83,9 @@ def interpreter(python: str) -> Interpreter:
             return _interpreters[python]
     found = shutil.which(python, path=SAFE_PATH) if "/" not in python else python
     if found is None or not os.access(found, os.X_OK):
-        raise SandboxUnavailable(f"tool interpreter {python!r} not found (looked on {SAFE_PATH}): give the path of a "
-                                 "Python with the packages tool code imports (numpy, sympy, ...)")
+        raise SandboxUnavailable(f"tool interpreter {python!r} not found (looked on {SAFE_PATH}): set "
+                                 "rollout.tools.python to the path of a Python with the packages tool code imports "
+                                 "(numpy, sympy, ...)")
     query = ("import json, os, sys; print(json.dumps([sys.prefix, sys.base_prefix, sys.exec_prefix, "
              "sys.base_exec_prefix, os.path.dirname(os.path.realpath(sys.executable))]))")
     try:
@@ -92,15 +93,15 @@ def interpreter(python: str) -> Interpreter:
                              capture_output=True, text=True, timeout=60, check=True).stdout
         dirs = [os.path.realpath(p) for p in json.loads(out)]
     except (OSError, subprocess.SubprocessError, ValueError) as exc:
-        raise SandboxUnavailable(f"tool interpreter {found}: cannot run it ({str(exc).splitlines()[0]}): give the "
-                                 "path of a working Python") from None
+        raise SandboxUnavailable(f"tool interpreter {found}: cannot run it ({str(exc).splitlines()[0]}): set "
+                                 "rollout.tools.python to the path of a working Python") from None
     here = os.path.realpath(os.getcwd())
     binds: list[str] = []
     for d in sorted(set(dirs), key=len):
         if d == "/" or _under(here, d):
             raise SandboxUnavailable(f"tool interpreter {found}: its prefix {d} holds the working directory {here}, "
                                      "which the box must not see: give the tools an environment of their own "
-                                     "(python3 -m venv /opt/tool-env)")
+                                     "(python3 -m venv /opt/tool-env) and set rollout.tools.python to it")
         if not any(_under(d, s) for s in SYSTEM_DIRS) and not any(_under(d, b) for b in binds):
             binds.append(d)
     found_interpreter = Interpreter(path=found, binds=tuple(binds))
