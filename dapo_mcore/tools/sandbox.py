@@ -6,10 +6,11 @@ child left behind or a box that fails to start comes back as a :class:`SandboxRe
 each call has its own process, pipes and box.
 
 Per call: rlimits set in the child before bubblewrap starts (address space = ``memory_mb``, CPU seconds, file size,
-open files, no core dumps), stdin is /dev/null, stdout and stderr are read as they come and the box is killed once
-together they pass ``max_output_bytes`` or the wall time passes ``timeout_s``. The launcher is a session of its own
-and the box a pid namespace that dies with it, so killing the launcher's process group leaves nothing behind.
-``docs/tools.md`` is the security model (what is isolated and what is not).
+open files, no core dumps; where the trainer is root, the box runs as nobody under ``max_processes`` too), stdin is
+/dev/null, stdout and stderr are read as they come and the box is killed once together they pass
+``max_output_bytes`` or the wall time passes ``timeout_s``. The launcher is a session of its own and the box a pid
+namespace that dies with it, so killing the launcher's process group leaves nothing behind. ``docs/tools.md`` is the
+security model (what is isolated and what is not).
 """
 
 from __future__ import annotations
