@@ -23,6 +23,7 @@ import textwrap
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -241,6 +242,18 @@ def test_a_fork_bomb_stops_at_the_process_limit(box):
     n, why = r.stdout.split(" ", 1)
     assert int(n) < 24 and why.strip() == "Resource temporarily unavailable", r
     _fine_after(limited)
+
+
+def test_the_process_limit_is_per_box_not_shared_by_boxes_running_at_once(box):
+    """The limit counts one box's processes: 16 boxes at once, each near its limit of 8, all run."""
+    if not box.unprivileged:
+        pytest.skip("the process limit binds where the trainer runs as root (the box then runs as nobody)")
+    limited = Sandbox(timeout_s=10, memory_mb=256, max_processes=8)
+    code = ("import os, time\nfor _ in range(4):\n    if os.fork() == 0:\n        time.sleep(1)\n        os._exit(0)\n"
+            "print('ok')")  # 7 processes with the launcher's two
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda _: limited.run(code), range(16)))
+    assert [(r.kind, r.stdout) for r in results] == [("ok", "ok\n")] * 16, [r for r in results if r.kind != "ok"][:2]
 
 
 def test_as_root_a_box_nobody_can_run_falls_back_to_root_with_a_warning(box, caplog):

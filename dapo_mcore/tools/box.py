@@ -134,8 +134,9 @@ def features(bwrap: str) -> frozenset[str]:
     return found
 
 
-def bwrap_argv(bwrap: str, interp: Interpreter, code_fd: int) -> list[str]:
-    """The bubblewrap command line that runs ``/box/main.py`` (read from ``code_fd``) under ``interp``."""
+def bwrap_argv(bwrap: str, interp: Interpreter, code_fd: int, inner: tuple[str, ...] = ()) -> list[str]:
+    """The bubblewrap command line that runs ``/box/main.py`` (read from ``code_fd``) under ``interp``, through
+    ``inner`` inside the box (the box's own process limit)."""
     has = features(bwrap)
     argv = [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--hostname", "sandbox"]
     if "--disable-userns" in has:  # no user namespace of its own inside: less kernel surface to attack
@@ -158,24 +159,24 @@ def bwrap_argv(bwrap: str, interp: Interpreter, code_fd: int) -> list[str]:
              *size, "--tmpfs", "/tmp", *size, "--tmpfs", BOX_DIR, "--file", str(code_fd), f"{BOX_DIR}/main.py"]
     for d in interp.binds:  # after the tmpfs: an interpreter kept under /tmp stays visible
         argv += ["--ro-bind", d, d]
-    argv += ["--remount-ro", "/", "--chdir", BOX_DIR, "--", interp.path, "-I", "-B", f"{BOX_DIR}/main.py"]
+    argv += ["--remount-ro", "/", "--chdir", BOX_DIR, "--", *inner, interp.path, "-I", "-B", f"{BOX_DIR}/main.py"]
     return argv
 
 
-def probe(launcher: tuple[str, ...], bwrap: str, interp: Interpreter) -> str | None:
-    """None when a box runs here through ``launcher`` (the commands before bubblewrap: prlimit, setpriv; cached per
-    launcher, binary and interpreter), else the reason in one line."""
-    key = (launcher, bwrap, interp.path)
+def probe(launcher: tuple[str, ...], bwrap: str, interp: Interpreter, inner: tuple[str, ...] = ()) -> str | None:
+    """None when a box runs here through ``launcher`` (the commands before bubblewrap: prlimit, setpriv) and
+    ``inner`` (inside it; cached per launcher, binary, interpreter and inner), else the reason in one line."""
+    key = (launcher, bwrap, interp.path, inner)
     with _lock:
         if key in _probes:
             return _probes[key]
-    reason = _probe_once(launcher, bwrap, interp)
+    reason = _probe_once(launcher, bwrap, interp, inner)
     with _lock:
         _probes[key] = reason
     return reason
 
 
-def _probe_once(launcher: tuple[str, ...], bwrap: str, interp: Interpreter) -> str | None:
+def _probe_once(launcher: tuple[str, ...], bwrap: str, interp: Interpreter, inner: tuple[str, ...]) -> str | None:
     found = shutil.which(bwrap, path=SAFE_PATH) if "/" not in bwrap else bwrap
     if found is None or not Path(found).is_file():
         return f"bubblewrap ({bwrap}) is not installed"
@@ -184,7 +185,7 @@ def _probe_once(launcher: tuple[str, ...], bwrap: str, interp: Interpreter) -> s
         os.write(write, b"print('box')\n")
         os.close(write)
         write = -1
-        proc = subprocess.run([*launcher, *bwrap_argv(found, interp, read)], env=box_env("/"),
+        proc = subprocess.run([*launcher, *bwrap_argv(found, interp, read, inner)], env=box_env("/"),
                               stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60, pass_fds=(read,))
     except (OSError, subprocess.SubprocessError) as exc:
         return f"{found} did not run: {exc}"

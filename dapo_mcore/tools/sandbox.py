@@ -48,6 +48,10 @@ _PRLIMIT = {resource.RLIMIT_AS: "as", resource.RLIMIT_CPU: "cpu", resource.RLIMI
             resource.RLIMIT_NOFILE: "nofile", resource.RLIMIT_CORE: "core", resource.RLIMIT_NPROC: "nproc"}
 NOBODY = 65534
 """The uid and gid a box runs as when the trainer is root."""
+ALL_BOXES_PROCESSES = 4096
+"""Where boxes run as nobody: the most processes of nobody on the node, all boxes together (each box: at most
+``max_processes``). The kernel counts a box's processes against both: its own user namespace's count, and every
+process of nobody on the node."""
 DRAIN_S = 0.5
 """After the code's process exits, how long its pipes may stay open (a child of an unboxed run holding them)."""
 
@@ -117,21 +121,24 @@ class Sandbox:
         """util-linux's prlimit sets the limits and execs what follows: the trainer spawns with vfork, at a cost that
         does not grow with its memory. Without prlimit, a preexec function sets them between fork and exec; a fork
         copies the page tables of a trainer holding gigabytes (benchmarks/tool_sandbox.py measures both).
-        ``unprivileged``: setpriv drops root to nobody first, so that RLIMIT_NPROC (which root ignores) binds."""
-        limits = [*self._limits, *([(resource.RLIMIT_NPROC, self.max_processes)] if unprivileged else [])]
+        ``unprivileged``: setpriv drops root to nobody first, so that RLIMIT_NPROC (which root ignores) binds: the
+        launcher gets the node-wide limit of all boxes, and prlimit inside the box lowers it to ``max_processes``."""
+        limits = [*self._limits, *([(resource.RLIMIT_NPROC, ALL_BOXES_PROCESSES)] if unprivileged else [])]
         prlimit = shutil.which("prlimit", path=SAFE_PATH) if use_prlimit else None
         self._prefix = [prlimit, *(f"--{_PRLIMIT[which]}={value}" for which, value in limits), "--"] if prlimit else []
         self._preexec = None if prlimit else functools.partial(_set_limits, limits)
+        self._inner: tuple[str, ...] = ()
         if unprivileged:
             self._prefix += [shutil.which("setpriv", path=SAFE_PATH) or "setpriv", f"--reuid={NOBODY}",
                              f"--regid={NOBODY}", "--clear-groups", "--"]
+            self._inner = (shutil.which("prlimit", path=SAFE_PATH) or "prlimit", f"--nproc={self.max_processes}", "--")
         self.unprivileged = unprivileged
 
     def _start_box(self) -> None:
         """Probe the box (once per process and setting); as root, first as nobody under the process limit."""
-        if os.geteuid() == 0 and shutil.which("setpriv", path=SAFE_PATH):
+        if os.geteuid() == 0 and shutil.which("setpriv", path=SAFE_PATH) and shutil.which("prlimit", path=SAFE_PATH):
             self._set_launcher(unprivileged=True)
-            why = probe(tuple(self._prefix), self._bwrap, self.interpreter)
+            why = probe(tuple(self._prefix), self._bwrap, self.interpreter, self._inner)
             if why is None:
                 return
             self._set_launcher(unprivileged=False)
@@ -160,7 +167,7 @@ class Sandbox:
         try:
             os.write(fd, code.encode("utf-8", errors="replace"))
             os.lseek(fd, 0, os.SEEK_SET)
-            proc = subprocess.Popen([*self._prefix, *bwrap_argv(self._bwrap, self.interpreter, fd)],
+            proc = subprocess.Popen([*self._prefix, *bwrap_argv(self._bwrap, self.interpreter, fd, self._inner)],
                                     env=box_env("/"), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, start_new_session=True, preexec_fn=self._preexec,
                                     pass_fds=(fd,))
