@@ -469,7 +469,7 @@ def test_the_python_tool_runs_a_fenced_block_in_the_box(box):
     assert (out.text, out.kind, out.errored) == ("partial\nValueError: bad input", "error", True)
 
 
-def test_where_bubblewrap_cannot_run_the_refusal_is_one_line_naming_the_unboxed_setting(tmp_path):
+def test_where_bubblewrap_cannot_run_the_refusal_is_one_line_naming_the_unboxed_setting(tmp_path, capsys):
     with pytest.raises(SandboxUnavailable) as missing:
         Sandbox(bwrap=str(tmp_path / "no-bwrap"))
     fake = tmp_path / "bwrap"  # fails as bubblewrap does where user namespaces are off
@@ -481,6 +481,13 @@ def test_where_bubblewrap_cannot_run_the_refusal_is_one_line_naming_the_unboxed_
     for exc, why in [(missing, "is not installed"), (no_userns, "No permissions to creating new namespace")]:
         line = str(exc.value)
         assert "\n" not in line and why in line and "rollout.tools.sandbox=none" in line
+    # through the CLI's guard: one line on stderr, exit 2, no traceback
+    from dapo_mcore.cli import _guard
+    from dapo_mcore.errors import EXIT_USAGE
+
+    assert _guard(lambda: Sandbox(bwrap=str(fake)) and 0) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "rollout.tools.sandbox=none" in err and "Traceback" not in err
 
 
 @pytest.fixture
