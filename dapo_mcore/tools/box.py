@@ -42,9 +42,10 @@ SETUP_FAILURE = ("bwrap: ", "prlimit: ", "setpriv: ")
 126/127 when the command they should run cannot be run or is missing)."""
 
 
-class SandboxUnavailable(UserError):
+class SandboxUnavailable(UserError, ValueError):
     """The code sandbox cannot start here (no bubblewrap, no user namespaces, no interpreter); the message says the
-    fix and names the setting that runs tool code unboxed."""
+    fix and names the setting that runs tool code unboxed. A ValueError too, like the config's own errors, so a
+    config check that turns ValueErrors into configuration errors takes it as one."""
 
 
 def box_env(home: str) -> dict[str, str]:
