@@ -508,7 +508,13 @@ def test_an_interpreter_that_cannot_serve_is_refused_in_one_line_naming_the_sett
     monkeypatch.chdir(home / "project")
     with pytest.raises(SandboxUnavailable, match="holds the working directory") as exposing:
         Sandbox(python=str(home / "bin" / "python"), backend="none")
-    for exc in (missing, exposing):
+    needs_env = tmp_path / "module-python"  # a cluster module's Python: libraries found through LD_LIBRARY_PATH only
+    needs_env.write_text("#!/bin/sh\necho 'python3: error while loading shared libraries: libpython3.12.so.1.0: "
+                         "cannot open shared object file' >&2\nexit 127\n")
+    needs_env.chmod(0o755)
+    with pytest.raises(SandboxUnavailable, match="empty environment .python3: error while loading") as loader:
+        Sandbox(python=str(needs_env))
+    for exc in (missing, exposing, loader):
         assert "\n" not in str(exc.value) and "rollout.tools.python" in str(exc.value)
 
 

@@ -94,8 +94,9 @@ def interpreter(python: str) -> Interpreter:
                              capture_output=True, text=True, timeout=60, check=True).stdout
         dirs = [os.path.realpath(p) for p in json.loads(out)]
     except (OSError, subprocess.SubprocessError, ValueError) as exc:
-        raise SandboxUnavailable(f"tool interpreter {found}: cannot run it ({str(exc).splitlines()[0]}): set "
-                                 "rollout.tools.python to the path of a working Python") from None
+        lines = [ln for ln in (getattr(exc, "stderr", None) or str(exc)).splitlines() if ln.strip()]
+        raise SandboxUnavailable(f"tool interpreter {found}: cannot run it in an empty environment ({lines[-1]}): "
+                                 "set rollout.tools.python to the path of a working Python") from None
     here = os.path.realpath(os.getcwd())
     binds: list[str] = []
     for d in sorted(set(dirs), key=len):
