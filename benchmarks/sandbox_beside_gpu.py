@@ -24,7 +24,7 @@ import torch
 
 from dapo_mcore.tools import Sandbox
 
-GUARD = ("import os, signal\nif os.getpid() != 2:\n    raise SystemExit('not in a pid namespace: no attack')\n"
+GUARD = ("import os, signal\nif os.getpid() != 1:\n    raise SystemExit('not in a pid namespace: no attack')\n"
          "print('attacking', flush=True)\n")
 
 

@@ -1,7 +1,7 @@
 """The code sandbox against hostile code, as an attacker would write it: each attack is contained and the caller
 goes on. Where an attack would leak through a weaker box, the same check is also run unboxed (``backend="none"``) and
 must see the leak there: the check can fail. Attacks that could take the caller down (killing its parent, every
-process, its group) run in a child process of their own session, and only once the code has seen it is pid 2 of a
+process, its group) run in a child process of their own session, and only once the code has seen it is pid 1 of a
 pid namespace of its own (so a box without one attacks nothing).
 
 Needs bubblewrap with user namespaces (``.ci/run`` installs it): without it these tests skip, and in CI they fail.
@@ -272,6 +272,60 @@ def test_as_root_a_box_nobody_can_run_falls_back_to_root_with_a_warning(box, cap
         shutil.rmtree(private)
 
 
+REAPER = textwrap.dedent("""
+    import ctypes, json, os, sys, time
+    ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans of this process's children come here
+    from dapo_mcore.tools import Sandbox
+    box = Sandbox(timeout_s=1.5, memory_mb=256, max_output_bytes=4096)
+    codes = ["print(1)", "1 / 0", "while True:\\n    pass", "while True:\\n    print('x' * 999)",
+             "import os, time\\nfor _ in range(3):\\n    if os.fork() == 0:\\n        time.sleep(30)\\nprint(2)"]
+    kinds = [box.run(code).kind for code in codes for _ in range(2)]
+    time.sleep(0.5)
+    orphans = 0
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == 0:
+            break
+        orphans += 1
+    print(json.dumps({"kinds": kinds, "orphans": orphans}))
+""")
+
+
+def test_no_call_leaves_a_process_for_the_hosts_init_to_reap(box):
+    """A trainer that is a container's pid 1 reaps nothing it did not start itself: every process of a call must be
+    reaped by the call, whatever its end (a subreaper stands in for such a pid 1 and counts what comes to it)."""
+    proc = subprocess.run([sys.executable, "-c", REAPER], env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, start_new_session=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out["kinds"] == ["ok"] * 2 + ["error"] * 2 + ["timeout"] * 2 + ["truncated"] * 2 + ["ok"] * 2
+    assert out["orphans"] == 0
+
+
+def test_a_trainer_killed_during_a_call_leaves_no_box_behind(box):
+    """kill -9 of the caller while its box runs (with children of its own): the whole box dies with it."""
+    marker = f"dapo-box-orphaned-{uuid.uuid4().hex}"
+    code = _spawner(marker).replace('"0.2"', '"60"')
+    caller = subprocess.Popen([sys.executable, "-c", "import sys\nfrom dapo_mcore.tools import Sandbox\n"
+                               "Sandbox(timeout_s=60).run(sys.argv[1])", code],
+                              env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while len(_leftovers(marker)) < 20 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(_leftovers(marker)) >= 20, "the box did not start its children"
+    finally:
+        caller.kill()
+        caller.wait()
+    left = _gone(marker)
+    for pid in left:  # a failing box must not leave them running
+        os.kill(pid, signal.SIGKILL)
+    assert left == []
+
+
 def test_a_timed_out_box_leaves_nothing_behind(box):
     marker = f"dapo-box-hung-{uuid.uuid4().hex}"
     r = box.run(_spawner(marker).replace('"0.2"', '"60"'))
@@ -397,13 +451,13 @@ def test_the_trainers_environment_is_not_visible_in_the_box(box):
     out = _in_child(SNOOP, SECRET_API_KEY=secret)
     read, found = out["stdout"].split(" ", 1)
     assert found.strip() == "[]"
-    assert int(read) >= 2  # its own and the launcher's (pid 1 of the box): the scan did read them
+    assert int(read) >= 1  # the box's own processes (the launcher is outside its pid namespace): the scan read them
     # unboxed, the trainer's /proc is readable: the scan finds the key there, so the check above can fail
     out = _in_child(SNOOP, backend="none", SECRET_API_KEY=secret)
     assert "/environ" in out["stdout"].split(" ", 1)[1]
 
 
-NAMESPACED = "import os, signal\nif os.getpid() != 2:\n    raise SystemExit('not in a pid namespace: no attack')\n" \
+NAMESPACED = "import os, signal\nif os.getpid() != 1:\n    raise SystemExit('not in a pid namespace: no attack')\n" \
              "print('attacking', flush=True)\n"
 
 

@@ -136,11 +136,19 @@ def features(bwrap: str) -> frozenset[str]:
     return found
 
 
-def bwrap_argv(bwrap: str, interp: Interpreter, code_fd: int, inner: tuple[str, ...] = ()) -> list[str]:
+def bwrap_argv(bwrap: str, interp: Interpreter, code_fd: int, inner: tuple[str, ...] = (),
+               info_fd: int | None = None) -> list[str]:
     """The bubblewrap command line that runs ``/box/main.py`` (read from ``code_fd``) under ``interp``, through
-    ``inner`` inside the box (the box's own process limit)."""
+    ``inner`` inside the box (the box's own process limit); ``info_fd`` gets the box's host pid (``child-pid``).
+
+    The code is pid 1 of the box's pid namespace (``--as-pid-1``): bubblewrap's own reaper there would outlive the
+    launcher by a moment and be left to the host's init to reap (a trainer that is a container's pid 1 never would);
+    the launcher reaps the code itself."""
     has = features(bwrap)
-    argv = [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--hostname", "sandbox"]
+    argv = [bwrap, "--unshare-all", "--as-pid-1", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+            "--hostname", "sandbox"]
+    if info_fd is not None:
+        argv += ["--info-fd", str(info_fd)]
     if "--disable-userns" in has:  # no user namespace of its own inside: less kernel surface to attack
         argv += ["--unshare-user", "--disable-userns"]
     if "--clearenv" in has:

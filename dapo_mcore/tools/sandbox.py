@@ -16,6 +16,7 @@ security model (what is isolated and what is not).
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import math
 import os
@@ -26,6 +27,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -164,16 +166,24 @@ class Sandbox:
 
     def _run_bwrap(self, code: str, start: float) -> SandboxResult:
         fd = os.memfd_create("tool-code", os.MFD_CLOEXEC)
+        info_read, info_write = os.pipe()
         try:
             os.write(fd, code.encode("utf-8", errors="replace"))
             os.lseek(fd, 0, os.SEEK_SET)
-            proc = subprocess.Popen([*self._prefix, *bwrap_argv(self._bwrap, self.interpreter, fd, self._inner)],
-                                    env=box_env("/"), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, start_new_session=True, preexec_fn=self._preexec,
-                                    pass_fds=(fd,))
+            argv = bwrap_argv(self._bwrap, self.interpreter, fd, self._inner, info_fd=info_write)
+            proc = subprocess.Popen([*self._prefix, *argv], env=box_env("/"), stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                                    preexec_fn=self._preexec, pass_fds=(fd, info_write))
+        except BaseException:
+            os.close(info_read)
+            raise
         finally:
             os.close(fd)
-        return self._finish(proc, start)
+            os.close(info_write)
+        try:
+            return self._finish(proc, start, functools.partial(_kill_box, proc, info_read))
+        finally:
+            os.close(info_read)
 
     def _run_unboxed(self, code: str, start: float) -> SandboxResult:
         workdir = tempfile.mkdtemp(prefix="dapo-tool-")
@@ -187,10 +197,14 @@ class Sandbox:
         finally:
             shutil.rmtree(workdir, ignore_errors=True)  # the code may have made it unremovable: a temp dir, not data
 
-    def _finish(self, proc: subprocess.Popen, start: float) -> SandboxResult:
+    def _finish(self, proc: subprocess.Popen, start: float, kill_box: Callable[[], None] | None = None) -> SandboxResult:
+        stopped = True
         try:
             out, err, timed_out, truncated = self._collect(proc, start + self.timeout_s)
+            stopped = timed_out or truncated
         finally:
+            if stopped and kill_box is not None:
+                kill_box()
             _kill_group(proc)
         exit_code = None if timed_out else proc.returncode
         stderr = err.decode("utf-8", errors="replace")
@@ -251,6 +265,37 @@ def _exited(pid: int) -> bool:
     """Whether the launcher has exited, without reaping it (its pid, the group's id, stays reserved until then)."""
     info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     return info is not None
+
+
+def _kill_box(proc: subprocess.Popen, info_fd: int) -> None:
+    """Kill a running box through its pid 1 (the code; the namespace dies with it), so that its launcher reaps it and
+    exits: killing the launcher first would leave the box's pid 1 to the host's init to reap. The pid comes from
+    bubblewrap's ``--info-fd``; a pidfd, opened while the launcher (not yet reaped) is still its parent, makes the
+    kill reach that process and no other."""
+    os.set_blocking(info_fd, False)
+    try:
+        info = json.loads(os.read(info_fd, 65536) or b"{}")
+    except (BlockingIOError, ValueError):
+        return  # the box has not started (nothing written yet): the launcher's group kill is all there is to do
+    pid = info.get("child-pid")
+    if not isinstance(pid, int):
+        return
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return  # gone already
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            parent = int(f.read().rsplit(b")", 1)[1].split()[1])
+        if parent == proc.pid:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    except (OSError, ValueError, IndexError):
+        return  # exited while we looked: its launcher reaps it
+    finally:
+        os.close(pidfd)
+    deadline = time.monotonic() + 2.0
+    while not _exited(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
