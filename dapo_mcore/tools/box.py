@@ -69,7 +69,7 @@ class Interpreter:
 
 
 _interpreters: dict[str, Interpreter] = {}
-_probes: dict[tuple[str, str], str | None] = {}
+_probes: dict[tuple[tuple[str, ...], str, str, tuple[str, ...]], str | None] = {}
 _lock = threading.Lock()
 
 
@@ -87,6 +87,9 @@ def interpreter(python: str) -> Interpreter:
         raise SandboxUnavailable(f"tool interpreter {python!r} not found (looked on {SAFE_PATH}): set "
                                  "rollout.tools.python to the path of a Python with the packages tool code imports "
                                  "(numpy, sympy, ...)")
+    # its directory as the box sees it (bound at its real path): a relative path or a symlinked directory resolved,
+    # the file's own name kept (a venv's bin/python is a symlink that must stay the venv's)
+    found = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(found))), os.path.basename(found))
     query = ("import json, os, sys; print(json.dumps([sys.prefix, sys.base_prefix, sys.exec_prefix, "
              "sys.base_exec_prefix, os.path.dirname(os.path.realpath(sys.executable))]))")
     try:
