@@ -148,12 +148,13 @@ def main(argv: list[str] | None = None) -> int:
 def check_run_dir(cfg: Config) -> None:
     """The run-directory refusals of ``train`` (another run's directory, resume=never, not writable), writing
     nothing."""
-    from dapo_mcore.run.directory import check_writable, refuse_other_run
+    from dapo_mcore.run.directory import check_writable, refuse_non_run_overwrite, refuse_other_run
 
     run_dir = Path(cfg.run.dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run.dir={str(run_dir)!r} exists and is not a directory; choose another run.dir.")
     check_writable(run_dir, "run.dir")
+    refuse_non_run_overwrite(cfg)
     refuse_other_run(cfg)
 
 
