@@ -46,6 +46,8 @@ from dapo_mcore.weights.live import load_megatron_checkpoint_into_model, save_me
 log = logging.getLogger(__name__)
 
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
+_UNLISTED = (wckpt.MANIFEST_FILE, "COMPLETE")
+"""The files of a checkpoint its manifest does not list: the manifest, and the marker written after it."""
 
 
 def _rank() -> int:
@@ -278,6 +280,9 @@ def check_intact(ckpt: Path) -> list[str]:
     if manifest is not None:
         files = manifest["files"]
         mine = _share(sorted(files))
+        if _rank() == 0:  # a flipped bit in a name leaves a file the manifest does not cover
+            problems += [f"{ckpt / n}: not in the manifest" for n in wckpt.list_files(ckpt, exclude=_UNLISTED)
+                         if n not in files]
         problems += wckpt.verify_files(ckpt, files, mine)
         if not problems:  # bytes as saved: now the values (a NaN checkpoint has a valid manifest)
             problems += _nonfinite_files(ckpt, [n for n in mine if n.endswith(".safetensors")])
@@ -353,7 +358,8 @@ def load_checkpoint(ckpt: Path, actor, *, weights_only: bool = False) -> dict[st
     check_same_model(ckpt, actor)
     saved = wckpt.read_meta(ckpt / "model").layout
     manifest = wckpt.read_manifest(ckpt)
-    world = manifest["world_size"] if manifest else len(list((ckpt / "rng").glob("rank_*.pt")))
+    world = manifest.get("world_size") if manifest else None  # absent from older manifests
+    world = world or len(list((ckpt / "rng").glob("rank_*.pt")))
     live = (actor.s.tensor_parallel, actor.s.pipeline_parallel, len(actor.chunks))
     same_layout = (saved.tp, saved.pp, saved.vpp) == live and world == _world()
     optim_dir = ckpt / "optim"

@@ -180,17 +180,49 @@ def write_manifest(root: str | Path, digests: dict[str, dict[str, Any]], **extra
 
 
 def read_manifest(root: str | Path) -> dict[str, Any] | None:
-    """The manifest of `root`, or None if it has none; CheckpointError if it is unreadable."""
+    """The manifest of `root`, or None if it has none; CheckpointError if it is unreadable or malformed (a flipped
+    bit in a key, an entry that is not a size and a checksum): a damaged manifest is a damaged checkpoint."""
     path = Path(root) / MANIFEST_FILE
     if not path.exists():
         return None
     try:
         body = json.loads(path.read_text())
-        if not isinstance(body.get("files"), dict):
+        if not isinstance(body, dict) or not isinstance(body.get("files"), dict):
             raise ValueError("no 'files' table")
+        problem = table_problem(body["files"])
+        if problem is None and "world_size" in body and not _positive_int(body["world_size"]):
+            problem = f"world_size {body['world_size']!r} is not a positive integer"
+        if problem is not None:
+            raise ValueError(problem)
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{path} is unreadable ({err})") from err
     return body
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _size_of(entry: Any) -> int | None:
+    size = entry.get("size") if isinstance(entry, dict) else None
+    return size if isinstance(size, int) and not isinstance(size, bool) and size >= 0 else None
+
+
+def _algo_of(entry: Any) -> str | None:
+    return next((a for a in HASHES if isinstance(entry, dict) and isinstance(entry.get(a), str)), None)
+
+
+def table_problem(files: Any) -> str | None:
+    """What is wrong with a checksum table ({relative path: {"size": bytes, algo: hex}}), or None: every entry must
+    hold a size and a known checksum, so that checking files against it never meets a missing key."""
+    if not isinstance(files, dict):
+        return "its file table is not a mapping"
+    for name, want in files.items():
+        if _size_of(want) is None:
+            return f"entry {name!r} holds no size"
+        if _algo_of(want) is None:
+            return f"entry {name!r} holds no {' or '.join(HASHES)} checksum"
+    return None
 
 
 def verify_files(root: str | Path, files: dict[str, dict[str, Any]], names: list[str] | None = None) -> list[str]:
@@ -201,6 +233,9 @@ def verify_files(root: str | Path, files: dict[str, dict[str, Any]], names: list
     """
     root = Path(root)
     problems = []
+    malformed = table_problem(files)
+    if malformed is not None:
+        return [f"{root}: the checksum table is malformed ({malformed})"]
     for name in files if names is None else names:
         want, path = files[name], root / name
         try:
@@ -209,10 +244,8 @@ def verify_files(root: str | Path, files: dict[str, dict[str, Any]], names: list
                 cut = " (truncated)" if size < want["size"] else ""
                 problems.append(f"{path}: {size} bytes, the manifest says {want['size']}{cut}")
                 continue
-            algo = next((a for a in HASHES if a in want), None)
-            if algo is None:
-                problems.append(f"{path}: the manifest holds no known checksum ({', '.join(HASHES)})")
-            elif file_digest(path, algo)[algo] != want[algo]:
+            algo = _algo_of(want)
+            if file_digest(path, algo)[algo] != want[algo]:
                 problems.append(f"{path}: {algo} differs from the manifest (corrupt bytes)")
         except FileNotFoundError:
             problems.append(f"{path}: missing")
