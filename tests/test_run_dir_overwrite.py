@@ -1,4 +1,4 @@
-"""run.overwrite deletes only a run, never a directory that holds none, and an empty run.dir is refused."""
+"""run.overwrite deletes only a run, never a directory that holds none; an empty run.dir and a seed train cannot take are refused by config."""
 
 from __future__ import annotations
 
@@ -55,3 +55,10 @@ def test_config_command_refuses_an_empty_run_dir_in_one_line(tmp_path):
                          cwd=Path(__file__).resolve().parents[1])
     assert out.returncode == 2, out.stderr
     assert "run.dir is empty" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("seed", [2**63, 2**31, -1])
+def test_a_seed_train_cannot_take_is_refused_by_config(seed):
+    cfg = load_config(None, ["model.tiny_base=true", f"train.seed={seed}"])
+    with pytest.raises(ConfigError, match="train.seed"):
+        cfg.validate()

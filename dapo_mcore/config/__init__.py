@@ -196,7 +196,8 @@ class TrainConfig:
     micro_batch_tokens: int = 16384
     """Token budget of one micro-batch per rank (prompt + response tokens)."""
     seed: int = 1234
-    """Seed of model init, sampling and data order."""
+    """Seed of model init, sampling and data order: 0 .. 2**31 - 1 (torch, Megatron's per-rank offsets and the
+    engines' seeds all take it)."""
 
 
 @dataclass
