@@ -1,4 +1,5 @@
-"""run.overwrite deletes only a run, never a directory that holds none; an empty run.dir and a seed train cannot take are refused by config."""
+"""run.overwrite deletes only a run, never a directory that holds none; an empty run.dir and a seed that train
+cannot take are refused by config."""
 
 from __future__ import annotations
 
