@@ -249,5 +249,6 @@ def save_megatron_checkpoint(model_chunks: list, directory: str | Path, hf_confi
     if dist.get_rank() == 0:
         os.replace(tmp, target)
     dist.barrier()
+    ckpt.note_moved(tmp, target)
     # DEBUG: the trainer writes into a step_*.partial directory and logs the final name itself.
     log.debug("wrote model files to %s (tp=%d pp=%d vpp=%d)", target, layout.tp, layout.pp, layout.vpp)
