@@ -75,9 +75,9 @@ def main() -> None:
             t.setdefault("save_new", []).append(best(lambda: _save_checked(tensors, path, root), 1))
             files = _save_checked(tensors, path, root)
             t.setdefault("load", []).append(best(lambda: [x.clone() for x in load_file(os.fspath(path)).values()], 1))
-            t.setdefault("load_old", []).append(best(lambda: (wckpt.verify_files(root, files), [
+            t.setdefault("load_old", []).append(best(lambda f=files: (wckpt.verify_files(root, f), [
                 x.clone() for x in load_file(os.fspath(path)).values()]), 1))
-            t.setdefault("load_new", []).append(best(lambda: _load_checked(root, files), 1))
+            t.setdefault("load_new", []).append(best(lambda f=files: _load_checked(root, f), 1))
         size = path.stat().st_size
     t = {k: min(v) for k, v in t.items()}
     gb = size / 1e9
