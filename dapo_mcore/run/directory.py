@@ -29,6 +29,9 @@ _IDENTITY_SECTIONS = ("model", "algo", "data", "rollout", "train", "optim", "tin
 _NOT_IDENTITY = ("train.steps", "train.micro_batch_tokens", "model.layer_spec", "model.make_vocab_size_divisible_by",
                  "model.vocab_padding", "model.recompute", "rollout.vllm", "optim.skip_nonfinite_updates", "rollout.pipeline.engine_ranks",
                  "rollout.pipeline.bucket_mb",
+                 # how many rounds a step may take before it gives up: raising it continues the same trajectory
+                 # (the fix dynamic sampling's exhaustion names)
+                 "algo.max_gen_batches",
                  # a name only: the switches it sets are recorded beside it, and those are compared
                  "rollout.schedule.preset")
 
