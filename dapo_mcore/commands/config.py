@@ -65,7 +65,10 @@ def precheck(config_path: str, overrides: list[str], world_size: int | None = No
             sys.stderr.write(f"warning: {note}\n")
     cfg.validate(world_size or world_size_from_env(), check_files=check_files)
     ignored = ignored_async_keys(cfg)
-    if warn and ignored and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+    main_rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+    for advice in cfg.algo.advisories() if warn and main_rank else []:
+        log.warning("%s", advice)
+    if warn and ignored and main_rank:
         log.warning("%s only apply to rollout.pipeline.mode=async; this config is sync, so they are ignored (set "
                     "rollout.pipeline.mode=async, or remove them)", ", ".join(ignored))
     return cfg

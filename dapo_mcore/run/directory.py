@@ -33,7 +33,7 @@ _NOT_IDENTITY = ("train.steps", "train.micro_batch_tokens", "model.layer_spec", 
                  # (the fix dynamic sampling's exhaustion names)
                  "algo.max_gen_batches",
                  # a name only: the switches it sets are recorded beside it, and those are compared
-                 "rollout.schedule.preset")
+                 "rollout.schedule.preset", "algo.preset")
 
 # What a run writes at the top of its directory: run.overwrite deletes these and nothing else.
 RUN_ENTRIES = ("config.yaml", "config.yaml.tmp", "metrics.jsonl", "ledger.jsonl", "tensorboard", "rollouts.zarr",
