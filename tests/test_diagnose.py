@@ -283,3 +283,14 @@ def test_an_async_run_is_judged_by_what_it_set():
     sync = " ".join(x.advice for x in diagnose(Run(with_series(healthy(), keys.MISMATCH_LOGP_ABS_DIFF_MEAN,
                                                                     lambda s, f: 1e-4 * 10 ** (3 * f)), CFG)).findings)
     assert "engine dtype" in sync and "algo.tis_cap (or" in sync  # a sync run without a correction: as before
+
+
+def test_one_clipped_grad_norm_spike_is_a_note_and_a_repeated_or_unclipped_one_a_warning():
+    one = with_series(healthy(), keys.TRAIN_GRAD_NORM, lambda s, f: 6.75 if s == 21 else 1.0 + 0.2 * math.sin(s))
+    clipped = {**CFG, "optim": {**CFG["optim"], "grad_clip": 1.0}}
+    (f,) = findings(one, clipped)["spikes"]
+    assert f.level == "info" and "clipped to optim.grad_clip=1" in f.message
+    assert findings(one, {**CFG, "optim": {**CFG["optim"], "grad_clip": 0.0}})["spikes"][0].level == "warn"
+    twice = with_series(healthy(), keys.TRAIN_GRAD_NORM,
+                        lambda s, f: 6.75 if s in (21, 30) else 1.0 + 0.2 * math.sin(s))
+    assert findings(twice, clipped)["spikes"][0].level == "warn"
