@@ -36,3 +36,14 @@ def test_preemption_signals_ask_for_a_requeue_and_a_later_ctrl_c_keeps_that_exit
             signals._handle(signal.SIGINT, None)
     finally:
         signals.restore()
+
+
+def test_the_engine_ranks_ignore_every_signal_the_trainer_answers():
+    # SIGHUP killed the async engine ranks (exit 129, no checkpoint) while the trainer checkpointed for it
+    from dapo_mcore.rollout.pipeline.async_engines import IGNORED_SIGNALS
+
+    signals = _Signals()
+    try:
+        assert set(IGNORED_SIGNALS) == set(signals._previous) and signal.SIGHUP in IGNORED_SIGNALS
+    finally:
+        signals.restore()
