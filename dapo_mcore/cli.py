@@ -231,12 +231,20 @@ def peer_lost(exc: BaseException) -> bool:
     return any(s in text for s in _PEER_LOST)
 
 
+def clip_words(text: str, limit: int) -> str:
+    """`text` cut to at most `limit` characters at a word boundary, with "..." where it was cut (never mid-word)."""
+    if len(text) <= limit:
+        return text
+    cut = text[:limit - 3]
+    return (cut.rsplit(" ", 1)[0] if " " in cut else cut).rstrip(" ,;:") + "..."
+
+
 def lost_peer_line(exc: BaseException, run_dir: Path, command: str) -> str:
     """One line: another rank died, what this rank saw, and the checkpoint the same command resumes from."""
     from dapo_mcore.actor.checkpoint import latest_complete
 
     seen = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    seen = seen.split("] ", 1)[-1][:160]  # gloo prefixes its source location
+    seen = clip_words(seen.split("] ", 1)[-1], 160)  # gloo prefixes its source location
     if command != "train":
         return f"another rank of the job stopped ({seen}); this rank stops too. Check the other ranks' logs"
     latest = latest_complete(run_dir / "checkpoints")

@@ -112,13 +112,18 @@ class RankWatch:
                         os.killpg(group, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     continue
-        name = signal.Signals(signum).name if signum in signal.Signals._value2member_map_ else f"signal {signum}"
-        after = ("the same command resumes the run from its last checkpoint" if self.command == "train"
-                 else "run the same command again")
-        print(f"dapo-mcore: rank {self._ranks.get(pid, '?')} died of {name} (exit {self.code}); the other ranks were "
-              f"stopped. Its log above may say why ({'out of memory: see the kernel log' if signum == 9 else 'a crash'}"
-              f"); {after}", file=sys.stderr, flush=True)
+        print(dead_rank_line(self._ranks.get(pid, "?"), signum, self.command), file=sys.stderr, flush=True)
         return self.code
+
+
+def dead_rank_line(rank: object, signum: int, command: str) -> str:
+    """The launcher's one line for a rank that died of signal `signum` (the others' lines only say a peer left)."""
+    name = signal.Signals(signum).name if signum in signal.Signals._value2member_map_ else f"signal {signum}"
+    after = ("the same command resumes the run from its last checkpoint" if command == "train"
+             else "run the same command again")
+    why = "out of memory: see the kernel log" if signum == 9 else "a crash"
+    return (f"dapo-mcore: rank {rank} died of {name} (exit {128 + signum}); the other ranks were stopped. Its log "
+            f"above may say why ({why}); {after}")
 
 
 def _killed_by(pid: int) -> int | None:
@@ -215,8 +220,12 @@ def launch(command: str, nproc: int, config: str, overrides: list[str], extra: l
             elastic_launch(launch_config, cmd)(*cmd_args)
         code = 0
     except ChildFailedError as exc:
-        _, failure = exc.get_first_failure()
+        rank, failure = exc.get_first_failure()
         code = watch.code if watch.code is not None else exit_code_of(failure.exitcode)
+        if watch.code is None and failure.exitcode < 0 and -failure.exitcode not in FORWARDED:
+            # torch reaped the dead rank before the watch looked: name it from torch's record, as the watch would
+            watch.code = code
+            print(dead_rank_line(rank, -failure.exitcode, command), file=sys.stderr, flush=True)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
