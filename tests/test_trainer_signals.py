@@ -47,3 +47,16 @@ def test_the_engine_ranks_ignore_every_signal_the_trainer_answers():
         assert set(IGNORED_SIGNALS) == set(signals._previous) and signal.SIGHUP in IGNORED_SIGNALS
     finally:
         signals.restore()
+
+
+def test_a_stop_during_the_last_step_announces_exit_0_not_75(caplog):
+    import logging
+
+    signals = _Signals()
+    try:
+        signals.last_step = True
+        with caplog.at_level(logging.WARNING):
+            signals._handle(signal.SIGTERM, None)
+        assert "exit 0" in caplog.text and "exit 75" not in caplog.text
+    finally:
+        signals.restore()
