@@ -18,9 +18,39 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from dapo_mcore import __version__
-from dapo_mcore.config.tree import ConfigError
-from dapo_mcore.errors import EXIT_USAGE, UserError, describe_os_error
+
+def _report_line(line: str) -> None:
+    """Print a user error's one line; a rank under `dapo_mcore.commands.launcher` hands it to the launcher instead, which
+    prints each distinct line once (not once per rank)."""
+    error_dir = os.environ.get("DAPO_MCORE_ERROR_DIR")
+    if error_dir and "RANK" in os.environ:
+        try:
+            Path(error_dir, f"rank{int(os.environ['RANK'])}").write_text(line + "\n")
+            return
+        except OSError:
+            pass  # the launcher's directory is gone: print it here instead, nothing is lost
+    print(line, file=sys.stderr)
+
+
+def _arm_before_imports(argv: list[str]) -> None:
+    """``train`` (a rank, or a lone process; not the --nproc-per-node launcher, which forwards signals itself): the
+    start-up watcher (``signals.startup``) is armed before the modules below are imported (seconds: pyarrow, then
+    torch), so a stop signal in those seconds is one line and the requeue code (75; Ctrl-C 130), not a silent 143
+    or a traceback through an import, and a Slurm pre-emption then is requeued."""
+    args = argv[1:] if argv[:1] == ["--debug"] else argv
+    if args[:1] == ["train"] and "--nproc-per-node" not in args and not any(a.startswith("--nproc-per-node=")
+                                                                          for a in args):
+        from dapo_mcore.signals import startup
+
+        startup.arm(_report_line)
+
+
+if Path(sys.argv[0]).name in ("dapo-mcore", "cli.py"):  # the command itself, not a test importing this module
+    _arm_before_imports(sys.argv[1:])
+
+from dapo_mcore import __version__  # noqa: E402
+from dapo_mcore.config.tree import ConfigError  # noqa: E402
+from dapo_mcore.errors import EXIT_USAGE, UserError, describe_os_error  # noqa: E402
 
 # name -> (module, function, one-line help). Delegated commands parse their own arguments.
 _DELEGATED: dict[str, tuple[str, str, str]] = {
@@ -363,19 +393,6 @@ def _guard(fn: Callable[[], int], debug: bool = False) -> int:
         traceback.print_exception(error)
     _report_line(f"dapo-mcore: {message}")
     return EXIT_USAGE
-
-
-def _report_line(line: str) -> None:
-    """Print a user error's one line; a rank under `dapo_mcore.commands.launcher` hands it to the launcher instead, which
-    prints each distinct line once (not once per rank)."""
-    error_dir = os.environ.get("DAPO_MCORE_ERROR_DIR")
-    if error_dir and "RANK" in os.environ:
-        try:
-            Path(error_dir, f"rank{int(os.environ['RANK'])}").write_text(line + "\n")
-            return
-        except OSError:
-            pass  # the launcher's directory is gone: print it here instead, nothing is lost
-    print(line, file=sys.stderr)
 
 
 if __name__ == "__main__":
