@@ -32,6 +32,20 @@ def _run(args: list[str]) -> str:
     return done.stdout
 
 
+# Benchmarks without a --smoke flag, run at a few-seconds size through their own options.
+SMALL = {
+    "packing.py": ["--sequences", "64", "--dp", "2"],
+    "reward.py": ["--n", "200", "--workers", "1"],
+    "bridge_bytes.py": ["--prompts", "24", "--kept", "8", "--tokens", "64", "--trainer-ranks", "2"],
+}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("script", sorted(SMALL))
+def test_small_benchmarks_run(script):
+    _run([f"benchmarks/{script}", *SMALL[script]])
+
+
 @pytest.mark.unit
 def test_checkpoint_hash_smoke():
     out = _run(["benchmarks/checkpoint_hash.py", "--smoke"])
