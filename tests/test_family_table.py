@@ -51,3 +51,11 @@ def test_a_model_directory_not_here_is_planned_as_the_preset_its_name_names(path
     assert inferred.model.preset == preset and (note is not None) == (preset is not None)
     if preset is not None:  # rehearse picks the same
         assert recipe_model(cfg)[0] == preset_config(preset)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_model_build_line_names_the_family(family):
+    from dapo_mcore.model.qwen import family_label
+
+    label = family_label(preset_config(BIG[family]))
+    assert label == FAMILIES[family].label and (family != "llama" or label.startswith("Llama"))
