@@ -157,7 +157,13 @@ def _worker_pgids() -> list[int]:
     return [g for g in pgids if g != os.getpgid(0)]
 
 
+_forwarded: list[int] = []
+"""The stop signals this launcher received and passed on to the ranks (none: any stop a rank reports came from
+torch stopping the others after one rank failed)."""
+
+
 def _forward(signum: int, _frame: object) -> None:
+    _forwarded.append(signum)
     for pgid in _worker_pgids():
         try:
             os.killpg(pgid, signum)
@@ -165,13 +171,21 @@ def _forward(signum: int, _frame: object) -> None:
             continue
 
 
-def _print_rank_errors(error_dir: Path) -> None:
-    """Each distinct one-line error the ranks wrote, once, naming the ranks that wrote it."""
+def _print_rank_errors(error_dir: Path, *, signalled: bool = True) -> None:
+    """Each distinct one-line error the ranks wrote, once, naming the ranks that wrote it. Not `signalled` (the
+    launcher passed no stop signal on): a rank's "SIGTERM during start-up ... exiting 75" is torch stopping it after
+    another rank failed, not a requeue, so it is left out beside that rank's line (a refusal, exit 2)."""
+    from dapo_mcore.signals.startup import STOP_LINE
+
+    stop_prefix, stop_tail = STOP_LINE.split("{name}")[0], STOP_LINE.split("{name}")[1][:40]
     by_line: dict[str, list[str]] = {}
     for path in sorted(error_dir.glob("rank*"), key=lambda p: int(p.name[4:] or 0)):
         line = path.read_text(errors="replace").strip()
         if line:
             by_line.setdefault(line, []).append(path.name[4:])
+    stops = [ln for ln in by_line if ln.startswith(stop_prefix) and stop_tail in ln]
+    if not signalled and len(stops) < len(by_line):
+        by_line = {ln: ranks for ln, ranks in by_line.items() if ln not in stops}
     for line, ranks in by_line.items():
         which = f" (rank {ranks[0]})" if len(ranks) == 1 else f" (ranks {','.join(ranks)})"
         print(f"{line}{which}" if len(by_line) > 1 else line, file=sys.stderr)
@@ -213,6 +227,7 @@ def launch(command: str, nproc: int, config: str, overrides: list[str], extra: l
     os.environ[ERROR_DIR_ENV] = str(error_dir)
     os.environ.setdefault(COMMAND_ENV, sys.argv[0] if Path(sys.argv[0]).name == "dapo-mcore" else "dapo-mcore")
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    _forwarded.clear()
     previous = {sig: signal.signal(sig, _forward) for sig in FORWARDED}
     watch = RankWatch(command)
     try:
@@ -230,7 +245,7 @@ def launch(command: str, nproc: int, config: str, overrides: list[str], extra: l
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if watch.code is None:  # after a rank's death the others' lines only say that a peer went away
-            _print_rank_errors(error_dir)
+            _print_rank_errors(error_dir, signalled=bool(_forwarded))
         for path in error_dir.iterdir():
             path.unlink()
         error_dir.rmdir()
