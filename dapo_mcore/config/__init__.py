@@ -203,7 +203,8 @@ class TrainConfig:
     micro_batch_tokens: int = 16384
     """Token budget of one micro-batch per rank (prompt + response tokens)."""
     seed: int = 1234
-    """Seed of model init, sampling and data order."""
+    """Seed of model init, sampling and data order: 0 .. 2**31 - 1 (torch, Megatron's per-rank offsets and the
+    engines' seeds all take it)."""
 
 
 @dataclass
@@ -345,11 +346,13 @@ class RunConfig:
     """Where the run lives and what to do with an existing run directory."""
 
     dir: str = "runs/default"
-    """Run directory: config, metrics, TensorBoard, rollouts, checkpoints, ledger, figures."""
+    """Run directory: config, metrics, TensorBoard, rollouts, checkpoints, ledger, figures. Never empty (an unset
+    variable in a launch script must not make it the current directory)."""
     resume: Literal["auto", "never"] = "auto"
     """auto: continue from the latest checkpoint in `dir`; never: refuse a directory that already holds a run."""
     overwrite: bool = False
-    """Delete an existing run directory first (dangerous; off by default)."""
+    """Delete the run in `dir` first: only what a run writes there (config, metrics, checkpoints, ...); a directory
+    that holds files but no run is refused."""
     lock: bool = True
     """Hold RUN_DIR/.run.lock for the whole run so that a second run on the directory is refused (a double submit, a
     requeue racing a restart). false only for a file system that cannot lock files: then start one run at a time."""
@@ -365,6 +368,11 @@ class RunConfig:
     none on CPU (then only tokens/s is logged)."""
     profile_steps: list[int] = field(default_factory=list)
     """[first, last] steps to record with torch.profiler (traces in RUN_DIR/profile/); empty = off."""
+
+    def validate(self) -> None:
+        if not str(self.dir).strip():
+            raise ConfigError("run.dir is empty (an unset variable in run.dir=$X?); an empty run.dir would be the "
+                              "current directory: set run.dir=runs/NAME.")
 
 
 @dataclass
@@ -448,6 +456,7 @@ class Config:
                 raise ConfigError(str(exc)) from exc
         self.reward.validate()
         self.telemetry.validate()
+        self.run.validate()
         self.validate_layout(world_size)
 
     def validate_layout(self, world_size: int) -> None:

@@ -301,7 +301,7 @@ def _build_parts(cfg: Config, launch: LaunchEnv, *, resume: bool, checkpoint: st
         parts.rollouts = AsyncRollouts(cfg, bridge, parts.timer)
     parts._closers.extend(parts_closers)
     parts._closers.append(engine.close if engine is not None else parts.rollouts.close)
-    start = restore(parts, start_from)
+    start = restore(parts, start_from, fall_back=checkpoint is None)
     parts.start_step = start
     if not for_eval:
         if launch.rank == 0:

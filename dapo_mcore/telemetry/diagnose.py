@@ -296,12 +296,25 @@ def rule_spikes(run: Run) -> list[Finding]:
         if spikes:
             med = spikes[0][2]
             pts = ", ".join(f"step {s}: {v:.3g}" for s, v, _ in spikes[:5])
-            found.append(Finding("spikes", "warn", f"{spikes[0][0]}-{spikes[-1][0]}", f"{key} spiked",
+            clip = _grad_clip(run)
+            # one gradient-norm spike in a run that clips gradients moved the weights no further than the clip: by
+            # the rule's own advice ("if it repeats") that is a note, not a warning
+            once_clipped = key == keys.TRAIN_GRAD_NORM and len(spikes) == 1 and clip is not None
+            found.append(Finding("spikes", "info" if once_clipped else "warn", f"{spikes[0][0]}-{spikes[-1][0]}",
+                                 f"{key} spiked" + (f" once (clipped to optim.grad_clip={clip:g})" if once_clipped
+                                                    else ""),
                                  f"{len(spikes)} step(s) more than {z_max:g} robust deviations from the median "
                                  f"{med:.3g}: {pts}",
                                  "read those steps' rollouts (`dapo-mcore rollouts RUN --step N`); lower optim.lr or "
                                  "optim.grad_clip if it repeats"))
     return found
+
+
+def _grad_clip(run: Run) -> float | None:
+    """optim.grad_clip as the run set it (None: off, or not recorded)."""
+    optim = run.config.get("optim") if isinstance(run.config.get("optim"), dict) else {}
+    clip = optim.get("grad_clip")
+    return float(clip) if isinstance(clip, (int, float)) and not isinstance(clip, bool) and clip > 0 else None
 
 
 def _no_update(record: dict[str, Any]) -> bool:
