@@ -204,6 +204,14 @@ def test_resume_at_another_layout_continues_exactly(runs):
     assert max(v.abs().max().item() for v in first["moments"].values()) > 0  # the moments are not all zero
 
 
+def test_a_weights_only_resume_takes_the_adapters_and_starts_adam_fresh(runs):
+    first = runs["out"][0][NAMES[0]]
+    for name, rank, res in _each(runs, RESUMED):
+        got = res["weights_only_adapters"]
+        assert max((got[k] - first["adapters"][k]).abs().max().item() for k in got) < 1e-6, (name, rank)
+        assert all(v.abs().max().item() == 0 for v in res["weights_only_moments"].values()), (name, rank)
+
+
 def test_every_tp_shard_of_every_adapter_is_in_the_checkpoint(runs):
     """The TP=2 run's checkpoint holds each adapter whole (both ranks' shards of B, of row layers' A)."""
     from safetensors.torch import load_file

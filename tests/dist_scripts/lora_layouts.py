@@ -122,6 +122,9 @@ def resume_checks(ws: Path, spec: dict, tp: int, pp: int, actor, name: str, firs
     ckpt.load_checkpoint(source, fresh)
     out["resumed_adapters"], out["resumed_moments"] = gathered(fresh), moments(fresh)
     out["resumed_update2"] = fresh.train_mini_batch(c.samples(spec, "update2"), lr=spec["lr"])
+    weights_only = make_lora_actor(ws, spec, tp, pp)  # run.resume_weights_only: the adapters, a fresh optimizer
+    ckpt.load_checkpoint(source, weights_only, weights_only=True)
+    out["weights_only_adapters"], out["weights_only_moments"] = gathered(weights_only), moments(weights_only)
     other = make_lora_actor(ws, spec, tp, pp)
     other.base_source, other._base_identity = str(ws / "hf_other"), None
     try:
