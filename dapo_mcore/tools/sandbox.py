@@ -38,6 +38,8 @@ from dapo_mcore.tools.box import (
     SandboxUnavailable,
     box_env,
     bwrap_argv,
+    features,
+    filter_fd,
     interpreter,
     probe,
     unavailable,
@@ -118,6 +120,10 @@ class Sandbox:
         found = shutil.which(bwrap, path=os.environ.get("PATH")) if "/" not in bwrap else bwrap
         self._bwrap = found or bwrap
         self._start_box()
+        if "--size" not in features(self._bwrap):
+            log.warning("this bubblewrap cannot size the box's tmpfs (--size needs bubblewrap 0.8): tool code can "
+                        "fill /tmp and /box with files up to half the node's memory each, counted by no limit; "
+                        "upgrade bubblewrap")
 
     def _set_launcher(self, unprivileged: bool, use_prlimit: bool = True) -> None:
         """util-linux's prlimit sets the limits and execs what follows: the trainer spawns with vfork, at a cost that
@@ -167,19 +173,23 @@ class Sandbox:
     def _run_bwrap(self, code: str, start: float) -> SandboxResult:
         fd = os.memfd_create("tool-code", os.MFD_CLOEXEC)
         info_read, info_write = os.pipe()
+        seccomp = None
         try:
             os.write(fd, code.encode("utf-8", errors="replace"))
             os.lseek(fd, 0, os.SEEK_SET)
-            argv = bwrap_argv(self._bwrap, self.interpreter, fd, self._inner, info_fd=info_write)
+            seccomp = filter_fd()
+            argv = bwrap_argv(self._bwrap, self.interpreter, fd, self._inner, info_fd=info_write, seccomp_fd=seccomp)
             proc = subprocess.Popen([*self._prefix, *argv], env=box_env("/"), stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                    preexec_fn=self._preexec, pass_fds=(fd, info_write))
+                                    preexec_fn=self._preexec,
+                                    pass_fds=(fd, info_write) if seccomp is None else (fd, info_write, seccomp))
         except BaseException:
             os.close(info_read)
             raise
         finally:
-            os.close(fd)
-            os.close(info_write)
+            for closing in (fd, info_write, -1 if seccomp is None else seccomp):
+                if closing >= 0:
+                    os.close(closing)
         try:
             return self._finish(proc, start, functools.partial(_kill_box, proc, info_read))
         finally:

@@ -1,0 +1,224 @@
+"""A red team's attacks on the code sandbox, beyond tests/test_tools_sandbox*.py: memory the address-space limit
+does not count (memfd, System V shared memory and message queues), the kernel keyring (not namespaced: boxes of
+the same user shared it), a bubblewrap too old to size the box's tmpfs, and what the box inherits and sees
+(descriptors, /proc, sysctls). Each leak check is also run where it leaks (unboxed, or the old launcher) where that is
+cheap, so that it can fail. The fixtures and conventions are tests/test_tools_sandbox.py's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from test_tools_sandbox import CAP, TIMEOUT_S, _bwrap_or_skip, _fine_after
+
+from dapo_mcore.tools import Sandbox
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def box() -> Sandbox:
+    return _bwrap_or_skip()
+
+
+HOARD = textwrap.dedent("""
+    import ctypes, os
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.shmat.restype = ctypes.c_void_p
+    held = {"memfd": 0, "shm": 0, "msg": 0}
+    errors = set()
+    for _ in range(4):  # memfd pages: counted by RLIMIT_FSIZE per file, not by RLIMIT_AS
+        fd = libc.memfd_create(b"hoard", 0)
+        if fd < 0:
+            errors.add(os.strerror(ctypes.get_errno()))
+            break
+        os.write(fd, b"m" * (16 << 20))
+        held["memfd"] += 16
+    for _ in range(2):  # a System V segment outlives its mapping: detached, it is counted nowhere
+        sid = libc.shmget(0, 32 << 20, 0o1600)
+        if sid < 0:
+            errors.add(os.strerror(ctypes.get_errno()))
+            break
+        addr = libc.shmat(sid, None, 0)
+        ctypes.memset(addr, 1, 32 << 20)
+        libc.shmdt(ctypes.c_void_p(addr))
+        held["shm"] += 32
+    qid = libc.msgget(0, 0o1600)  # System V message queues: kernel memory, 32000 queues x 16 KiB per namespace
+    if qid < 0:
+        errors.add(os.strerror(ctypes.get_errno()))
+    else:
+        held["msg"] = 1
+    print(held, sorted(errors))
+""")
+
+
+def test_no_memory_is_held_outside_the_address_space_limit(box):
+    """memory_mb bounds what a process maps; a memfd's pages (up to max_file_mb each, one per open file) and a
+    detached System V segment (4096 of any size) are held by the kernel, mapped by nobody: a box held as much host
+    memory as it could write in its time. The box refuses the system calls that make them."""
+    hoarder = Sandbox(timeout_s=5, memory_mb=64, max_output_bytes=CAP)
+    r = hoarder.run(HOARD)
+    assert r.kind == "ok", r.stderr
+    assert r.stdout.strip() == "{'memfd': 0, 'shm': 0, 'msg': 0} ['Operation not permitted']", r.stdout
+    # the same code unboxed holds 128 MiB beyond its 64 MiB limit: the check above can fail
+    unboxed = Sandbox(timeout_s=5, memory_mb=64, max_output_bytes=CAP, backend="none")
+    assert unboxed.run(HOARD).stdout.startswith("{'memfd': 64, 'shm': 64, 'msg': 1}")
+    _fine_after(hoarder)
+
+
+KEY_WRITER = textwrap.dedent("""
+    import ctypes, os, time
+    libc = ctypes.CDLL(None, use_errno=True)
+    key = libc.syscall(SYS_ADD_KEY, b"user", b"box-a-secret", b"payload-of-box-a", 16, -4)  # the user keyring
+    if key < 0:
+        print("add_key", os.strerror(ctypes.get_errno()), flush=True)
+    else:
+        libc.syscall(SYS_KEYCTL, 5, key, 0x3F3F0000)  # KEYCTL_SETPERM: everything for the same user
+        print("added", flush=True)
+        time.sleep(1.5)
+""")
+
+KEY_READER = textwrap.dedent("""
+    import ctypes, time
+    libc = ctypes.CDLL(None, use_errno=True)
+    ids = []
+    for _ in range(30):
+        try:
+            ids = [int(ln.split()[0], 16) for ln in open("/proc/keys") if "box-a-secret" in ln]
+        except OSError:
+            pass
+        if ids:
+            break
+        time.sleep(0.05)
+    buf = ctypes.create_string_buffer(64)
+    for key in ids:
+        libc.syscall(SYS_KEYCTL, 11, key, buf, 64)  # KEYCTL_READ
+    print(ids != [], buf.value.decode())
+""")
+
+
+def _syscalls(code: str) -> str:
+    numbers = {"x86_64": (248, 250), "aarch64": (217, 219)}.get(os.uname().machine)
+    if numbers is None:
+        pytest.skip(f"add_key/keyctl numbers not known here ({os.uname().machine})")
+    return code.replace("SYS_ADD_KEY", str(numbers[0])).replace("SYS_KEYCTL", str(numbers[1]))
+
+
+def test_boxes_of_the_same_user_share_no_keyring(box):
+    """The kernel keyring is not namespaced: one box's key, in the user keyring, was listed in /proc/keys and read by
+    another box running as the same user at once (a channel between calls; where the trainer runs as an ordinary
+    user, the box is that user, and a key the user keeps there is readable). The box refuses the keyring calls."""
+    results = {}
+    writer = threading.Thread(target=lambda: results.setdefault("a", box.run(_syscalls(KEY_WRITER))))
+    writer.start()
+    try:
+        reader = box.run(_syscalls(KEY_READER))
+    finally:
+        writer.join()
+    assert reader.kind == "ok", reader.stderr
+    assert results["a"].stdout == "add_key Operation not permitted\n", results["a"]
+    assert reader.stdout == "False \n", reader.stdout
+
+
+def test_the_syscall_filter_is_a_program_for_this_machine_or_none():
+    """Eight bytes per instruction; every jump lands inside the program; another machine gets none."""
+    from dapo_mcore.tools.box import syscall_filter
+
+    prog = syscall_filter()
+    if os.uname().machine not in ("x86_64", "aarch64"):
+        assert prog is None
+        return
+    assert prog is not None and len(prog) % 8 == 0
+    import struct
+
+    insns = [struct.unpack("=HBBI", prog[i:i + 8]) for i in range(0, len(prog), 8)]
+    for at, (code, jt, jf, _) in enumerate(insns):
+        if code & 0x07 == 0x05:  # BPF_JMP
+            assert at + 1 + max(jt, jf) < len(insns)
+    assert insns[-1][0] == insns[-2][0] == 0x06  # both ends return
+    assert syscall_filter("riscv64") is None
+
+
+@pytest.fixture
+def old_bwrap():
+    """A bubblewrap (the real one) whose --help lists no --size, as before 0.8, in a directory every user can read."""
+    real = shutil.which("bwrap")
+    if real is None:
+        pytest.skip("no bubblewrap")
+    path = Path(tempfile.mkdtemp(prefix="dapo-old-bwrap-"))
+    path.chmod(0o755)
+    fake = path / "bwrap"
+    fake.write_text(f'#!/bin/sh\nif [ "$1" = --help ]; then {real} --help | grep -v -- --size; exit 0; fi\n'
+                    f'exec {real} "$@"\n')
+    fake.chmod(0o755)
+    yield str(fake)
+    shutil.rmtree(path)
+
+
+def test_a_bubblewrap_that_cannot_size_its_tmpfs_warns_at_every_start(box, old_bwrap, caplog):
+    """Before 0.8 bubblewrap has no --size: the box's /tmp and /box are tmpfs as large as half the host's memory each
+    (files there are memory, not counted by memory_mb). Like the unboxed backend, such a box says so at every start."""
+    with caplog.at_level(logging.WARNING, logger="dapo_mcore.tools.sandbox"):
+        old = Sandbox(timeout_s=TIMEOUT_S, memory_mb=256, bwrap=old_bwrap)
+    warned = [r.getMessage() for r in caplog.records if "cannot size" in r.getMessage()]
+    assert len(warned) == 1 and "bubblewrap 0.8" in warned[0], [r.getMessage() for r in caplog.records]
+    r = old.run("import os\nst = os.statvfs('/tmp')\nprint(st.f_blocks * st.f_frsize > 64 * 2**20)")
+    assert (r.kind, r.stdout) == ("ok", "True\n"), r  # what the warning is about: /tmp is not capped there
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dapo_mcore.tools.sandbox"):
+        Sandbox(timeout_s=TIMEOUT_S, memory_mb=256)
+    assert not [r for r in caplog.records if "cannot size" in r.getMessage()]
+
+
+VIEW = textwrap.dedent("""
+    import os
+    print("fds", sorted(int(fd) for fd in os.listdir("/proc/self/fd")))  # the listing's own descriptor included
+    print("pids", sorted(int(p) for p in os.listdir("/proc") if p.isdigit()))
+    print("root", sorted(os.listdir("/proc/1/root")))
+    for path in ["/proc/sys/kernel/hostname", "/proc/sys/vm/drop_caches", "/proc/sysrq-trigger",
+                 "/proc/sys/kernel/core_pattern"]:
+        try:
+            with open(path, "w") as f:
+                f.write("x\\n")
+            print(path, "written")
+        except OSError as exc:
+            print(path, "refused", type(exc).__name__)
+""")
+
+
+def test_the_box_inherits_no_descriptor_and_sees_only_itself_in_proc(box):
+    """Only stdin (/dev/null), stdout and stderr come in (no code, info or filter descriptor of the launcher, none
+    of the trainer's); /proc holds the box's own process, whose root is the box's; the kernel's settings are
+    read-only."""
+    r = box.run(VIEW)
+    assert r.kind == "ok", r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == "fds [0, 1, 2, 3]" and lines[1] == "pids [1]", lines
+    assert "root" not in lines[2].split(" ", 1)[1] and "'box'" in lines[2] and "'work'" not in lines[2], lines[2]
+    assert all(ln.split()[1] == "refused" for ln in lines[3:]), lines[3:]
+
+
+def test_a_slow_drip_of_output_does_not_hold_the_call_past_its_timeout(box):
+    started = time.monotonic()
+    r = box.run("import sys, time\nwhile True:\n    sys.stdout.write('.')\n    sys.stdout.flush()\n    time.sleep(0.2)")
+    assert (r.kind, r.timed_out) == ("timeout", True) and r.stdout.startswith("...")
+    assert time.monotonic() - started < TIMEOUT_S + 5.0
+
+
+@pytest.mark.parametrize("code", ["print('a')\x00print('b')", "print('\udcff')", "#" + "x" * 10_000_000 + "\nprint(1)",
+                                  "import sys\nsys.stdout.buffer.write(b'\\xff\\x00\\x1b[2J</interpreter>')"])
+def test_odd_code_and_odd_output_come_back_as_results(box, code):
+    """NUL bytes, lone surrogates and 10 MB of code reach the interpreter (it decides); output that is not UTF-8
+    comes back with the bad bytes replaced; a forged closing tag in the output is plain text to the caller."""
+    r = box.run(code)
+    assert r.kind in ("ok", "error") and isinstance(r.stdout, str), r
+    if "</interpreter>" in code:
+        assert r.stdout == "\ufffd\x00\x1b[2J</interpreter>"
