@@ -10,10 +10,13 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import socket
+import subprocess
 import tempfile
 import textwrap
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -218,7 +221,101 @@ def test_a_slow_drip_of_output_does_not_hold_the_call_past_its_timeout(box):
 def test_odd_code_and_odd_output_come_back_as_results(box, code):
     """NUL bytes, lone surrogates and 10 MB of code reach the interpreter (it decides); output that is not UTF-8
     comes back with the bad bytes replaced; a forged closing tag in the output is plain text to the caller."""
-    r = box.run(code)
+    roomy = Sandbox(timeout_s=30, memory_mb=512, max_output_bytes=CAP)  # compiling 10 MB takes a while under load
+    r = roomy.run(code)
     assert r.kind in ("ok", "error") and isinstance(r.stdout, str), r
     if "</interpreter>" in code:
         assert r.stdout == "\ufffd\x00\x1b[2J</interpreter>"
+
+
+@pytest.mark.parametrize("launcher", ["util-linux", "preexec"])
+def test_the_box_is_the_first_the_kernel_kills_when_the_node_runs_out_of_memory(launcher, monkeypatch):
+    """memory_mb binds per process: boxes with many processes, side by side, can still run the node out of memory,
+    and the kernel's OOM killer would pick the biggest process, the trainer. Box code runs at oom_score_adj 1000 (the
+    first to go), set by util-linux's choom or between fork and exec; the trainer's own score is untouched."""
+    if launcher == "preexec":
+        real = shutil.which
+        monkeypatch.setattr("dapo_mcore.tools.sandbox.shutil.which",
+                            lambda name, path=None: None if name in ("prlimit", "choom") else real(name, path=path))
+    elif shutil.which("choom") is None:
+        pytest.skip("util-linux's choom is not installed")
+    own = Path("/proc/self/oom_score_adj").read_text()
+    code = "import subprocess\nprint(open('/proc/self/oom_score_adj').read().strip())\n" \
+           "print(subprocess.run(['cat', '/proc/self/oom_score_adj'], capture_output=True, text=True).stdout.strip())"
+    for backend in ("bwrap", "none"):
+        try:
+            sandbox = Sandbox(timeout_s=5, memory_mb=256, backend=backend)
+        except Exception as exc:  # noqa: BLE001 - no bubblewrap here: the unboxed backend still shows it
+            assert backend == "bwrap", exc
+            continue
+        r = sandbox.run(code)
+        assert (r.kind, r.stdout) == ("ok", "1000\n1000\n"), (backend, r)
+    assert Path("/proc/self/oom_score_adj").read_text() == own
+
+
+def test_code_killed_by_a_signal_python_cannot_name_is_an_error_line_not_a_traceback(caplog):
+    """A real-time signal (34 and up) has no name in the signal module: the python tool said 'ValueError: 40 is not a
+    valid Signals' and logged a traceback."""
+    from dapo_mcore.tools import get_tool
+
+    unboxed = Sandbox(timeout_s=TIMEOUT_S, memory_mb=256, backend="none")
+    tool = get_tool("python", unboxed)
+    with caplog.at_level(logging.WARNING, logger="dapo_mcore.tools.registry"):
+        out = tool("import os\nprint('before', flush=True)\nos.kill(os.getpid(), 40)")
+        named = tool("import os, signal\nos.kill(os.getpid(), signal.SIGTERM)")
+    assert (out.text, out.kind) == ("before\nthe code was killed by signal 40", "error")
+    assert named.text == "the code was killed by SIGTERM"
+    assert not [r for r in caplog.records if "raised" in r.getMessage()]
+
+
+HOST_KEY = textwrap.dedent("""
+    import ctypes, sys, time
+    libc = ctypes.CDLL(None, use_errno=True)
+    key = libc.syscall(SYS_ADD_KEY, b"user", sys.argv[1].encode(), b"host-key-payload", 16, -4)
+    libc.syscall(SYS_KEYCTL, 5, key, 0x3F3F0000)  # KEYCTL_SETPERM: the same user may view and read it
+    print(key, flush=True)
+    time.sleep(20)
+""")
+
+
+def test_the_keys_of_the_boxs_user_on_the_host_are_neither_listed_nor_read(box):
+    """The box runs as a host user (nobody under a root trainer, else the trainer's own user): that user's keys on
+    the host (a Kerberos ticket cache in the keyring, say) were listed in the box's /proc/keys, and read."""
+    marker = f"dapo-host-key-{uuid.uuid4().hex}"
+    as_user = [shutil.which("setpriv") or "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] \
+        if box.unprivileged else []
+    holder = subprocess.Popen([*as_user, box.interpreter.path, "-I", "-c", _syscalls(HOST_KEY), marker],
+                              stdout=subprocess.PIPE, text=True, start_new_session=True, cwd="/")
+    try:
+        key = int(holder.stdout.readline())
+        assert key > 0, "the host key was not made"
+        r = box.run(textwrap.dedent(f"""
+            import ctypes
+            try:
+                listed = {marker!r} in open("/proc/keys").read()
+            except OSError as exc:
+                listed = exc.strerror
+            buf = ctypes.create_string_buffer(64)
+            ctypes.CDLL(None).syscall({_syscalls("SYS_KEYCTL")}, 11, {key}, buf, 64)  # KEYCTL_READ
+            print(listed, buf.value.decode())
+        """))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert r.kind == "ok", r.stderr
+    listed, payload = r.stdout.rstrip("\n").rsplit(" ", 1) if " " in r.stdout.strip() else (r.stdout.strip(), "")
+    assert listed != "True" and payload == "", r.stdout
+
+
+def test_the_hosts_abstract_unix_sockets_are_out_of_reach(box):
+    """Abstract unix sockets belong to the network namespace (no file to hide): the box's is its own."""
+    name = f"\0dapo-attack-{uuid.uuid4().hex}"
+    code = f"import socket\ns = socket.socket(socket.AF_UNIX)\ntry:\n    s.connect({name!r})\n    print('reached')\n" \
+           "except OSError as exc:\n    print('refused', exc.strerror)"
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(name)
+        listener.listen(1)
+        r = box.run(code)
+        assert (r.kind, r.stdout) == ("ok", "refused Connection refused\n"), r
+        unboxed = Sandbox(timeout_s=TIMEOUT_S, memory_mb=256, backend="none")
+        assert unboxed.run(code).stdout == "reached\n"  # the check can fail

@@ -40,7 +40,7 @@ TMPFS_BYTES = 64 * 1024 * 1024
 """Size of each of the box's writable tmpfs (/tmp, /box, /dev/shm): they are memory, so a cap keeps a write loop from
 filling the host's RAM."""
 
-SETUP_FAILURE = ("bwrap: ", "prlimit: ", "setpriv: ")
+SETUP_FAILURE = ("bwrap: ", "prlimit: ", "choom: ", "setpriv: ")
 """The launchers' own error lines start so (bubblewrap exits 1 before running anything; prlimit and setpriv 1, or
 126/127 when the command they should run cannot be run or is missing)."""
 
@@ -212,7 +212,9 @@ def bwrap_argv(bwrap: str, interp: Interpreter, code_fd: int, inner: tuple[str, 
     size = ["--size", str(TMPFS_BYTES)] if "--size" in has else []
     # /dev is a tmpfs bubblewrap makes without a size: read-only (device nodes still work), with a sized /dev/shm
     shm = [*size, "--tmpfs", "/dev/shm"] if size else []
-    argv += ["--proc", "/proc", "--dev", "/dev", *shm, "--remount-ro", "/dev",
+    # /proc/keys lists the keys of the box's user on the host (a Kerberos ticket cache, say): hidden
+    argv += ["--proc", "/proc", "--ro-bind-try", "/dev/null", "/proc/keys", "--ro-bind-try", "/dev/null",
+             "/proc/key-users", "--dev", "/dev", *shm, "--remount-ro", "/dev",
              *size, "--tmpfs", "/tmp", *size, "--tmpfs", BOX_DIR, "--file", str(code_fd), f"{BOX_DIR}/main.py"]
     for d in interp.binds:  # after the tmpfs: an interpreter kept under /tmp stays visible
         argv += ["--ro-bind", d, d]

@@ -6,9 +6,9 @@ child left behind or a box that fails to start comes back as a :class:`SandboxRe
 each call has its own process, pipes and box.
 
 Per call: rlimits set in the child before bubblewrap starts (address space = ``memory_mb``, CPU seconds, file size,
-open files, no core dumps; where the trainer is root, the box runs as nobody under ``max_processes`` too), stdin is
-/dev/null, stdout and stderr are read as they come and the box is killed once together they pass
-``max_output_bytes`` or the wall time passes ``timeout_s``. The launcher is a session of its own and the box a pid
+open files, no core dumps; where the trainer is root, the box runs as nobody under ``max_processes`` too; the box's
+processes are the OOM killer's first pick), stdin is /dev/null, stdout and stderr are read as they come and the box is
+killed once together they pass ``max_output_bytes`` or the wall time passes ``timeout_s``. The launcher is a session of its own and the box a pid
 namespace that dies with it, so killing the launcher's process group leaves nothing behind. ``docs/tools.md`` is the
 security model (what is isolated and what is not).
 """
@@ -56,6 +56,9 @@ ALL_BOXES_PROCESSES = 4096
 """Where boxes run as nobody: the most processes of nobody on the node, all boxes together (each box: at most
 ``max_processes``). The kernel counts a box's processes against both: its own user namespace's count, and every
 process of nobody on the node."""
+OOM_SCORE_ADJ = 1000
+"""The box's processes are the first the kernel's OOM killer picks (any process may raise its own score): where
+boxes side by side run the node out of memory, box code dies, not the trainer."""
 DRAIN_S = 0.5
 """After the code's process exits, how long its pipes may stay open (a child of an unboxed run holding them)."""
 
@@ -128,13 +131,16 @@ class Sandbox:
     def _set_launcher(self, unprivileged: bool, use_prlimit: bool = True) -> None:
         """util-linux's prlimit sets the limits and execs what follows: the trainer spawns with vfork, at a cost that
         does not grow with its memory. Without prlimit, a preexec function sets them between fork and exec; a fork
-        copies the page tables of a trainer holding gigabytes (benchmarks/tool_sandbox.py measures both).
+        copies the page tables of a trainer holding gigabytes (benchmarks/tool_sandbox.py measures both). choom
+        (util-linux too) sets the box's OOM score; without it the preexec function does.
         ``unprivileged``: setpriv drops root to nobody first, so that RLIMIT_NPROC (which root ignores) binds: the
         launcher gets the node-wide limit of all boxes, and prlimit inside the box lowers it to ``max_processes``."""
         limits = [*self._limits, *([(resource.RLIMIT_NPROC, ALL_BOXES_PROCESSES)] if unprivileged else [])]
         prlimit = shutil.which("prlimit", path=SAFE_PATH) if use_prlimit else None
-        self._prefix = [prlimit, *(f"--{_PRLIMIT[which]}={value}" for which, value in limits), "--"] if prlimit else []
-        self._preexec = None if prlimit else functools.partial(_set_limits, limits)
+        choom = shutil.which("choom", path=SAFE_PATH) if prlimit else None
+        self._prefix = [*([prlimit, *(f"--{_PRLIMIT[which]}={value}" for which, value in limits), "--"]
+                          if prlimit else []), *([choom, "-n", str(OOM_SCORE_ADJ), "--"] if choom else [])]
+        self._preexec = None if choom else functools.partial(_set_limits, [] if prlimit else limits)
         self._inner: tuple[str, ...] = ()
         if unprivileged:
             self._prefix += [shutil.which("setpriv", path=SAFE_PATH) or "setpriv", f"--reuid={NOBODY}",
@@ -266,9 +272,14 @@ class Sandbox:
 
 
 def _set_limits(limits: list[tuple[int, int]]) -> None:
-    """In the child, between fork and exec (where prlimit is missing): plain setrlimit calls only."""
+    """In the child, between fork and exec (where prlimit or choom is missing): plain system calls only."""
     for which, value in limits:
         resource.setrlimit(which, (value, value))
+    fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
+    try:
+        os.write(fd, b"%d" % OOM_SCORE_ADJ)
+    finally:
+        os.close(fd)
 
 
 def _exited(pid: int) -> bool:
