@@ -181,20 +181,23 @@ def test_a_bubblewrap_that_cannot_size_its_tmpfs_warns_at_every_start(box, old_b
     assert not [r for r in caplog.records if "cannot size" in r.getMessage()]
 
 
+PROC_FILES = ["/proc/sys/kernel/core_pattern", "/proc/sys/kernel/modprobe", "/proc/sys/vm/drop_caches",
+              "/proc/sys/kernel/hostname", "/proc/sysrq-trigger", "/proc/irq/default_smp_affinity"]
+"""Files of /proc that the kernel lets uid 0 write with no capability (a permission check on the uid alone): the
+kernel's global settings (core_pattern runs a program as the host's root), interrupts."""
+
 VIEW = textwrap.dedent("""
     import os
     print("fds", sorted(int(fd) for fd in os.listdir("/proc/self/fd")))  # the listing's own descriptor included
     print("pids", sorted(int(p) for p in os.listdir("/proc") if p.isdigit()))
     print("root", sorted(os.listdir("/proc/1/root")))
-    for path in ["/proc/sys/kernel/hostname", "/proc/sys/vm/drop_caches", "/proc/sysrq-trigger",
-                 "/proc/sys/kernel/core_pattern"]:
+    for path in PROC_FILES:
         try:
-            with open(path, "w") as f:
-                f.write("x\\n")
-            print(path, "written")
+            os.close(os.open(path, os.O_WRONLY))  # opened for writing, nothing written: a failing check harms nothing
+            print(path, "writable")
         except OSError as exc:
-            print(path, "refused", type(exc).__name__)
-""")
+            print(path, "refused", exc.strerror)
+""").replace("PROC_FILES", repr(PROC_FILES))
 
 
 def test_the_box_inherits_no_descriptor_and_sees_only_itself_in_proc(box):
@@ -207,6 +210,25 @@ def test_the_box_inherits_no_descriptor_and_sees_only_itself_in_proc(box):
     assert lines[0] == "fds [0, 1, 2, 3]" and lines[1] == "pids [1]", lines
     assert "root" not in lines[2].split(" ", 1)[1] and "'box'" in lines[2] and "'work'" not in lines[2], lines[2]
     assert all(ln.split()[1] == "refused" for ln in lines[3:]), lines[3:]
+
+
+def test_a_box_running_as_the_hosts_root_cannot_write_the_kernels_settings(monkeypatch):
+    """Where the box runs as root (a root trainer whose interpreter nobody may read, or no setpriv), it is the
+    host's uid 0 without capabilities, and /proc/sys checks the uid alone: the box could set kernel.core_pattern to
+    a program the kernel then runs as the host's root at the next crash. The box's /proc/sys, /proc/irq, /proc/bus
+    and /proc/sysrq-trigger are read-only."""
+    if os.geteuid() != 0:
+        pytest.skip("only a root trainer can run a box as root")
+    real = shutil.which
+    monkeypatch.setattr("dapo_mcore.tools.sandbox.shutil.which",
+                        lambda name, path=None: None if name == "setpriv" else real(name, path=path))
+    rooted = Sandbox(timeout_s=5, memory_mb=256, max_output_bytes=CAP)
+    assert not rooted.unprivileged
+    r = rooted.run(VIEW)
+    assert r.kind == "ok" and r.stdout.splitlines()[1] == "pids [1]", r
+    writable = [ln for ln in r.stdout.splitlines()[3:] if ln.split()[1] != "refused"]
+    assert writable == [], writable
+    assert rooted.run("print(open('/proc/sys/kernel/hostname').read())").stdout == "sandbox\n\n"  # its own
 
 
 def test_a_slow_drip_of_output_does_not_hold_the_call_past_its_timeout(box):

@@ -156,6 +156,15 @@ def interpreter(python: str) -> Interpreter:
     return found_interpreter
 
 
+PROC_READ_ONLY = ("/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus")
+"""Read-only in the box: the kernel lets uid 0 write them on the uid alone, with no capability, and a box that runs as
+the host's root (see docs/tools.md) is uid 0 (``kernel.core_pattern`` names a program the kernel runs as root).
+bubblewrap covers them only where its own access check finds them writable, which misses /proc/sys (a read-only
+directory of writable files)."""
+
+PROC_HIDDEN = ("/proc/keys", "/proc/key-users")
+"""Unreadable in the box: the keys of the box's user on the host (a Kerberos ticket cache, say) are listed there."""
+
 OPTIONAL = ("--disable-userns", "--size", "--clearenv")
 """Options newer bubblewraps have (0.8: --disable-userns, --size); used where ``bwrap --help`` lists them. Without
 them the box may create user namespaces of its own, its tmpfs are bounded only by the file-size limit per file,
@@ -212,9 +221,12 @@ def bwrap_argv(bwrap: str, interp: Interpreter, code_fd: int, inner: tuple[str, 
     size = ["--size", str(TMPFS_BYTES)] if "--size" in has else []
     # /dev is a tmpfs bubblewrap makes without a size: read-only (device nodes still work), with a sized /dev/shm
     shm = [*size, "--tmpfs", "/dev/shm"] if size else []
-    # /proc/keys lists the keys of the box's user on the host (a Kerberos ticket cache, say): hidden
-    argv += ["--proc", "/proc", "--ro-bind-try", "/dev/null", "/proc/keys", "--ro-bind-try", "/dev/null",
-             "/proc/key-users", "--dev", "/dev", *shm, "--remount-ro", "/dev",
+    argv += ["--proc", "/proc"]
+    for path in PROC_READ_ONLY:  # bound from the host's /proc: a setting of a namespace still reads the box's own
+        argv += ["--ro-bind-try", path, path]
+    for path in PROC_HIDDEN:
+        argv += ["--ro-bind-try", "/dev/null", path]
+    argv += ["--dev", "/dev", *shm, "--remount-ro", "/dev",
              *size, "--tmpfs", "/tmp", *size, "--tmpfs", BOX_DIR, "--file", str(code_fd), f"{BOX_DIR}/main.py"]
     for d in interp.binds:  # after the tmpfs: an interpreter kept under /tmp stays visible
         argv += ["--ro-bind", d, d]
