@@ -1,12 +1,15 @@
 """A red team's attacks on the code sandbox, beyond tests/test_tools_sandbox*.py: memory the address-space limit
-does not count (memfd, System V shared memory and message queues), the kernel keyring (not namespaced: boxes of
-the same user shared it), a bubblewrap too old to size the box's tmpfs, and what the box inherits and sees
-(descriptors, /proc, sysctls). Each leak check is also run where it leaks (unboxed, or the old launcher) where that is
-cheap, so that it can fail. The fixtures and conventions are tests/test_tools_sandbox.py's.
+does not count (memfd, System V shared memory and message queues), the kernel keyring (not namespaced: boxes of the
+same user shared it, and the user's keys on the host were readable), the kernel's settings in a box that runs as the
+host's root, the OOM killer's choice, a bubblewrap too old to size the box's tmpfs, and what the box inherits and
+sees (descriptors, /proc, abstract sockets, odd output). Each leak check is also run where it leaks (unboxed, or the
+old launcher) where that is cheap, so that it can fail; a check of a write opens for writing and writes nothing. The
+fixtures and conventions are tests/test_tools_sandbox.py's.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -291,12 +294,14 @@ def test_code_killed_by_a_signal_python_cannot_name_is_an_error_line_not_a_trace
 
 
 HOST_KEY = textwrap.dedent("""
-    import ctypes, sys, time
+    import ctypes, sys
     libc = ctypes.CDLL(None, use_errno=True)
     key = libc.syscall(SYS_ADD_KEY, b"user", sys.argv[1].encode(), b"host-key-payload", 16, -4)
     libc.syscall(SYS_KEYCTL, 5, key, 0x3F3F0000)  # KEYCTL_SETPERM: the same user may view and read it
+    libc.syscall(SYS_KEYCTL, 15, key, 60)  # KEYCTL_SET_TIMEOUT: gone in a minute whatever happens here
     print(key, flush=True)
-    time.sleep(20)
+    sys.stdin.read()  # until the test is done with it
+    libc.syscall(SYS_KEYCTL, 21, key)  # KEYCTL_INVALIDATE: leave nothing in the user's keyring
 """)
 
 
@@ -307,26 +312,30 @@ def test_the_keys_of_the_boxs_user_on_the_host_are_neither_listed_nor_read(box):
     as_user = [shutil.which("setpriv") or "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] \
         if box.unprivileged else []
     holder = subprocess.Popen([*as_user, box.interpreter.path, "-I", "-c", _syscalls(HOST_KEY), marker],
-                              stdout=subprocess.PIPE, text=True, start_new_session=True, cwd="/")
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True, cwd="/")
     try:
         key = int(holder.stdout.readline())
         assert key > 0, "the host key was not made"
         r = box.run(textwrap.dedent(f"""
-            import ctypes
+            import ctypes, json
             try:
                 listed = {marker!r} in open("/proc/keys").read()
             except OSError as exc:
                 listed = exc.strerror
             buf = ctypes.create_string_buffer(64)
             ctypes.CDLL(None).syscall({_syscalls("SYS_KEYCTL")}, 11, {key}, buf, 64)  # KEYCTL_READ
-            print(listed, buf.value.decode())
+            print(json.dumps([listed, buf.value.decode()]))
         """))
     finally:
-        holder.kill()
-        holder.wait()
+        holder.stdin.close()
+        try:
+            holder.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            holder.kill()
+            holder.wait()
     assert r.kind == "ok", r.stderr
-    listed, payload = r.stdout.rstrip("\n").rsplit(" ", 1) if " " in r.stdout.strip() else (r.stdout.strip(), "")
-    assert listed != "True" and payload == "", r.stdout
+    listed, payload = json.loads(r.stdout)
+    assert listed is not True and payload == "", r.stdout  # unreadable (a strerror) or not there
 
 
 def test_the_hosts_abstract_unix_sockets_are_out_of_reach(box):
