@@ -350,3 +350,13 @@ def test_the_hosts_abstract_unix_sockets_are_out_of_reach(box):
         assert (r.kind, r.stdout) == ("ok", "refused Connection refused\n"), r
         unboxed = Sandbox(timeout_s=TIMEOUT_S, memory_mb=256, backend="none")
         assert unboxed.run(code).stdout == "reached\n"  # the check can fail
+
+
+def test_code_over_the_file_size_limit_is_the_codes_error_not_a_sandbox_failure(box):
+    """The code itself is a file in the box: past max_file_mb, bubblewrap could not write it and the call read as a
+    sandbox failure (an outage, not the model's fault)."""
+    small = Sandbox(timeout_s=10, memory_mb=256, max_output_bytes=CAP, max_file_mb=1)
+    r = small.run("#" + "x" * (1 << 20) + "\nprint(1)")
+    assert (r.kind, r.exit_code) == ("error", 1), r
+    assert r.stderr.count("\n") == 1 and "max_file_mb" in r.stderr, r.stderr
+    assert small.run("#" + "x" * 1000 + "\nprint(1)").stdout == "1\n"

@@ -107,9 +107,10 @@ class Sandbox:
         self.max_output_bytes = int(max_output_bytes)
         self.backend = backend
         self.interpreter: Interpreter = interpreter(python)
+        self.max_file_bytes = int(max_file_mb) * 1024 * 1024
         self._limits = [(resource.RLIMIT_AS, self.memory_mb * 1024 * 1024),
                         (resource.RLIMIT_CPU, math.ceil(self.timeout_s) + 1),
-                        (resource.RLIMIT_FSIZE, int(max_file_mb) * 1024 * 1024),
+                        (resource.RLIMIT_FSIZE, self.max_file_bytes),
                         (resource.RLIMIT_NOFILE, int(max_open_files)),
                         (resource.RLIMIT_CORE, 0)]
         self.max_processes = int(max_processes)
@@ -168,6 +169,11 @@ class Sandbox:
     def run(self, code: str) -> SandboxResult:
         """Run ``code`` as a script; every outcome is a result, never an exception."""
         start = time.monotonic()
+        size = len(code.encode("utf-8", errors="replace"))
+        if size > self.max_file_bytes:  # the code is a file in the box, under the same limit as the files it writes
+            return SandboxResult("", f"OSError: the code is {size} bytes, over the file-size limit of the box "
+                                 f"(max_file_mb={self.max_file_bytes // 2**20})\n", 1, False, False,
+                                 time.monotonic() - start, "error")
         try:
             if self.backend == "bwrap":
                 return self._run_bwrap(code, start)
