@@ -226,7 +226,8 @@ def bwrap_argv(bwrap: str, interp: Interpreter, code_fd: int, inner: tuple[str, 
         argv += ["--ro-bind-try", path, path]
     for path in PROC_HIDDEN:
         argv += ["--ro-bind-try", "/dev/null", path]
-    argv += ["--dev", "/dev", *shm, "--remount-ro", "/dev",
+    # no new pseudo-terminal: they come from one pool of the node (kernel.pty.max)
+    argv += ["--dev", "/dev", "--ro-bind", "/dev/null", "/dev/pts/ptmx", *shm, "--remount-ro", "/dev",
              *size, "--tmpfs", "/tmp", *size, "--tmpfs", BOX_DIR, "--file", str(code_fd), f"{BOX_DIR}/main.py"]
     for d in interp.binds:  # after the tmpfs: an interpreter kept under /tmp stays visible
         argv += ["--ro-bind", d, d]
