@@ -8,9 +8,9 @@ each call has its own process, pipes and box.
 Per call: rlimits set in the child before bubblewrap starts (address space = ``memory_mb``, CPU seconds, file size,
 open files, no core dumps; where the trainer is root, the box runs as nobody under ``max_processes`` too; the box's
 processes are the OOM killer's first pick), stdin is /dev/null, stdout and stderr are read as they come and the box is
-killed once together they pass ``max_output_bytes`` or the wall time passes ``timeout_s``. The launcher is a session of its own and the box a pid
-namespace that dies with it, so killing the launcher's process group leaves nothing behind. ``docs/tools.md`` is the
-security model (what is isolated and what is not).
+killed once together they pass ``max_output_bytes`` or the wall time passes ``timeout_s``. The launcher is a session
+of its own and the box a pid namespace that dies with it, so killing the launcher's process group leaves nothing
+behind. ``docs/tools.md`` is the security model (what is isolated and what is not).
 """
 
 from __future__ import annotations
