@@ -146,6 +146,13 @@ class ParallelConfig:
     """MoE models (qwen3_moe): split each layer's experts over this many ranks, taken inside the data-parallel group
     (must divide num_experts and world / (tensor_parallel x pipeline_parallel)); tokens reach their experts by
     all-to-all. 1 = every rank holds every expert."""
+    expert_tensor_parallel: int = 1
+    """MoE models: split each expert's weights over this many ranks (Megatron's expert tensor parallelism; must
+    divide tensor_parallel and moe_intermediate_size). 1 (Megatron's MoE recipes' choice) keeps every expert whole:
+    no all-gather of the routed tokens over the tensor-parallel group, one GEMM per expert per layer (grouped GEMM
+    with Transformer Engine); tensor_parallel splits only attention and the dense layers. The expert-parallel group
+    then spans the tensor-parallel ranks: expert_parallel x expert_tensor_parallel must divide
+    world / pipeline_parallel. Ignored for a dense model."""
     distributed_optimizer: bool = False
     """Shard optimizer state over data-parallel ranks (needs NCCL: GPU only)."""
     offload_for_rollout: bool = False

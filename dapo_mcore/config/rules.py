@@ -73,10 +73,6 @@ def validate_layout(cfg: Config, world_size: int, launched: int | None = None) -
         raise ConfigError("parallel.virtual_pipeline needs parallel.pipeline_parallel >= 2; unset it or raise pipeline_parallel.")
     if p.sequence_parallel and p.tensor_parallel < 2:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tensor_parallel >= 2.")
-    if p.sequence_parallel and cfg.model.layer_spec == "local":
-        raise ConfigError("parallel.sequence_parallel=true needs model.layer_spec=transformer_engine: the local spec's "
-                          "torch RMSNorm has no sequence parallelism (Megatron asserts on every rank); set "
-                          "parallel.sequence_parallel=false or model.layer_spec=transformer_engine.")
     _validate_experts(cfg, cfg.model.hf_config(cfg.tiny_base.preset), world_size)
     _validate_vllm_replay(cfg, world_size if launched is None else launched)
     if p.distributed_optimizer and p.backend == "gloo":
@@ -107,9 +103,13 @@ def _validate_experts(cfg: Config, hf: dict, world_size: int) -> None:
         check_expert_parallel(shape, p.expert_parallel)
     except MoEConfigError as exc:
         raise ConfigError(str(exc)) from None
-    problem = expert_layout_error(world_size, p.tensor_parallel, p.pipeline_parallel, p.expert_parallel)
+    problem = expert_layout_error(world_size, p.tensor_parallel, p.pipeline_parallel, p.expert_parallel,
+                                  p.expert_tensor_parallel if shape is not None else None)
     if problem:
         raise ConfigError(problem)
+    if shape is not None and shape.moe_ffn_hidden_size % p.expert_tensor_parallel:
+        raise ConfigError(f"parallel.expert_tensor_parallel={p.expert_tensor_parallel} does not divide "
+                          f"moe_intermediate_size={shape.moe_ffn_hidden_size}; use 1 (every expert whole).")
     if cfg.algo.router_replay == "rollout":
         if shape is None:
             raise ConfigError("algo.router_replay=rollout needs an MoE model (model_type qwen3_moe); set "
@@ -118,14 +118,18 @@ def _validate_experts(cfg: Config, hf: dict, world_size: int) -> None:
             raise ConfigError("algo.router_replay=rollout with rollout.schedule.partial: a resumed partial response "
                               "carries no routes for its earlier tokens in this version; set rollout.schedule.partial="
                               "false or algo.router_replay=none.")
-        if cfg.model.recompute != "none":
-            raise ConfigError(f"algo.router_replay=rollout with model.recompute={cfg.model.recompute}: recomputed "
-                              "forwards would replay another micro-batch's routes; set model.recompute=none.")
     if shape is not None and p.tensor_parallel > 1 and not p.sequence_parallel:
         raise ConfigError(f"parallel.tensor_parallel={p.tensor_parallel} with an MoE model needs "
-                          "parallel.sequence_parallel=true (Megatron requires it for MoE with TP), which needs "
-                          "model.layer_spec=transformer_engine; on CPU split the model with parallel.expert_parallel "
-                          "and parallel.pipeline_parallel instead.")
+                          "parallel.sequence_parallel=true (Megatron requires it for MoE with TP).")
+
+
+def expert_tensor_parallel(cfg: Config) -> int | None:
+    """The expert-TP size Megatron is given: ``parallel.expert_tensor_parallel`` for an MoE model, None (Megatron's
+    default, = TP, and nothing to split) for a dense one."""
+    from dapo_mcore.model.moe import MOE_MODEL_TYPES
+
+    moe = cfg.model.hf_config(cfg.tiny_base.preset).get("model_type") in MOE_MODEL_TYPES
+    return cfg.parallel.expert_tensor_parallel if moe else None
 
 
 def vllm_data_parallel(cfg: Config, launched: int) -> int:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from dapo_mcore.actor.parallel import LaunchEnv, read_launch_env
 from dapo_mcore.config import Config, ConfigError, load_config, write_resolved
+from dapo_mcore.config.rules import expert_tensor_parallel
 from dapo_mcore.run.components import Components
 from dapo_mcore.run.directory import claim_run_dir
 from dapo_mcore.run.restore import adopt_checkpoint_padding, find_start_checkpoint, open_telemetry, restore
@@ -129,6 +130,7 @@ def _actor_settings(cfg: Config, hf_config: dict[str, Any], pad_id: int):
         hf_config=hf_config, tensor_parallel=cfg.parallel.tensor_parallel, pipeline_parallel=cfg.parallel.pipeline_parallel,
         virtual_pipeline=cfg.parallel.virtual_pipeline, sequence_parallel=cfg.parallel.sequence_parallel,
         expert_parallel=cfg.parallel.expert_parallel, router_replay=cfg.algo.router_replay == "rollout",
+        expert_tensor_parallel=expert_tensor_parallel(cfg),
         layer_spec=cfg.model.layer_spec, attention=cfg.model.attention, params_dtype=dtype, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
         vocab_padding=cfg.model.vocab_padding,
         recompute=cfg.model.recompute, fp8=cfg.model.fp8, distributed_optimizer=cfg.parallel.distributed_optimizer,
@@ -253,7 +255,8 @@ def _build_parts(cfg: Config, launch: LaunchEnv, *, resume: bool, checkpoint: st
     train_records, eval_records = records
     init_model_parallel(cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel, cfg.parallel.virtual_pipeline,
                         seed=cfg.train.seed, timeout_minutes=cfg.parallel.timeout_minutes,
-                        expert_parallel=cfg.parallel.expert_parallel)
+                        expert_parallel=cfg.parallel.expert_parallel,
+                        expert_tensor_parallel=expert_tensor_parallel(cfg))
     hf_dir = resolve_base_model(cfg, launch)
     if bridge is not None:
         bridge.start()  # the run starts: no refusal (rollout.bridge.Bridge.start)
