@@ -73,6 +73,11 @@ def validate_layout(cfg: Config, world_size: int, launched: int | None = None) -
         raise ConfigError("parallel.virtual_pipeline needs parallel.pipeline_parallel >= 2; unset it or raise pipeline_parallel.")
     if p.sequence_parallel and p.tensor_parallel < 2:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tensor_parallel >= 2.")
+    if p.sequence_parallel and cfg.model.layer_spec == "local" and cfg.model.hf_config(
+            cfg.tiny_base.preset).get("model_type") != "qwen3_moe":
+        raise ConfigError("parallel.sequence_parallel=true needs model.layer_spec=transformer_engine for a dense model "
+                          "(the local spec runs it for MoE models only, where Megatron needs it with TP); set "
+                          "parallel.sequence_parallel=false or model.layer_spec=transformer_engine.")
     _validate_experts(cfg, cfg.model.hf_config(cfg.tiny_base.preset), world_size)
     _validate_vllm_replay(cfg, world_size if launched is None else launched)
     if p.distributed_optimizer and p.backend == "gloo":

@@ -124,20 +124,6 @@ def moe_spec(tconfig, kind: str, attention: str, vp_stage: int | None):
     return moe_block_spec(tconfig, kind, core, vp_stage)
 
 
-def sequence_parallel_block(tconfig, spec, vp_stage: int | None):
-    """A dense local-spec stage under sequence parallelism: its layers and final norm with
-    `model.norm.SequenceParallelRMSNorm` in place of Megatron's torch norm (which refuses sequence parallelism)."""
-    from megatron.core.models.gpt.gpt_layer_specs import TransformerBlockSubmodules
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-    from megatron.core.transformer.transformer_block import get_num_layers_to_build
-
-    from dapo_mcore.model.norm import with_sequence_parallel_norms
-
-    count = get_num_layers_to_build(tconfig, vp_stage=vp_stage)
-    return with_sequence_parallel_norms(TransformerBlockSubmodules(layer_specs=[spec] * count,
-                                                                   layer_norm=WrappedTorchNorm))
-
-
 def set_llama3_inv_freq(rotary, shape: QwenShape) -> None:
     """Give Megatron's ``RotaryEmbedding`` the ``llama3`` frequencies of the config.
 
@@ -173,9 +159,6 @@ def build_gpt_model(hf: dict[str, Any], tconfig, *, spec: str = "local", make_vo
     for vp_stage in range(vpp):
         if MoEShape.from_hf(hf) is not None:  # MoE and dense layers: one spec per layer of this stage
             spec_obj = moe_spec(tconfig, spec, attention, None if vpp == 1 else vp_stage)
-        elif spec == "local" and tconfig.sequence_parallel:
-            spec_obj = sequence_parallel_block(tconfig, layer_spec(spec, attention, qk_layernorm=shape.qk_norm),
-                                               None if vpp == 1 else vp_stage)
         kwargs = {} if vpp == 1 else {"vp_stage": vp_stage}
         pre = ps.is_pipeline_first_stage(ignore_virtual=False, **kwargs) if vpp > 1 else ps.is_pipeline_first_stage()
         post = ps.is_pipeline_last_stage(ignore_virtual=False, **kwargs) if vpp > 1 else ps.is_pipeline_last_stage()
