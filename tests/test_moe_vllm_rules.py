@@ -4,6 +4,7 @@ launch; experts are split by expert parallelism, not cut over every rank; the ca
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,12 +44,19 @@ def _config(*overrides: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("extra", [(), ("rollout.pipeline.mode=async", "rollout.pipeline.engine_ranks=32")])
+@pytest.mark.parametrize("extra", [(), ("rollout.pipeline.mode=async", "rollout.pipeline.engine_ranks=64")])
 def test_config_refuses_replay_with_vllm_data_parallel_in_one_line(extra):
     proc = _config("--world-size", "128", "algo.router_replay=rollout", "model.recompute=none", *extra)
     assert proc.returncode == 2, proc.stderr[-2000:]
     line = proc.stderr.strip().splitlines()[-1]
     assert "vLLM data-parallel" in line and "algo.router_replay=none" in line and "Traceback" not in proc.stderr
+    # the layout it names passes (before, it named rollout.vllm.tensor_parallel=128: one engine over 16 nodes)
+    named = re.search(r"launch (\d+) processes with (rollout.pipeline.mode=async rollout.pipeline.engine_ranks=\d+ "
+                      r"rollout.vllm.tensor_parallel=\d+)", line)
+    assert named, line
+    ok = _config("--world-size", named.group(1), "algo.router_replay=rollout", "model.recompute=none",
+                 *extra, *named.group(2).split())
+    assert ok.returncode == 0, ok.stderr[-2000:]
 
 
 def test_an_moe_engine_over_several_gpus_uses_expert_parallelism():

@@ -99,7 +99,7 @@ def _expert_line(cfg: Config, hf: dict, world_size: int) -> str | None:
     vllm = ((cfg.rollout.vllm.tensor_parallel, vllm_data_parallel(cfg, world_size))
             if cfg.rollout.engine == "vllm" else None)
     return describe_experts(hf, cfg.parallel.tensor_parallel, cfg.parallel.expert_parallel, cfg.algo.router_replay,
-                            vllm)
+                            vllm, cfg.parallel.expert_tensor_parallel)
 
 
 def _process_lines(cfg: Config, world_size: int) -> list[str]:

@@ -11,6 +11,7 @@ import json
 from dataclasses import asdict, fields
 from typing import Any
 
+from dapo_mcore.config.rules import expert_tensor_parallel
 from dapo_mcore.plan import disagg as plan_disagg
 from dapo_mcore.plan.fit import LayoutDoesNotFit, Names, check
 from dapo_mcore.plan.planner import (
@@ -36,7 +37,7 @@ def plan_input_from_config(cfg: Any, world_size: int, **planner_settings: Any) -
     derived = dict(
         model=cfg.model.hf_config(cfg.tiny_base.preset), tensor_parallel=p.tensor_parallel, pipeline_parallel=p.pipeline_parallel,
         data_parallel=world_size // (p.tensor_parallel * p.pipeline_parallel), virtual_pipeline=p.virtual_pipeline or 1,
-        expert_parallel=p.expert_parallel,
+        expert_parallel=p.expert_parallel, expert_tensor_parallel=expert_tensor_parallel(cfg) or 0,
         micro_batch_tokens=cfg.train.micro_batch_tokens, recompute=cfg.model.recompute, precision=precision,
         distributed_optimizer=p.distributed_optimizer, colocate_vllm=cfg.rollout.engine == "vllm",
         vllm_tensor_parallel=cfg.rollout.vllm.tensor_parallel,
@@ -48,6 +49,21 @@ def plan_input_from_config(cfg: Any, world_size: int, **planner_settings: Any) -
         **TRAINER_FIXED,
     )
     return PlanInput(**derived, **planner_settings)
+
+
+def moe_decode_lines(plan: PlanInput) -> list[str]:
+    """An MoE model's decode model as configured (one vLLM data-parallel group) and, for comparison, with
+    independent engines of the same size (``plan.moe_decode``); nothing for a dense model."""
+    from dapo_mcore.plan.planner import moe_generation
+
+    lockstep, alone = moe_generation(plan), moe_generation(plan, lockstep=False)
+    if lockstep is None or alone is None:
+        return []
+    engines, gpus = plan.tensor_parallel * plan.pipeline_parallel * plan.data_parallel, plan.vllm_tensor_parallel
+    return [lockstep.describe(engines // gpus, gpus, lockstep=True),
+            f"  independent engines of {gpus} GPUs (experts within each; not built in this version: colocated vLLM "
+            f"engines form one data-parallel group) would take {alone.seconds / 60:.1f} min per generation batch "
+            f"({alone.step.seconds * 1e3:.1f} ms per step, dispatch {alone.step.dispatch_s * 1e3:.1f})"]
 
 
 def validate_config_layout(cfg: Any, world_size: int) -> None:
@@ -223,9 +239,11 @@ def main(argv: list[str] | None = None) -> int:
                                    None if cfg is None else cfg.algo.router_replay,
                                    (plan.vllm_tensor_parallel, max(1, (engine_ranks or plan.tensor_parallel *
                                     plan.pipeline_parallel * plan.data_parallel) // plan.vllm_tensor_parallel))
-                                   if plan.colocate_vllm or engine_ranks else None)
+                                   if plan.colocate_vllm or engine_ranks else None, plan.expert_tp)
         if experts:
             print(experts)
+        for line in moe_decode_lines(plan):
+            print(line)
     try:
         check(plan, names, max_tp)
     except LayoutDoesNotFit as err:

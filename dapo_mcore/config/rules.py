@@ -153,11 +153,17 @@ def _validate_vllm_replay(cfg: Config, launched: int) -> None:
     if dp > 1:
         engines = (f"rollout.pipeline.engine_ranks={cfg.rollout.pipeline.engine_ranks}"
                    if cfg.rollout.pipeline.mode == "async" else f"{launched} colocated ranks")
+        heads = int(cfg.model.hf_config(cfg.tiny_base.preset)["num_attention_heads"])
+        node = max(d for d in range(1, 9) if heads % d == 0)  # one node's GPUs (8) that split the heads
+        trainers = trainer_world(cfg, launched)
         raise ConfigError(f"algo.router_replay=rollout with vLLM data-parallel {dp} ({engines} / "
                           f"rollout.vllm.tensor_parallel={cfg.rollout.vllm.tensor_parallel}): vLLM returns routed "
-                          f"experts only from Model Runner V2, and its engine groups stay in lockstep only on the V1 "
-                          f"runner; set algo.router_replay=none (algo.tis_cap bounds what routing mismatch is left) or run one "
-                          f"engine group (rollout.vllm.tensor_parallel={dp * cfg.rollout.vllm.tensor_parallel}).")
+                          f"experts only from Model Runner V2, and its data-parallel engine groups stay in lockstep "
+                          f"only on the V1 runner, so replay needs one vLLM engine: launch {trainers + node} "
+                          f"processes with rollout.pipeline.mode=async rollout.pipeline.engine_ranks={node} "
+                          f"rollout.vllm.tensor_parallel={node} (one node's engine beside these {trainers} trainer "
+                          f"ranks), or set algo.router_replay=none (algo.tis_cap bounds what routing mismatch is "
+                          f"left).")
 
 
 def validate_batches(cfg: Config, world_size: int) -> None:

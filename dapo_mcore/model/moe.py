@@ -270,15 +270,18 @@ def moe_block_spec(tconfig, kind: str, core_attention=None, vp_stage: int | None
 
 
 def describe_experts(hf: dict[str, Any], tensor_parallel: int, expert_parallel: int, router_replay: str | None = None,
-                     vllm: tuple[int, int] | None = None) -> str | None:
-    """One line on the expert layout of an MoE model (None for a dense one): experts and top-k, EP, expert-TP (=TP,
-    Megatron's default: the dispatcher all-gathers the routed tokens over it), experts per rank, routing replay and,
-    for vLLM, how its engines split the experts (``vllm`` = (tensor parallel, data parallel))."""
+                     vllm: tuple[int, int] | None = None, expert_tensor_parallel: int | None = None) -> str | None:
+    """One line on the expert layout of an MoE model (None for a dense one): experts and top-k, EP, expert-TP (None:
+    = TP, Megatron's default, over which the dispatcher all-gathers the routed tokens), experts per rank, routing
+    replay and, for vLLM, how its engines split the experts (``vllm`` = (tensor parallel, data parallel))."""
     shape = MoEShape.from_hf(hf)
     if shape is None:
         return None
+    etp = tensor_parallel if expert_tensor_parallel is None else expert_tensor_parallel
+    how = ("= TP: routed tokens all-gathered over it" if etp == tensor_parallel and etp > 1 else
+           "every expert whole" if etp == 1 else f"each expert split {etp} ways")
     line = (f"experts: {shape.num_experts} per MoE layer ({len(shape.moe_layers)} of {hf['num_hidden_layers']} "
-            f"layers), top-{shape.topk}; EP={expert_parallel}, expert-TP={tensor_parallel} (= TP), "
+            f"layers), top-{shape.topk}; EP={expert_parallel}, expert-TP={etp} ({how}), "
             f"{shape.num_experts // expert_parallel} experts per rank")
     if router_replay is not None:
         line += f"; router replay: {router_replay}"
