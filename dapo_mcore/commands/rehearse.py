@@ -141,7 +141,7 @@ def shrink(cfg: Any, hf: dict[str, Any], *, vllm_installed: bool, nproc: int | N
     if moe and p.expert_tensor_parallel != 1:
         not_rehearsed.append(f"expert-TP {p.expert_tensor_parallel} (TP is 1 here)")
     if p.sequence_parallel:
-        not_rehearsed.append("sequence parallel (TE layers only)")
+        not_rehearsed.append("sequence parallel (TP is 1 here)" if moe else "sequence parallel (TE layers only)")
     if not str(cfg.data.train).startswith("task:"):
         not_rehearsed.append(f"the data ({cfg.data.train}: the synthetic task instead)")
     prompts = 2 * dp

@@ -24,6 +24,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 MOE_MODEL_TYPES = ("qwen3_moe",)
+GPUS_PER_NODE = 8
+"""The cluster's GPUs per node (H100 HGX) for where an expert-parallel group lies."""
 
 
 class MoEConfigError(ValueError):
@@ -283,12 +285,19 @@ def describe_experts(hf: dict[str, Any], tensor_parallel: int, expert_parallel: 
     line = (f"experts: {shape.num_experts} per MoE layer ({len(shape.moe_layers)} of {hf['num_hidden_layers']} "
             f"layers), top-{shape.topk}; EP={expert_parallel}, expert-TP={etp} ({how}), "
             f"{shape.num_experts // expert_parallel} experts per rank")
+    if expert_parallel > 1:  # Megatron's expert grid: an EP group's ranks lie etp apart
+        span = etp * expert_parallel
+        line += (f" (EP group within {span} consecutive ranks: "
+                 f"{'one node' if span <= GPUS_PER_NODE else 'crosses nodes'})")
     if router_replay is not None:
         line += f"; router replay: {router_replay}"
     if vllm is not None:
         ranks = vllm[0] * vllm[1]
-        line += (f"; vLLM: {shape.num_experts // ranks if ranks > 1 else shape.num_experts} experts per GPU "
-                 f"(expert parallel over {ranks})" if ranks > 1 else "; vLLM: all experts on one GPU")
+        where = ("within one node" if ranks <= GPUS_PER_NODE else
+                 f"{-(-ranks // GPUS_PER_NODE)} nodes of {GPUS_PER_NODE} GPUs: every MoE layer's exchange crosses nodes")
+        engines = f"{vllm[1]} engines of TP={vllm[0]} in one data-parallel group" if vllm[1] > 1 else "one engine"
+        line += (f"; vLLM: {engines}, {max(1, shape.num_experts // ranks)} experts per GPU, expert parallel over "
+                 f"{ranks} GPUs ({where})" if ranks > 1 else "; vLLM: all experts on one GPU")
     return line
 
 
