@@ -59,9 +59,9 @@ def test_the_moe_recipe_keeps_every_switch_at_two():
     assert hf["model_type"] == "qwen3_moe" and hf["num_experts"] % 2 == 0 and hf["num_experts_per_tok"] == 2
     assert hf["num_attention_heads"] % 2 == 0 and hf["num_key_value_heads"] % 2 == 0
     assert not any(o.startswith("algo.router_replay") or o.startswith("algo.tis_cap") for o in plan.overrides)
-    # the recipe ships replay off (no runner captures routes with vLLM data-parallel > 1); asked for, it is kept
-    assert "router_replay=rollout" not in plan.kept and "rollout correction" in plan.kept
-    assert "router_replay=rollout" in _plan("qwen3-30b-a3b.yaml", "algo.router_replay=rollout").kept
+    # the recipe ships replay on (vLLM engines as independent instances); turned off, it is not claimed
+    assert "router_replay=rollout" in plan.kept and "rollout correction" in plan.kept
+    assert "router_replay=rollout" not in _plan("qwen3-30b-a3b.yaml", "algo.router_replay=none").kept
     assert _value(plan, "rollout.engine") == "hf"
     assert any(n.startswith("vLLM (not installed") for n in plan.not_rehearsed)
     assert _value(plan, "rollout.engine") == "hf"

@@ -221,6 +221,14 @@ class VLLMConfig:
     sleep_level: Literal[1, 2] = 2
     """Sleep mode level while the actor trains: 1 offloads weights to pinned host memory and back every step; 2
     discards them, which is right here since the weight sync overwrites every weight before each generation."""
+    engines: Literal["data_parallel", "instances"] = "data_parallel"
+    """How the vLLM engines (one per tensor_parallel ranks) relate. data_parallel: one vLLM data-parallel group over
+    all of them (``data_parallel_size`` = engine ranks / tensor_parallel): they step in lockstep, and an MoE model's
+    experts are split over all their GPUs, across nodes. instances: each engine is an independent vLLM instance
+    (vLLM's external data parallelism, ``data_parallel_size=1``): an MoE model's experts are split over the
+    instance's own GPUs only (expert parallel = tensor_parallel, inside a node when tensor_parallel <= 8), no
+    collective between engines, and routing replay works (Model Runner V2 at data-parallel 1). The project's engine
+    groups spread each call over the engines either way."""
 
 
 @dataclass

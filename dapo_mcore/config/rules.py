@@ -137,11 +137,17 @@ def expert_tensor_parallel(cfg: Config) -> int | None:
     return cfg.parallel.expert_tensor_parallel if moe else None
 
 
-def vllm_data_parallel(cfg: Config, launched: int) -> int:
-    """vLLM's data-parallel size: the ranks running engines (all of them colocated, the engine ranks in async mode)
+def vllm_engine_count(cfg: Config, launched: int) -> int:
+    """How many vLLM engines run: the ranks running engines (all of them colocated, the engine ranks in async mode)
     over rollout.vllm.tensor_parallel."""
     engines = cfg.rollout.pipeline.engine_ranks if cfg.rollout.pipeline.mode == "async" else launched
     return max(1, engines // cfg.rollout.vllm.tensor_parallel)
+
+
+def vllm_data_parallel(cfg: Config, launched: int) -> int:
+    """vLLM's data-parallel size: every engine in one group (rollout.vllm.engines=data_parallel), or 1 for
+    independent instances."""
+    return 1 if cfg.rollout.vllm.engines == "instances" else vllm_engine_count(cfg, launched)
 
 
 def _validate_vllm_replay(cfg: Config, launched: int) -> None:
@@ -151,19 +157,12 @@ def _validate_vllm_replay(cfg: Config, launched: int) -> None:
         return
     dp = vllm_data_parallel(cfg, launched)
     if dp > 1:
-        engines = (f"rollout.pipeline.engine_ranks={cfg.rollout.pipeline.engine_ranks}"
-                   if cfg.rollout.pipeline.mode == "async" else f"{launched} colocated ranks")
-        heads = int(cfg.model.hf_config(cfg.tiny_base.preset)["num_attention_heads"])
-        node = max(d for d in range(1, 9) if heads % d == 0)  # one node's GPUs (8) that split the heads
-        trainers = trainer_world(cfg, launched)
-        raise ConfigError(f"algo.router_replay=rollout with vLLM data-parallel {dp} ({engines} / "
-                          f"rollout.vllm.tensor_parallel={cfg.rollout.vllm.tensor_parallel}): vLLM returns routed "
-                          f"experts only from Model Runner V2, and its data-parallel engine groups stay in lockstep "
-                          f"only on the V1 runner, so replay needs one vLLM engine: launch {trainers + node} "
-                          f"processes with rollout.pipeline.mode=async rollout.pipeline.engine_ranks={node} "
-                          f"rollout.vllm.tensor_parallel={node} (one node's engine beside these {trainers} trainer "
-                          f"ranks), or set algo.router_replay=none (algo.tis_cap bounds what routing mismatch is "
-                          f"left).")
+        raise ConfigError(f"algo.router_replay=rollout with vLLM data-parallel {dp} (rollout.vllm.engines=data_parallel: "
+                          f"{dp} engines of rollout.vllm.tensor_parallel={cfg.rollout.vllm.tensor_parallel} in one "
+                          f"group): vLLM returns routed experts only from Model Runner V2, and a data-parallel group "
+                          f"stays in lockstep only on the V1 runner; set rollout.vllm.engines=instances (each engine an "
+                          f"independent vLLM instance, data-parallel 1), or algo.router_replay=none (algo.tis_cap "
+                          f"bounds what routing mismatch is left).")
 
 
 def validate_batches(cfg: Config, world_size: int) -> None:

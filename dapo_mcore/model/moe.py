@@ -272,10 +272,12 @@ def moe_block_spec(tconfig, kind: str, core_attention=None, vp_stage: int | None
 
 
 def describe_experts(hf: dict[str, Any], tensor_parallel: int, expert_parallel: int, router_replay: str | None = None,
-                     vllm: tuple[int, int] | None = None, expert_tensor_parallel: int | None = None) -> str | None:
+                     vllm: tuple[int, int] | None = None, expert_tensor_parallel: int | None = None,
+                     vllm_engines: int | None = None) -> str | None:
     """One line on the expert layout of an MoE model (None for a dense one): experts and top-k, EP, expert-TP (None:
     = TP, Megatron's default, over which the dispatcher all-gathers the routed tokens), experts per rank, routing
-    replay and, for vLLM, how its engines split the experts (``vllm`` = (tensor parallel, data parallel))."""
+    replay and, for vLLM, how its engines split the experts (``vllm`` = (tensor parallel, data parallel);
+    ``vllm_engines``: how many engines run, when more than one data-parallel group: independent instances)."""
     shape = MoEShape.from_hf(hf)
     if shape is None:
         return None
@@ -295,7 +297,9 @@ def describe_experts(hf: dict[str, Any], tensor_parallel: int, expert_parallel: 
         ranks = vllm[0] * vllm[1]
         where = ("within one node" if ranks <= GPUS_PER_NODE else
                  f"{-(-ranks // GPUS_PER_NODE)} nodes of {GPUS_PER_NODE} GPUs: every MoE layer's exchange crosses nodes")
-        engines = f"{vllm[1]} engines of TP={vllm[0]} in one data-parallel group" if vllm[1] > 1 else "one engine"
+        count = vllm_engines or vllm[1]
+        engines = (f"{vllm[1]} engines of TP={vllm[0]} in one data-parallel group" if vllm[1] > 1 else
+                   f"{count} independent engines of TP={vllm[0]}" if count > 1 else "one engine")
         line += (f"; vLLM: {engines}, {max(1, shape.num_experts // ranks)} experts per GPU, expert parallel over "
                  f"{ranks} GPUs ({where})" if ranks > 1 else "; vLLM: all experts on one GPU")
     return line

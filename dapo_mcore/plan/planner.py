@@ -90,6 +90,9 @@ class PlanInput:
     """vLLM shares the trainer's GPUs (sleep mode between phases)."""
     vllm_tensor_parallel: int = 4
     """vLLM tensor-parallel size."""
+    vllm_engines: str = "data_parallel"
+    """data_parallel: the vLLM engines form one data-parallel group (lockstep; an MoE model's experts over all of
+    them); instances: independent engines (an MoE model's experts within each). Prices MoE decoding."""
     vllm_gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory vLLM may use while awake (weights + workspace + KV cache)."""
     vllm_workspace_gib: float = 2.0
@@ -185,6 +188,8 @@ class PlanInput:
             raise ValueError(f"a mini-batch of {self.mini_batch_prompts} prompts x {self.responses_per_prompt} = "
                              f"{responses} responses cannot be shared equally by data_parallel={self.data_parallel}; "
                              f"choose a layout whose data parallelism divides {responses}")
+        if self.vllm_engines not in ("data_parallel", "instances"):
+            raise ValueError(f"vllm_engines={self.vllm_engines!r}; use data_parallel or instances")
         if self.vllm_sleep_level not in (1, 2):
             raise ValueError(f"vllm_sleep_level={self.vllm_sleep_level}; use 1 or 2")
         if self.vllm_load_format not in ("dummy", "auto"):
@@ -395,10 +400,12 @@ def estimate_step_seconds(p: PlanInput, flops: FlopsEstimate) -> tuple[float, fl
     return (flops.old_logprobs + flops.train) / (peak * p.train_mfu), generation
 
 
-def moe_generation(p: PlanInput, lockstep: bool = True):
-    """The MoE decode model's estimate (``plan.moe_decode``) of one generation batch on the colocated engines (one
-    vLLM data-parallel group over all GPUs with ``lockstep``, as the colocated mode runs them; else independent
-    engines of ``vllm_tensor_parallel`` GPUs); None for a dense model or without vLLM."""
+def moe_generation(p: PlanInput, lockstep: bool | None = None):
+    """The MoE decode model's estimate (``plan.moe_decode``) of one generation batch on the colocated engines of
+    ``vllm_tensor_parallel`` GPUs: one vLLM data-parallel group over all of them with ``lockstep`` (None: as
+    ``vllm_engines`` says), else independent engines; None for a dense model or without vLLM."""
+    if lockstep is None:
+        lockstep = p.vllm_engines == "data_parallel"
     from dapo_mcore.plan.moe_decode import generation_seconds
 
     shape = ModelShape.from_hf(p.model)
@@ -497,6 +504,7 @@ CONFIG_KEYS: dict[str, str] = {
     "distributed_optimizer": "parallel.distributed_optimizer", "recompute": "model.recompute",
     "precision": "model.fp8.enabled / model.params_dtype", "micro_batch_tokens": "train.micro_batch_tokens",
     "colocate_vllm": "rollout.engine", "vllm_tensor_parallel": "rollout.vllm.tensor_parallel",
+    "vllm_engines": "rollout.vllm.engines",
     "vllm_gpu_memory_utilization": "rollout.vllm.gpu_memory_utilization", "max_prompt_len": "data.max_prompt_len",
     "max_response_len": "rollout.max_new_tokens", "rollout_prompts": "train.prompts_per_step",
     "responses_per_prompt": "rollout.n", "mini_batch_prompts": "train.mini_batch_prompts",

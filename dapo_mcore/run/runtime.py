@@ -198,7 +198,7 @@ def _build_engine(cfg: Config, hf_dir: Path | None, hf_config: dict[str, Any], t
             max_model_len=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens, sleep_level=v.sleep_level,
             dtype=cfg.model.params_dtype, seed=cfg.train.seed, max_prompt_len=cfg.data.max_prompt_len,
             stop_token_ids=stops.ids, load_format="dummy",  # build_components syncs every weight from the actor before the first generation
-            return_routed_experts=cfg.algo.router_replay == "rollout",
+            return_routed_experts=cfg.algo.router_replay == "rollout", instances=v.engines == "instances",
             expert_parallel=bool(hf_config.get("num_experts")))
         return VLLMEngine(options, hf_config)
     from transformers import AutoConfig, AutoModelForCausalLM
