@@ -128,6 +128,8 @@ def shrink(cfg: Any, hf: dict[str, Any], *, vllm_installed: bool, nproc: int | N
         not_rehearsed.append("vLLM (not installed: the transformers engine generates instead)")
     elif engine == "vllm" and r.vllm.tensor_parallel > 1:
         kept.append("vLLM TP=2")
+    if engine == "vllm" and r.vllm.engines == "instances":
+        kept.append("vLLM engines as independent instances")
     if a.router_replay != "none":
         kept.append(f"router_replay={a.router_replay}")
     if a.tis_cap is not None or a.rollout_correction.active:
