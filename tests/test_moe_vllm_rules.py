@@ -43,12 +43,16 @@ def _config(*overrides: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("extra", [(), ("rollout.pipeline.mode=async", "rollout.pipeline.engine_ranks=32")])
+@pytest.mark.parametrize("extra", [(), ("rollout.pipeline.mode=async", "rollout.pipeline.engine_ranks=64")])
 def test_config_refuses_replay_with_vllm_data_parallel_in_one_line(extra):
-    proc = _config("--world-size", "128", "algo.router_replay=rollout", "model.recompute=none", *extra)
+    proc = _config("--world-size", "128", "algo.router_replay=rollout", "rollout.vllm.engines=data_parallel", *extra)
     assert proc.returncode == 2, proc.stderr[-2000:]
     line = proc.stderr.strip().splitlines()[-1]
     assert "vLLM data-parallel" in line and "algo.router_replay=none" in line and "Traceback" not in proc.stderr
+    # the layout it names passes (before, it named rollout.vllm.tensor_parallel=128: one engine over 16 nodes)
+    assert "rollout.vllm.engines=instances" in line
+    ok = _config("--world-size", "128", "algo.router_replay=rollout", *extra, "rollout.vllm.engines=instances")
+    assert ok.returncode == 0, ok.stderr[-2000:]
 
 
 def test_an_moe_engine_over_several_gpus_uses_expert_parallelism():
@@ -82,3 +86,18 @@ def test_a_vllm_moe_kernel_that_relays_out_the_experts_is_refused():
     for key in ("VLLM_USE_FLASHINFER_MOE_FP16", "VLLM_ROCM_USE_AITER_MOE"):
         with pytest.raises(EngineError, match=f"unset {key}"):
             check_moe_weight_layout({key: "1"}, moe=True)
+
+
+def test_independent_instances_are_data_parallel_one_with_experts_inside_each():
+    """rollout.vllm.engines=instances: every tensor-parallel group is its own vLLM (data_parallel_size=1 under the
+    external launcher), an MoE engine's experts over its own GPUs, and Model Runner V2 allowed (routes)."""
+    from dapo_mcore.rollout.engines.vllm_env import pin_model_runner
+
+    alone = VLLMEngineOptions(model_path="m", tensor_parallel=4, expert_parallel=True, instances=True)
+    kwargs = alone.llm_kwargs(128)
+    assert kwargs["data_parallel_size"] == 1 and kwargs["enable_expert_parallel"] is True
+    assert kwargs["tensor_parallel_size"] == 4 and kwargs["distributed_executor_backend"] == "external_launcher"
+    assert VLLMEngineOptions(model_path="m", tensor_parallel=4).llm_kwargs(128)["data_parallel_size"] == 32
+    assert pin_model_runner({}, kwargs["data_parallel_size"], routed_experts=True) == {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+    single = VLLMEngineOptions(model_path="m", tensor_parallel=1, expert_parallel=True, instances=True)
+    assert "enable_expert_parallel" not in single.llm_kwargs(2)  # one GPU an engine: nothing to split

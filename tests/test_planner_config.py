@@ -126,11 +126,11 @@ def test_cli_turns_config_errors_into_exit_2(capsys):
 
 
 def test_plan_warns_when_a_layout_fits_with_little_headroom(capsys):
-    """A layout that fits with under 10% free says more than 'fits': the 30B-A3B recipe without recompute,
-    77.7 of 80 GiB (the MoE dispatcher's all-gathered tokens)."""
+    """A layout that fits with under 10% free says more than 'fits': the 30B-A3B recipe without recompute at
+    expert-TP 4 (= TP), 77.7 of 80 GiB (the MoE dispatcher all-gathers the routed tokens over it)."""
     model = ["model.hf_path=null", "model.preset=qwen2.5-32b"]
     moe = [str(ROOT / "examples" / "qwen3-30b-a3b.yaml"), "model.hf_path=null", "model.preset=qwen3-30b-a3b",
-           "model.recompute=none", "--nodes", "16"]
+           "model.recompute=none", "parallel.expert_tensor_parallel=4", "--nodes", "16"]
     assert main(moe) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1] == "fits" and out[-2].startswith("warning: fits with only 2.3 GiB free of 80 GiB")

@@ -97,8 +97,10 @@ def test_expert_layout_errors_name_the_fix():
     from dapo_mcore.model.moe import MoEConfigError, MoEShape, check_expert_parallel
 
     assert expert_layout_error(4, 1, 2, 2) is None and expert_layout_error(8, 2, 1, 4) is None
-    msg = expert_layout_error(4, 2, 1, 4)
-    assert "data-parallel size 2" in msg and "use one of 1, 2" in msg
+    msg = expert_layout_error(4, 2, 1, 4)  # expert-TP = TP = 2: EP x 2 must divide the 4 ranks
+    assert "expert_parallel=4 x expert_tensor_parallel=2 must divide the 4 ranks" in msg
+    assert "use an expert_parallel among 1, 2" in msg
+    assert expert_layout_error(4, 2, 1, 4, expert_tensor_parallel=1) is None  # whole experts: EP spans TP
     shape = MoEShape.from_hf({"model_type": "qwen3_moe", "num_local_experts": 6, "num_experts_per_tok": 2,
                               "moe_intermediate_size": 4, "num_hidden_layers": 2})
     with pytest.raises(MoEConfigError, match="does not divide num_experts=6; use one of 1, 2, 3, 6"):

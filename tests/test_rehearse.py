@@ -49,19 +49,19 @@ def test_every_recipes_rehearsal_passes_the_configs_own_checks_at_its_world(reci
 @pytest.mark.unit
 def test_the_moe_recipe_keeps_every_switch_at_two():
     plan = _plan("qwen3-30b-a3b.yaml")
-    assert plan.world == 2  # DP 2, EP 2 inside DP; TP 1: MoE with TP needs SP, which needs TE (not on a CPU)
+    assert plan.world == 2  # DP 2, EP 2 x expert-TP 1 (the recipe's); TP 1 to fit the machine (MoE with TP needs SP)
     assert (_value(plan, "parallel.tensor_parallel"), _value(plan, "parallel.expert_parallel"),
             _value(plan, "parallel.sequence_parallel"), _value(plan, "parallel.pipeline_parallel")) == \
         ("1", "2", "false", "1")
     assert any(n.startswith("TP with MoE") for n in plan.not_rehearsed)
-    assert "sequence parallel (TE layers only)" in plan.not_rehearsed
+    assert "sequence parallel (TP is 1 here)" in plan.not_rehearsed
     hf = plan.hf
     assert hf["model_type"] == "qwen3_moe" and hf["num_experts"] % 2 == 0 and hf["num_experts_per_tok"] == 2
     assert hf["num_attention_heads"] % 2 == 0 and hf["num_key_value_heads"] % 2 == 0
     assert not any(o.startswith("algo.router_replay") or o.startswith("algo.tis_cap") for o in plan.overrides)
-    # the recipe ships replay off (no runner captures routes with vLLM data-parallel > 1); asked for, it is kept
-    assert "router_replay=rollout" not in plan.kept and "rollout correction" in plan.kept
-    assert "router_replay=rollout" in _plan("qwen3-30b-a3b.yaml", "algo.router_replay=rollout").kept
+    # the recipe ships replay on (vLLM engines as independent instances); turned off, it is not claimed
+    assert "router_replay=rollout" in plan.kept and "rollout correction" in plan.kept
+    assert "router_replay=rollout" not in _plan("qwen3-30b-a3b.yaml", "algo.router_replay=none").kept
     assert _value(plan, "rollout.engine") == "hf"
     assert any(n.startswith("vLLM (not installed") for n in plan.not_rehearsed)
     assert _value(plan, "rollout.engine") == "hf"

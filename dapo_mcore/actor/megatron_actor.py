@@ -39,6 +39,7 @@ class ActorSettings:
     virtual_pipeline: int | None = None
     sequence_parallel: bool = False
     expert_parallel: int = 1  # MoE models: experts split over this many ranks inside data parallel
+    expert_tensor_parallel: int | None = None  # MoE models: each expert split this many ways (None: = TP)
     router_replay: bool = False  # MoE models: replay the engine's routes (algo.router_replay=rollout; model/moe.py)
     layer_spec: str = "local"
     attention: str = "auto"  # core attention of the local spec: auto (= sdpa) | sdpa | megatron_local
@@ -170,7 +171,8 @@ class MegatronActor:
             settings.hf_config, tensor_parallel=settings.tensor_parallel, pipeline_parallel=settings.pipeline_parallel,
             virtual_pipeline=settings.virtual_pipeline, sequence_parallel=settings.sequence_parallel,
             params_dtype=settings.params_dtype, recompute=settings.recompute, fp8=settings.fp8,
-            expert_parallel=settings.expert_parallel, routing_replay=settings.router_replay)
+            expert_parallel=settings.expert_parallel, routing_replay=settings.router_replay,
+            expert_tensor_parallel=settings.expert_tensor_parallel, layer_spec_kind=settings.layer_spec)
         # Micro-batches of different shapes cross the pipeline with a shape handshake before each transfer; under
         # Megatron's interleaved schedule (virtual stages) that handshake deadlocks (seen at PP=2: the two stages
         # post different numbers of transfers where warm-up meets the steady state, and the shape and data messages

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from dapo_mcore.weights import checkpoint as wckpt
-from dapo_mcore.weights.live import live_ep_rank, live_layout, live_tensors
+from dapo_mcore.weights.live import live_ep_rank, live_layout, live_tensors, writer_of_rank_file
 from dapo_mcore.weights.safetensors_io import dtype_name
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -68,15 +68,13 @@ def save_optimizer(actor, directory: Path, *, write: bool, write_meta: bool) -> 
     """Write this rank's Adam state under `directory` (= ``<checkpoint>/optim``); the directory exists.
 
     `write`: this rank writes its (tp, pp) files (DP rank 0); `write_meta`: it writes the metadata (global rank 0).
-    With expert parallelism each expert-parallel rank holds other experts' moments: the first replica of each
-    (expert-data-parallel rank 0) writes its (tp, pp, ep) files instead, as the model's files are written.
+    With expert parallelism each expert-parallel rank holds other experts' moments: one replica of each (tp, pp,
+    ep) rank file writes it instead, as the model's files are written (``weights.live.writer_of_rank_file``).
     """
     targets, layout, tp_rank, pp_rank = _targets(actor)
     ep_rank = live_ep_rank(layout)
     if ep_rank is not None:
-        from megatron.core import parallel_state as ps
-
-        write = ps.get_expert_data_parallel_rank() == 0
+        write = writer_of_rank_file(layout, tp_rank, ep_rank)
     kinds = list(MOMENTS) + ([MAIN_PARAMS] if _has_main_params(actor, targets, layout) else [])
     if write:
         for kind in kinds:

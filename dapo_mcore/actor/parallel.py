@@ -144,34 +144,44 @@ def check_shared_dir(path: Path, key: str = "run.dir") -> None:
 
 
 def expert_layout_error(world_size: int, tensor_parallel: int, pipeline_parallel: int,
-                        expert_parallel: int) -> str | None:
-    """Why Megatron cannot lay out `expert_parallel` on this world (one line with the fix), or None.
+                        expert_parallel: int, expert_tensor_parallel: int | None = None) -> str | None:
+    """Why Megatron cannot lay out `expert_parallel` x `expert_tensor_parallel` on this world (one line with the
+    fix), or None.
 
-    world = TP x PP x DP for the dense part; the experts of each layer are split over `expert_parallel` ranks taken
-    inside the data-parallel group (expert tensor parallel = TP, Megatron's default), so EP must divide DP."""
+    world = TP x PP x DP for the dense part and ETP x EP x PP x expert-DP for the experts (Megatron's expert grid,
+    ``initialize_model_parallel``): each layer's experts are split over EP ranks and each expert over ETP ranks,
+    so ETP x EP must divide world / PP. ETP must divide TP (None: = TP, Megatron's default), so that a rank's
+    expert-TP rank is its TP rank modulo ETP (the weights' layout relies on it)."""
+    etp = tensor_parallel if expert_tensor_parallel is None else expert_tensor_parallel
     if expert_parallel < 1:
         return f"parallel.expert_parallel={expert_parallel} must be >= 1."
+    if etp < 1 or tensor_parallel % etp:
+        fits = ", ".join(str(d) for d in range(1, tensor_parallel + 1) if tensor_parallel % d == 0)
+        return (f"parallel.expert_tensor_parallel={etp} must divide parallel.tensor_parallel={tensor_parallel}; use "
+                f"one of {fits} (1 keeps every expert whole, Megatron's MoE recipes' choice).")
     model_parallel = tensor_parallel * pipeline_parallel
     if world_size % model_parallel:
         return None  # the dense layout's own check names this
-    dp = world_size // model_parallel
-    if dp % expert_parallel:
-        fits = ", ".join(str(d) for d in range(1, dp + 1) if dp % d == 0)
-        return (f"parallel.expert_parallel={expert_parallel} must divide the data-parallel size {dp} (world "
-                f"{world_size} / tensor_parallel {tensor_parallel} / pipeline_parallel {pipeline_parallel}): Megatron "
-                f"takes the expert-parallel ranks inside the data-parallel group; use one of {fits} or launch "
-                f"{model_parallel * expert_parallel}*k processes.")
+    per_stage = world_size // pipeline_parallel
+    if per_stage % (etp * expert_parallel):
+        fits = ", ".join(str(d) for d in range(1, per_stage // etp + 1) if per_stage % (d * etp) == 0)
+        return (f"parallel.expert_parallel={expert_parallel} x expert_tensor_parallel={etp} must divide the "
+                f"{per_stage} ranks of a pipeline stage (world {world_size} / pipeline_parallel {pipeline_parallel}): "
+                f"Megatron lays the experts out over them; use an expert_parallel among {fits} or launch "
+                f"{pipeline_parallel * etp * expert_parallel}*k processes.")
     return None
 
 
 def init_model_parallel(tensor_parallel: int, pipeline_parallel: int, virtual_pipeline: int | None = None,
-                        seed: int = 1234, timeout_minutes: float = 10, expert_parallel: int = 1) -> None:
-    """Create Megatron's TP/PP/DP (and expert-parallel) groups and seed its RNG tracker."""
+                        seed: int = 1234, timeout_minutes: float = 10, expert_parallel: int = 1,
+                        expert_tensor_parallel: int | None = None) -> None:
+    """Create Megatron's TP/PP/DP (and expert-parallel, expert-TP) groups and seed its RNG tracker
+    (``expert_tensor_parallel`` None: = TP, Megatron's default)."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel as tp
 
     problem = expert_layout_error(dist.get_world_size() if dist.is_initialized() else 1, tensor_parallel,
-                                  pipeline_parallel, expert_parallel)
+                                  pipeline_parallel, expert_parallel, expert_tensor_parallel)
     if problem:
         raise ValueError(problem)
     if ps.model_parallel_is_initialized():
@@ -181,11 +191,13 @@ def init_model_parallel(tensor_parallel: int, pipeline_parallel: int, virtual_pi
         pipeline_model_parallel_size=pipeline_parallel,
         virtual_pipeline_model_parallel_size=virtual_pipeline,
         expert_model_parallel_size=expert_parallel,
+        expert_tensor_parallel_size=expert_tensor_parallel,
         distributed_timeout_minutes=timeout_minutes,
     )
     tp.model_parallel_cuda_manual_seed(seed)
-    log.info("model parallel: TP=%d PP=%d VPP=%s DP=%d EP=%d", tensor_parallel, pipeline_parallel, virtual_pipeline,
-             ps.get_data_parallel_world_size(), expert_parallel)
+    log.info("model parallel: TP=%d PP=%d VPP=%s DP=%d EP=%d ETP=%d", tensor_parallel, pipeline_parallel,
+             virtual_pipeline, ps.get_data_parallel_world_size(), expert_parallel,
+             ps.get_expert_tensor_parallel_world_size())
 
 
 def shutdown() -> None:

@@ -132,13 +132,13 @@ def _schedule_line(cfg: Config) -> str:
 
 
 def _expert_line(cfg: Config, hf: dict, world_size: int) -> str | None:
-    from dapo_mcore.config.rules import vllm_data_parallel
+    from dapo_mcore.config.rules import vllm_data_parallel, vllm_engine_count
     from dapo_mcore.model.moe import describe_experts
 
     vllm = ((cfg.rollout.vllm.tensor_parallel, vllm_data_parallel(cfg, world_size))
             if cfg.rollout.engine == "vllm" else None)
     return describe_experts(hf, cfg.parallel.tensor_parallel, cfg.parallel.expert_parallel, cfg.algo.router_replay,
-                            vllm)
+                            vllm, cfg.parallel.expert_tensor_parallel, vllm_engine_count(cfg, world_size))
 
 
 def _process_lines(cfg: Config, world_size: int) -> list[str]:

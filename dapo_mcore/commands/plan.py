@@ -12,6 +12,7 @@ import sys
 from dataclasses import asdict, fields
 from typing import Any
 
+from dapo_mcore.config.rules import expert_tensor_parallel
 from dapo_mcore.plan import disagg as plan_disagg
 from dapo_mcore.plan.fit import LayoutDoesNotFit, Names, check
 from dapo_mcore.plan.planner import (
@@ -37,10 +38,10 @@ def plan_input_from_config(cfg: Any, world_size: int, **planner_settings: Any) -
     derived = dict(
         model=cfg.model.hf_config(cfg.tiny_base.preset), tensor_parallel=p.tensor_parallel, pipeline_parallel=p.pipeline_parallel,
         data_parallel=world_size // (p.tensor_parallel * p.pipeline_parallel), virtual_pipeline=p.virtual_pipeline or 1,
-        expert_parallel=p.expert_parallel,
+        expert_parallel=p.expert_parallel, expert_tensor_parallel=expert_tensor_parallel(cfg) or 0,
         micro_batch_tokens=cfg.train.micro_batch_tokens, recompute=cfg.model.recompute, precision=precision,
         distributed_optimizer=p.distributed_optimizer, colocate_vllm=cfg.rollout.engine == "vllm",
-        vllm_tensor_parallel=cfg.rollout.vllm.tensor_parallel,
+        vllm_tensor_parallel=cfg.rollout.vllm.tensor_parallel, vllm_engines=cfg.rollout.vllm.engines,
         vllm_gpu_memory_utilization=cfg.rollout.vllm.gpu_memory_utilization, vllm_sleep_level=cfg.rollout.vllm.sleep_level,
         max_prompt_len=cfg.data.max_prompt_len,
         max_response_len=cfg.rollout.max_new_tokens, rollout_prompts=cfg.train.prompts_per_step,
@@ -50,6 +51,22 @@ def plan_input_from_config(cfg: Any, world_size: int, **planner_settings: Any) -
         **TRAINER_FIXED,
     )
     return PlanInput(**derived, **planner_settings)
+
+
+def moe_decode_lines(plan: PlanInput) -> list[str]:
+    """An MoE model's decode model for the configured engines and, beside it, for the other engine layout
+    (``rollout.vllm.engines``; ``plan.moe_decode``); nothing for a dense model."""
+    from dapo_mcore.plan.planner import moe_generation
+
+    lockstep = plan.vllm_engines == "data_parallel"
+    mine, other = moe_generation(plan), moe_generation(plan, lockstep=not lockstep)
+    if mine is None or other is None:
+        return []
+    engines, gpus = plan.tensor_parallel * plan.pipeline_parallel * plan.data_parallel, plan.vllm_tensor_parallel
+    switch = "rollout.vllm.engines=" + ("instances" if lockstep else "data_parallel")
+    return [mine.describe(engines // gpus, gpus, lockstep=lockstep),
+            f"  with {switch}: {other.seconds / 60:.1f} min per generation batch ({other.step.seconds * 1e3:.1f} ms "
+            f"per step, dispatch {other.step.dispatch_s * 1e3:.1f})"]
 
 
 def validate_config_layout(cfg: Any, world_size: int) -> None:
@@ -224,13 +241,17 @@ def main(argv: list[str] | None = None) -> int:
         print(format_report(plan, est, flops))
         from dapo_mcore.model.moe import describe_experts
 
+        engines = max(1, (engine_ranks or plan.tensor_parallel * plan.pipeline_parallel * plan.data_parallel)
+                      // plan.vllm_tensor_parallel)
+        dp = 1 if plan.vllm_engines == "instances" else engines
         experts = describe_experts(plan.model, plan.tensor_parallel, plan.expert_parallel,
                                    None if cfg is None else cfg.algo.router_replay,
-                                   (plan.vllm_tensor_parallel, max(1, (engine_ranks or plan.tensor_parallel *
-                                    plan.pipeline_parallel * plan.data_parallel) // plan.vllm_tensor_parallel))
-                                   if plan.colocate_vllm or engine_ranks else None)
+                                   (plan.vllm_tensor_parallel, dp) if plan.colocate_vllm or engine_ranks else None,
+                                   plan.expert_tp, engines)
         if experts:
             print(experts)
+        for line in moe_decode_lines(plan):
+            print(line)
     try:
         check(plan, names, max_tp)
     except LayoutDoesNotFit as err:

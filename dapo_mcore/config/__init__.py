@@ -153,6 +153,13 @@ class ParallelConfig:
     """MoE models (qwen3_moe): split each layer's experts over this many ranks, taken inside the data-parallel group
     (must divide num_experts and world / (tensor_parallel x pipeline_parallel)); tokens reach their experts by
     all-to-all. 1 = every rank holds every expert."""
+    expert_tensor_parallel: int = 1
+    """MoE models: split each expert's weights over this many ranks (Megatron's expert tensor parallelism; must
+    divide tensor_parallel and moe_intermediate_size). 1 (Megatron's MoE recipes' choice) keeps every expert whole:
+    no all-gather of the routed tokens over the tensor-parallel group, one GEMM per expert per layer (grouped GEMM
+    with Transformer Engine); tensor_parallel splits only attention and the dense layers. The expert-parallel group
+    then spans the tensor-parallel ranks: expert_parallel x expert_tensor_parallel must divide
+    world / pipeline_parallel. Ignored for a dense model."""
     distributed_optimizer: bool = False
     """Shard optimizer state over data-parallel ranks (needs NCCL: GPU only)."""
     offload_for_rollout: bool = False
@@ -222,6 +229,14 @@ class VLLMConfig:
     sleep_level: Literal[1, 2] = 2
     """Sleep mode level while the actor trains: 1 offloads weights to pinned host memory and back every step; 2
     discards them, which is right here since the weight sync overwrites every weight before each generation."""
+    engines: Literal["data_parallel", "instances"] = "data_parallel"
+    """How the vLLM engines (one per tensor_parallel ranks) relate. data_parallel: one vLLM data-parallel group over
+    all of them (``data_parallel_size`` = engine ranks / tensor_parallel): they step in lockstep, and an MoE model's
+    experts are split over all their GPUs, across nodes. instances: each engine is an independent vLLM instance
+    (vLLM's external data parallelism, ``data_parallel_size=1``): an MoE model's experts are split over the
+    instance's own GPUs only (expert parallel = tensor_parallel, inside a node when tensor_parallel <= 8), no
+    collective between engines, and routing replay works (Model Runner V2 at data-parallel 1). The project's engine
+    groups spread each call over the engines either way."""
 
 
 @dataclass

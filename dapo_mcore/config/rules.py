@@ -73,9 +73,10 @@ def validate_layout(cfg: Config, world_size: int, launched: int | None = None) -
         raise ConfigError("parallel.virtual_pipeline needs parallel.pipeline_parallel >= 2; unset it or raise pipeline_parallel.")
     if p.sequence_parallel and p.tensor_parallel < 2:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tensor_parallel >= 2.")
-    if p.sequence_parallel and cfg.model.layer_spec == "local":
-        raise ConfigError("parallel.sequence_parallel=true needs model.layer_spec=transformer_engine: the local spec's "
-                          "torch RMSNorm has no sequence parallelism (Megatron asserts on every rank); set "
+    if p.sequence_parallel and cfg.model.layer_spec == "local" and cfg.model.hf_config(
+            cfg.tiny_base.preset).get("model_type") != "qwen3_moe":
+        raise ConfigError("parallel.sequence_parallel=true needs model.layer_spec=transformer_engine for a dense model "
+                          "(the local spec runs it for MoE models only, where Megatron needs it with TP); set "
                           "parallel.sequence_parallel=false or model.layer_spec=transformer_engine.")
     _validate_experts(cfg, cfg.model.hf_config(cfg.tiny_base.preset), world_size)
     _validate_vllm_replay(cfg, world_size if launched is None else launched)
@@ -107,9 +108,13 @@ def _validate_experts(cfg: Config, hf: dict, world_size: int) -> None:
         check_expert_parallel(shape, p.expert_parallel)
     except MoEConfigError as exc:
         raise ConfigError(str(exc)) from None
-    problem = expert_layout_error(world_size, p.tensor_parallel, p.pipeline_parallel, p.expert_parallel)
+    problem = expert_layout_error(world_size, p.tensor_parallel, p.pipeline_parallel, p.expert_parallel,
+                                  p.expert_tensor_parallel if shape is not None else None)
     if problem:
         raise ConfigError(problem)
+    if shape is not None and shape.moe_ffn_hidden_size % p.expert_tensor_parallel:
+        raise ConfigError(f"parallel.expert_tensor_parallel={p.expert_tensor_parallel} does not divide "
+                          f"moe_intermediate_size={shape.moe_ffn_hidden_size}; use 1 (every expert whole).")
     if cfg.algo.router_replay == "rollout":
         if shape is None:
             raise ConfigError("algo.router_replay=rollout needs an MoE model (model_type qwen3_moe); set "
@@ -118,21 +123,31 @@ def _validate_experts(cfg: Config, hf: dict, world_size: int) -> None:
             raise ConfigError("algo.router_replay=rollout with rollout.schedule.partial: a resumed partial response "
                               "carries no routes for its earlier tokens in this version; set rollout.schedule.partial="
                               "false or algo.router_replay=none.")
-        if cfg.model.recompute != "none":
-            raise ConfigError(f"algo.router_replay=rollout with model.recompute={cfg.model.recompute}: recomputed "
-                              "forwards would replay another micro-batch's routes; set model.recompute=none.")
     if shape is not None and p.tensor_parallel > 1 and not p.sequence_parallel:
         raise ConfigError(f"parallel.tensor_parallel={p.tensor_parallel} with an MoE model needs "
-                          "parallel.sequence_parallel=true (Megatron requires it for MoE with TP), which needs "
-                          "model.layer_spec=transformer_engine; on CPU split the model with parallel.expert_parallel "
-                          "and parallel.pipeline_parallel instead.")
+                          "parallel.sequence_parallel=true (Megatron requires it for MoE with TP).")
 
 
-def vllm_data_parallel(cfg: Config, launched: int) -> int:
-    """vLLM's data-parallel size: the ranks running engines (all of them colocated, the engine ranks in async mode)
+def expert_tensor_parallel(cfg: Config) -> int | None:
+    """The expert-TP size Megatron is given: ``parallel.expert_tensor_parallel`` for an MoE model, None (Megatron's
+    default, = TP, and nothing to split) for a dense one."""
+    from dapo_mcore.model.moe import MOE_MODEL_TYPES
+
+    moe = cfg.model.hf_config(cfg.tiny_base.preset).get("model_type") in MOE_MODEL_TYPES
+    return cfg.parallel.expert_tensor_parallel if moe else None
+
+
+def vllm_engine_count(cfg: Config, launched: int) -> int:
+    """How many vLLM engines run: the ranks running engines (all of them colocated, the engine ranks in async mode)
     over rollout.vllm.tensor_parallel."""
     engines = cfg.rollout.pipeline.engine_ranks if cfg.rollout.pipeline.mode == "async" else launched
     return max(1, engines // cfg.rollout.vllm.tensor_parallel)
+
+
+def vllm_data_parallel(cfg: Config, launched: int) -> int:
+    """vLLM's data-parallel size: every engine in one group (rollout.vllm.engines=data_parallel), or 1 for
+    independent instances."""
+    return 1 if cfg.rollout.vllm.engines == "instances" else vllm_engine_count(cfg, launched)
 
 
 def _validate_vllm_replay(cfg: Config, launched: int) -> None:
@@ -142,13 +157,12 @@ def _validate_vllm_replay(cfg: Config, launched: int) -> None:
         return
     dp = vllm_data_parallel(cfg, launched)
     if dp > 1:
-        engines = (f"rollout.pipeline.engine_ranks={cfg.rollout.pipeline.engine_ranks}"
-                   if cfg.rollout.pipeline.mode == "async" else f"{launched} colocated ranks")
-        raise ConfigError(f"algo.router_replay=rollout with vLLM data-parallel {dp} ({engines} / "
-                          f"rollout.vllm.tensor_parallel={cfg.rollout.vllm.tensor_parallel}): vLLM returns routed "
-                          f"experts only from Model Runner V2, and its engine groups stay in lockstep only on the V1 "
-                          f"runner; set algo.router_replay=none (algo.tis_cap bounds what routing mismatch is left) or run one "
-                          f"engine group (rollout.vllm.tensor_parallel={dp * cfg.rollout.vllm.tensor_parallel}).")
+        raise ConfigError(f"algo.router_replay=rollout with vLLM data-parallel {dp} (rollout.vllm.engines=data_parallel: "
+                          f"{dp} engines of rollout.vllm.tensor_parallel={cfg.rollout.vllm.tensor_parallel} in one "
+                          f"group): vLLM returns routed experts only from Model Runner V2, and a data-parallel group "
+                          f"stays in lockstep only on the V1 runner; set rollout.vllm.engines=instances (each engine an "
+                          f"independent vLLM instance, data-parallel 1), or algo.router_replay=none (algo.tis_cap "
+                          f"bounds what routing mismatch is left).")
 
 
 def validate_batches(cfg: Config, world_size: int) -> None:

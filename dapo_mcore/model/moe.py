@@ -24,6 +24,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 MOE_MODEL_TYPES = ("qwen3_moe",)
+GPUS_PER_NODE = 8
+"""The cluster's GPUs per node (H100 HGX) for where an expert-parallel group lies."""
 
 
 class MoEConfigError(ValueError):
@@ -100,9 +102,13 @@ def check_expert_parallel(shape: MoEShape | None, expert_parallel: int) -> None:
                              f"{shape.num_experts}; use one of {', '.join(map(str, ok))}.")
 
 
-def moe_transformer_kwargs(hf: dict[str, Any], *, expert_parallel: int = 1,
-                           routing_replay: bool = False) -> dict[str, Any]:
-    """TransformerConfig keyword arguments for the MoE part of `hf` (empty for a dense model)."""
+def moe_transformer_kwargs(hf: dict[str, Any], *, expert_parallel: int = 1, routing_replay: bool = False,
+                           expert_tensor_parallel: int | None = None, layer_spec: str = "local") -> dict[str, Any]:
+    """TransformerConfig keyword arguments for the MoE part of `hf` (empty for a dense model).
+
+    ``expert_tensor_parallel`` None leaves Megatron's default (= TP). With the Transformer Engine spec the experts
+    are one ``TEGroupedMLP`` per layer (``moe_grouped_gemm``: one grouped GEMM over the local experts instead of a
+    GEMM per expert); the local spec keeps ``SequentialMLP`` (grouped GEMM is a GPU kernel)."""
     shape = MoEShape.from_hf(hf)
     check_expert_parallel(shape, expert_parallel)
     if shape is None:
@@ -118,9 +124,10 @@ def moe_transformer_kwargs(hf: dict[str, Any], *, expert_parallel: int = 1,
         moe_aux_loss_coeff=shape.aux_loss_coeff,
         moe_router_dtype="fp32",  # HF takes the router softmax in float32
         moe_token_dispatcher_type="alltoall",
-        moe_grouped_gemm=False,
+        moe_grouped_gemm=layer_spec == "transformer_engine",
         moe_enable_routing_replay=routing_replay,
         expert_model_parallel_size=expert_parallel,
+        **({} if expert_tensor_parallel is None else {"expert_tensor_parallel_size": expert_tensor_parallel}),
         moe_permute_fusion=False,
         moe_router_fusion=False,
     )
@@ -150,6 +157,7 @@ def define_missing_te_names() -> None:
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     _split_sizes_as_lists()
+    _uneven_sequence_collectives()
 
 
 class _AllToAll(torch.autograd.Function):
@@ -182,6 +190,53 @@ def _dispatcher_all_to_all(group, input_, output_split_sizes_=None, input_split_
     return _AllToAll.apply(group, input_, as_list(output_split_sizes_), as_list(input_split_sizes))
 
 
+def _uneven_gather(input_, group, output_split_sizes=None, use_global_buffer=False, *, _even=None):
+    """Megatron's ``_gather_along_first_dim`` with uneven ``output_split_sizes`` as one all-to-all (gloo has no
+    uneven all-gather): every rank sends its rows to every rank."""
+    if output_split_sizes is None or group.size() == 1:
+        return _even(input_, group, output_split_sizes, use_global_buffer)
+    from dapo_mcore.collectives.device import collective_device
+
+    device = collective_device(group)
+    rows = int(input_.shape[0])
+    source = device.to(input_.contiguous().repeat(group.size(), *([1] * (input_.dim() - 1))))
+    output = device.to(input_.new_empty((sum(output_split_sizes), *input_.shape[1:])))
+    dist.all_to_all_single(output, source, output_split_sizes=[int(n) for n in output_split_sizes],
+                           input_split_sizes=[rows] * group.size(), group=group)
+    return output
+
+
+def _uneven_reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False, *, _even=None):
+    """Megatron's ``_reduce_scatter_along_first_dim`` with uneven ``input_split_sizes`` as one all-to-all and a sum
+    (gloo has no uneven reduce-scatter): rank r receives every rank's block r and adds them up."""
+    if input_split_sizes is None or group.size() == 1:
+        return _even(input_, group, input_split_sizes, use_global_buffer)
+    from dapo_mcore.collectives.device import collective_device
+
+    device = collective_device(group)
+    mine = int(input_split_sizes[group.rank()])
+    received = device.to(input_.new_empty((group.size() * mine, *input_.shape[1:])))
+    dist.all_to_all_single(received, device.to(input_.contiguous()), output_split_sizes=[mine] * group.size(),
+                           input_split_sizes=[int(n) for n in input_split_sizes], group=group)
+    return received.view(group.size(), mine, *input_.shape[1:]).sum(dim=0)
+
+
+def _uneven_sequence_collectives() -> None:
+    """The expert-TP all-gather of routed tokens (and its reduce-scatter in backward), made to run on gloo:
+    Megatron passes uneven split sizes to ``torch.distributed.all_gather`` / ``reduce_scatter``, which gloo refuses
+    ("invalid tensor size"). Same values, same gradients (the autograd functions around them are Megatron's)."""
+    from functools import partial
+
+    from megatron.core.tensor_parallel import mappings
+
+    if torch.cuda.is_available() or getattr(mappings, "_dapo_uneven", False):
+        return
+    mappings._gather_along_first_dim = partial(_uneven_gather, _even=mappings._gather_along_first_dim)
+    mappings._reduce_scatter_along_first_dim = partial(_uneven_reduce_scatter,
+                                                       _even=mappings._reduce_scatter_along_first_dim)
+    mappings._dapo_uneven = True
+
+
 def _split_sizes_as_lists() -> None:
     """The all-to-all token dispatcher's exchange, made to run on CPU/gloo: megatron-core 0.16.1 passes its split
     sizes to ``all_to_all_single`` as numpy arrays (``maybe_move_tensor_to_cpu(as_numpy=True)``), which torch 2.13's
@@ -208,26 +263,45 @@ def moe_block_spec(tconfig, kind: str, core_attention=None, vp_stage: int | None
         from megatron.core.extensions.transformer_engine import TENorm as norm
     else:
         norm = LNImpl
-    return TransformerBlockSubmodules(layer_specs=specs[offset: offset + count], layer_norm=norm)
+    block = TransformerBlockSubmodules(layer_specs=specs[offset: offset + count], layer_norm=norm)
+    if kind == "local" and tconfig.sequence_parallel:
+        from dapo_mcore.model.norm import with_sequence_parallel_norms
+
+        block = with_sequence_parallel_norms(block)
+    return block
 
 
 def describe_experts(hf: dict[str, Any], tensor_parallel: int, expert_parallel: int, router_replay: str | None = None,
-                     vllm: tuple[int, int] | None = None) -> str | None:
-    """One line on the expert layout of an MoE model (None for a dense one): experts and top-k, EP, expert-TP (=TP,
-    Megatron's default: the dispatcher all-gathers the routed tokens over it), experts per rank, routing replay and,
-    for vLLM, how its engines split the experts (``vllm`` = (tensor parallel, data parallel))."""
+                     vllm: tuple[int, int] | None = None, expert_tensor_parallel: int | None = None,
+                     vllm_engines: int | None = None) -> str | None:
+    """One line on the expert layout of an MoE model (None for a dense one): experts and top-k, EP, expert-TP (None:
+    = TP, Megatron's default, over which the dispatcher all-gathers the routed tokens), experts per rank, routing
+    replay and, for vLLM, how its engines split the experts (``vllm`` = (tensor parallel, data parallel);
+    ``vllm_engines``: how many engines run, when more than one data-parallel group: independent instances)."""
     shape = MoEShape.from_hf(hf)
     if shape is None:
         return None
+    etp = tensor_parallel if expert_tensor_parallel is None else expert_tensor_parallel
+    how = ("= TP: routed tokens all-gathered over it" if etp == tensor_parallel and etp > 1 else
+           "every expert whole" if etp == 1 else f"each expert split {etp} ways")
     line = (f"experts: {shape.num_experts} per MoE layer ({len(shape.moe_layers)} of {hf['num_hidden_layers']} "
-            f"layers), top-{shape.topk}; EP={expert_parallel}, expert-TP={tensor_parallel} (= TP), "
+            f"layers), top-{shape.topk}; EP={expert_parallel}, expert-TP={etp} ({how}), "
             f"{shape.num_experts // expert_parallel} experts per rank")
+    if expert_parallel > 1:  # Megatron's expert grid: an EP group's ranks lie etp apart
+        span = etp * expert_parallel
+        line += (f" (EP group within {span} consecutive ranks: "
+                 f"{'one node' if span <= GPUS_PER_NODE else 'crosses nodes'})")
     if router_replay is not None:
         line += f"; router replay: {router_replay}"
     if vllm is not None:
         ranks = vllm[0] * vllm[1]
-        line += (f"; vLLM: {shape.num_experts // ranks if ranks > 1 else shape.num_experts} experts per GPU "
-                 f"(expert parallel over {ranks})" if ranks > 1 else "; vLLM: all experts on one GPU")
+        where = ("within one node" if ranks <= GPUS_PER_NODE else
+                 f"{-(-ranks // GPUS_PER_NODE)} nodes of {GPUS_PER_NODE} GPUs: every MoE layer's exchange crosses nodes")
+        count = vllm_engines or vllm[1]
+        engines = (f"{vllm[1]} engines of TP={vllm[0]} in one data-parallel group" if vllm[1] > 1 else
+                   f"{count} independent engines of TP={vllm[0]}" if count > 1 else "one engine")
+        line += (f"; vLLM: {engines}, {max(1, shape.num_experts // ranks)} experts per GPU, expert parallel over "
+                 f"{ranks} GPUs ({where})" if ranks > 1 else "; vLLM: all experts on one GPU")
     return line
 
 
@@ -307,6 +381,12 @@ class RouterReplay:
     router used with the engine's on the tokens the engine recorded (``known``): `mismatch` is the fraction of
     (token, layer) pairs whose top-k sets differ (0 with replay on, by construction; what replay removes, off).
     Token order is Megatron's: the router sees ``[seq, batch]`` flattened sequence-major.
+
+    Recompute (``model.recompute`` selective or full): a recomputed forward runs in the backward pass, after later
+    micro-batches' forwards under a pipeline schedule. Each router keeps the routes of every micro-batch of the call
+    in forward order (Megatron's ``replay_backward_list``), and a pre-hook switches it to ``REPLAY_BACKWARD`` while
+    autograd runs a backward, which takes them in the same order (1F1B runs backwards in forward order, per model
+    chunk), so the recomputed forward routes each micro-batch as its forward did. `end` drops them after the call.
     """
 
     def __init__(self, chunks: list, moe_layers: tuple[int, ...], replay: bool, sequence_parallel: bool = False):
@@ -321,6 +401,7 @@ class RouterReplay:
         self.current: tuple[Tensor, Tensor] | None = None
         self.differ = self.counted = 0.0
         for router in self.routers:
+            router.register_forward_pre_hook(self._direction)
             router.register_forward_hook(self._compare)
 
     def _tokens_major(self, t: Tensor) -> Tensor:
@@ -334,6 +415,7 @@ class RouterReplay:
         return t.reshape(-1, *t.shape[2:])
 
     def begin(self, routes: Tensor | None, known: Tensor | None) -> None:
+        """Before a micro-batch's forward: its routes (appended to each router's list for a recompute)."""
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         self.current = None if routes is None else (self._tokens_major(routes), self._tokens_major(known))
@@ -341,7 +423,6 @@ class RouterReplay:
             rr = router.router_replay
             if rr is None:
                 continue
-            rr.clear_indices()
             if self.replay and self.current is not None:
                 rr.set_target_indices(self.current[0][:, self.ordinal[id(router)]].contiguous())
                 rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
@@ -349,10 +430,29 @@ class RouterReplay:
                 rr.clear_router_replay_action()
 
     def end(self) -> None:
-        self.begin(None, None)
+        """After a forward-backward call: no routes left for the next one."""
+        self.current = None
+        for router in self.routers:
+            if router.router_replay is not None:
+                router.router_replay.clear_indices()
+                router.router_replay.clear_router_replay_action()
+
+    @staticmethod
+    def _in_backward() -> bool:
+        """True while autograd runs a backward pass (a recomputed forward runs inside it)."""
+        return torch._C._current_graph_task_id() != -1
+
+    def _direction(self, router, _inputs) -> None:
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        rr = router.router_replay
+        if rr is None or rr.router_replay_action is None:
+            return
+        rr.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD if self._in_backward()
+                                    else RouterReplayAction.REPLAY_FORWARD)
 
     def _compare(self, router, _inputs, output) -> None:
-        if self.current is None:
+        if self.current is None or self._in_backward():  # a recomputed forward is not counted twice
             return
         routes, known = self.current
         used = output[1].detach().cpu()

@@ -32,10 +32,13 @@ def transformer_config(hf: dict[str, Any], *, tensor_parallel: int = 1, pipeline
                        virtual_pipeline: int | None = None, sequence_parallel: bool = False,
                        params_dtype: torch.dtype = torch.float32, recompute: str = "none",
                        fp8: Any = None, use_cpu_initialization: bool | None = None, deterministic: bool = True,
-                       expert_parallel: int = 1, routing_replay: bool = False):
+                       layer_spec_kind: str = "local",
+                       expert_parallel: int = 1, routing_replay: bool = False,
+                       expert_tensor_parallel: int | None = None):
     """Derive Megatron-Core's ``TransformerConfig`` from a Hugging Face Qwen2/Qwen3 config dict (Qwen3: q/k
     RMSNorm per head = ``qk_layernorm``, no QKV bias, ``kv_channels`` = its own ``head_dim``; Qwen3-MoE: the
-    experts, router and dense/sparse layer pattern from model/moe.py)."""
+    experts, router and dense/sparse layer pattern from model/moe.py; ``expert_tensor_parallel`` None = TP,
+    Megatron's default; a dense model ignores it)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     shape = QwenShape.from_hf(hf)
@@ -79,7 +82,8 @@ def transformer_config(hf: dict[str, Any], *, tensor_parallel: int = 1, pipeline
         deterministic_mode=deterministic and not torch.cuda.is_available(),
         **recompute_kwargs,
         **fp8_transformer_kwargs(fp8),
-        **moe_transformer_kwargs(hf, expert_parallel=expert_parallel, routing_replay=routing_replay),
+        **moe_transformer_kwargs(hf, expert_parallel=expert_parallel, routing_replay=routing_replay,
+                                 expert_tensor_parallel=expert_tensor_parallel, layer_spec=layer_spec_kind),
     )
 
 

@@ -68,6 +68,10 @@ class PlanInput:
     expert_parallel: int = 1
     """MoE: each layer's experts split over this many ranks inside the data-parallel group (weights and grads of
     experts / EP per GPU; with the distributed optimizer their Adam state is sharded over DP / EP replicas)."""
+    expert_tensor_parallel: int = 0
+    """MoE: each expert split over this many ranks (Megatron's expert-TP; 0 = tensor_parallel, Megatron's
+    default). Expert weights and grads per GPU are experts / (EP x ETP); below TP the dispatcher no longer
+    all-gathers the routed tokens over the TP group, so their activations divide by TP (``plan.activations``)."""
     virtual_pipeline: int = 1
     """Interleaved pipeline chunks per stage (1 = plain 1F1B)."""
     micro_batch_tokens: int = 22528
@@ -90,6 +94,9 @@ class PlanInput:
     """vLLM shares the trainer's GPUs (sleep mode between phases)."""
     vllm_tensor_parallel: int = 4
     """vLLM tensor-parallel size."""
+    vllm_engines: str = "data_parallel"
+    """data_parallel: the vLLM engines form one data-parallel group (lockstep; an MoE model's experts over all of
+    them); instances: independent engines (an MoE model's experts within each). Prices MoE decoding."""
     vllm_gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory vLLM may use while awake (weights + workspace + KV cache)."""
     vllm_workspace_gib: float = 2.0
@@ -140,6 +147,11 @@ class PlanInput:
     decode_mfu: float = 0.10
     """Assumed MFU of generation (decoding is memory-bound), for the step-time estimate."""
 
+    @property
+    def expert_tp(self) -> int:
+        """The experts' tensor-parallel size (``expert_tensor_parallel``, or TP when unset)."""
+        return self.expert_tensor_parallel or self.tensor_parallel
+
     def validate(self) -> None:
         """Raise ValueError naming the fix for an impossible layout."""
         shape = ModelShape.from_hf(self.model)
@@ -157,10 +169,13 @@ class PlanInput:
             ok = [d for d in range(1, shape.layers + 1) if shape.layers % d == 0]
             raise ValueError(f"pipeline_parallel*virtual_pipeline={chunks} must divide num_hidden_layers="
                              f"{shape.layers}; use a product in {ok}")
-        if self.expert_parallel < 1 or self.data_parallel % self.expert_parallel or (
+        etp = self.expert_tp
+        if self.expert_parallel < 1 or etp < 1 or tp % etp or (tp * self.data_parallel) % (etp * self.expert_parallel) or (
                 self.expert_parallel > 1 and (not shape.experts or shape.experts % self.expert_parallel)):
-            raise ValueError(f"expert_parallel={self.expert_parallel} must divide data_parallel={self.data_parallel}"
-                             f" and the model's experts ({shape.experts or 'dense model: use 1'})")
+            raise ValueError(f"expert_parallel={self.expert_parallel} x expert_tensor_parallel={etp} must divide "
+                             f"tensor_parallel x data_parallel={tp * self.data_parallel} (expert_tensor_parallel a "
+                             f"divisor of tensor_parallel={tp}), and expert_parallel the model's experts "
+                             f"({shape.experts or 'dense model: use 1'})")
         if shape.heads % self.vllm_tensor_parallel:
             raise ValueError(f"vllm_tensor_parallel={self.vllm_tensor_parallel} must divide "
                              f"num_attention_heads={shape.heads}")
@@ -177,6 +192,8 @@ class PlanInput:
             raise ValueError(f"a mini-batch of {self.mini_batch_prompts} prompts x {self.responses_per_prompt} = "
                              f"{responses} responses cannot be shared equally by data_parallel={self.data_parallel}; "
                              f"choose a layout whose data parallelism divides {responses}")
+        if self.vllm_engines not in ("data_parallel", "instances"):
+            raise ValueError(f"vllm_engines={self.vllm_engines!r}; use data_parallel or instances")
         if self.vllm_sleep_level not in (1, 2):
             raise ValueError(f"vllm_sleep_level={self.vllm_sleep_level}; use 1 or 2")
         if self.vllm_load_format not in ("dummy", "auto"):
@@ -236,13 +253,14 @@ def stage_params(shape: ModelShape, pp: int, stage: int) -> tuple[int, int]:
 
 
 def activation_bytes_per_token_layer(shape: ModelShape, recompute: str, act_bytes: int,
-                                     tensor_parallel: int = 1) -> float:
+                                     tensor_parallel: int = 1, expert_tensor_parallel: int | None = None) -> float:
     """Bytes one token leaves stored for backward in one layer on one rank (Transformer Engine kernels; sequence
-    parallelism when TP > 1; MoE layers with the all-to-all dispatcher's expert-TP all-gather):
+    parallelism when TP > 1; MoE layers with the all-to-all dispatcher's all-gather over expert-TP, None = TP):
     ``plan.activations``, checked against measurement."""
     from dapo_mcore.plan.activations import layer_activations
 
-    return layer_activations(shape, recompute, act_bytes, tensor_parallel).total
+    return layer_activations(shape, recompute, act_bytes, tensor_parallel,
+                             expert_tensor_parallel=expert_tensor_parallel).total
 
 
 def _persistent_bytes(p: PlanInput, params: int, linear: int) -> tuple[float, float, float, float]:
@@ -262,7 +280,8 @@ def _expert_parallel_bytes(p: PlanInput, shape: ModelShape, params: float, w: fl
     expert share of each shrinks by EP; Adam's state of the experts is sharded over the DP / EP replicas of each
     expert (distributed optimizer), i.e. the same bytes per GPU as without EP there."""
     share = shape.expert_params() / shape.layers * (shape.layers // p.pipeline_parallel) / params
-    keep = 1.0 - share * (1.0 - 1.0 / p.expert_parallel)
+    # w, g, o were counted at params / TP; an expert is split over EP x ETP ranks instead
+    keep = 1.0 - share + share * p.tensor_parallel / (p.expert_parallel * p.expert_tp)
     o_keep = 1.0 if p.distributed_optimizer else keep
     return w * keep, g * keep, o * o_keep
 
@@ -277,14 +296,15 @@ def num_microbatches(p: PlanInput) -> int:
 def _stage_activation_bytes(p: PlanInput, shape: ModelShape, stage: int) -> tuple[float, float]:
     """(activations, logits) bytes on ``stage`` at the micro-batch token budget."""
     act_bytes = 4 if p.precision == "fp32" else 2
-    per_layer = activation_bytes_per_token_layer(shape, p.recompute, act_bytes, p.tensor_parallel)
+    per_layer = activation_bytes_per_token_layer(shape, p.recompute, act_bytes, p.tensor_parallel, p.expert_tp)
     pp, n_mb = p.pipeline_parallel, num_microbatches(p)
     in_flight = float(min(pp - stage, n_mb))
     if p.virtual_pipeline > 1 and pp > 1:
         in_flight *= 1 + (pp - 1) / (pp * p.virtual_pipeline)
     acts = per_layer * (shape.layers // pp) * in_flight * p.micro_batch_tokens
     if p.recompute == "full":  # the layer being recomputed holds its full activations during its backward
-        acts += activation_bytes_per_token_layer(shape, "none", act_bytes, p.tensor_parallel) * p.micro_batch_tokens
+        acts += activation_bytes_per_token_layer(shape, "none", act_bytes, p.tensor_parallel,
+                                                 p.expert_tp) * p.micro_batch_tokens
     logits = 0.0
     if stage == pp - 1:
         logits = loss_logits_bytes(p.micro_batch_tokens, shape.vocab / p.tensor_parallel, p.tensor_parallel, act_bytes)
@@ -382,9 +402,33 @@ def estimate_flops(p: PlanInput) -> FlopsEstimate:
 
 
 def estimate_step_seconds(p: PlanInput, flops: FlopsEstimate) -> tuple[float, float]:
-    """(log-prob + update seconds, generation seconds) of one step at the assumed MFUs on all GPUs."""
+    """(log-prob + update seconds, generation seconds) of one step at the assumed MFUs on all GPUs; an MoE model's
+    generation takes at least what its decode model (`moe_generation`) says."""
     peak = p.tensor_parallel * p.pipeline_parallel * p.data_parallel * p.peak_tflops * 1e12
-    return (flops.old_logprobs + flops.train) / (peak * p.train_mfu), flops.generation / (peak * p.decode_mfu)
+    generation = flops.generation / (peak * p.decode_mfu)
+    moe = moe_generation(p)
+    if moe is not None:
+        generation = max(generation, moe.seconds * p.generation_batches)
+    return (flops.old_logprobs + flops.train) / (peak * p.train_mfu), generation
+
+
+def moe_generation(p: PlanInput, lockstep: bool | None = None):
+    """The MoE decode model's estimate (``plan.moe_decode``) of one generation batch on the colocated engines of
+    ``vllm_tensor_parallel`` GPUs: one vLLM data-parallel group over all of them with ``lockstep`` (None: as
+    ``vllm_engines`` says), else independent engines; None for a dense model or without vLLM."""
+    if lockstep is None:
+        lockstep = p.vllm_engines == "data_parallel"
+    from dapo_mcore.plan.moe_decode import generation_seconds
+
+    shape = ModelShape.from_hf(p.model)
+    if not shape.experts or not p.colocate_vllm:
+        return None
+    gpus = p.tensor_parallel * p.pipeline_parallel * p.data_parallel
+    return generation_seconds(shape, gpus=p.vllm_tensor_parallel, engines=gpus // p.vllm_tensor_parallel,
+                              responses=p.gen_batch_prompts * p.responses_per_prompt,
+                              mean_response=p.mean_response_len, max_response=p.max_response_len,
+                              prompt=p.mean_prompt_len, kv_tokens=_vllm_bytes(p, shape)[3], peak_tflops=p.peak_tflops,
+                              lockstep=lockstep, gpus_per_node=p.gpus_per_host)
 
 
 @dataclass
@@ -452,8 +496,9 @@ def format_report(p: PlanInput, est: MemoryEstimate, flops: FlopsEstimate) -> st
                 f"{flops.train_tokens / 1e6:.1f} M tokens trained")
     train_s, gen_s = estimate_step_seconds(p, flops)
     host = estimate_host(p)
+    moe = "" if moe_generation(p) is None else "; MoE generation: the decode model below where it is slower"
     rows.append(f"step time at assumed MFU (train {p.train_mfu:.0%}, decode {p.decode_mfu:.0%} of {p.peak_tflops:g} "
-                f"TFLOP/s): log-probs + updates {train_s / 60:.1f} min, generation {gen_s / 60:.1f} min, "
+                f"TFLOP/s{moe}): log-probs + updates {train_s / 60:.1f} min, generation {gen_s / 60:.1f} min, "
                 f"total {(train_s + gen_s + host.sleep_copy_s) / 60:.1f} min (with the engine's sleep copies)")
     rows.append(f"engine: sleep level {p.vllm_sleep_level} copies {host.sleep_copy_s:.1f} s/step of weights to host "
                 f"and back; start-up read (load_format={p.vllm_load_format}) {host.engine_load_s / 60:.1f} min")
@@ -467,10 +512,11 @@ def format_report(p: PlanInput, est: MemoryEstimate, flops: FlopsEstimate) -> st
 CONFIG_KEYS: dict[str, str] = {
     "tensor_parallel": "parallel.tensor_parallel", "pipeline_parallel": "parallel.pipeline_parallel",
     "virtual_pipeline": "parallel.virtual_pipeline", "data_parallel": "DP",
-    "expert_parallel": "parallel.expert_parallel",
+    "expert_parallel": "parallel.expert_parallel", "expert_tensor_parallel": "parallel.expert_tensor_parallel",
     "distributed_optimizer": "parallel.distributed_optimizer", "recompute": "model.recompute",
     "precision": "model.fp8.enabled / model.params_dtype", "micro_batch_tokens": "train.micro_batch_tokens",
     "colocate_vllm": "rollout.engine", "vllm_tensor_parallel": "rollout.vllm.tensor_parallel",
+    "vllm_engines": "rollout.vllm.engines",
     "vllm_gpu_memory_utilization": "rollout.vllm.gpu_memory_utilization", "max_prompt_len": "data.max_prompt_len",
     "max_response_len": "rollout.max_new_tokens", "rollout_prompts": "train.prompts_per_step",
     "responses_per_prompt": "rollout.n", "mini_batch_prompts": "train.mini_batch_prompts",

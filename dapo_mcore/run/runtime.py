@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from dapo_mcore.actor.parallel import LaunchEnv, read_launch_env
 from dapo_mcore.config import Config, ConfigError, load_config, write_resolved
+from dapo_mcore.config.rules import expert_tensor_parallel
 from dapo_mcore.run.components import Components
 from dapo_mcore.run.directory import claim_run_dir
 from dapo_mcore.run.restore import adopt_checkpoint_padding, find_start_checkpoint, open_telemetry, restore
@@ -129,6 +130,7 @@ def _actor_settings(cfg: Config, hf_config: dict[str, Any], pad_id: int):
         hf_config=hf_config, tensor_parallel=cfg.parallel.tensor_parallel, pipeline_parallel=cfg.parallel.pipeline_parallel,
         virtual_pipeline=cfg.parallel.virtual_pipeline, sequence_parallel=cfg.parallel.sequence_parallel,
         expert_parallel=cfg.parallel.expert_parallel, router_replay=cfg.algo.router_replay == "rollout",
+        expert_tensor_parallel=expert_tensor_parallel(cfg),
         layer_spec=cfg.model.layer_spec, attention=cfg.model.attention, params_dtype=dtype, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
         vocab_padding=cfg.model.vocab_padding,
         recompute=cfg.model.recompute, fp8=cfg.model.fp8, distributed_optimizer=cfg.parallel.distributed_optimizer,
@@ -197,7 +199,7 @@ def _build_engine(cfg: Config, hf_dir: Path | None, hf_config: dict[str, Any], t
             max_model_len=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens, sleep_level=v.sleep_level,
             dtype=cfg.model.params_dtype, seed=cfg.train.seed, max_prompt_len=cfg.data.max_prompt_len,
             stop_token_ids=stops.ids, load_format="dummy",  # build_components syncs every weight from the actor before the first generation
-            return_routed_experts=cfg.algo.router_replay == "rollout",
+            return_routed_experts=cfg.algo.router_replay == "rollout", instances=v.engines == "instances",
             expert_parallel=bool(hf_config.get("num_experts")))
         return VLLMEngine(options, hf_config)
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -255,7 +257,8 @@ def _build_parts(cfg: Config, launch: LaunchEnv, *, resume: bool, checkpoint: st
     train_records, eval_records = records
     init_model_parallel(cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel, cfg.parallel.virtual_pipeline,
                         seed=cfg.train.seed, timeout_minutes=cfg.parallel.timeout_minutes,
-                        expert_parallel=cfg.parallel.expert_parallel)
+                        expert_parallel=cfg.parallel.expert_parallel,
+                        expert_tensor_parallel=expert_tensor_parallel(cfg))
     hf_dir = resolve_base_model(cfg, launch)
     if bridge is not None:
         bridge.start()  # the run starts: no refusal (rollout.pipeline.bridge.Bridge.start)

@@ -70,6 +70,7 @@ class CheckpointMeta:
         layout = ParallelLayout(tp=data["tp"], pp=data["pp"], vpp=data["vpp"], layer_spec=data["layer_spec"],
                                 make_vocab_size_divisible_by=data["make_vocab_size_divisible_by"],
                                 ep=data.get("ep", 1),  # written only for expert-parallel (MoE) checkpoints
+                                etp=data.get("etp"),  # written only where expert-TP differs from TP
                                 # absent from older checkpoints, which were all padded by Megatron-LM's rule
                                 vocab_padding=data.get("vocab_padding", "megatron"))
         return cls(data["hf_config"], layout, data["padded_vocab_size"], data["dtype"])

@@ -81,18 +81,26 @@ def iter_hf_weights(model_chunks: list, hf_config: dict[str, Any], *, layer_spec
     ep_group = ps.get_expert_model_parallel_group() if layout.ep > 1 else None
     ep_ranks = dist.get_process_group_ranks(ep_group) if ep_group is not None else []
     deltas = {layout.chunk_prefix(a.chunk) + a.weight_key: a.adapter for a in adapted_layers(model_chunks)}
-    exporter = _Exporter(mapping, layout, params, tp_group, device, deltas)
+    dense = _Exporter(mapping, layout, params, tp_group, device, deltas)
+    experts = dense  # an expert's shards are gathered over its expert-TP group (the TP group unless ETP < TP)
+    if layout.expert_tp != layout.tp:
+        experts = _Exporter(mapping, replace(layout, tp=layout.expert_tp, etp=None), params,
+                            ps.get_expert_tensor_parallel_group(), device, deltas)
+
+    def start(pl: Placement | None) -> InFlight | None:
+        return None if pl is None else (dense if pl.ep_rank is None else experts).start(pl)
+
     owned = iter([pl for pl in placements if held_here(pl)])
     # One placement ahead: its TP transfers are in flight while this one is finished and while the consumer
     # sends or loads the bucket just yielded (the generator is suspended at ``yield``, the collectives are not).
-    inflight = exporter.start(next(owned, None))
+    inflight = start(next(owned, None))
 
     def in_order() -> Iterator[tuple[str, torch.Tensor]]:
         nonlocal inflight
         for pl in placements:
             if held_here(pl):
-                current, inflight = inflight, exporter.start(next(owned, None))
-                tensors = exporter.finish(current)
+                current, inflight = inflight, start(next(owned, None))
+                tensors = (dense if current.pl.ep_rank is None else experts).finish(current)
             else:
                 tensors = [(n, device.empty(tuple(s), dtype)) for n, s in mapping.hf_output_shapes(pl)]
             for name, tensor in tensors:

@@ -45,11 +45,43 @@ class ParallelLayout:
     theirs (both default to `tp`)."""
     ep: int = 1
     """Expert-parallel size (MoE models): each layer's experts are split into this many equal groups."""
+    etp: int | None = None
+    """Expert-tensor-parallel size (MoE models): each expert is split this many ways; a divisor of `tp`. None = `tp`
+    (Megatron's default, and every checkpoint written before the field existed)."""
+
+    @property
+    def expert_tp(self) -> int:
+        """The experts' tensor-parallel size (`etp`, or `tp` when unset)."""
+        return self.tp if self.etp is None else self.etp
+
+    def expert_tp_rank(self, tp_rank: int) -> int:
+        """The expert-TP rank of the process at TP rank `tp_rank`: Megatron's expert grid puts expert-TP innermost,
+        and with etp dividing tp that is the TP rank modulo etp."""
+        return tp_rank % self.expert_tp
+
+    def rank_files(self) -> list[tuple[int, int]]:
+        """The (TP rank, EP rank) pairs of an MoE checkpoint's rank files on each pipeline stage: those some process
+        holds (Megatron's expert grid: process q of a stage has TP rank q % tp and EP rank (q // etp) % ep). Every
+        pair when etp = tp; with etp < tp fewer (tp=2, etp=1, ep=2: (0, 0) and (1, 1)), and together they hold
+        every dense TP shard and every expert shard."""
+        etp = self.expert_tp
+        period = self.tp * self.ep  # q and q + tp*ep give the same pair
+        return sorted({(q % self.tp, (q // etp) % self.ep) for q in range(period)})
+
+    def file_with_tp(self, tp_rank: int) -> int:
+        """An EP rank whose file holds the dense tensors of `tp_rank` (the first)."""
+        return min(e for t, e in self.rank_files() if t == tp_rank)
+
+    def file_with_expert_shard(self, ep_rank: int, etp_rank: int) -> int:
+        """A TP rank whose file (with `ep_rank`) holds expert-TP shard `etp_rank` of that EP rank's experts."""
+        return min(t for t, e in self.rank_files() if e == ep_rank and t % self.expert_tp == etp_rank)
 
     def validate(self) -> None:
-        for name in ("tp", "pp", "vpp", "make_vocab_size_divisible_by", "ep"):
+        for name in ("tp", "pp", "vpp", "make_vocab_size_divisible_by", "ep", "expert_tp"):
             if getattr(self, name) < 1:
                 raise LayoutError(f"{name}={getattr(self, name)} must be >= 1.")
+        if self.tp % self.expert_tp:
+            raise LayoutError(f"expert tensor parallel {self.expert_tp} must divide tensor_parallel={self.tp}.")
         if self.layer_spec not in LAYER_SPECS:
             raise LayoutError(f"unknown layer_spec {self.layer_spec!r}; choose one of {', '.join(LAYER_SPECS)}.")
         if self.vocab_padding not in VOCAB_PADDINGS:
@@ -105,4 +137,6 @@ class ParallelLayout:
                    make_vocab_size_divisible_by=self.make_vocab_size_divisible_by, vocab_padding=self.vocab_padding)
         if self.ep > 1:  # dense checkpoints' metadata stay as they were
             out["ep"] = self.ep
+        if self.etp is not None and self.etp != self.tp:  # as were those of expert-TP = TP
+            out["etp"] = self.etp
         return out

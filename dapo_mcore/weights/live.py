@@ -56,10 +56,12 @@ def live_layout(model_chunks: list, layer_spec: str, make_vocab_size_divisible_b
     and rule) is the one the chunks were built with (``build_gpt_model``), which parallel state does not know."""
     from megatron.core import parallel_state as ps
 
-    layout = ParallelLayout(tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
+    tp, etp = ps.get_tensor_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
+    layout = ParallelLayout(tp=tp, pp=ps.get_pipeline_model_parallel_world_size(),
                             vpp=len(model_chunks), layer_spec=layer_spec,
                             make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-                            ep=ps.get_expert_model_parallel_world_size(), vocab_padding=vocab_padding)
+                            ep=ps.get_expert_model_parallel_world_size(), vocab_padding=vocab_padding,
+                            etp=None if etp == tp else etp)
     found = detect_layer_spec(model_chunks)
     if found != layer_spec:
         raise ckpt.CheckpointError(f"layer_spec={layer_spec!r} but the live model uses the {found!r} spec names.")
@@ -71,6 +73,18 @@ def live_ep_rank(layout: ParallelLayout) -> int | None:
     from megatron.core import parallel_state as ps
 
     return ps.get_expert_model_parallel_rank() if layout.ep > 1 else None
+
+
+def writer_of_rank_file(layout: ParallelLayout, tp_rank: int, ep_rank: int | None) -> bool:
+    """Whether this process writes its rank file (tp, pp[, ep]) of a checkpoint: data-parallel rank 0 without
+    experts; with EP the first process of its pipeline stage that holds this (TP rank, EP rank) pair (Megatron's
+    expert grid, ``ParallelLayout.rank_files``: expert-data-parallel rank 0 when expert-TP = TP)."""
+    from megatron.core import parallel_state as ps
+
+    if ep_rank is None:
+        return ps.get_data_parallel_rank() == 0
+    q = tp_rank + layout.tp * ps.get_data_parallel_rank()  # this process's place in its stage (order tp-dp)
+    return all((p % layout.tp, (p // layout.expert_tp) % layout.ep) != (tp_rank, ep_rank) for p in range(q))
 
 
 def live_tensors(model_chunks: list, layout: ParallelLayout) -> dict[str, torch.Tensor]:
@@ -134,7 +148,8 @@ def load_hf_into_model(model_chunks: list, hf_dir: str | Path, layer_spec: str =
 
 def _meta_mismatches(meta: ckpt.CheckpointMeta, layout: ParallelLayout, padded_vocab: int, dtype: str) -> list[str]:
     out = [f"{name}: checkpoint {getattr(meta.layout, name)!r}, live model {getattr(layout, name)!r}"
-           for name in ("tp", "pp", "vpp", "layer_spec", "ep") if getattr(meta.layout, name) != getattr(layout, name)]
+           for name in ("tp", "pp", "vpp", "layer_spec", "ep", "expert_tp")
+           if getattr(meta.layout, name) != getattr(layout, name)]
     if meta.padded_vocab_size != padded_vocab:
         out.append(f"padded vocab: checkpoint {meta.padded_vocab_size}, live model {padded_vocab}")
     if meta.dtype != dtype:
@@ -225,7 +240,6 @@ def _live_padded_vocab(model_chunks: list, layout: ParallelLayout, mapping: Mode
 def save_megatron_checkpoint(model_chunks: list, directory: str | Path, hf_config: dict[str, Any], *,
                              make_vocab_size_divisible_by: int = 128, vocab_padding: str = "megatron") -> None:
     """Collective: write the live model as a canonical checkpoint (DP rank 0 of each TP/PP rank writes)."""
-    from megatron.core import parallel_state as ps
 
     mapping = get_mapping(hf_config)
     layout, tp_rank, pp_rank = live_layout(model_chunks, detect_layer_spec(model_chunks), make_vocab_size_divisible_by,
@@ -249,8 +263,7 @@ def save_megatron_checkpoint(model_chunks: list, directory: str | Path, hf_confi
     if isinstance(box[0], Exception):
         raise box[0]
     tmp = Path(box[0])
-    writer = ps.get_data_parallel_rank() == 0 if ep_rank is None else ps.get_expert_data_parallel_rank() == 0
-    if writer:  # with EP, one replica of each expert-parallel rank writes its experts (and the dense tensors)
+    if writer_of_rank_file(layout, tp_rank, ep_rank):  # one replica of each rank file writes it
         rank_path = ckpt.rank_file(tmp, tp_rank, pp_rank, ep_rank)
         rank_path.parent.mkdir()
         ckpt.save_safetensors({k: plain_tensor(p).detach().contiguous() for k, p in params.items()}, rank_path,

@@ -148,24 +148,37 @@ class ModelMapping:
         mine.sort(key=lambda p: p.vchunk)  # stable: keeps HF order within a chunk
         return [(layout.chunk_prefix(p.vchunk) + p.key, p) for p in mine]
 
+    @staticmethod
+    def split_size(pl: Placement, layout: ParallelLayout) -> int:
+        """How many ranks split `pl`: the expert-TP size for an MoE expert's tensors, the TP size for the rest."""
+        return layout.expert_tp if pl.ep_rank is not None else layout.tp
+
+    @staticmethod
+    def split_rank(pl: Placement, layout: ParallelLayout, tp_rank: int) -> int:
+        """The shard of `pl` that the process at TP rank `tp_rank` holds (its expert-TP rank for an expert)."""
+        return layout.expert_tp_rank(tp_rank) if pl.ep_rank is not None else tp_rank
+
     def rank_shape(self, pl: Placement, layout: ParallelLayout) -> tuple[int, ...]:
-        return transforms.rank_shape(pl.rule.split, self._hf_tensor_shapes(pl.rule), layout.tp,
+        return transforms.rank_shape(pl.rule.split, self._hf_tensor_shapes(pl.rule), self.split_size(pl, layout),
                                      self.geometry(layout))
 
     # ---- transforms ---------------------------------------------------------------------------------
     def shard(self, pl: Placement, source: TensorSource, layout: ParallelLayout, tp_rank: int) -> torch.Tensor:
-        """This TP rank's Megatron tensor for `pl`, read from HF tensors."""
-        return transforms.shard(pl.rule.split, source, pl.hf_names, layout.tp, tp_rank, self.geometry(layout))
+        """The Megatron tensor for `pl` of the process at TP rank `tp_rank`, read from HF tensors."""
+        return transforms.shard(pl.rule.split, source, pl.hf_names, self.split_size(pl, layout),
+                                self.split_rank(pl, layout, tp_rank), self.geometry(layout))
 
     def shard_extents(self, pl: Placement, layout: ParallelLayout, tp_rank: int,
                       itemsize: int) -> list[transforms.Extent]:
-        """This TP rank's Megatron tensor for `pl` as byte ranges of `pl.hf_names` (see `transforms.Extent`)."""
-        return transforms.shard_extents(pl.rule.split, self._hf_tensor_shapes(pl.rule), itemsize, layout.tp,
-                                        tp_rank, self.geometry(layout))
+        """The Megatron tensor for `pl` of TP rank `tp_rank` as byte ranges of `pl.hf_names` (`transforms.Extent`)."""
+        return transforms.shard_extents(pl.rule.split, self._hf_tensor_shapes(pl.rule), itemsize,
+                                        self.split_size(pl, layout), self.split_rank(pl, layout, tp_rank),
+                                        self.geometry(layout))
 
     def merge(self, pl: Placement, parts: list[torch.Tensor],
               layout: ParallelLayout) -> list[tuple[str, torch.Tensor]]:
-        """All TP ranks' tensors for `pl` -> HF (name, tensor) pairs; nothing for the tied output layer."""
+        """All shards of `pl` (`split_size` of them, in shard order) -> HF (name, tensor) pairs; nothing for the
+        tied output layer."""
         if not pl.exported:
             return []
         return transforms.merge(pl.rule.split, parts, pl.hf_names, self.geometry(layout))

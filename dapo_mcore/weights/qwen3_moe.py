@@ -2,12 +2,16 @@
 
 Hugging Face saves one tensor per expert (``model.layers.{i}.mlp.experts.{e}.gate_proj/up_proj/down_proj.weight``)
 and the router as ``mlp.gate.weight`` [num_experts, hidden]; dense layers (``mlp_only_layers``,
-``decoder_sparse_step``) keep the Qwen MLP rows. Megatron's MoE layer (``SequentialMLP``, no grouped GEMM) holds
-``mlp.router.weight`` and, on expert-parallel rank ``r`` of ``ep``, the experts ``r * E/ep ...`` numbered from 0 as
-``mlp.experts.local_experts.{j}.linear_fc1.weight`` ([gate; up], column-parallel) and ``linear_fc2.weight``
-(row-parallel); expert tensor parallelism is Megatron's default (= tensor_parallel), so the TP transforms of the
-dense MLP apply to each expert unchanged. A rank file of an EP > 1 checkpoint holds the dense tensors and its
-expert-parallel rank's experts (``mp_rank_TT_PPP_EEE``, Megatron's naming).
+``decoder_sparse_step``) keep the Qwen MLP rows. Megatron's MoE layer holds ``mlp.router.weight`` and, on
+expert-parallel rank ``r`` of ``ep``, the experts ``r * E/ep ...`` numbered from 0: with the local spec
+(``SequentialMLP``) as ``mlp.experts.local_experts.{j}.linear_fc1.weight`` ([gate; up], column-parallel) and
+``linear_fc2.weight`` (row-parallel); with Transformer Engine's grouped GEMM (``TEGroupedMLP``, whose
+``GroupedLinear`` registers one ``weight{j}`` per local expert) as ``mlp.experts.linear_fc1.weight{j}`` and
+``mlp.experts.linear_fc2.weight{j}``. Each expert is split over the expert-tensor-parallel ranks
+(``ParallelLayout.etp``, Megatron's default = tensor_parallel) with the TP transforms of the dense MLP. A rank file
+of an EP > 1 checkpoint holds the dense tensors of its TP rank and the experts of its expert-parallel rank at its
+expert-TP rank (``mp_rank_TT_PPP_EEE``, Megatron's naming; with etp < tp only the (TP, EP) pairs that a process
+holds exist: ``ParallelLayout.rank_files``).
 """
 
 from __future__ import annotations
@@ -23,16 +27,17 @@ from dapo_mcore.weights.transforms import Split
 _L = "decoder.layers.{i}."
 _H = "model.layers.{i}."
 _X = "mlp.experts.local_experts.{e}."
+_G = "mlp.experts."  # TEGroupedMLP: one GroupedLinear per projection, weight{e} per local expert
 
 ROUTER = TensorRule(_L + "mlp.router.weight", _L + "mlp.router.weight", (_H + "mlp.gate.weight",), ("router",),
                     Split.REPLICATED, Scope.LAYER)
 # The MoE layer's norm stays a separate module with either spec (Megatron does not fuse it into the experts).
 MOE_NORM = TensorRule(_L + "pre_mlp_layernorm.weight", _L + "pre_mlp_layernorm.weight",
                       (_H + "post_attention_layernorm.weight",), ("norm",), Split.REPLICATED, Scope.LAYER)
-EXPERT_IN = TensorRule(_L + _X + "linear_fc1.weight", _L + _X + "linear_fc1.weight",
+EXPERT_IN = TensorRule(_L + _X + "linear_fc1.weight", _L + _G + "linear_fc1.weight{e}",
                        (_H + "mlp.experts.{e}.gate_proj.weight", _H + "mlp.experts.{e}.up_proj.weight"),
                        ("expert_gate_up", "expert_gate_up"), Split.GATE_UP, Scope.LAYER)
-EXPERT_OUT = TensorRule(_L + _X + "linear_fc2.weight", _L + _X + "linear_fc2.weight",
+EXPERT_OUT = TensorRule(_L + _X + "linear_fc2.weight", _L + _G + "linear_fc2.weight{e}",
                         (_H + "mlp.experts.{e}.down_proj.weight",), ("expert_down",), Split.ROW, Scope.LAYER)
 EXPERT_RULES = (EXPERT_IN, EXPERT_OUT)
 MLP_SUFFIXES = ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.weight",
@@ -62,8 +67,8 @@ class MoEMapping(ModelMapping):
         if self.moe.num_experts % layout.ep:
             raise LayoutError(f"expert_parallel={layout.ep} does not divide num_experts={self.moe.num_experts}; "
                               f"use one of {', '.join(str(d) for d in range(1, self.moe.num_experts + 1) if self.moe.num_experts % d == 0)}.")
-        if self.moe.moe_ffn_hidden_size % layout.tp:
-            raise LayoutError(f"tensor_parallel={layout.tp} does not divide moe_intermediate_size="
+        if self.moe.moe_ffn_hidden_size % layout.expert_tp:
+            raise LayoutError(f"expert tensor parallel {layout.expert_tp} does not divide moe_intermediate_size="
                               f"{self.moe.moe_ffn_hidden_size}.")
 
     def layer_placements(self, layer: int, pp_rank: int, vchunk: int, layout: ParallelLayout,

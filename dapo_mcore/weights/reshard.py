@@ -41,10 +41,20 @@ class CanonicalSource:
         pl = self._owner[name]
         if self._cached[0] is not pl:
             key = self.layout.chunk_prefix(pl.vchunk) + pl.key
-            ep = None if self.layout.ep == 1 else pl.ep_rank or 0  # dense tensors: in every EP file, read EP 0's
-            parts = [ckpt.read_rank_tensor(self.dir, t, pl.pp_rank, key, ep) for t in range(self.layout.tp)]
+            files = [self._file(pl, shard) for shard in range(self.mapping.split_size(pl, self.layout))]
+            parts = [ckpt.read_rank_tensor(self.dir, t, pl.pp_rank, key, ep) for t, ep in files]
             self._cached = (pl, dict(self.mapping.merge(pl, parts, self.layout)))
         return self._cached[1][name]
+
+    def _file(self, pl: Placement, shard: int) -> tuple[int, int | None]:
+        """(TP rank, EP rank or None) of a rank file holding shard `shard` of `pl`: with EP, a dense tensor is in
+        every file of its TP rank and an expert's shard in the files of its EP rank (``ParallelLayout.rank_files``)."""
+        layout = self.layout
+        if layout.ep == 1:
+            return shard, None
+        if pl.ep_rank is None:
+            return shard, layout.file_with_tp(shard)
+        return layout.file_with_expert_shard(pl.ep_rank, shard), pl.ep_rank
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._full(name).shape)

@@ -180,6 +180,11 @@ class VLLMEngineOptions:
     return_routed_experts: bool = False
     """MoE rollout routing replay: ``LLM(enable_return_routed_experts=True)`` so each completion carries the experts
     of every token (``CompletionOutput.routed_experts``, read in vLLM 0.32.0's source; not run on a GPU here)."""
+    instances: bool = False
+    """Each tensor-parallel group is an independent vLLM instance (``data_parallel_size=1`` under
+    ``external_launcher``: vLLM lays the job's world out as ExternalDP x DP x PP x TP, the external dimension being
+    engines that generate independently, ``vllm/distributed/parallel_state.py``); False: one data-parallel group
+    over all of them (rollout.vllm.engines)."""
     expert_parallel: bool = False
     """MoE models: ``LLM(enable_expert_parallel=True)`` when the engine spans more than one GPU. Without it vLLM
     splits every expert over the tensor x data-parallel ranks (``FusedMoEParallelConfig.make`` flattens TP across
@@ -225,7 +230,7 @@ class VLLMEngineOptions:
             kwargs["enable_return_routed_experts"] = True
         if self.external_launcher:
             kwargs["distributed_executor_backend"] = "external_launcher"
-            kwargs["data_parallel_size"] = world_size // self.tensor_parallel
+            kwargs["data_parallel_size"] = 1 if self.instances else world_size // self.tensor_parallel
         if self.expert_parallel and self.tensor_parallel * kwargs.get("data_parallel_size", 1) > 1:
             kwargs["enable_expert_parallel"] = True
         return kwargs
@@ -292,6 +297,8 @@ class VLLMEngine:
     def __init__(self, options: VLLMEngineOptions, hf_config: dict[str, Any], *,
                  backend: VLLMBackend | None = None, world_size: int | None = None):
         self.options = options
+        if options.instances:  # independent vLLM instances: a group with nothing to generate need not step
+            self.groups_step_together = False
         world = _world_size() if world_size is None else world_size
         options.validate(world)
         self.vocab_size = int(hf_config["vocab_size"])
