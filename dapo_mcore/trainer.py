@@ -311,7 +311,7 @@ class Trainer:
         # A step whose updates were all skipped (every token rejected or masked) trained nothing: no loss, not NaN.
         m.update({k: tm[name] for k, name in ((keys.TRAIN_LOSS, "loss"), (keys.TRAIN_GRAD_NORM, "grad_norm"))
                   if name in tm})
-        m.update({k: v for k, v in tm.items() if k.startswith("moe/")})  # MoE router load balance, aux loss
+        m.update({k: v for k, v in tm.items() if k.startswith(("moe/", "lora/"))})  # MoE router; LoRA update norms
         lens = response_length_stats(lengths, truncated, prefix="")
         m.update({keys.ROLLOUT_RESP_LEN_MEAN: lens["mean"], keys.ROLLOUT_RESP_LEN_MAX: lens["max"],
                   keys.ROLLOUT_RESP_LEN_MIN: lens["min"], keys.ROLLOUT_TRUNCATED_FRAC: lens["truncated_frac"]})

@@ -117,7 +117,11 @@ def save_checkpoint(root: Path, step: int, actor, trainer_state: dict[str, Any],
         save_megatron_checkpoint(actor.chunks, partial / "model", actor.s.hf_config,
                                  make_vocab_size_divisible_by=actor.s.make_vocab_size_divisible_by,
                                  vocab_padding=actor.s.vocab_padding)
-        if actor.s.distributed_optimizer:
+        if actor.lora is not None:  # the adapters and their optimizer state (the base has none)
+            from dapo_mcore.actor import lora_state
+
+            lora_state.save_lora(actor, partial, lora_state.optimizer_step(actor))
+        elif actor.s.distributed_optimizer:
             if dp_rank == 0:
                 wckpt.torch_save(actor.optimizer.state_dict(), partial / "optim" / f"{shard_name(tp_rank, pp_rank)}.pt")
         else:
@@ -373,6 +377,8 @@ def load_checkpoint(ckpt: Path, actor, *, weights_only: bool = False) -> dict[st
     same_layout = (saved.tp, saved.pp, saved.vpp) == live and world == _world()
     optim_dir = ckpt / "optim"
     saved_dist = any(optim_dir.glob("*_dist.pt"))
+    if actor.lora is not None:
+        return _load_lora_checkpoint(ckpt, actor, weights_only, same_layout)
     if not weights_only and not optim_state.has_canonical_state(optim_dir) and not same_layout:
         raise CheckpointError(
             f"checkpoint {ckpt} was saved at tp={saved.tp} pp={saved.pp} vpp={saved.vpp} on {world} ranks with "
@@ -428,6 +434,21 @@ def _read_checked(ckpt: Path, manifest: dict[str, Any] | None, actor, weights_on
     if everywhere:
         raise wckpt.DamagedFileError(f"checkpoint {ckpt} is corrupt: {'; '.join(everywhere)}")
     return apply_optimizer
+
+
+def _load_lora_checkpoint(ckpt: Path, actor, weights_only: bool, same_layout: bool) -> dict[str, Any]:
+    """A LoRA run's resume: the base identity and the adapters are checked first, then the base, the adapters and
+    their optimizer state are set (any layout: everything is canonical)."""
+    from dapo_mcore.actor import lora_state
+
+    lora_state.check_lora(ckpt, actor)
+    load_megatron_checkpoint_into_model(actor.chunks, ckpt / "model", reshard=True,
+                                        make_vocab_size_divisible_by=actor.s.make_vocab_size_divisible_by,
+                                        vocab_padding=actor.s.vocab_padding)
+    lora_state.load_lora(ckpt, actor, weights_only=weights_only)
+    _restore_rng(ckpt, same_layout)
+    _barrier()
+    return json.loads((ckpt / "trainer_state.json").read_text())
 
 
 def _load_megatron_optimizer(optim_dir: Path, actor) -> None:

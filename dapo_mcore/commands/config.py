@@ -92,6 +92,7 @@ def describe_layout(cfg: Config, world_size: int) -> list[str]:
         *_process_lines(cfg, world_size),
         f"model: {model}",
         *([experts] if experts else []),
+        *([lora] if (lora := _lora_line(cfg, hf)) else []),
         f"per step: {t.prompts_per_step} prompts x {r.n} samples = {t.prompts_per_step * r.n} rollouts trained; "
         f"generation batches of {r.gen_batch_prompts} prompts"
         + (f", refilled up to {cfg.algo.max_gen_batches} times (dynamic sampling)" if cfg.algo.dynamic_sampling else ""),
@@ -104,6 +105,17 @@ def describe_layout(cfg: Config, world_size: int) -> list[str]:
                                         "answer" if cfg.reward.workers else " in the trainer process"),
         f"run dir: {run_dir} ({state})",
     ]
+
+
+def _lora_line(cfg: Config, hf: dict | None) -> str | None:
+    from dapo_mcore.plan.lora import describe_lora
+
+    lora, p = cfg.model.lora, cfg.parallel
+    precision = "fp32" if cfg.model.params_dtype == "float32" else "bf16"
+    return None if hf is None else describe_lora(hf, lora.rank, lora.alpha, lora.target_modules,
+                                                 tensor_parallel=p.tensor_parallel,
+                                                 pipeline_parallel=p.pipeline_parallel,
+                                                 expert_parallel=p.expert_parallel, precision=precision)
 
 
 def _schedule_line(cfg: Config) -> str:

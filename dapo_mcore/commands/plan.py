@@ -46,6 +46,7 @@ def plan_input_from_config(cfg: Any, world_size: int, **planner_settings: Any) -
         max_response_len=cfg.rollout.max_new_tokens, rollout_prompts=cfg.train.prompts_per_step,
         responses_per_prompt=cfg.rollout.n, mini_batch_prompts=cfg.train.mini_batch_prompts,
         gen_batch_prompts=cfg.rollout.gen_batch_prompts, offload_train_state_in_rollout=p.offload_for_rollout,
+        lora_rank=cfg.model.lora.rank, lora_targets=",".join(cfg.model.lora.target_modules),
         **TRAINER_FIXED,
     )
     return PlanInput(**derived, **planner_settings)

@@ -20,6 +20,7 @@ from dapo_mcore.config.tree import ConfigError, apply_overrides, from_dict, read
 from dapo_mcore.data.config import DataConfig
 from dapo_mcore.data.tiny_base_settings import TinyBaseSettings
 from dapo_mcore.model.hf_config import HFConfigError, QwenShape
+from dapo_mcore.model.lora.config import LoRAConfig, LoRAConfigError
 from dapo_mcore.model.presets import PRESET_NAMES, preset_config
 from dapo_mcore.model.vocab import VOCAB_PADDINGS
 
@@ -80,6 +81,8 @@ class ModelConfig:
     """FP8 settings (GPU only)."""
     tokenizer_path: str | None = None
     """Tokenizer directory if it is not `hf_path`."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA: low-rank adapters on the linear layers, the base frozen (rank 0 = off: full fine-tuning; docs/lora.md)."""
 
     def hf_config(self, tiny_preset: str = "tiny") -> dict[str, Any]:
         """The Hugging Face config.json dict of the model (from `hf_path`, the preset, or the tiny base's preset
@@ -125,6 +128,10 @@ class ModelConfig:
         if self.fp8.enabled and self.layer_spec != "transformer_engine":
             raise ConfigError("model.fp8.enabled=true needs model.layer_spec=transformer_engine "
                               "(the local spec has no FP8 kernels).")
+        try:
+            self.lora.validate()
+        except LoRAConfigError as exc:
+            raise ConfigError(str(exc)) from exc
 
 
 @dataclass
@@ -436,6 +443,10 @@ class Config:
         settings are refused by ``runtime.check_hardware``, so cluster configs validate on a laptop;
         ``check_files=False`` also leaves out whether the dataset files exist on this machine)."""
         self.model.validate()
+        if self.model.lora.enabled and self.parallel.distributed_optimizer:
+            raise ConfigError("model.lora.rank > 0 with parallel.distributed_optimizer=true: the adapters' optimizer "
+                              "state is small and LoRA checkpoints keep it per adapter; set "
+                              "parallel.distributed_optimizer=false.")
         for section in (self.algo, self.data, self.tiny_base):
             try:
                 section.validate(check_files) if section is self.data else section.validate()

@@ -74,11 +74,15 @@ def live_ep_rank(layout: ParallelLayout) -> int | None:
 
 
 def live_tensors(model_chunks: list, layout: ParallelLayout) -> dict[str, torch.Tensor]:
-    """This rank's parameters under their checkpoint keys (chunk prefix when VPP > 1)."""
+    """This rank's base parameters under their checkpoint keys (chunk prefix when VPP > 1); LoRA adapters are not
+    among them (``weights.lora`` handles those)."""
+    from dapo_mcore.model.lora.attach import is_adapter_param
+
     out: dict[str, torch.Tensor] = {}
     for v, chunk in enumerate(model_chunks):
         for name, param in unwrap(chunk).named_parameters():
-            out[layout.chunk_prefix(v) + name] = param
+            if not is_adapter_param(name):
+                out[layout.chunk_prefix(v) + name] = param
     return out
 
 
