@@ -3,7 +3,8 @@
 The box (bubblewrap) sees the system directories and the tool interpreter's own prefix read-only, a private /tmp and
 working directory (``/box``, holding the code as ``main.py``), its own /proc and a minimal /dev, and nothing else of the
 host: no home, no checkout, no run directory, no data. Every namespace is new (no network: its loopback is its own and
-down), the environment is a fixed minimal one, and the box dies with its launcher.
+down), the environment is a fixed minimal one, a system-call filter refuses memory no limit counts (memfd, System V
+shared memory and messages) and the kernel keyring (not namespaced), and the box dies with its launcher.
 
 Whether bubblewrap can run here (installed, user namespaces allowed) is probed once per (binary, interpreter) and
 cached; a box that cannot start is refused in one line naming ``rollout.tools.sandbox=none`` (:class:`SandboxUnavailable`).
@@ -11,9 +12,11 @@ cached; a box that cannot start is refused in one line naming ``rollout.tools.sa
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
+import struct
 import subprocess
 import threading
 from dataclasses import dataclass
@@ -37,9 +40,47 @@ TMPFS_BYTES = 64 * 1024 * 1024
 """Size of each of the box's writable tmpfs (/tmp, /box, /dev/shm): they are memory, so a cap keeps a write loop from
 filling the host's RAM."""
 
-SETUP_FAILURE = ("bwrap: ", "prlimit: ", "setpriv: ")
+SETUP_FAILURE = ("bwrap: ", "prlimit: ", "choom: ", "setpriv: ")
 """The launchers' own error lines start so (bubblewrap exits 1 before running anything; prlimit and setpriv 1, or
 126/127 when the command they should run cannot be run or is missing)."""
+
+
+DENIED_SYSCALLS = {
+    # machine: (its seccomp audit arch, {system call: number}): memory the address-space limit does not count (a
+    # memfd's pages; System V segments and messages, held after they are unmapped), and the kernel keyring, which is
+    # not namespaced (boxes of one user would share it, and a user's own keys would be readable)
+    "x86_64": (0xC000003E, {"shmget": 29, "msgget": 68, "add_key": 248, "request_key": 249, "keyctl": 250,
+                            "memfd_create": 319, "memfd_secret": 447}),
+    "aarch64": (0xC00000B7, {"msgget": 186, "shmget": 194, "add_key": 217, "request_key": 218, "keyctl": 219,
+                             "memfd_create": 279, "memfd_secret": 447}),
+}
+"""System calls the box refuses (EPERM), by machine; elsewhere the box has no filter (docs/tools.md)."""
+
+
+def syscall_filter(machine: str | None = None) -> bytes | None:
+    """The seccomp program (classic BPF, bubblewrap's ``--seccomp``) refusing :data:`DENIED_SYSCALLS` with EPERM,
+    and every call of another ABI (32-bit calls on a 64-bit kernel, x32): None on a machine not listed."""
+    arch, denied = DENIED_SYSCALLS.get(machine or os.uname().machine, (None, {}))
+    if arch is None:
+        return None
+    load, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+    refuse, allow = 0x00050000 | errno.EPERM, 0x7FFF0000  # SECCOMP_RET_ERRNO | EPERM, SECCOMP_RET_ALLOW
+    checks = [(jge, 0x40000000), *((jeq, nr) for nr in sorted(set(denied.values())))]  # x32's bit, then each call
+    prog = [(load, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, refuse), (load, 0, 0, 0)]  # seccomp_data.arch, .nr
+    prog += [(code, len(checks) - i, 0, k) for i, (code, k) in enumerate(checks)]  # true: to the last (refuse)
+    prog += [(ret, 0, 0, allow), (ret, 0, 0, refuse)]
+    return b"".join(struct.pack("=HBBI", *insn) for insn in prog)
+
+
+def filter_fd() -> int | None:
+    """A descriptor holding :func:`syscall_filter` for bubblewrap to read (the caller closes it), or None."""
+    prog = syscall_filter()
+    if prog is None:
+        return None
+    fd = os.memfd_create("tool-seccomp", os.MFD_CLOEXEC)
+    os.write(fd, prog)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
 
 
 class SandboxUnavailable(UserError, ValueError):
@@ -115,6 +156,15 @@ def interpreter(python: str) -> Interpreter:
     return found_interpreter
 
 
+PROC_READ_ONLY = ("/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus")
+"""Read-only in the box: the kernel lets uid 0 write them on the uid alone, with no capability, and a box that runs as
+the host's root (see docs/tools.md) is uid 0 (``kernel.core_pattern`` names a program the kernel runs as root).
+bubblewrap covers them only where its own access check finds them writable, which misses /proc/sys (a read-only
+directory of writable files)."""
+
+PROC_HIDDEN = ("/proc/keys", "/proc/key-users")
+"""Unreadable in the box: the keys of the box's user on the host (a Kerberos ticket cache, say) are listed there."""
+
 OPTIONAL = ("--disable-userns", "--size", "--clearenv")
 """Options newer bubblewraps have (0.8: --disable-userns, --size); used where ``bwrap --help`` lists them. Without
 them the box may create user namespaces of its own, its tmpfs are bounded only by the file-size limit per file,
@@ -140,9 +190,10 @@ def features(bwrap: str) -> frozenset[str]:
 
 
 def bwrap_argv(bwrap: str, interp: Interpreter, code_fd: int, inner: tuple[str, ...] = (),
-               info_fd: int | None = None) -> list[str]:
+               info_fd: int | None = None, seccomp_fd: int | None = None) -> list[str]:
     """The bubblewrap command line that runs ``/box/main.py`` (read from ``code_fd``) under ``interp``, through
-    ``inner`` inside the box (the box's own process limit); ``info_fd`` gets the box's host pid (``child-pid``).
+    ``inner`` inside the box (the box's own process limit); ``info_fd`` gets the box's host pid (``child-pid``),
+    ``seccomp_fd`` holds the system-call filter (:func:`filter_fd`).
 
     The code is pid 1 of the box's pid namespace (``--as-pid-1``): bubblewrap's own reaper there would outlive the
     launcher by a moment and be left to the host's init to reap (a trainer that is a container's pid 1 never would);
@@ -152,6 +203,8 @@ def bwrap_argv(bwrap: str, interp: Interpreter, code_fd: int, inner: tuple[str, 
             "--hostname", "sandbox"]
     if info_fd is not None:
         argv += ["--info-fd", str(info_fd)]
+    if seccomp_fd is not None:
+        argv += ["--seccomp", str(seccomp_fd)]
     if "--disable-userns" in has:  # no user namespace of its own inside: less kernel surface to attack
         argv += ["--unshare-user", "--disable-userns"]
     if "--clearenv" in has:
@@ -168,7 +221,13 @@ def bwrap_argv(bwrap: str, interp: Interpreter, code_fd: int, inner: tuple[str, 
     size = ["--size", str(TMPFS_BYTES)] if "--size" in has else []
     # /dev is a tmpfs bubblewrap makes without a size: read-only (device nodes still work), with a sized /dev/shm
     shm = [*size, "--tmpfs", "/dev/shm"] if size else []
-    argv += ["--proc", "/proc", "--dev", "/dev", *shm, "--remount-ro", "/dev",
+    argv += ["--proc", "/proc"]
+    for path in PROC_READ_ONLY:  # bound from the host's /proc: a setting of a namespace still reads the box's own
+        argv += ["--ro-bind-try", path, path]
+    for path in PROC_HIDDEN:
+        argv += ["--ro-bind-try", "/dev/null", path]
+    # no new pseudo-terminal: they come from one pool of the node (kernel.pty.max)
+    argv += ["--dev", "/dev", "--ro-bind", "/dev/null", "/dev/pts/ptmx", *shm, "--remount-ro", "/dev",
              *size, "--tmpfs", "/tmp", *size, "--tmpfs", BOX_DIR, "--file", str(code_fd), f"{BOX_DIR}/main.py"]
     for d in interp.binds:  # after the tmpfs: an interpreter kept under /tmp stays visible
         argv += ["--ro-bind", d, d]
@@ -194,18 +253,21 @@ def _probe_once(launcher: tuple[str, ...], bwrap: str, interp: Interpreter, inne
     if found is None or not Path(found).is_file():
         return f"bubblewrap ({bwrap}) is not installed"
     read, write = os.pipe()
+    seccomp = None
     try:
         os.write(write, b"print('box')\n")
         os.close(write)
         write = -1
-        proc = subprocess.run([*launcher, *bwrap_argv(found, interp, read, inner)], env=box_env("/"),
-                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60, pass_fds=(read,))
+        seccomp = filter_fd()
+        argv = bwrap_argv(found, interp, read, inner, seccomp_fd=seccomp)
+        proc = subprocess.run([*launcher, *argv], env=box_env("/"), stdin=subprocess.DEVNULL, capture_output=True,
+                              text=True, timeout=60, pass_fds=(read,) if seccomp is None else (read, seccomp))
     except (OSError, subprocess.SubprocessError) as exc:
         return f"{found} did not run: {exc}"
     finally:
-        os.close(read)
-        if write >= 0:
-            os.close(write)
+        for fd in (read, write, -1 if seccomp is None else seccomp):
+            if fd >= 0:
+                os.close(fd)
     if proc.returncode != 0 or proc.stdout.strip() != "box":
         lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
         return f"{found} failed ({lines[-1] if lines else f'exit {proc.returncode}'})"

@@ -25,7 +25,11 @@ def _error_line(result: SandboxResult) -> str:
         return lines[-1]
     code = result.exit_code
     if code is not None and code < 0:
-        return f"the code was killed by {signal.Signals(-code).name}"
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:  # a real-time signal has no name
+            name = f"signal {-code}"
+        return f"the code was killed by {name}"
     return f"the code exited with status {code}"
 
 

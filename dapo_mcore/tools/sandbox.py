@@ -6,11 +6,11 @@ child left behind or a box that fails to start comes back as a :class:`SandboxRe
 each call has its own process, pipes and box.
 
 Per call: rlimits set in the child before bubblewrap starts (address space = ``memory_mb``, CPU seconds, file size,
-open files, no core dumps; where the trainer is root, the box runs as nobody under ``max_processes`` too), stdin is
-/dev/null, stdout and stderr are read as they come and the box is killed once together they pass
-``max_output_bytes`` or the wall time passes ``timeout_s``. The launcher is a session of its own and the box a pid
-namespace that dies with it, so killing the launcher's process group leaves nothing behind. ``docs/tools.md`` is the
-security model (what is isolated and what is not).
+open files, no core dumps; where the trainer is root, the box runs as nobody under ``max_processes`` too; the box's
+processes are the OOM killer's first pick), stdin is /dev/null, stdout and stderr are read as they come and the box is
+killed once together they pass ``max_output_bytes`` or the wall time passes ``timeout_s``. The launcher is a session
+of its own and the box a pid namespace that dies with it, so killing the launcher's process group leaves nothing
+behind. ``docs/tools.md`` is the security model (what is isolated and what is not).
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ from dapo_mcore.tools.box import (
     SandboxUnavailable,
     box_env,
     bwrap_argv,
+    features,
+    filter_fd,
     interpreter,
     probe,
     unavailable,
@@ -54,6 +56,9 @@ ALL_BOXES_PROCESSES = 4096
 """Where boxes run as nobody: the most processes of nobody on the node, all boxes together (each box: at most
 ``max_processes``). The kernel counts a box's processes against both: its own user namespace's count, and every
 process of nobody on the node."""
+OOM_SCORE_ADJ = 1000
+"""The box's processes are the first the kernel's OOM killer picks (any process may raise its own score): where
+boxes side by side run the node out of memory, box code dies, not the trainer."""
 DRAIN_S = 0.5
 """After the code's process exits, how long its pipes may stay open (a child of an unboxed run holding them)."""
 
@@ -102,9 +107,10 @@ class Sandbox:
         self.max_output_bytes = int(max_output_bytes)
         self.backend = backend
         self.interpreter: Interpreter = interpreter(python)
+        self.max_file_bytes = int(max_file_mb) * 1024 * 1024
         self._limits = [(resource.RLIMIT_AS, self.memory_mb * 1024 * 1024),
                         (resource.RLIMIT_CPU, math.ceil(self.timeout_s) + 1),
-                        (resource.RLIMIT_FSIZE, int(max_file_mb) * 1024 * 1024),
+                        (resource.RLIMIT_FSIZE, self.max_file_bytes),
                         (resource.RLIMIT_NOFILE, int(max_open_files)),
                         (resource.RLIMIT_CORE, 0)]
         self.max_processes = int(max_processes)
@@ -118,17 +124,24 @@ class Sandbox:
         found = shutil.which(bwrap, path=os.environ.get("PATH")) if "/" not in bwrap else bwrap
         self._bwrap = found or bwrap
         self._start_box()
+        if "--size" not in features(self._bwrap):
+            log.warning("this bubblewrap cannot size the box's tmpfs (--size needs bubblewrap 0.8): tool code can "
+                        "fill /tmp and /box with files up to half the node's memory each, counted by no limit; "
+                        "upgrade bubblewrap")
 
     def _set_launcher(self, unprivileged: bool, use_prlimit: bool = True) -> None:
         """util-linux's prlimit sets the limits and execs what follows: the trainer spawns with vfork, at a cost that
         does not grow with its memory. Without prlimit, a preexec function sets them between fork and exec; a fork
-        copies the page tables of a trainer holding gigabytes (benchmarks/tool_sandbox.py measures both).
+        copies the page tables of a trainer holding gigabytes (benchmarks/tool_sandbox.py measures both). choom
+        (util-linux too) sets the box's OOM score; without it the preexec function does.
         ``unprivileged``: setpriv drops root to nobody first, so that RLIMIT_NPROC (which root ignores) binds: the
         launcher gets the node-wide limit of all boxes, and prlimit inside the box lowers it to ``max_processes``."""
         limits = [*self._limits, *([(resource.RLIMIT_NPROC, ALL_BOXES_PROCESSES)] if unprivileged else [])]
         prlimit = shutil.which("prlimit", path=SAFE_PATH) if use_prlimit else None
-        self._prefix = [prlimit, *(f"--{_PRLIMIT[which]}={value}" for which, value in limits), "--"] if prlimit else []
-        self._preexec = None if prlimit else functools.partial(_set_limits, limits)
+        choom = shutil.which("choom", path=SAFE_PATH) if prlimit else None
+        self._prefix = [*([prlimit, *(f"--{_PRLIMIT[which]}={value}" for which, value in limits), "--"]
+                          if prlimit else []), *([choom, "-n", str(OOM_SCORE_ADJ), "--"] if choom else [])]
+        self._preexec = None if choom else functools.partial(_set_limits, [] if prlimit else limits)
         self._inner: tuple[str, ...] = ()
         if unprivileged:
             self._prefix += [shutil.which("setpriv", path=SAFE_PATH) or "setpriv", f"--reuid={NOBODY}",
@@ -156,6 +169,11 @@ class Sandbox:
     def run(self, code: str) -> SandboxResult:
         """Run ``code`` as a script; every outcome is a result, never an exception."""
         start = time.monotonic()
+        size = len(code.encode("utf-8", errors="replace"))
+        if size > self.max_file_bytes:  # the code is a file in the box, under the same limit as the files it writes
+            return SandboxResult("", f"OSError: the code is {size} bytes, over the file-size limit of the box "
+                                 f"(max_file_mb={self.max_file_bytes // 2**20})\n", 1, False, False,
+                                 time.monotonic() - start, "error")
         try:
             if self.backend == "bwrap":
                 return self._run_bwrap(code, start)
@@ -167,19 +185,23 @@ class Sandbox:
     def _run_bwrap(self, code: str, start: float) -> SandboxResult:
         fd = os.memfd_create("tool-code", os.MFD_CLOEXEC)
         info_read, info_write = os.pipe()
+        seccomp = None
         try:
             os.write(fd, code.encode("utf-8", errors="replace"))
             os.lseek(fd, 0, os.SEEK_SET)
-            argv = bwrap_argv(self._bwrap, self.interpreter, fd, self._inner, info_fd=info_write)
+            seccomp = filter_fd()
+            argv = bwrap_argv(self._bwrap, self.interpreter, fd, self._inner, info_fd=info_write, seccomp_fd=seccomp)
             proc = subprocess.Popen([*self._prefix, *argv], env=box_env("/"), stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                    preexec_fn=self._preexec, pass_fds=(fd, info_write))
+                                    preexec_fn=self._preexec,
+                                    pass_fds=(fd, info_write) if seccomp is None else (fd, info_write, seccomp))
         except BaseException:
             os.close(info_read)
             raise
         finally:
-            os.close(fd)
-            os.close(info_write)
+            for closing in (fd, info_write, -1 if seccomp is None else seccomp):
+                if closing >= 0:
+                    os.close(closing)
         try:
             return self._finish(proc, start, functools.partial(_kill_box, proc, info_read))
         finally:
@@ -256,9 +278,14 @@ class Sandbox:
 
 
 def _set_limits(limits: list[tuple[int, int]]) -> None:
-    """In the child, between fork and exec (where prlimit is missing): plain setrlimit calls only."""
+    """In the child, between fork and exec (where prlimit or choom is missing): plain system calls only."""
     for which, value in limits:
         resource.setrlimit(which, (value, value))
+    fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
+    try:
+        os.write(fd, b"%d" % OOM_SCORE_ADJ)
+    finally:
+        os.close(fd)
 
 
 def _exited(pid: int) -> bool:
