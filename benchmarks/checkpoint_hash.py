@@ -3,8 +3,9 @@
 One rank file of --mb megabytes (random fp32, like a model or Adam-moment shard), page cache warm, best of --repeat:
 
 - save without checksums: safetensors' ``save_file`` (what a save with no manifest does);
-- save with checksums: the trainer's save (``save_safetensors`` under ``record_digests``: streamed out, CRC-32 of the
-  bytes as they are written); and, for comparison, the former way: ``save_file`` then a second read to checksum;
+- save with checksums: the trainer's save (``save_safetensors`` under ``record_digests``: written from the tensors'
+  memory, CRC-32 of the same bytes on a second thread as they are written); and, for comparison, the former way:
+  ``save_file`` then a second read to checksum;
 - load without checksums: ``load_file`` and a copy of every tensor (as a resume copies them into the model);
 - load with checksums: the trainer's checked read (``read_megatron_rank`` under ``checking_reads``: the tensors are
   views of one mapping of the file, CRC-32 and NaN/inf check on a second thread while they are copied) and the same copy; and the former way: a checksum pass, then ``load_file``.

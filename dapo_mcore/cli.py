@@ -33,13 +33,12 @@ def _report_line(line: str) -> None:
 
 
 def _arm_before_imports(argv: list[str]) -> None:
-    """``train`` (a rank, or a lone process; not the --nproc-per-node launcher, which forwards signals itself): the
+    """``train`` (a rank, a lone process, or the --nproc-per-node launcher until it starts the ranks): the
     start-up watcher (``signals.startup``) is armed before the modules below are imported (seconds: pyarrow, then
     torch), so a stop signal in those seconds is one line and the requeue code (75; Ctrl-C 130), not a silent 143
     or a traceback through an import, and a Slurm pre-emption then is requeued."""
     args = argv[1:] if argv[:1] == ["--debug"] else argv
-    if args[:1] == ["train"] and "--nproc-per-node" not in args and not any(a.startswith("--nproc-per-node=")
-                                                                          for a in args):
+    if args[:1] == ["train"]:  # the launcher disarms before it starts the ranks and forwards signals to them
         from dapo_mcore.signals import startup
 
         startup.arm(_report_line)

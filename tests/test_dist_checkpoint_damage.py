@@ -169,3 +169,14 @@ def test_a_damaged_checksum_table_is_one_line(written, damage):
     with pytest.raises(InputFileError) as err:
         dist_checkpoint.check_intact(dist_checkpoint.find(ckpt))
     assert str(ckpt) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_process_checks_the_files_it_reads_not_every_file(written):
+    ckpt = _copy(written, "reads")
+    shard = _shard(ckpt)
+    _flip(shard, shard.stat().st_size // 2)
+    found = dist_checkpoint.find(ckpt)
+    dist_checkpoint.check_intact(found, {".metadata", "metadata.json"})  # the index alone is intact
+    dist_checkpoint.embedding_rows(found)  # it reads the index only: no error, and no read of the shards
+    with pytest.raises(InputFileError, match="crc32 differs"):
+        dist_checkpoint.check_intact(found, {shard.name})  # a load that reads the shard finds it

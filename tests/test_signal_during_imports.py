@@ -24,15 +24,17 @@ class Hold(importlib.abc.MetaPathFinder):
             time.sleep(60)
         return None
 sys.meta_path.insert(0, Hold())
-sys.argv = [sys.argv[0], "train", "examples/tiny_cpu.yaml"]
+sys.argv = [sys.argv[0], "train", *sys.argv[1:], "examples/tiny_cpu.yaml"]
 runpy.run_module("dapo_mcore.cli", run_name="__main__", alter_sys=True)
 """
 
 
-@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 75), (signal.SIGHUP, 75), (signal.SIGINT, 130)])
-def test_a_stop_signal_during_the_imports_is_one_line_and_its_code(sig, code):
+@pytest.mark.parametrize(("sig", "code", "launcher"), [(signal.SIGTERM, 75, False), (signal.SIGHUP, 75, False),
+                                                      (signal.SIGINT, 130, False), (signal.SIGTERM, 75, True)])
+def test_a_stop_signal_during_the_imports_is_one_line_and_its_code(sig, code, launcher):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "DAPO_MCORE_ERROR_DIR")}
-    proc = subprocess.Popen([sys.executable, "-c", _SLOW_IMPORTS], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
+    flags = ["--nproc-per-node", "2"] if launcher else []  # the launcher itself, before it starts any rank
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_IMPORTS, *flags], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline() == "importing\n"

@@ -227,7 +227,10 @@ def launch(command: str, nproc: int, config: str, overrides: list[str], extra: l
     os.environ[ERROR_DIR_ENV] = str(error_dir)
     os.environ.setdefault(COMMAND_ENV, sys.argv[0] if Path(sys.argv[0]).name == "dapo-mcore" else "dapo-mcore")
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
-    _forwarded.clear()
+    from dapo_mcore.signals import startup
+
+    startup.disarm()  # armed through the imports (cli): from here signals go to the ranks, which must not inherit
+    _forwarded.clear()  # the blocked signal mask
     previous = {sig: signal.signal(sig, _forward) for sig in FORWARDED}
     watch = RankWatch(command)
     try:

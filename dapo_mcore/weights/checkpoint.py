@@ -132,18 +132,12 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadat
     """safetensors' ``save_file``; a failed write is raised as an OSError naming `path` (safetensors raises its
     own error type with the errno only in the message), so callers and the CLI treat it like any I/O error.
 
-    While `record_digests` is active the file is streamed out tensor by tensor (`StreamingSafetensorsWriter`)
-    and its CRC-32 is computed from the bytes as they are written, for the manifest."""
+    While `record_digests` is active the file is written tensor by tensor from the tensors' memory and its CRC-32
+    is computed from the same bytes as they are written, for the manifest (`_write_safetensors_with_crc`)."""
     from safetensors.torch import save_file
 
     if _recording is not None:
-        from dapo_mcore.weights.safetensors_io import StreamingSafetensorsWriter
-
-        entries = [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]
-        with StreamingSafetensorsWriter(path, entries, metadata, checksum=True) as writer:
-            for k, t in tensors.items():
-                writer.write(k, t)
-        _recording.add(path, writer.digest())
+        _recording.add(path, _write_safetensors_with_crc(tensors, Path(path), metadata))
         return
     try:
         save_file(tensors, os.fspath(path), metadata)
@@ -153,6 +147,41 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadat
             raise
         code = int(found.group(1))
         raise OSError(code, os.strerror(code), os.fspath(path)) from err
+
+
+def _write_safetensors_with_crc(tensors: dict[str, torch.Tensor], path: Path,
+                                metadata: dict[str, str] | None) -> dict[str, Any]:
+    """Write a standard safetensors file straight from the tensors' memory (one copy, into the page cache, as
+    ``save_file`` does) while a second thread computes the CRC-32 of each tensor's bytes (both release the GIL);
+    returns ``{"size", "crc32"}`` of the file: no second read."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dapo_mcore.weights.safetensors_io import _DTYPE_TO_ST
+
+    views, header, offset = [], {"__metadata__": metadata or {"format": "pt"}}, 0
+    for name, tensor in tensors.items():
+        flat = tensor.detach().cpu().contiguous().reshape(-1)
+        view = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+        header[name] = {"dtype": _DTYPE_TO_ST[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + len(view)]}
+        offset += len(view)
+        views.append((flat, view))
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    head = len(blob).to_bytes(8, "little") + blob
+    crc, size = zlib.crc32(head), len(head) + offset
+    try:
+        with open(path, "wb") as f, ThreadPoolExecutor(1, thread_name_prefix="checkpoint-crc") as pool:
+            f.write(head)
+            pending = None
+            for _, view in views:
+                crc = pending.result() if pending is not None else crc
+                pending = pool.submit(zlib.crc32, view, crc)
+                f.write(view)
+            crc = pending.result() if pending is not None else crc
+    except OSError as err:
+        raise OSError(err.errno, err.strerror, os.fspath(path)) from err
+    return {"size": size, "crc32": f"{crc:08x}"}
 
 
 def torch_save(obj: Any, path: str | Path) -> None:

@@ -14,7 +14,8 @@ there is none: the same load on 0.16.1 and 0.19. Formats no installed version re
 legacy per-rank ``torch`` format) are refused in one line that says what reads them.
 
 Damage (`check_intact`, before any tensor is read): the checkpoints dapo-mcore writes carry ``CHECKSUMS`` (size and
-CRC-32 of every file of the iteration dir), so a flipped byte is one line, and ``MARK`` in their common state, so one
+CRC-32 of every file of the iteration dir), so a flipped byte is one line (a load checks the files it reads, by the
+``.metadata`` index of its keys, not every file), and ``MARK`` in their common state, so one
 whose table was deleted is refused; Megatron-LM's and Megatron-Bridge's carry none and are read with a warning, but every ``.distcp`` is checked against the byte ranges its ``.metadata`` lists, so a
 truncated file is named too. A ``.metadata``/``common.pt`` that does not unpickle is one line as well.
 """
@@ -200,13 +201,14 @@ _checked: set[tuple] = set()
 twice, unless one of them changed."""
 
 
-def check_intact(ckpt: DistCheckpoint) -> None:
+def check_intact(ckpt: DistCheckpoint, reads: set[str] | None = None) -> None:
     """InputFileError naming the first damaged file: one that differs from CHECKSUMS (ours), or a ``.distcp`` shorter
     than the byte ranges the ``.metadata`` lists for it (any writer's). A checkpoint of ours (``MARK`` in its common
-    state) whose CHECKSUMS is gone is refused; another writer's, which carries none, is read with a warning."""
+    state) whose CHECKSUMS is gone is refused; another writer's, which carries none, is read with a warning.
+    `reads`: check only these files (relative names: what this process is about to read); None: every file."""
     table = ckpt.path / CHECKSUMS
     if table.is_file():
-        _check_against_table(ckpt, table)
+        _check_against_table(ckpt, table, reads)
         return
     if _carries_mark(ckpt):
         raise InputFileError(f"{ckpt.path} was written by dapo-mcore but its {CHECKSUMS} is missing, so its bytes "
@@ -229,12 +231,12 @@ def check_intact(ckpt: DistCheckpoint) -> None:
 _warned: set[str] = set()
 
 
-def _check_against_table(ckpt: DistCheckpoint, table: Path) -> None:
+def _check_against_table(ckpt: DistCheckpoint, table: Path, reads: set[str] | None) -> None:
     from dapo_mcore.weights import checkpoint as wckpt
 
     key = (os.fspath(ckpt.path.resolve()), *((p.name, p.stat().st_size, p.stat().st_mtime_ns)
                                               for p in sorted(ckpt.path.rglob("*")) if p.is_file()))
-    if key in _checked:
+    if key in _checked or (key, frozenset(reads or ())) in _checked:
         return
     try:
         files = json.loads(table.read_text())["files"]
@@ -243,13 +245,34 @@ def _check_against_table(ckpt: DistCheckpoint, table: Path) -> None:
             raise ValueError(malformed)
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise InputFileError(f"{table} cannot be read ({err}); {_FIX}.") from err
-    problems = wckpt.verify_files(ckpt.path, files)
-    problems += [f"{ckpt.path / n}: not in {CHECKSUMS}" for n in wckpt.list_files(ckpt.path, exclude=(CHECKSUMS,))
-                 if n not in files]
+    present = wckpt.list_files(ckpt.path, exclude=(CHECKSUMS,))
+    problems = [f"{ckpt.path / n}: not in {CHECKSUMS}" for n in present if n not in files]
+    names = None if reads is None else sorted(n for n in files if n in reads)
+    problems += wckpt.verify_files(ckpt.path, files, names)
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise InputFileError(f"{ckpt.path} is damaged: {problems[0]}{more}; {_FIX}.")
-    _checked.add(key)
+    _checked.add(key if reads is None else (key, frozenset(reads)))
+
+
+_ALWAYS_READ = {".metadata", "metadata.json", "common.pt"}
+"""The files every load reads whatever its shards: the storage index, the format, the common state."""
+
+
+def files_read(ckpt: DistCheckpoint, sharded_state_dict: dict) -> set[str] | None:
+    """The files of `ckpt` a load of `sharded_state_dict` reads (the ``.distcp`` files holding its keys, by the
+    ``.metadata`` index, and the ones every load reads); None (check every file) if a key is not in the index."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    wanted = {v.unique_key if isinstance(v, ShardedObject) else v.key for v in nested_values(sharded_state_dict)
+              if isinstance(v, (ShardedObject, ShardedTensor))}
+    by_key: dict[str, set[str]] = {}
+    for index, info in _storage_metadata(ckpt).storage_data.items():
+        by_key.setdefault(index.fqn, set()).add(info.relative_path)
+    if not wanted or any(k not in by_key for k in wanted):
+        return None
+    return {name for k in wanted for name in by_key[k]} | _ALWAYS_READ
 
 
 def _carries_mark(ckpt: DistCheckpoint) -> bool:
@@ -306,7 +329,7 @@ def embedding_rows(ckpt: DistCheckpoint) -> tuple[int, Any]:
     """(rows, dtype) of the checkpoint's word embedding: its padded vocabulary and its weights' dtype."""
     from megatron.core import dist_checkpointing
 
-    check_intact(ckpt)
+    check_intact(ckpt, _ALWAYS_READ)  # it reads the index only
     with _unreadable_as_damage(ckpt, ".metadata"):
         meta = dist_checkpointing.load_tensors_metadata(os.fspath(ckpt.path))
     embed = next((t for k, t in meta.items() if k.endswith(EMBEDDING_KEY)), None)
@@ -319,7 +342,7 @@ def load(sharded_state_dict: dict, ckpt: DistCheckpoint) -> dict:
     """`dist_checkpointing.load` of `sharded_state_dict`, on checkpoints with or without ``common.pt``."""
     from megatron.core import dist_checkpointing
 
-    check_intact(ckpt)
+    check_intact(ckpt, files_read(ckpt, sharded_state_dict))  # what this process reads, not every file
     kwargs = {}
     if not (ckpt.path / "common.pt").is_file() and _reads_common_pt_only():
         kwargs["common_strategy"] = _tolerant_common_strategy()
