@@ -212,7 +212,9 @@ def _rollouts(generated: list) -> list:
                                logprobs=np.asarray(r.logprobs, dtype=np.float32) if r.logprobs else None,
                                reward=float(reward), acc=bool(acc), finish_reason=r.finish_reason, kept=g.kept,
                                group_id=gi, gen_batch=g.gen_batch, stale_tokens=r.stale_tokens,
-                               stop_token=r.token_ids[-1] if r.finish_reason == "stop" and r.token_ids else -1))
+                               stop_token=r.token_ids[-1] if r.finish_reason == "stop" and r.token_ids else -1,
+                               loss_mask=None if r.loss_mask is None else np.asarray(r.loss_mask, dtype=bool),
+                               tool_calls=r.tool_calls, tool_errors=r.tool_errors))
     return out
 
 
