@@ -182,7 +182,7 @@ def _decoded_tokens(metrics: dict[str, Any]) -> int:
     return m["tokens_generated"] + m["tokens_aborted"] + m["tokens_partial_buffered"] - m["tokens_resumed_stale"]
 
 
-def _ledger_counts(metrics: dict[str, Any]) -> dict[str, int]:
+def _ledger_counts(metrics: dict[str, Any]) -> dict[str, float]:
     return {
         "prompts_generated": int(metrics.get("sampling/groups_generated", 0)),
         "prompts_kept": int(metrics.get("sampling/groups_kept", 0)),
@@ -196,6 +196,11 @@ def _ledger_counts(metrics: dict[str, Any]) -> dict[str, int]:
         "tokens_generated_aborted": int(metrics.get("sampling/tokens_aborted", 0))
         + int(metrics.get("sampling/tokens_dropped_stale", 0)),
         "prompts_skipped": int(metrics.get("sampling/prompts_history_skipped", 0)),
+        "tool_calls": int(metrics.get("tools/calls", 0)),
+        "tool_errors": int(metrics.get("tools/errors", 0)),
+        "tool_timeouts": int(metrics.get("tools/timeouts", 0)),
+        "tool_sandbox_failures": int(metrics.get("tools/sandbox_failures", 0)),
+        "tool_seconds": float(metrics.get("tools/seconds", 0.0)),
     }
 
 

@@ -105,13 +105,18 @@ COST_COUNTERS: tuple[str, ...] = (
     "tokens_generated", "tokens_generated_kept", "tokens_generated_rejected",
     "tokens_trained", "device_seconds",
     "tokens_generated_surplus", "tokens_generated_aborted", "prompts_skipped",
+    "tool_calls", "tool_errors", "tool_timeouts", "tool_sandbox_failures", "tool_seconds",
 )
 """Counters the cost ledger keeps. ``*_rejected`` = generated in finished groups but not trained on (dynamic
 sampling's rejected groups, surplus groups dropped, stage-skipped groups); ``tokens_generated_surplus`` = the
 surplus part of it; ``tokens_generated_aborted`` = tokens of requests aborted once the step was full (part of
 ``tokens_generated``, not of ``*_rejected``); ``prompts_skipped`` = prompts the prompt history skipped before
-generation; ``device_seconds`` = devices x step wall seconds."""
-COST_COUNTERS_ADDED: tuple[str, ...] = ("tokens_generated_surplus", "tokens_generated_aborted", "prompts_skipped")
+generation; ``device_seconds`` = devices x step wall seconds. ``tool_*`` (multi-turn tool use): calls made,
+those that errored (every output but a clean one), timed out, or found no sandbox, and the calls' wall seconds summed
+(they overlap decoding and each other)."""
+COST_COUNTERS_ADDED: tuple[str, ...] = ("tokens_generated_surplus", "tokens_generated_aborted", "prompts_skipped",
+                                        "tool_calls", "tool_errors", "tool_timeouts", "tool_sandbox_failures",
+                                        "tool_seconds")
 """Counters newer than some checkpoints: a ledger state without them resumes them from 0."""
 
 
