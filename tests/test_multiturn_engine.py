@@ -232,3 +232,18 @@ def test_pool_is_bounded_and_thread_safe():
     calls = [pool.submit(str(i)) for i in range(12)]
     assert [pool.output(c).text for c in calls] == [str(i) for i in range(12)]
     assert peak[0] <= 3 and pool.take_counters().calls == 12
+
+
+def test_tool_metrics_against_a_recount():
+    from dapo_mcore.rollout.multiturn.stats import tool_metrics
+
+    def resp(calls, errors):
+        return Response([1], [0.0], "stop", tool_calls=calls, tool_errors=errors)
+
+    groups = [([resp(2, 1), resp(0, 0), resp(1, 0)], [True, False, True]), ([resp(0, 0), resp(3, 3)], [True, False])]
+    m = tool_metrics(groups)
+    assert m["tools/calls_per_response"] == pytest.approx(6 / 5)
+    assert m["tools/error_rate"] == pytest.approx(4 / 6)
+    assert m["tools/acc_with_calls"] == pytest.approx(2 / 3) and m["tools/acc_without_calls"] == pytest.approx(1 / 2)
+    assert tool_metrics([([resp(0, 0)], [True])]) == {"tools/calls_per_response": 0.0, "tools/acc_without_calls": 1.0}
+    assert tool_metrics([]) == {}

@@ -64,3 +64,33 @@ def test_profile_shows_the_tool_table_only_when_calls_were_made(tmp_path, capsys
     with MetricsWriter(tmp_path / "plain") as writer:
         writer.log(1, ledger.record_step(1, **BASE, phase_seconds={"step": 1.0}))
     assert profile.summarize(report.load_run(tmp_path / "plain")).tools == {}
+
+
+def _tool_run(run_dir, calls, errors, timeouts, boxless):
+    ledger = CostLedger(run_dir)
+    with MetricsWriter(run_dir) as writer:
+        for step in range(1, 9):
+            m = ledger.record_step(step, **BASE, tool_calls=calls, tool_errors=errors, tool_timeouts=timeouts,
+                                   tool_sandbox_failures=boxless, tool_seconds=0.1, phase_seconds={"step": 1.0})
+            writer.log(step, {**m, keys.TRAIN_LOSS: 0.1})
+    ledger.close()
+    return run_dir
+
+
+@pytest.mark.parametrize(("counts", "level", "needle"), [
+    ((40, 2, 0, 0), "info", "tool error rate 5%"),
+    ((40, 30, 2, 0), "warn", "most tool calls fail"),
+    ((40, 30, 25, 0), "warn", "most tool calls fail"),
+    ((40, 40, 0, 40), "warn", "sandbox does not start"),
+])
+def test_diagnose_reads_the_tool_error_rate(tmp_path, counts, level, needle):
+    from dapo_mcore.telemetry import diagnose
+
+    d = diagnose.diagnose(diagnose.read_run(_tool_run(tmp_path, *counts)))
+    found = [f for f in d.findings if f.rule == "tools"]
+    assert len(found) == 1 and found[0].level == level
+    assert needle in found[0].message + found[0].evidence
+    if counts[2] == 25:
+        assert "timeout_s" in found[0].advice
+    plain = diagnose.diagnose(diagnose.read_run(_tool_run(tmp_path / "plain", 0, 0, 0, 0)))
+    assert "tools" not in plain.skipped and not [f for f in plain.findings if f.rule == "tools"]

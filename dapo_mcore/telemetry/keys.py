@@ -98,6 +98,15 @@ TIME_EVAL = time_key("eval")
 TIME_CHECKPOINT = time_key("checkpoint")
 TIME_STEP = time_key("step")
 
+# --- tools: multi-turn tool use (rollout.tools), over the step's generated responses ---------------------
+TOOLS_CALLS_PER_RESPONSE = "tools/calls_per_response"
+TOOLS_ERROR_RATE = "tools/error_rate"
+"""Tool calls whose output was an error (the code failed, timed out, flooded, or found no sandbox), of all calls."""
+TOOLS_ACC_WITH = "tools/acc_with_calls"
+"""Accuracy of the responses that made at least one tool call (absent when none did)."""
+TOOLS_ACC_WITHOUT = "tools/acc_without_calls"
+"""Accuracy of the responses that made none (absent when every response called)."""
+
 # --- cost: the ledger (see telemetry/ledger.py), per step and cumulative ------------------------
 COST_COUNTERS: tuple[str, ...] = (
     "prompts_generated", "prompts_kept", "prompts_rejected",
