@@ -246,6 +246,11 @@ class Trainer:
         with p.timer.phase("sync_weights"):
             self.sync_weights()
         metrics = self._step_metrics(groups, generated, stats, samples, train_metrics, mismatch)
+        if self.cfg.rollout.tools.enabled:  # calls (the ledger's counters) and calls per response, error rate, acc
+            from dapo_mcore.rollout.multiturn.stats import tool_metrics
+
+            metrics.update(batch.tools)
+            metrics.update(tool_metrics((g.responses, g.acc) for g in generated))
         if batch.policy_version is not None:
             metrics.update(self._pipeline_metrics(batch, samples))
             late = p.rollouts.late_eval()  # async: an evaluation the engines ran while the trainer trained

@@ -9,7 +9,7 @@ import torch
 
 from dapo_mcore.algo.loss import loss_denominators, masked_entropy_contrib, policy_loss
 from dapo_mcore.algo.rollout_correction import RolloutCorrectionConfig, correction
-from dapo_mcore.rollout.mismatch import MismatchStats
+from dapo_mcore.rollout.correction.mismatch import MismatchStats
 from tests.test_algo_loss import naive
 
 pytestmark = pytest.mark.unit

@@ -247,3 +247,29 @@ def test_tool_metrics_against_a_recount():
     assert m["tools/acc_with_calls"] == pytest.approx(2 / 3) and m["tools/acc_without_calls"] == pytest.approx(1 / 2)
     assert tool_metrics([([resp(0, 0)], [True])]) == {"tools/calls_per_response": 0.0, "tools/acc_without_calls": 1.0}
     assert tool_metrics([]) == {}
+
+
+def test_a_burst_of_calls_waits_its_turn_without_timing_out():
+    """The deadline counts from when a worker takes a call up: 12 calls of 50 ms on one worker, a 0.2 s deadline."""
+    def tool(text: str) -> ToolOutput:
+        time.sleep(0.05)
+        return ToolOutput(text)
+
+    pool = ToolPool(tool, workers=1, deadline_s=0.2)
+    calls = [pool.submit(str(i)) for i in range(12)]
+    assert [pool.output(c).kind for c in calls] == ["ok"] * 12
+    assert pool.take_counters().timeouts == 0
+
+
+def test_workers_that_all_hang_do_not_hang_the_rollout():
+    release = threading.Event()
+
+    def tool(text: str) -> ToolOutput:
+        release.wait(5)
+        return ToolOutput(text)
+
+    pool = ToolPool(tool, workers=1, deadline_s=0.1)
+    calls = [pool.submit(str(i)) for i in range(3)]  # the first hangs its worker; the others never start
+    assert [pool.output(c).kind for c in calls] == ["timeout"] * 3
+    release.set()
+    assert pool.take_counters().timeouts == 3

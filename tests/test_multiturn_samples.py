@@ -19,7 +19,7 @@ NAN = math.nan
 
 
 def group(responses, rewards):
-    from dapo_mcore.rollout.groups import GroupData
+    from dapo_mcore.rollout.scheduling.groups import GroupData
 
     return GroupData(record=None, prompt_ids=[1, 2], responses=responses, scores=rewards, acc=[r > 0 for r in rewards],
                      rewards=rewards, gen_batch=0)

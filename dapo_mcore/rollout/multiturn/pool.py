@@ -3,7 +3,10 @@
 Every fault of a call (the tool raised, hung past its deadline, flooded its output, its sandbox failed to start)
 becomes error text in the trajectory and a counter, never an exception out of the rollout or a hang of it. A call
 that overruns its deadline is given up (the python tool's sandbox kills its process tree at ``timeout_s`` itself; the
-deadline is the backstop for a tool of your own that ignores it).
+deadline is the backstop for a tool of your own that ignores it). A call's deadline counts from when a worker takes it
+up, not from when it was queued: a burst of calls waits its turn without timing out; the queue wait itself is bounded
+by the calls ahead of it (each takes at most ``deadline_s``), so a pool whose workers all hang still never hangs the
+rollout.
 """
 
 from __future__ import annotations
@@ -58,11 +61,14 @@ class ToolPool:
             raise ValueError(f"workers={workers} must be >= 1")
         self.tool, self.deadline_s = tool, deadline_s
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tool")
+        self.workers = workers
         self._lock = threading.Lock()
         self._counters = ToolCounters()
+        self._outstanding = 0  # submitted, not yet answered (or given up)
 
-    def _run(self, text: str) -> ToolOutput:
+    def _run(self, text: str, started: list[float]) -> ToolOutput:
         start = time.monotonic()
+        started.append(start)
         try:
             out = self.tool(text)
         except Exception as exc:  # a registry Tool never raises; any other callable's fault is still only data
@@ -72,20 +78,32 @@ class ToolPool:
             out = ToolOutput(f"the tool returned {type(out).__name__}, not a ToolOutput", "error")
         return ToolOutput(out.text, out.kind, time.monotonic() - start)
 
-    def submit(self, text: str) -> tuple[Future, float]:
-        """Start a call; ``(future, start time)`` for :meth:`output`."""
-        return self._pool.submit(self._run, text), time.monotonic()
+    def submit(self, text: str) -> tuple[Future, list[float], float]:
+        """Queue a call; the handle :meth:`output` takes."""
+        with self._lock:
+            ahead = self._outstanding
+            self._outstanding += 1
+        started: list[float] = []  # the worker writes the time it took the call up
+        queue_bound = self.deadline_s * (ahead // self.workers + 1)
+        return self._pool.submit(self._run, text, started), started, time.monotonic() + queue_bound
 
-    def output(self, call: tuple[Future, float]) -> ToolOutput:
-        """A call's output, counted; past the deadline a timeout output (the call is given up)."""
-        future, start = call
+    def output(self, call: tuple[Future, list[float], float]) -> ToolOutput:
+        """A call's output, counted; past its deadline a timeout output (the call is given up)."""
+        future, started, start_by = call
         try:
-            out = future.result(timeout=max(self.deadline_s - (time.monotonic() - start), 0.0))
+            while not started and not future.done():  # queued: wait for a worker, at most until start_by
+                if time.monotonic() > start_by:
+                    raise FutureTimeout
+                time.sleep(0.005)
+            left = self.deadline_s - (time.monotonic() - started[0]) if started else 0.0
+            out = future.result(timeout=max(left, 0.0))
         except FutureTimeout:
             future.cancel()
             logger.warning("a tool call overran its %.1f s deadline; given up", self.deadline_s)
             out = ToolOutput(f"TimeoutError: the tool did not answer within {self.deadline_s:g} s", "timeout",
-                             time.monotonic() - start)
+                             self.deadline_s)
+        with self._lock:
+            self._outstanding -= 1
         return self.record(out)
 
     def record(self, out: ToolOutput) -> ToolOutput:
