@@ -22,7 +22,6 @@ def test_tools_off_by_default_and_on_validates():
     ("rollout.tools.memory_mb=8", "rollout.tools.memory_mb=8"),
     ("rollout.tools.pool_size=-1", "rollout.tools.pool_size=-1"),
     ("rollout.tools.max_output_tokens=64", "leaves no room"),
-    ("rollout.engine=vllm", "rollout.engine=hf"),
     ("rollout.pipeline.mode=async", "rollout.pipeline.mode=sync"),
     ("rollout.schedule.streaming=true", "rollout.schedule.streaming=false"),
 ])

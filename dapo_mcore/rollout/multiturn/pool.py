@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, fields
 
+from dapo_mcore.signals import faults
 from dapo_mcore.tools.registry import ToolOutput
 
 __all__ = ["ToolCounters", "ToolPool"]
@@ -65,10 +66,15 @@ class ToolPool:
         self._lock = threading.Lock()
         self._counters = ToolCounters()
         self._outstanding = 0  # submitted, not yet answered (or given up)
+        self._taken_up = 0  # calls a worker has started, since the process began (the resume tests' fault point)
 
     def _run(self, text: str, started: list[float]) -> ToolOutput:
         start = time.monotonic()
         started.append(start)
+        with self._lock:
+            self._taken_up += 1
+            index = self._taken_up
+        faults.point("tool", index)  # the kill -9 resume test: this process dies inside its index-th tool call
         try:
             out = self.tool(text)
         except Exception as exc:  # a registry Tool never raises; any other callable's fault is still only data
