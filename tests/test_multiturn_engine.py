@@ -273,3 +273,14 @@ def test_workers_that_all_hang_do_not_hang_the_rollout():
     assert [pool.output(c).kind for c in calls] == ["timeout"] * 3
     release.set()
     assert pool.take_counters().timeouts == 3
+
+
+def test_vllm_requests_take_one_token_stop_sequences_and_refuse_longer():
+    from dapo_mcore.rollout.engines.vllm_engine import build_requests
+    from dapo_mcore.rollout.protocol import EngineError
+
+    params = SamplingParams(n=2, max_new_tokens=8, stop_token_ids=(9,), stop_sequences=((31,),), seed=1)
+    _, sampling = build_requests([[1, 2]], params, "processed")
+    assert sampling[0]["stop_token_ids"] == [9, 31]
+    with pytest.raises(EngineError, match="single token ids"):
+        build_requests([[1, 2]], SamplingParams(stop_sequences=((31, 32),)), "processed")
