@@ -94,3 +94,16 @@ def test_diagnose_reads_the_tool_error_rate(tmp_path, counts, level, needle):
         assert "timeout_s" in found[0].advice
     plain = diagnose.diagnose(diagnose.read_run(_tool_run(tmp_path / "plain", 0, 0, 0, 0)))
     assert "tools" not in plain.skipped and not [f for f in plain.findings if f.rule == "tools"]
+
+
+def test_report_draws_the_tool_panel_only_for_a_tool_run(tmp_path):
+    run = _tool_run(tmp_path / "tools", 40, 2, 0, 0)
+    with MetricsWriter(run) as writer:  # the per-response tool metrics a tool run logs each step
+        for step in range(9, 12):
+            writer.log(step, {keys.TOOLS_CALLS_PER_RESPONSE: 0.9, keys.TOOLS_ERROR_RATE: 0.05,
+                              keys.TOOLS_ACC_WITH: 0.6, keys.TOOLS_ACC_WITHOUT: 0.1, keys.TRAIN_LOSS: 0.1})
+    assert report.main([str(run)]) == 0
+    assert (run / "figures" / "tools.png").is_file()
+    plain = _tool_run(tmp_path / "plain", 0, 0, 0, 0)
+    assert report.main([str(plain)]) == 0
+    assert not (plain / "figures" / "tools.png").exists()
