@@ -129,7 +129,7 @@ def test_tokens_are_the_engines_plus_the_tools_exactly():
                                     "<interpreter>0.25</interpreter>ok")
     assert r2.tool_calls == 2 and sum(not m for m in r2.loss_mask) == 2 * 2 + len("1024") + len("0.25")
     # every turn continued from the exact token list so far (never re-tokenized), with </code> as a stop sequence
-    for prompts, prefixes, p in inner.calls:
+    for _, _, p in inner.calls:
         assert p.n == 1 and CODEC.close_ids in p.stop_sequences
     assert inner.calls[1][1][0] == model[0] + tool
     assert pool.take_counters().calls == 2 * 1 + 2 * 2
