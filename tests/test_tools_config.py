@@ -35,3 +35,18 @@ def test_refusals_name_the_setting(override, needle):
 def test_bad_sandbox_name_is_refused_at_load():
     with pytest.raises(ConfigError, match="sandbox"):
         load_config("examples/tiny_cpu.yaml", BASE + ["rollout.tools.sandbox=docker"])
+
+
+def test_a_tool_recipe_is_rehearsed_on_the_tool_task():
+    """The 32B ReTool recipe's rehearsal: the shrunk model gets the tool vocabulary and the tiny tool task, so the
+    rehearsal makes real tool calls; the other recipes keep the tiny vocabulary."""
+    from dapo_mcore.commands.rehearse import recipe_model, shrink
+
+    cfg = load_config("examples/retool-qwen2.5-32b.yaml")
+    plan = shrink(cfg, recipe_model(cfg)[0], vllm_installed=False)
+    assert plan.tools and plan.hf["vocab_size"] == 48
+    assert "data.train=task:mul2tool" in plan.overrides and "rollout.engine=hf" in plan.overrides
+    assert any(k.startswith("tool use (python") for k in plan.kept)
+    plain = load_config("examples/qwen2.5-32b-fp8.yaml")
+    other = shrink(plain, recipe_model(plain)[0], vllm_installed=False)
+    assert not other.tools and other.hf["vocab_size"] == 32 and "data.train=task:max4" in other.overrides
