@@ -148,6 +148,9 @@ def shrink(cfg: Any, hf: dict[str, Any], *, vllm_installed: bool, nproc: int | N
     tools = bool(r.tools.enabled)
     if tools:
         kept.append(f"tool use ({r.tools.tool}, sandbox {r.tools.sandbox})")
+        if r.tools.python:
+            not_rehearsed.append(f"the tool interpreter (rollout.tools.python={r.tools.python}: the system python3 "
+                                 "instead)")
     task = "mul2tool" if tools else "max4"
     lengths = (["rollout.max_new_tokens=32", "algo.overlong_max_len=32", "algo.overlong_cache_len=4",
                 "rollout.tools.max_output_tokens=8", "rollout.tools.pool_size=1"] if tools else
@@ -170,6 +173,8 @@ def shrink(cfg: Any, hf: dict[str, Any], *, vllm_installed: bool, nproc: int | N
         "checkpoint.every=1", "checkpoint.keep_last=2", "run.resume=auto", "telemetry.wandb.project=null"]
     if engines:
         overrides += [f"rollout.pipeline.engine_ranks={engines}", "rollout.pipeline.bucket_mb=1"]
+    if tools and r.tools.python:
+        overrides.append("rollout.tools.python=")  # the site's tool environment is not on this machine
     if engine == "vllm":
         overrides += [f"rollout.vllm.tensor_parallel={_two(r.vllm.tensor_parallel)}", "rollout.vllm.enforce_eager=true"]
     if cfg.reward.workers > 1:
