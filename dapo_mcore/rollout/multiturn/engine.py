@@ -35,7 +35,9 @@ __all__ = ["MultiTurnEngine"]
 
 logger = logging.getLogger(__name__)
 
-_TURN_SEED_STRIDE = 1_000_003
+_TURN_SEED_STRIDE = 2_654_435_761
+"""Turn t samples with seed ``params.seed + t * stride`` (mod 2**62): a stride far from the ones that tell steps,
+generation calls and engine groups apart (10_007, 1, 1_000_003), so no two of them draw the same random stream."""
 
 
 @dataclass
@@ -100,7 +102,7 @@ class MultiTurnEngine:
         live = list(range(len(rows)))
         turn = 0
         while live:
-            seed = None if params.seed is None else params.seed + _TURN_SEED_STRIDE * turn
+            seed = None if params.seed is None else (params.seed + _TURN_SEED_STRIDE * turn) % 2**62
             self._turn(rows, live, dataclasses.replace(turn_params, seed=seed))
             live = self._after_turn(rows, live, params.max_new_tokens)
             turn += 1
