@@ -73,6 +73,9 @@ PANELS: tuple[Panel, ...] = (
         (keys.TOOLS_CALLS_PER_RESPONSE, "tool calls per response"), (keys.TOOLS_ERROR_RATE, "tool error rate"),
         (keys.TOOLS_ACC_WITH, "accuracy, responses with a call"),
         (keys.TOOLS_ACC_WITHOUT, "accuracy, responses without one")), split=True, optional=True),
+    Panel("lora", "LoRA adapters", "L2 norm", (
+        ("lora/update_norm", "update per optimizer step"), ("lora/adapter_norm", "adapters")), split=True,
+        optional=True),
 )
 LINE_STYLES: tuple[tuple[str, float, str | None], ...] = (("-", 3.0, None), ("--", 2.2, "o"), (":", 2.0, "s"),
                                                          ("-.", 1.4, "^"))

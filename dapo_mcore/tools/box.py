@@ -34,16 +34,18 @@ ETC_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/l
 """The few files of /etc the dynamic loader and the interpreter read; no passwd, shadow, hosts or ssl."""
 
 TMPFS_BYTES = 64 * 1024 * 1024
-"""Size of each of the box's two writable tmpfs (/tmp, /box): they are memory, so a cap keeps a write loop from
+"""Size of each of the box's writable tmpfs (/tmp, /box, /dev/shm): they are memory, so a cap keeps a write loop from
 filling the host's RAM."""
 
-SETUP_FAILURE = "bwrap: "
-"""bubblewrap's own error lines start so (it exits 1 before running anything)."""
+SETUP_FAILURE = ("bwrap: ", "prlimit: ", "setpriv: ")
+"""The launchers' own error lines start so (bubblewrap exits 1 before running anything; prlimit and setpriv 1, or
+126/127 when the command they should run cannot be run or is missing)."""
 
 
-class SandboxUnavailable(UserError):
+class SandboxUnavailable(UserError, ValueError):
     """The code sandbox cannot start here (no bubblewrap, no user namespaces, no interpreter); the message says the
-    fix and names the setting that runs tool code unboxed."""
+    fix and names the setting that runs tool code unboxed. A ValueError too, like the config's own errors, so a
+    config check that turns ValueErrors into configuration errors takes it as one."""
 
 
 def box_env(home: str) -> dict[str, str]:
@@ -67,7 +69,7 @@ class Interpreter:
 
 
 _interpreters: dict[str, Interpreter] = {}
-_probes: dict[tuple[str, str], str | None] = {}
+_probes: dict[tuple[tuple[str, ...], str, str, tuple[str, ...]], str | None] = {}
 _lock = threading.Lock()
 
 
@@ -82,8 +84,12 @@ def interpreter(python: str) -> Interpreter:
             return _interpreters[python]
     found = shutil.which(python, path=SAFE_PATH) if "/" not in python else python
     if found is None or not os.access(found, os.X_OK):
-        raise SandboxUnavailable(f"tool interpreter {python!r} not found (looked on {SAFE_PATH}): give the path of a "
-                                 "Python with the packages tool code imports (numpy, sympy, ...)")
+        raise SandboxUnavailable(f"tool interpreter {python!r} not found (looked on {SAFE_PATH}): set "
+                                 "rollout.tools.python to the path of a Python with the packages tool code imports "
+                                 "(numpy, sympy, ...)")
+    # its directory as the box sees it (bound at its real path): a relative path or a symlinked directory resolved,
+    # the file's own name kept (a venv's bin/python is a symlink that must stay the venv's)
+    found = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(found))), os.path.basename(found))
     query = ("import json, os, sys; print(json.dumps([sys.prefix, sys.base_prefix, sys.exec_prefix, "
              "sys.base_exec_prefix, os.path.dirname(os.path.realpath(sys.executable))]))")
     try:
@@ -91,15 +97,16 @@ def interpreter(python: str) -> Interpreter:
                              capture_output=True, text=True, timeout=60, check=True).stdout
         dirs = [os.path.realpath(p) for p in json.loads(out)]
     except (OSError, subprocess.SubprocessError, ValueError) as exc:
-        raise SandboxUnavailable(f"tool interpreter {found}: cannot run it ({str(exc).splitlines()[0]}): give the "
-                                 "path of a working Python") from None
+        lines = [ln for ln in (getattr(exc, "stderr", None) or str(exc)).splitlines() if ln.strip()]
+        raise SandboxUnavailable(f"tool interpreter {found}: cannot run it in an empty environment ({lines[-1]}): "
+                                 "set rollout.tools.python to the path of a working Python") from None
     here = os.path.realpath(os.getcwd())
     binds: list[str] = []
     for d in sorted(set(dirs), key=len):
         if d == "/" or _under(here, d):
             raise SandboxUnavailable(f"tool interpreter {found}: its prefix {d} holds the working directory {here}, "
                                      "which the box must not see: give the tools an environment of their own "
-                                     "(python3 -m venv /opt/tool-env)")
+                                     "(python3 -m venv /opt/tool-env) and set rollout.tools.python to it")
         if not any(_under(d, s) for s in SYSTEM_DIRS) and not any(_under(d, b) for b in binds):
             binds.append(d)
     found_interpreter = Interpreter(path=found, binds=tuple(binds))
@@ -108,10 +115,47 @@ def interpreter(python: str) -> Interpreter:
     return found_interpreter
 
 
-def bwrap_argv(bwrap: str, interp: Interpreter, code_fd: int) -> list[str]:
-    """The bubblewrap command line that runs ``/box/main.py`` (read from ``code_fd``) under ``interp``."""
-    argv = [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-            "--hostname", "sandbox", "--clearenv"]
+OPTIONAL = ("--disable-userns", "--size", "--clearenv")
+"""Options newer bubblewraps have (0.8: --disable-userns, --size); used where ``bwrap --help`` lists them. Without
+them the box may create user namespaces of its own, its tmpfs are bounded only by the file-size limit per file,
+and its environment is the launcher's (already the minimal one)."""
+
+_features: dict[str, frozenset[str]] = {}
+
+
+def features(bwrap: str) -> frozenset[str]:
+    """Which of :data:`OPTIONAL` this bubblewrap knows (cached; empty if it does not run)."""
+    with _lock:
+        if bwrap in _features:
+            return _features[bwrap]
+    try:
+        text = subprocess.run([bwrap, "--help"], env=box_env("/"), stdin=subprocess.DEVNULL, capture_output=True,
+                              text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        text = ""
+    found = frozenset(opt for opt in OPTIONAL if f"{opt} " in text)
+    with _lock:
+        _features[bwrap] = found
+    return found
+
+
+def bwrap_argv(bwrap: str, interp: Interpreter, code_fd: int, inner: tuple[str, ...] = (),
+               info_fd: int | None = None) -> list[str]:
+    """The bubblewrap command line that runs ``/box/main.py`` (read from ``code_fd``) under ``interp``, through
+    ``inner`` inside the box (the box's own process limit); ``info_fd`` gets the box's host pid (``child-pid``).
+
+    The code is pid 1 of the box's pid namespace (``--as-pid-1``): bubblewrap's own reaper there would outlive the
+    launcher by a moment and be left to the host's init to reap (a trainer that is a container's pid 1 never would);
+    the launcher reaps the code itself."""
+    has = features(bwrap)
+    argv = [bwrap, "--unshare-all", "--as-pid-1", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+            "--hostname", "sandbox"]
+    if info_fd is not None:
+        argv += ["--info-fd", str(info_fd)]
+    if "--disable-userns" in has:  # no user namespace of its own inside: less kernel surface to attack
+        argv += ["--unshare-user", "--disable-userns"]
+    if "--clearenv" in has:
+        argv += ["--clearenv"]
     for key, value in box_env(BOX_DIR).items():
         argv += ["--setenv", key, value]
     for d in SYSTEM_DIRS:
@@ -121,30 +165,31 @@ def bwrap_argv(bwrap: str, interp: Interpreter, code_fd: int) -> list[str]:
             argv += ["--ro-bind", d, d]
     for f in ETC_FILES:
         argv += ["--ro-bind-try", f, f]
-    for d in interp.binds:
+    size = ["--size", str(TMPFS_BYTES)] if "--size" in has else []
+    # /dev is a tmpfs bubblewrap makes without a size: read-only (device nodes still work), with a sized /dev/shm
+    shm = [*size, "--tmpfs", "/dev/shm"] if size else []
+    argv += ["--proc", "/proc", "--dev", "/dev", *shm, "--remount-ro", "/dev",
+             *size, "--tmpfs", "/tmp", *size, "--tmpfs", BOX_DIR, "--file", str(code_fd), f"{BOX_DIR}/main.py"]
+    for d in interp.binds:  # after the tmpfs: an interpreter kept under /tmp stays visible
         argv += ["--ro-bind", d, d]
-    argv += ["--proc", "/proc", "--dev", "/dev",
-             "--size", str(TMPFS_BYTES), "--tmpfs", "/tmp",
-             "--size", str(TMPFS_BYTES), "--tmpfs", BOX_DIR,
-             "--file", str(code_fd), f"{BOX_DIR}/main.py",
-             "--remount-ro", "/", "--chdir", BOX_DIR,
-             "--", interp.path, "-I", "-B", f"{BOX_DIR}/main.py"]
+    argv += ["--remount-ro", "/", "--chdir", BOX_DIR, "--", *inner, interp.path, "-I", "-B", f"{BOX_DIR}/main.py"]
     return argv
 
 
-def probe(bwrap: str, interp: Interpreter) -> str | None:
-    """None when a box runs here (cached per binary and interpreter), else bubblewrap's reason in one line."""
-    key = (bwrap, interp.path)
+def probe(launcher: tuple[str, ...], bwrap: str, interp: Interpreter, inner: tuple[str, ...] = ()) -> str | None:
+    """None when a box runs here through ``launcher`` (the commands before bubblewrap: prlimit, setpriv) and
+    ``inner`` (inside it; cached per launcher, binary, interpreter and inner), else the reason in one line."""
+    key = (launcher, bwrap, interp.path, inner)
     with _lock:
         if key in _probes:
             return _probes[key]
-    reason = _probe_once(bwrap, interp)
+    reason = _probe_once(launcher, bwrap, interp, inner)
     with _lock:
         _probes[key] = reason
     return reason
 
 
-def _probe_once(bwrap: str, interp: Interpreter) -> str | None:
+def _probe_once(launcher: tuple[str, ...], bwrap: str, interp: Interpreter, inner: tuple[str, ...]) -> str | None:
     found = shutil.which(bwrap, path=SAFE_PATH) if "/" not in bwrap else bwrap
     if found is None or not Path(found).is_file():
         return f"bubblewrap ({bwrap}) is not installed"
@@ -153,8 +198,8 @@ def _probe_once(bwrap: str, interp: Interpreter) -> str | None:
         os.write(write, b"print('box')\n")
         os.close(write)
         write = -1
-        proc = subprocess.run(bwrap_argv(found, interp, read), env=box_env("/"), stdin=subprocess.DEVNULL,
-                              capture_output=True, text=True, timeout=60, pass_fds=(read,))
+        proc = subprocess.run([*launcher, *bwrap_argv(found, interp, read, inner)], env=box_env("/"),
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60, pass_fds=(read,))
     except (OSError, subprocess.SubprocessError) as exc:
         return f"{found} did not run: {exc}"
     finally:
@@ -167,11 +212,9 @@ def _probe_once(bwrap: str, interp: Interpreter) -> str | None:
     return None
 
 
-def require_bwrap(bwrap: str, interp: Interpreter) -> None:
-    """Raise SandboxUnavailable (one line, naming the setting that runs code unboxed) where a box cannot start."""
-    reason = probe(bwrap, interp)
-    if reason is not None:
-        raise SandboxUnavailable(
-            f"the tool-code sandbox cannot start: {reason}; install bubblewrap (apt-get install bubblewrap) and allow "
-            "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1), or set "
-            "rollout.tools.sandbox=none to run tool code unboxed (no isolation: only for code you trust)")
+def unavailable(reason: str) -> SandboxUnavailable:
+    """The one-line refusal: the reason, the fix, and the setting that runs code unboxed."""
+    return SandboxUnavailable(
+        f"the tool-code sandbox cannot start: {reason}; install bubblewrap (apt-get install bubblewrap) and allow "
+        "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1), or set "
+        "rollout.tools.sandbox=none to run tool code unboxed (no isolation: only for code you trust)")

@@ -63,7 +63,10 @@ class Tool:
         try:
             out = self.fn(text)
         except Exception as exc:  # a fault of the tool becomes data, never a crash of the rollout
-            log.warning("tool %s raised %s: %s", self.name, type(exc).__name__, exc, exc_info=True)
+            first = self.name not in _RAISED
+            _RAISED.add(self.name)
+            log.warning("tool %s raised %s: %s%s", self.name, type(exc).__name__, exc,
+                        "" if first else " (traceback logged at its first failure)", exc_info=first)
             return ToolOutput(f"{type(exc).__name__}: {exc}".splitlines()[0], "error", time.monotonic() - start)
         seconds = time.monotonic() - start
         if isinstance(out, str):
@@ -74,6 +77,7 @@ class Tool:
 
 
 _TOOLS: dict[str, ToolFactory] = {}
+_RAISED: set[str] = set()  # tools whose first exception (with its traceback) has been logged
 
 
 def register_tool_factory(name: str) -> Callable[[ToolFactory], ToolFactory]:
