@@ -16,6 +16,7 @@ import yaml
 
 from dapo_mcore.algo.config import AlgoConfig
 from dapo_mcore.algo.schedule_config import ScheduleConfig
+from dapo_mcore.config.tools import ToolsConfig
 from dapo_mcore.config.tree import ConfigError, apply_overrides, from_dict, read_yaml, to_dict
 from dapo_mcore.data.config import DataConfig
 from dapo_mcore.data.tiny_base_settings import TinyBaseSettings
@@ -290,6 +291,8 @@ class RolloutConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     """Rollout scheduling (streaming, partial rollouts, adaptive rounds, staged groups, prompt history); all off = DAPO's
     batch-and-filter loop exactly."""
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
+    """Multi-turn tool use (ReTool's Python interpreter); off by default."""
 
 
 @dataclass

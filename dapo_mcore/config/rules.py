@@ -238,6 +238,7 @@ def validate_rollout(cfg: Config) -> None:
                           "correction: set algo.tis_cap (e.g. 2.0) or algo.rollout_correction.preset (e.g. token_tis)")
     _validate_bypass(cfg)
     _validate_pipeline(cfg)
+    validate_tools(cfg)
     if r.engine == "vllm" and not 0.0 < r.vllm.gpu_memory_utilization < 1.0:
         raise ConfigError("rollout.vllm.gpu_memory_utilization must lie in (0, 1).")
     if cfg.algo.overlong_shaping and cfg.algo.overlong_max_len > r.max_new_tokens:
@@ -319,3 +320,24 @@ def _validate_pipeline(cfg: Config) -> None:
     if r.engine == "vllm" and pipe.engine_ranks % r.vllm.tensor_parallel:
         raise ConfigError(f"rollout.pipeline.engine_ranks={pipe.engine_ranks} is not a multiple of "
                           f"rollout.vllm.tensor_parallel={r.vllm.tensor_parallel}: each vLLM engine is one TP group.")
+
+
+def validate_tools(cfg: Config) -> None:
+    """``rollout.tools``: its own ranges, then the schedules multi-turn rollouts do not run under (yet)."""
+    t, r = cfg.rollout.tools, cfg.rollout
+    t.validate()
+    if not t.enabled:
+        return
+    refused = [(r.pipeline.mode != "sync", f"rollout.pipeline.mode={r.pipeline.mode}", "rollout.pipeline.mode=sync"),
+               (r.schedule.streaming, "rollout.schedule.streaming", "rollout.schedule.streaming=false"),
+               (r.schedule.partial, "rollout.schedule.partial", "rollout.schedule.partial=false"),
+               (cfg.algo.router_replay != "none", f"algo.router_replay={cfg.algo.router_replay}",
+                "algo.router_replay=none")]
+    for bad, what, fix in refused:
+        if bad:
+            raise ConfigError(f"rollout.tools.enabled with {what}: multi-turn tool rollouts run in the synchronous "
+                              f"loop without streaming, partial rollouts or routing replay; set {fix} or "
+                              f"rollout.tools.enabled=false")
+    if t.max_output_tokens >= r.max_new_tokens:
+        raise ConfigError(f"rollout.tools.max_output_tokens={t.max_output_tokens} leaves no room for the model in "
+                          f"rollout.max_new_tokens={r.max_new_tokens}; lower it (ReTool: a few hundred of 16384)")

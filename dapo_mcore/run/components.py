@@ -182,7 +182,7 @@ def _decoded_tokens(metrics: dict[str, Any]) -> int:
     return m["tokens_generated"] + m["tokens_aborted"] + m["tokens_partial_buffered"] - m["tokens_resumed_stale"]
 
 
-def _ledger_counts(metrics: dict[str, Any]) -> dict[str, int]:
+def _ledger_counts(metrics: dict[str, Any]) -> dict[str, float]:
     return {
         "prompts_generated": int(metrics.get("sampling/groups_generated", 0)),
         "prompts_kept": int(metrics.get("sampling/groups_kept", 0)),
@@ -196,6 +196,11 @@ def _ledger_counts(metrics: dict[str, Any]) -> dict[str, int]:
         "tokens_generated_aborted": int(metrics.get("sampling/tokens_aborted", 0))
         + int(metrics.get("sampling/tokens_dropped_stale", 0)),
         "prompts_skipped": int(metrics.get("sampling/prompts_history_skipped", 0)),
+        "tool_calls": int(metrics.get("tools/calls", 0)),
+        "tool_errors": int(metrics.get("tools/errors", 0)),
+        "tool_timeouts": int(metrics.get("tools/timeouts", 0)),
+        "tool_sandbox_failures": int(metrics.get("tools/sandbox_failures", 0)),
+        "tool_seconds": float(metrics.get("tools/seconds", 0.0)),
     }
 
 
@@ -212,7 +217,9 @@ def _rollouts(generated: list) -> list:
                                logprobs=np.asarray(r.logprobs, dtype=np.float32) if r.logprobs else None,
                                reward=float(reward), acc=bool(acc), finish_reason=r.finish_reason, kept=g.kept,
                                group_id=gi, gen_batch=g.gen_batch, stale_tokens=r.stale_tokens,
-                               stop_token=r.token_ids[-1] if r.finish_reason == "stop" and r.token_ids else -1))
+                               stop_token=r.token_ids[-1] if r.finish_reason == "stop" and r.token_ids else -1,
+                               loss_mask=None if r.loss_mask is None else np.asarray(r.loss_mask, dtype=bool),
+                               tool_calls=r.tool_calls, tool_errors=r.tool_errors))
     return out
 
 

@@ -278,6 +278,10 @@ def _build_parts(cfg: Config, launch: LaunchEnv, *, resume: bool, checkpoint: st
     elif hf_dir is not None:
         actor.load_hf(str(hf_dir))
     engine = None if bridge is not None else _build_engine(cfg, hf_dir, hf_config, tokenizer, stops)
+    if engine is not None and cfg.rollout.tools.enabled:
+        from dapo_mcore.run.tool_engine import tool_engine
+
+        engine = tool_engine(cfg, engine, tokenizer)
     sampler = _build_sampler(cfg, train_records)
     parts_closers: list[Callable[[], None]] = []
     scorer = make_scorer(cfg.reward, parts_closers)

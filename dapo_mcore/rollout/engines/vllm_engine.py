@@ -256,6 +256,11 @@ def build_requests(prompts: Sequence[Sequence[int]], params: SamplingParams,
                           f"log-probs are renormalised over the top-k/top-p set and would not match the actor's "
                           f"full-vocabulary log_softmax(logits/T). Use top_p=1, top_k=-1 for training rollouts, "
                           f"or logprobs='none' (evaluation).")
+    longer = [list(seq) for seq in params.stop_sequences if len(seq) > 1]
+    if longer:
+        raise EngineError(f"stop_sequences {longer[:2]}: VLLMEngine stops on single token ids only (a one-token "
+                          f"sequence goes to stop_token_ids); run multi-turn tool rollouts on rollout.engine=hf.")
+    stop_ids = sorted(set(params.stop_token_ids) | {seq[0] for seq in params.stop_sequences})
     if max_tokens is None:
         max_tokens = [params.max_new_tokens] * len(prompts)
     if len(max_tokens) != len(prompts) or min(max_tokens, default=1) < 1:
@@ -265,7 +270,7 @@ def build_requests(prompts: Sequence[Sequence[int]], params: SamplingParams,
     for i in range(len(prompts)):
         sampling.append(dict(
             n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-            max_tokens=int(max_tokens[i]), stop_token_ids=list(params.stop_token_ids),
+            max_tokens=int(max_tokens[i]), stop_token_ids=stop_ids,
             seed=None if params.seed is None else params.seed + i * params.n,
             logprobs=None if params.logprobs == "none" else 0, detokenize=False, ignore_eos=False,
         ))

@@ -72,8 +72,11 @@ def pack_responses(indices: Sequence[int], results: Sequence[Sequence[Response]]
     for index, responses in zip(indices, results, strict=True):
         ints += [index, len(responses)]
         for r in responses:
-            ints += [_FINISH.index(r.finish_reason), len(r.token_ids), len(r.logprobs)]
+            mask = r.loss_mask is not None  # multi-turn: which tokens are the model's, and the tool counts
+            ints += [_FINISH.index(r.finish_reason), len(r.token_ids), len(r.logprobs), int(mask), r.tool_calls,
+                     r.tool_errors]
             ints += list(r.token_ids)
+            ints += [int(m) for m in r.loss_mask] if mask else []
             floats += list(r.logprobs)
     return torch.tensor(ints, dtype=torch.int64), torch.tensor(floats, dtype=torch.float32)
 
@@ -88,11 +91,14 @@ def unpack_responses(ints: torch.Tensor, floats: torch.Tensor) -> dict[int, list
         pos += 2
         responses = []
         for _ in range(count):
-            finish, n_tok, n_lp = iv[pos], iv[pos + 1], iv[pos + 2]
-            pos += 3
-            responses.append(Response(token_ids=iv[pos:pos + n_tok], logprobs=fv[fpos:fpos + n_lp],
-                                      finish_reason=_FINISH[finish]))  # type: ignore[arg-type]
+            finish, n_tok, n_lp, has_mask, calls, errors = iv[pos:pos + 6]
+            pos += 6
+            ids = iv[pos:pos + n_tok]
             pos += n_tok
+            mask = [bool(m) for m in iv[pos:pos + n_tok]] if has_mask else None
+            pos += n_tok if has_mask else 0
+            responses.append(Response(token_ids=ids, logprobs=fv[fpos:fpos + n_lp], finish_reason=_FINISH[finish],
+                                      loss_mask=mask, tool_calls=calls, tool_errors=errors))  # type: ignore[arg-type]
             fpos += n_lp
         out[index] = responses
     return out
