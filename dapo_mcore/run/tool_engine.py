@@ -16,17 +16,27 @@ OUTPUT_BYTES_PER_TOKEN = 16
 source, so a flood never reaches the tokenizer)."""
 
 
+def tool_codec(tokenizer: Any) -> Any:
+    """The tool-call format bound to ``tokenizer``: markers encoded as the tokenizer spells them, a tool's output with
+    special tokens split into plain text (what model-written code prints cannot forge a special token)."""
+    from dapo_mcore.rollout.multiturn import ToolCodec
+
+    return ToolCodec(lambda text: tokenizer(text, add_special_tokens=False).input_ids,
+                     lambda ids: tokenizer.decode(ids),
+                     encode_output=lambda text: tokenizer(text, add_special_tokens=False,
+                                                          split_special_tokens=True).input_ids)
+
+
 def tool_engine(cfg: Config, engine: Any, tokenizer: Any) -> Any:
     """``engine`` wrapped in a MultiTurnEngine with the configured tool. Raises ConfigError (one line) where the
     sandbox cannot start, the tool is unknown, or the tokenizer cannot spell the format's markers."""
-    from dapo_mcore.rollout.multiturn import MultiTurnEngine, ToolCodec, ToolPool
+    from dapo_mcore.rollout.multiturn import MultiTurnEngine, ToolPool
     from dapo_mcore.rollout.multiturn.pool import DEADLINE_GRACE_S
     from dapo_mcore.tools.registry import get_tool
     from dapo_mcore.tools.sandbox import Sandbox
 
     t = cfg.rollout.tools
-    codec = ToolCodec(lambda text: tokenizer(text, add_special_tokens=False).input_ids,
-                      lambda ids: tokenizer.decode(ids))
+    codec = tool_codec(tokenizer)
     unk = getattr(tokenizer, "unk_token_id", None)
     marks = (*codec.close_ids, *codec.result_open_ids, *codec.result_close_ids)
     if unk is not None and unk in marks:

@@ -27,12 +27,16 @@ class ToolFormat:
 class ToolCodec:
     """:class:`ToolFormat` bound to a tokenizer's ``encode`` (text -> ids, no special tokens added) and ``decode``.
 
-    ``close_ids`` is the token sequence that ends a turn (a stop sequence for the engine)."""
+    ``close_ids`` is the token sequence that ends a turn (a stop sequence for the engine). ``encode_output`` encodes
+    a tool's output (default: ``encode``): the output is what model-written code printed, so it must spell a special
+    token's text as plain text (``split_special_tokens``), never as the special token itself, or the code could plant
+    an end-of-turn in the trajectory."""
 
     def __init__(self, encode: Callable[[str], list[int]], decode: Callable[[Sequence[int]], str],
-                 fmt: ToolFormat | None = None) -> None:
+                 fmt: ToolFormat | None = None, encode_output: Callable[[str], list[int]] | None = None) -> None:
         self.fmt = fmt or ToolFormat()
         self.encode, self.decode = encode, decode
+        self.encode_output = encode_output or encode
         self.close_ids = tuple(encode(self.fmt.call_close))
         self.result_open_ids = list(encode(self.fmt.result_open))
         self.result_close_ids = list(encode(self.fmt.result_close))
@@ -59,7 +63,7 @@ class ToolCodec:
         """``<interpreter>`` + ``text`` (at most ``max_tokens`` of its tokens) + ``</interpreter>`` as token ids, cut
         to ``budget`` tokens in all (what is left of the response). Returns ``(ids, cut)``: ``cut`` when any of the
         output did not fit."""
-        body = list(self.encode(text))
+        body = list(self.encode_output(text))
         cut = len(body) > max_tokens
         ids = self.result_open_ids + body[:max_tokens] + self.result_close_ids
         if len(ids) > budget:
