@@ -8,6 +8,7 @@ from dataclasses import fields
 from typing import TYPE_CHECKING
 
 from dapo_mcore.config.tree import ConfigError
+from dapo_mcore.model.hf_config import is_moe
 
 if TYPE_CHECKING:
     from dapo_mcore.config import Config
@@ -266,7 +267,7 @@ def _validate_bypass(cfg: Config) -> None:
                           f"rollout.top_k=-1, or use a decoupled preset (e.g. token_tis)")
     hf = cfg.model.hf_config(cfg.tiny_base.preset)
     aux = float(hf.get("router_aux_loss_coef") or 0.0)
-    if (hf.get("num_experts") or hf.get("num_local_experts")) and aux > 0:
+    if is_moe(hf) and aux > 0:
         # bypass divides the gradients by denominators known only after the forward: the router's aux-loss
         # gradient, added inside the forward, would be divided too
         raise ConfigError(f"algo.rollout_correction bypass with an MoE model whose router_aux_loss_coef={aux} > 0 "
