@@ -67,6 +67,9 @@ _P2P_OPS = ("isend", "irecv")
 """Wrapped in ``torch.distributed`` and in ``distributed_c10d``'s globals alike: ``P2POp`` checks ``op in [isend,
 irecv]`` and ``batch_isend_irecv`` tells them apart with ``op.op is isend`` against the module's own names."""
 _OURS = ("dapo_mcore.", "conversion.")
+_REDISPATCH = "dapo_mcore.model.cpu_compat"
+"""Its torch-function mode hands an op (isend/irecv are torch functions) back to the public name, i.e. to the wrapper
+again: that second call is the first one's, whose caller was already judged."""
 _gloo_on_purpose: dict[int, Any] = {}
 _installed = False
 
@@ -108,7 +111,7 @@ def _checked(name: str, fn: Any) -> Any:
     def collective(*args: Any, **kwargs: Any) -> Any:
         caller = sys._getframe(1)
         module = caller.f_globals.get("__name__", "")
-        if module.startswith(_OURS):
+        if module.startswith(_OURS) and module != _REDISPATCH:
             bound = sig.bind(*args, **kwargs)
             if _nccl_on_gpu(bound.arguments.get("group")):
                 for arg, value in bound.arguments.items():
