@@ -303,3 +303,30 @@ def _validate_pipeline(cfg: Config) -> None:
     if r.engine == "vllm" and pipe.engine_ranks % r.vllm.tensor_parallel:
         raise ConfigError(f"rollout.pipeline.engine_ranks={pipe.engine_ranks} is not a multiple of "
                           f"rollout.vllm.tensor_parallel={r.vllm.tensor_parallel}: each vLLM engine is one TP group.")
+    _validate_staging(cfg, lead)
+
+
+def staged_host_bytes(params: int, bytes_per_param: int, lead: int, ranks_on_node: int) -> int:
+    """Host memory one engine node holds for received versions (async, lead D): each of its ``ranks_on_node`` engine
+    ranks keeps at most D - 1 whole versions (``rollout.async_channels.VersionReceiver``: the one being received and
+    the one being loaded into the engine count), ``params`` weights of ``bytes_per_param`` each. The planner prices
+    the same (``plan.planner.estimate_host``)."""
+    return max(lead - 1, 0) * ranks_on_node * params * bytes_per_param
+
+
+def _validate_staging(cfg: Config, lead: int) -> None:
+    pipe = cfg.rollout.pipeline
+    _at_least(("rollout.pipeline.engine_ranks_per_node", pipe.engine_ranks_per_node, 1))
+    if lead <= 1:
+        return
+    from dapo_mcore.telemetry.flops import ModelShape
+
+    params = ModelShape.from_hf(cfg.model.hf_config(cfg.tiny_base.preset)).num_params()
+    width = 2 if cfg.model.params_dtype == "bfloat16" else 4
+    ranks = min(pipe.engine_ranks, pipe.engine_ranks_per_node)
+    need = staged_host_bytes(params, width, lead, ranks)
+    if need > pipe.node_host_memory_gib * 2**30:
+        raise ConfigError(f"rollout.pipeline.max_staleness={pipe.max_staleness} stages {lead - 1} received "
+                          f"version(s) of {params * width / 2**30:.1f} GiB on each of {ranks} engine ranks per node: "
+                          f"{need / 2**30:.0f} GiB > rollout.pipeline.node_host_memory_gib="
+                          f"{pipe.node_host_memory_gib:g}; lower max_staleness (or fewer engine_ranks_per_node)")
