@@ -1,4 +1,4 @@
-"""Bytes a step's batch costs in async mode, before and after ``rollout.wire``, by a shape-only model.
+"""Bytes a step's batch costs in async mode, before and after ``rollout.pipeline.wire``, by a shape-only model.
 
 The 32B async recipe (examples/qwen2.5-32b-fp8-async.yaml) draws 1536 prompts x 16 responses of up to 20480 tokens a
 generation batch, keeps 512 groups, and trains on 32 ranks. Such a batch (503 M tokens at full length) is not built:
@@ -26,10 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dapo_mcore.algo.dynamic_sampling import SamplingStats  # noqa: E402
 from dapo_mcore.data.records import PromptRecord  # noqa: E402
-from dapo_mcore.rollout import wire  # noqa: E402
-from dapo_mcore.rollout.groups import GroupData  # noqa: E402
+from dapo_mcore.rollout.pipeline import wire  # noqa: E402
+from dapo_mcore.rollout.pipeline.source import StepBatch  # noqa: E402
 from dapo_mcore.rollout.protocol import Response  # noqa: E402
-from dapo_mcore.rollout.source import StepBatch  # noqa: E402
+from dapo_mcore.rollout.scheduling.groups import GroupData  # noqa: E402
 
 VOCAB, GROUP = 152064, 16
 

@@ -42,8 +42,8 @@ def _variant(rank: int, args: argparse.Namespace, every: int | None, order: str 
     from dapo_mcore.model.presets import preset_config
     from dapo_mcore.reward.result import RewardResult
     from dapo_mcore.rollout import HFEngine
-    from dapo_mcore.rollout.colocated import ColocatedRollouts, EngineGroups
-    from dapo_mcore.rollout.scheduler import RolloutScheduler
+    from dapo_mcore.rollout.pipeline.colocated import ColocatedRollouts, EngineGroups
+    from dapo_mcore.rollout.scheduling.scheduler import RolloutScheduler
     from dapo_mcore.telemetry.timers import PhaseTimer
 
     torch.manual_seed(0)

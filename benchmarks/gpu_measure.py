@@ -126,7 +126,7 @@ def sample_sequences(model, hf_config: dict[str, Any], prompts: int, n: int, pro
     import torch
 
     from dapo_mcore.actor.megatron_actor import TrainSample
-    from dapo_mcore.rollout.hf_engine import HFEngine
+    from dapo_mcore.rollout.engines.hf_engine import HFEngine
     from dapo_mcore.rollout.protocol import SamplingParams
 
     eos = int(hf_config["eos_token_id"])

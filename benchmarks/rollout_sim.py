@@ -7,9 +7,9 @@ GPUs (default ``examples/qwen2.5-32b-fp8.yaml`` at 128 GPUs):
 ``--chunk-prompts`` over all engines, each waiting for its longest response, stop after the chunk that fills);
 (b) ``sync_stream``: streaming + abort over all engines at once, decisions in prompt order (``--order``);
 (b') ``sync_partial``: the same with partial rollouts; (b*) / (b'*) ``sync_stream_rr`` / ``sync_partial_rr``: the same as
-``rollout/engine_groups.py`` builds it (prompts round robin per chunk of ``--stream-chunk``, drained between chunks);
-(c) ``async``: engines on their own GPUs, the trainer on the others, one policy version behind, batch-and-filter;
-(d) ``async_stream``: async + streaming/abort; (e) ``async_partial``: async + partial rollouts.
+``rollout/scheduling/engine_groups.py`` builds it (prompts round robin per chunk of ``--stream-chunk``, drained
+between chunks); (c) ``async``: engines on their own GPUs, the trainer on the others, one policy version behind,
+batch-and-filter; (d) ``async_stream``: async + streaming/abort; (e) ``async_partial``: async + partial rollouts.
 Generation is simulated (``dapo_mcore/plan/rollout_model.py``); old log-probs, updates and the memory of each side are the
 planner's (``dapo_mcore/plan/planner.py``, ``dapo_mcore/plan/disagg.py``: FLOPs at 35% MFU, KV cache per engine); the
 step rules are in ``dapo_mcore/plan/step_model.py``. Async variants run on every engine/trainer split the planner accepts
@@ -381,8 +381,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="today_chunked: prompts per chunk (rollout.schedule.stream_chunk_prompts; 256 = 8 groups "
                          "of 16 per engine at 32 engines, one full engine's 128 sequences)")
     ap.add_argument("--stream-chunk", type=int, default=0,
-                    help="(b*): prompts per streamed chunk of rollout/engine_groups.py (round robin over the engines, "
-                         "drained before the next; default 0 = a whole generation round, its best case)")
+                    help="(b*): prompts per streamed chunk of rollout/scheduling/engine_groups.py (round robin over "
+                         "the engines, drained before the next; default 0 = a whole generation round, its best case)")
     ap.add_argument("--engine-gpus", type=int, nargs="*", default=None,
                     help="async: simulate only these engine-GPU counts (default: every split that fits)")
     ap.add_argument("--engine-memory-utilization", type=float, default=0.9,

@@ -2,8 +2,8 @@
 
 The recipe's step: 512 prompts x 16 responses trained (mean 256 + 8192 tokens; lengths drawn around it), 48 MoE
 layers x top-8, int16 routes: 768 bytes a token. 128 GPUs: trainer TP=4 x DP=32, 32 engine groups (vLLM TP=4), each
-group's leader holding the routes of the prompts it generated (``rollout.gather.plan_shares``). No route tensor is
-built: each sample's route bytes are its length x 768, and the real planning code decides what moves:
+group's leader holding the routes of the prompts it generated (``rollout.scheduling.gather.plan_shares``). No route
+tensor is built: each sample's route bytes are its length x 768, and the real planning code decides what moves:
 - before: routes travelling with the shared batch (``broadcast_shares``) reach every rank: each rank receives every
   route it did not generate.
 - after: ``actor.route_exchange.plan_transfers`` over every rank's (holds, needs) table, where a rank needs the samples
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dapo_mcore.actor.route_exchange import plan_transfers  # noqa: E402
 from dapo_mcore.data.packing import pack_micro_batches  # noqa: E402
-from dapo_mcore.rollout.gather import plan_shares  # noqa: E402
+from dapo_mcore.rollout.scheduling.gather import plan_shares  # noqa: E402
 
 PROMPTS, N, MINI = 512, 16, 32
 TP, DP, GROUPS, VLLM_TP = 4, 32, 32, 4

@@ -3,10 +3,10 @@
     batch (rollout side: generate -> score -> overlong shaping -> dynamic sampling) -> advantages -> old log-probs
       -> mini-batch updates -> publish weights -> log / eval / checkpoint
 
-The rollout side is one component behind ``rollout.source.RolloutSource``: the trainer asks it for a step's batch
-and hands it the new weights; how the batch is produced (engine groups, streaming, staged groups, partial rollouts)
-is its business. Every rank runs this loop and holds the same batch; the actor splits the work over data-parallel
-ranks itself. Rank 0 writes metrics, the ledger and the rollout store.
+The rollout side is one component behind ``rollout.pipeline.source.RolloutSource``: the trainer asks it for a step's
+batch and hands it the new weights; how the batch is produced (engine groups, streaming, staged groups, partial
+rollouts) is its business. Every rank runs this loop and holds the same batch; the actor splits the work over
+data-parallel ranks itself. Rank 0 writes metrics, the ledger and the rollout store.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from dapo_mcore.algo.dynamic_sampling import DynamicSamplingExhausted
 from dapo_mcore.algo.metrics import average_updates
 from dapo_mcore.config import Config, ConfigError
 from dapo_mcore.errors import UserError
-from dapo_mcore.rollout.groups import GroupData
+from dapo_mcore.rollout.pipeline.source import RolloutInterrupted, StepBatch
 from dapo_mcore.rollout.protocol import EngineError
-from dapo_mcore.rollout.source import RolloutInterrupted, StepBatch
+from dapo_mcore.rollout.scheduling.groups import GroupData
 from dapo_mcore.run.components import Components
 from dapo_mcore.run.directory import prepare_run_dir
 from dapo_mcore.run.runtime import build_components, read_config
@@ -105,7 +105,7 @@ class Trainer:
 
     # ---- phases of a step --------------------------------------------------------------------------------
     def collect(self) -> StepBatch:
-        """The step's scored, shaped and filtered rollouts, from the rollout side (``rollout.source``)."""
+        """The step's scored, shaped and filtered rollouts, from the rollout side (``rollout.pipeline.source``)."""
         with self._engine_awake():
             return self.p.rollouts.step_batch(self.step, stop=self._stop_requested)
 
@@ -154,7 +154,7 @@ class Trainer:
         """The actor's log-probs of the rollout tokens, compared with what the engine reported: ``mismatch/*`` over
         the tokens the current policy sampled, ``partial/*`` over those an older one did (partial rollouts: the
         policy's drift over a step plus the engine mismatch)."""
-        from dapo_mcore.rollout.mismatch import MismatchStats, apply_correction, mismatch_metrics
+        from dapo_mcore.rollout.correction.mismatch import MismatchStats, apply_correction, mismatch_metrics
 
         logps, _ = self.p.actor.compute_logprobs(samples)
         actor_lp, engine_lp = [], []
@@ -208,7 +208,7 @@ class Trainer:
 
     def _eval_metrics(self, groups: list[GroupData], version: int) -> dict[str, float]:
         """The held-out scores of an evaluation's groups; async mode labels them with the policy version evaluated
-        (an evaluation behind the trainer lands in a later step's line: ``rollout.async_source``)."""
+        (an evaluation behind the trainer lands in a later step's line: ``rollout.pipeline.async_source``)."""
         from dapo_mcore.telemetry.evaluation import summarize
 
         truth_norm = [self.p.normalize(g.record.ground_truth) for g in groups]
@@ -408,7 +408,7 @@ def train_main(config_path: str, overrides: list[str]) -> int:
     cfg, launch = read_config(config_path, overrides)
     bridge = None
     if cfg.rollout.pipeline.mode == "async":  # the last rollout.pipeline.engine_ranks ranks run the engines only
-        from dapo_mcore.rollout.bridge import init_split_world
+        from dapo_mcore.rollout.pipeline.bridge import init_split_world
 
         role, bridge = init_split_world(launch, cfg.parallel.backend, cfg.parallel.timeout_minutes,
                                         cfg.rollout.pipeline.engine_ranks)

@@ -249,7 +249,7 @@ def test_rebucket_and_flatten_round_trip_mixed_dtypes():
     tensor alone exceeds it, and a flattened bucket (one byte buffer, any dtypes) cut back into equal tensors."""
     import torch
 
-    from dapo_mcore.rollout.async_source import flatten_bucket, rebucket, unflatten_bucket
+    from dapo_mcore.rollout.pipeline.async_source import flatten_bucket, rebucket, unflatten_bucket
 
     g = torch.Generator().manual_seed(0)
     tensors = [("a", torch.randn(3, 4, generator=g)), ("b", torch.randn(5, generator=g).to(torch.bfloat16)),

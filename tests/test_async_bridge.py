@@ -49,9 +49,9 @@ def _worker(rank, world, port, queue):
 
     from dapo_mcore.actor.parallel import LaunchEnv
     from dapo_mcore.config import load_config
-    from dapo_mcore.rollout.async_engines import EngineLoop, _Stop
-    from dapo_mcore.rollout.async_source import AsyncRollouts
-    from dapo_mcore.rollout.bridge import init_split_world
+    from dapo_mcore.rollout.pipeline.async_engines import EngineLoop, _Stop
+    from dapo_mcore.rollout.pipeline.async_source import AsyncRollouts
+    from dapo_mcore.rollout.pipeline.bridge import init_split_world
     from dapo_mcore.telemetry.timers import PhaseTimer
 
     root = Path(__file__).resolve().parents[1]
@@ -97,7 +97,7 @@ def test_a_version_crosses_a_device_strict_weights_group_to_two_engine_ranks(mon
     got = run_gloo_workers(_worker, WORLD, timeout_s=300)
     errors = {r: v["error"] for r, v in got.items() if "error" in v}
     assert not errors, errors
-    from dapo_mcore.rollout.async_source import rebucket
+    from dapo_mcore.rollout.pipeline.async_source import rebucket
 
     assert got[0]["syncs"] == len(list(rebucket(_weights(), int(0.002 * (1 << 20))))) == 2  # [a, b], [c]
     want = {name: t for bucket in _weights() for name, t in bucket}

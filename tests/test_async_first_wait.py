@@ -19,8 +19,8 @@ TIMEOUT = datetime.timedelta(seconds=3)
 
 def _worker(rank: int, world: int, port: int, queue) -> None:
     from dapo_mcore.collectives.device import TransferDevice
-    from dapo_mcore.rollout.async_source import _broadcast
-    from dapo_mcore.rollout.bridge import Bridge, Role
+    from dapo_mcore.rollout.pipeline.async_source import _broadcast
+    from dapo_mcore.rollout.pipeline.bridge import Bridge, Role
 
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=60))
     dist.init_process_group("gloo", store=dist.PrefixStore("pg/", store), rank=rank, world_size=world,

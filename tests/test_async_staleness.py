@@ -102,9 +102,9 @@ def test_the_carry_drops_a_partial_group_past_the_bound_and_counts_it():
     3, so that group is dropped (its tokens counted), version 2's (lag 2) is continued; one never started is kept."""
     from dapo_mcore.algo.dynamic_sampling import SamplingStats
     from dapo_mcore.algo.schedule_config import ScheduleConfig
-    from dapo_mcore.rollout.partial import PartialBuffer
     from dapo_mcore.rollout.protocol import PartialGroup, Response
-    from dapo_mcore.rollout.scheduler import RolloutScheduler
+    from dapo_mcore.rollout.scheduling.partial import PartialBuffer
+    from dapo_mcore.rollout.scheduling.scheduler import RolloutScheduler
 
     buf = PartialBuffer()
     old = PartialGroup(0, [Response([5, 6, 7], [-1.0] * 3, "length"), Response([5], [-1.0], "length")], [False, True])
@@ -125,8 +125,8 @@ def test_the_carry_drops_a_partial_group_past_the_bound_and_counts_it():
 
 @pytest.mark.unit
 def test_join_keeps_each_tokens_version_in_runs():
-    from dapo_mcore.rollout.partial import join, runs, stale_response
     from dapo_mcore.rollout.protocol import Response
+    from dapo_mcore.rollout.scheduling.partial import join, runs, stale_response
 
     prefix = Response([1, 2], [-0.1, -0.2], "length", versions=[(3, 2)])
     joined = join(prefix, Response([7, 8, 9], [-0.3] * 3, "stop"), 4)
@@ -180,7 +180,7 @@ def test_the_version_receiver_stages_at_most_its_bound_ahead_and_hands_the_stop_
     import threading
     import time
 
-    from dapo_mcore.rollout.async_channels import VersionReceiver
+    from dapo_mcore.rollout.pipeline.async_channels import VersionReceiver
 
     class Stop(Exception):
         pass

@@ -9,11 +9,11 @@ import torch
 
 from dapo_mcore.algo.dynamic_sampling import SamplingStats
 from dapo_mcore.data.records import PromptRecord
-from dapo_mcore.rollout import wire
-from dapo_mcore.rollout.groups import GroupData
-from dapo_mcore.rollout.partial import runs
+from dapo_mcore.rollout.pipeline import wire
+from dapo_mcore.rollout.pipeline.source import StepBatch
 from dapo_mcore.rollout.protocol import Response
-from dapo_mcore.rollout.source import StepBatch
+from dapo_mcore.rollout.scheduling.groups import GroupData
+from dapo_mcore.rollout.scheduling.partial import runs
 
 pytestmark = pytest.mark.unit
 
@@ -73,19 +73,33 @@ def test_a_resume_with_other_engine_ranks_says_so_in_one_line(caplog):
     import logging
     import types
 
-    from dapo_mcore.rollout.async_source import AsyncRollouts
-    from dapo_mcore.rollout.bridge import Role
+    from dapo_mcore.rollout.pipeline.async_source import AsyncRollouts
+    from dapo_mcore.rollout.pipeline.bridge import Role
 
     bridge = types.SimpleNamespace(role=Role(True, 0, 1, 2))
     cfg = types.SimpleNamespace(rollout=types.SimpleNamespace(pipeline=types.SimpleNamespace(max_staleness=1),
                                                               schedule=types.SimpleNamespace(partial=False)))
     pending = pickle.dumps({"step": 2, "state": {"sampler": 1}, "engine_ranks": 1})  # one-step-off's older format
-    with caplog.at_level(logging.INFO, logger="dapo_mcore.rollout.async_source"):
+    with caplog.at_level(logging.INFO, logger="dapo_mcore.rollout.pipeline.async_source"):
         AsyncRollouts(cfg, bridge, None).resume_from(2, {}, pending)
         AsyncRollouts(cfg, types.SimpleNamespace(role=Role(True, 0, 1, 1)), None).resume_from(2, {}, pending)
     lines = [r.getMessage() for r in caplog.records if "engine_ranks" in r.getMessage()]
     assert len(lines) == 1 and "engine_ranks=2" in lines[0] and "came from 1" in lines[0], lines
 
+
+def test_a_pending_file_written_before_the_rollout_sub_packages_still_loads():
+    """A checkpoint's pending batches name their classes by module: one written while rollout/ was flat
+    (``dapo_mcore.rollout.source.StepBatch``, ``...groups.GroupData``) must resume after the split."""
+    from dapo_mcore.rollout.pipeline.async_source import load_pending
+
+    message = _message()
+    new = pickle.dumps({"batches": [message]}, protocol=0)  # protocol 0 names each class on a line of its own
+    old = new.replace(b"dapo_mcore.rollout.pipeline.source\n", b"dapo_mcore.rollout.source\n")
+    old = old.replace(b"dapo_mcore.rollout.scheduling.groups\n", b"dapo_mcore.rollout.groups\n")
+    assert old != new and b"rollout.pipeline" not in old and b"rollout.scheduling" not in old
+    with pytest.raises(ModuleNotFoundError):
+        pickle.loads(old)  # what resuming it read before
+    assert load_pending(old) == load_pending(new) == {"batches": [message]}
 
 def test_the_pipeline_lanes_draw_an_evaluation_behind_the_trainer_where_it_ran():
     """Evaluation off the trainer's path: the evaluation of version 2 ran on the engines at the start of step 3, before batch 4's generation,

@@ -1,5 +1,6 @@
-"""The user guides describe the product: docs/cluster.md's script table names every job script in slurm/, and no
-guide (README.md, docs/*.md but the history file) cites a development machine's paths or the issue and round
+"""The user guides describe the product: docs/cluster.md's script table names every job script in slurm/,
+benchmarks/README.md's tables every benchmark script with the headline it really prints, and no guide (README.md,
+docs/*.md but the history file, benchmarks/README.md) cites a development machine's paths or the issue and round
 numbers of the project's making."""
 
 import re
@@ -8,7 +9,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-GUIDES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "history.md")]
+GUIDES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "history.md"),
+          ROOT / "benchmarks" / "README.md"]
 MAKING = re.compile(r"\bissues? #?\d+|#\d{2}\b|\bround \d+|/work/|shared/notes|\.\./shared/", re.IGNORECASE)
 
 
@@ -19,6 +21,19 @@ def test_cluster_guide_lists_every_sbatch_script():
     scripts = {p.name for p in (ROOT / "slurm").glob("*.sbatch")}
     assert scripts, "no slurm/*.sbatch found"
     assert not scripts - listed, f"docs/cluster.md's script table misses {sorted(scripts - listed)}"
+
+
+@pytest.mark.unit
+def test_benchmarks_readme_lists_every_script_with_the_headline_it_prints():
+    rows = [line.split("|") for line in (ROOT / "benchmarks/README.md").read_text().splitlines()
+            if line.startswith("| `")]
+    listed = {row[1].strip().strip("`"): row[4] for row in rows}
+    scripts = {p.name for p in (ROOT / "benchmarks").iterdir() if p.suffix in (".py", ".sh")}
+    assert scripts and set(listed) == scripts, (sorted(scripts - set(listed)), sorted(set(listed) - scripts))
+    for script, headline in listed.items():
+        text = (ROOT / "benchmarks" / script).read_text()
+        for name in re.findall(r"`([a-z][a-z0-9_]+)(?:`|:)", headline):
+            assert f"{name}: " in text, f"benchmarks/README.md: {script} prints no '{name}: ...' line"
 
 
 @pytest.mark.unit

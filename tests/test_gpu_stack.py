@@ -10,7 +10,7 @@ import pytest
 
 from dapo_mcore.model.fp8 import MissingGPUExtra
 from dapo_mcore.model.gpu_stack import SUPPORTED, check_gpu_stack, release
-from dapo_mcore.rollout.vllm_engine import SUPPORTED_VLLM
+from dapo_mcore.rollout.engines.vllm_engine import SUPPORTED_VLLM
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[1]

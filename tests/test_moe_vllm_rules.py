@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dapo_mcore.rollout.protocol import EngineError
-from dapo_mcore.rollout.vllm_engine import (
+from dapo_mcore.rollout.engines.vllm_engine import (
     VLLMEngineOptions,
     check_moe_weight_layout,
     check_routed_experts_shm,
@@ -19,6 +18,7 @@ from dapo_mcore.rollout.vllm_engine import (
     pin_model_runner,
     routed_experts_shm_bytes,
 )
+from dapo_mcore.rollout.protocol import EngineError
 
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[1]

@@ -152,7 +152,7 @@ def test_both_engines_stop_on_generation_config_tokenizer_and_configured_ids(mod
     from transformers import AutoModelForCausalLM
 
     from dapo_mcore.rollout import SamplingParams
-    from dapo_mcore.rollout import vllm_engine as ve
+    from dapo_mcore.rollout.engines import vllm_engine as ve
     from dapo_mcore.run import runtime
 
     tok = load_tokenizer(model_dir)

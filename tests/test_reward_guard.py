@@ -173,7 +173,7 @@ def test_custom_rewards_are_refused_in_process_and_the_breaker_settings_checked(
 def _apply_once_worker(rank: int, world: int, port: int, queue) -> None:
     import torch.distributed as dist
 
-    from dapo_mcore.rollout.gather import apply_once
+    from dapo_mcore.rollout.scheduling.gather import apply_once
 
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
 

@@ -54,8 +54,8 @@ def _parts(rank: int, world: int, exchange_every: int, partial: bool, order: str
     from dapo_mcore.data.sampler import PromptSampler
     from dapo_mcore.model.presets import preset_config
     from dapo_mcore.rollout import HFEngine
-    from dapo_mcore.rollout.colocated import ColocatedRollouts, EngineGroups
-    from dapo_mcore.rollout.scheduler import RolloutScheduler
+    from dapo_mcore.rollout.pipeline.colocated import ColocatedRollouts, EngineGroups
+    from dapo_mcore.rollout.scheduling.scheduler import RolloutScheduler
     from dapo_mcore.telemetry.timers import PhaseTimer
 
     torch.manual_seed(0)  # the same weights on every rank, as after a weight sync
@@ -84,7 +84,7 @@ def _summary(batch):
 def _reference_kept(rollouts, engine, sampler, world: int) -> list:
     """One process: every chunk's prompts split round robin over ``world`` groups, each share generated in full
     with its group's seed, scored, and the first TARGET usable groups kept in prompt order (chunk after chunk)."""
-    from dapo_mcore.rollout.colocated import step_seed
+    from dapo_mcore.rollout.pipeline.colocated import step_seed
 
     kept, slot = [], 0
     while len(kept) < TARGET:
@@ -109,7 +109,7 @@ def _reference_kept(rollouts, engine, sampler, world: int) -> list:
 def _reference_round(rollouts, engine, sampler, world: int) -> list:
     """One process: the first round's 8 prompts split round robin over ``world`` groups, each share generated in full
     with its group's seed: ``(index, responses' tokens, decode step its group ended, usable)`` in prompt order."""
-    from dapo_mcore.rollout.colocated import step_seed
+    from dapo_mcore.rollout.pipeline.colocated import step_seed
 
     indices, _ = sampler.next_selected(8)
     prompts = [rollouts.encode_prompt(sampler.records[i]) for i in indices]
@@ -201,8 +201,8 @@ def test_a_group_with_nothing_to_resume_keeps_a_lockstep_engine_in_step(monkeypa
     its engine still runs a one-token placeholder (as an idle share of a generation call does); an engine without
     that constraint is left alone. The tail comes from group 0's share (the exchange is stood in for here)."""
     from dapo_mcore.config import Config
-    from dapo_mcore.rollout import colocated
-    from dapo_mcore.rollout.colocated import ColocatedRollouts, EngineGroups
+    from dapo_mcore.rollout.pipeline import colocated
+    from dapo_mcore.rollout.pipeline.colocated import ColocatedRollouts, EngineGroups
     from dapo_mcore.rollout.protocol import Response, SamplingParams
 
     class Recorder:

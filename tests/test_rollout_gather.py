@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dapo_mcore.rollout.gather import all_gather_responses, pack_responses, unpack_responses
 from dapo_mcore.rollout.protocol import Response
+from dapo_mcore.rollout.scheduling.gather import all_gather_responses, pack_responses, unpack_responses
 from tests.gloo_workers import run_gloo_workers
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dapo_mcore.rollout import SamplingParams
-from dapo_mcore.rollout.sampling import apply_top_k, apply_top_p, sample_next
+from dapo_mcore.rollout.engines.sampling import apply_top_k, apply_top_p, sample_next
 
 pytestmark = pytest.mark.unit
 

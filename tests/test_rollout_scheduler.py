@@ -11,7 +11,7 @@ from dapo_mcore.algo.dynamic_sampling import DynamicSamplingExhausted, Group, co
 from dapo_mcore.algo.schedule_config import ScheduleConfig
 from dapo_mcore.data.prompt_history import PromptHistory, skip_probability
 from dapo_mcore.data.sampler import PromptSampler
-from dapo_mcore.rollout.scheduler import RolloutScheduler, round_size
+from dapo_mcore.rollout.scheduling.scheduler import RolloutScheduler, round_size
 
 pytestmark = pytest.mark.unit
 

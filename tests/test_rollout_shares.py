@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dapo_mcore.rollout.gather import merge_shares, plan_shares
 from dapo_mcore.rollout.protocol import EngineError, Response
+from dapo_mcore.rollout.scheduling.gather import merge_shares, plan_shares
 from tests.gloo_workers import run_gloo_workers
 
 
@@ -63,7 +63,7 @@ def _rollouts(rank: int, score):
     from dapo_mcore.data.records import PromptRecord
     from dapo_mcore.model.presets import preset_config
     from dapo_mcore.rollout import HFEngine
-    from dapo_mcore.rollout.colocated import ColocatedRollouts, EngineGroups
+    from dapo_mcore.rollout.pipeline.colocated import ColocatedRollouts, EngineGroups
 
     torch.manual_seed(0)  # the same weights on both ranks, as after a weight sync
     model = Qwen2ForCausalLM(Qwen2Config(**preset_config("tiny"))).float().eval()
@@ -83,8 +83,8 @@ def _verdict(rank: int):
 
 
 def _worker(rank: int, world: int, port: int, queue) -> None:
-    from dapo_mcore.rollout.gather import broadcast_shares
     from dapo_mcore.rollout.protocol import SamplingParams
+    from dapo_mcore.rollout.scheduling.gather import broadcast_shares
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     out = {}

@@ -1,5 +1,6 @@
-"""The run's stop set (rollout.stop_tokens): generation_config.json's eos_token_id (int or list), the tokenizer's EOS
-and rollout.stop_token_ids, each id with its sources; bad sources refused in one line; the store keeps the stop id."""
+"""The run's stop set (rollout.engines.stop_tokens): generation_config.json's eos_token_id (int or list), the
+tokenizer's EOS and rollout.stop_token_ids, each id with its sources; bad sources refused in one line; the store keeps
+the stop id."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 from dapo_mcore.config import ConfigError, load_config
-from dapo_mcore.rollout.stop_tokens import StopTokenError, resolve_stop_tokens
+from dapo_mcore.rollout.engines.stop_tokens import StopTokenError, resolve_stop_tokens
 from dapo_mcore.telemetry.rollout_store import Rollout, RolloutReader, RolloutStore
 
 pytestmark = pytest.mark.unit

@@ -25,7 +25,7 @@ from dapo_mcore.rollout import (
     VLLMEngineOptions,
     hf_param_shapes,
 )
-from dapo_mcore.rollout.vllm_engine import (
+from dapo_mcore.rollout.engines.vllm_engine import (
     GPU_TRAITS,
     PlatformTraits,
     build_requests,
@@ -276,7 +276,7 @@ def test_wake_logs_device_memory_before_and_after_the_release(monkeypatch, caplo
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (70 << 30, 80 << 30))
     _record_empty_cache(monkeypatch, backend)
     engine.sleep()
-    with caplog.at_level("INFO", logger="dapo_mcore.rollout.vllm_engine"):
+    with caplog.at_level("INFO", logger="dapo_mcore.rollout.engines.vllm_engine"):
         engine.wake()
     line = next(r.getMessage() for r in caplog.records if "wake_up(['weights'])" in r.getMessage())
     assert "reserved 30.00 -> 2.00 GiB (allocated 1.00 GiB); device free 70.00 of 80.00 GiB" in line
@@ -761,7 +761,7 @@ def test_stream_ticks_yield_per_step_and_keep_data_parallel_engines_in_lockstep(
 def test_launcher_ranks_gives_vllm_the_engine_sides_ranks_and_restores_the_jobs(monkeypatch):
     """vLLM's external_launcher derives its data-parallel rank from RANK: the engine side's rank while
     the engine is built, the job's again after (the job's messages name the job's rank)."""
-    from dapo_mcore.rollout.vllm_engine import launcher_ranks
+    from dapo_mcore.rollout.engines.vllm_engine import launcher_ranks
 
     monkeypatch.setenv("RANK", "2")
     monkeypatch.setenv("WORLD_SIZE", "3")
@@ -774,7 +774,7 @@ def test_launcher_ranks_gives_vllm_the_engine_sides_ranks_and_restores_the_jobs(
 def test_data_parallel_engines_pin_the_v1_model_runner():
     """vLLM 0.33's Model Runner V2 skips the data-parallel sync on a step with nothing scheduled: with
     data-parallel > 1 the engine pins the V1 runner unless told otherwise, and refuses V2 asked for by name."""
-    from dapo_mcore.rollout.vllm_engine import pin_model_runner
+    from dapo_mcore.rollout.engines.vllm_engine import pin_model_runner
 
     assert pin_model_runner({}, 1) == {} and pin_model_runner({"VLLM_USE_V2_MODEL_RUNNER": "1"}, 1) == {}
     assert pin_model_runner({}, 2) == {"VLLM_USE_V2_MODEL_RUNNER": "0"}

@@ -1,8 +1,9 @@
 """MoE routing replay between ranks: routed experts survive every path a rollout takes to the rank that trains on it,
 and only the routes of the samples a data-parallel rank trains on travel to it (actor.route_exchange).
 
-Before this, the shared batch (rollout.gather's shares, the async wire) carried tokens and log-probs only: every
-multi-process run with ``algo.router_replay=rollout`` stopped at step 1 with "a rollout carries no routed experts".
+Before this, the shared batch (rollout.scheduling.gather's shares, the async wire) carried tokens and log-probs only:
+every multi-process run with ``algo.router_replay=rollout`` stopped at step 1 with "a rollout carries no routed
+experts".
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ import torch.distributed as dist
 from dapo_mcore.actor.route_exchange import RoutesMissing, exchange_routes, plan_transfers
 from dapo_mcore.algo.dynamic_sampling import SamplingStats
 from dapo_mcore.data.records import PromptRecord
-from dapo_mcore.rollout import wire
-from dapo_mcore.rollout.gather import broadcast_shares
-from dapo_mcore.rollout.groups import GroupData
+from dapo_mcore.rollout.pipeline import wire
+from dapo_mcore.rollout.pipeline.source import StepBatch
 from dapo_mcore.rollout.protocol import Response
-from dapo_mcore.rollout.source import StepBatch
+from dapo_mcore.rollout.scheduling.gather import broadcast_shares
+from dapo_mcore.rollout.scheduling.groups import GroupData
 from tests.gloo_workers import run_gloo_workers
 
 LAYERS, TOP_K = 3, 2

@@ -31,7 +31,7 @@ def _worker(out: Path) -> None:
     from dapo_mcore.actor.megatron_actor import ActorSettings, MegatronActor, TrainSample
     from dapo_mcore.actor.parallel import init_distributed, init_model_parallel, read_launch_env, shutdown
     from dapo_mcore.algo.config import AlgoConfig
-    from dapo_mcore.rollout.hf_engine import HFEngine
+    from dapo_mcore.rollout.engines.hf_engine import HFEngine
     from dapo_mcore.rollout.protocol import SamplingParams
 
     cfg = tiny_moe_config(num_experts_per_tok=1, norm_topk_prob=False)
@@ -110,8 +110,8 @@ def test_vllm_routed_experts_become_the_engine_neutral_table():
     prompt + response positions; and the LLM kwarg is only set when replay asks for it."""
     import numpy as np
 
-    from dapo_mcore.rollout.routes import routes_from_vllm
-    from dapo_mcore.rollout.vllm_engine import VLLMEngineOptions
+    from dapo_mcore.rollout.correction.routes import routes_from_vllm
+    from dapo_mcore.rollout.engines.vllm_engine import VLLMEngineOptions
 
     table = routes_from_vllm(np.arange(24).reshape(4, 3, 2), 5)
     assert table.shape == (5, 3, 2) and table.dtype == torch.int16

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from dapo_mcore.config import Config
-from dapo_mcore.rollout.colocated import ColocatedRollouts
+from dapo_mcore.rollout.pipeline.colocated import ColocatedRollouts
 from dapo_mcore.rollout.protocol import EngineError
 from dapo_mcore.trainer import Trainer
 
@@ -76,7 +76,7 @@ def test_every_wake_the_trainer_causes_is_preceded_by_releasing_the_allocator_ca
     right after torch.cuda.empty_cache, so the trainer's freed activations are free for vLLM's own allocator."""
     import torch
 
-    from dapo_mcore.rollout.vllm_engine import VLLMEngine, VLLMEngineOptions
+    from dapo_mcore.rollout.engines.vllm_engine import VLLMEngine, VLLMEngineOptions
     from tests.test_rollout_vllm import TINY, FakeBackend, hf_state_dict
 
     backend = FakeBackend()

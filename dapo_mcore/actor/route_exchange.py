@@ -1,7 +1,8 @@
 """MoE routing replay across ranks: each rank fetches the routed experts of exactly the samples it trains on.
 
-A response's routes (int16 ``[prompt + response tokens, MoE layers, top_k]``, ``rollout/routes.py``) stay on the rank
-that generated them (the leader of its engine group) or, in async mode, on trainer rank 0, which receives the batch
+A response's routes (int16 ``[prompt + response tokens, MoE layers, top_k]``, ``rollout/correction/routes.py``) stay
+on the rank that generated them (the leader of its engine group) or, in async mode, on trainer rank 0, which receives
+the batch
 from the engines: they never travel with the shared batch. At the 30B-A3B recipe's shape (48 MoE layers, top-8) they
 cost 768 bytes a token, 3x the batch's token ids and log-probs, and a data-parallel rank replays only its own
 micro-batches. :func:`exchange_routes` makes one small all-gather (which rank holds and which rank needs each sample's

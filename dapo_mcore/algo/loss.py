@@ -205,8 +205,8 @@ def policy_loss(
         global_tokens, global_seqs: mini-batch totals (:func:`loss_denominators`, summed and all-reduced).
         max_response_len: the constant horizon of ``seq-mean-token-sum-norm``.
         tis_weights: optional ``[B, T]`` truncated importance weights for engine-vs-actor mismatch
-            (``dapo_mcore.rollout.mismatch.tis_weights``), multiplied into the token loss without gradient; or any
-            rollout-correction weights (``dapo_mcore.algo.rollout_correction.correction``).
+            (``dapo_mcore.rollout.correction.mismatch.tis_weights``), multiplied into the token loss without gradient;
+            or any rollout-correction weights (``dapo_mcore.algo.rollout_correction.correction``).
         keep: optional ``[B, T]`` rejection mask (``correction``'s ``keep``): a token with keep 0 leaves the loss
             and every metric, so ``global_tokens``/``global_seqs`` must count ``mask * keep``
             (:func:`loss_denominators` of it). GSPO's sequence ratio is the mean over the kept tokens.

@@ -138,7 +138,7 @@ def vllm_data_parallel(cfg: Config, launched: int) -> int:
 
 def _validate_vllm_replay(cfg: Config, launched: int) -> None:
     """Routed-expert capture needs vLLM's Model Runner V2, and vLLM data-parallel > 1 needs the V1 runner here
-    (rollout/vllm_engine.py ``pin_model_runner``; docs/rollout.md, "Routing replay with vLLM")."""
+    (rollout/engines/vllm_engine.py ``pin_model_runner``; docs/rollout.md, "Routing replay with vLLM")."""
     if cfg.algo.router_replay != "rollout" or cfg.rollout.engine != "vllm":
         return
     dp = vllm_data_parallel(cfg, launched)

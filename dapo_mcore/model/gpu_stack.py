@@ -8,7 +8,7 @@ beside sleep mode, which vLLM before 0.20.1 (its PR #40812) refuses with an asse
 mismatched stack fails late and obscurely (an FP8 kernel, a missing vLLM keyword), so every entry point
 (``dapo-mcore`` start-up, the GPU check's sections) calls :func:`check_gpu_stack` before any process group exists.
 ``slurm/constraints-gpu.txt`` pins one combination inside these ranges (``pip install -c``); a test keeps the
-pins, the gpu extra, ``rollout.vllm_engine.SUPPORTED_VLLM`` and ``slurm/env.sh`` in agreement.
+pins, the gpu extra, ``rollout.engines.vllm_engine.SUPPORTED_VLLM`` and ``slurm/env.sh`` in agreement.
 """
 
 from __future__ import annotations

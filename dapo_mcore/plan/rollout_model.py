@@ -12,7 +12,7 @@ The generation policies make one DAPO step each:
   response, keep usable groups in batch order, draw again until ``prompts_per_step`` are kept; usable groups beyond that
   are surplus. With ``adaptive`` each round is sized from a usable-fraction estimate instead (adaptive over-sampling);
   with ``chunk`` each round is generated in chunks (today's streaming switch over several engine groups). A batch is
-  split over the engines as ``rollout.gather.plan_shares`` does (:func:`spread`).
+  split over the engines as ``rollout.scheduling.gather.plan_shares`` does (:func:`spread`).
 - :func:`streaming_step`: prompts stream into the engines, each group is scored when its last response ends (or, with
   ``order="prompt"``, once every earlier prompt's group has ended too, as the trainer's scheduler decides), and the
   step stops once enough usable groups are kept; everything in flight is aborted. With ``partial=True`` the aborted
@@ -269,7 +269,7 @@ def adaptive_round(missing: int, usable_estimate: float, margin: float, cap: int
 
 
 def spread(sim: EngineSim, lengths: np.ndarray) -> None:
-    """Queue a batch of groups over the engines as ``rollout.gather.plan_shares`` splits it.
+    """Queue a batch of groups over the engines as ``rollout.scheduling.gather.plan_shares`` splits it.
 
     With at least as many groups as engines, group i goes whole to engine i mod N; with fewer, the engines
     g = p, p + k, ... share group p's responses (engine g takes responses g // k, g // k + helpers, ...).
@@ -384,10 +384,11 @@ def streaming_step(pool: PromptPool, recipe: Recipe, model: EngineModel, carry: 
     order, each once every earlier one has finished, as the trainer's scheduler does (its kept batch is a pure
     function of seed and data): the step is full when the first ``prompts_per_step`` usable groups in prompt order
     and every group before them have finished; groups that finished out of order are then surplus or rejected.
-    ``chunk > 0``: streaming over engine groups as ``rollout/engine_groups.py`` does it: fresh prompts come in chunks
-    of at most ``chunk`` (never across a round of ``gen_batch_prompts``), prompt i of a chunk queued on engine
-    i mod N (round robin, no pulling by a free engine), and the next chunk starts once this one has drained; carried
-    groups are resumed first, round robin, as a chunk of their own. Without it a free engine pulls the next prompt.
+    ``chunk > 0``: streaming over engine groups as ``rollout/scheduling/engine_groups.py`` does it: fresh prompts come
+    in chunks of at most ``chunk`` (never across a round of ``gen_batch_prompts``), prompt i of a chunk queued on
+    engine i mod N (round robin, no pulling by a free engine), and the next chunk starts once this one has drained;
+    carried groups are resumed first, round robin, as a chunk of their own. Without it a free engine pulls the next
+    prompt.
     """
     if order not in ("completion", "prompt"):
         raise ValueError(f"order={order!r}; use completion or prompt")

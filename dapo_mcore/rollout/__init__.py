@@ -1,8 +1,13 @@
-"""Rollout engines: the engine protocol, the HF engine (CPU, small models), the vLLM engine (GPU, colocated),
-and training-inference mismatch metrics. ``VLLMEngine`` imports vLLM only when built."""
+"""The rollout side: the engine protocol (``protocol``, the only module at this level) and, by concern,
+``correction`` (training-inference mismatch metrics, TIS, MoE routes), ``scheduling`` (which prompts, on which
+engine, partial rollouts), ``engines`` (the HF engine for CPU and small models, the vLLM engine with its environment,
+backend and outputs) and ``pipeline`` (the rollout source the trainer asks, colocated or async). This module exports
+the engines and the protocol's types. ``VLLMEngine`` imports vLLM only when built."""
 
-from dapo_mcore.rollout.hf_engine import HFEngine
-from dapo_mcore.rollout.mismatch import MismatchStats, mismatch_metrics, tis_weights
+from dapo_mcore.rollout.correction.mismatch import MismatchStats, mismatch_metrics, tis_weights
+from dapo_mcore.rollout.engines.hf_engine import HFEngine
+from dapo_mcore.rollout.engines.vllm_engine import VLLMEngine, VLLMEngineOptions
+from dapo_mcore.rollout.engines.weight_sync import SyncTracker, hf_param_shapes
 from dapo_mcore.rollout.protocol import (
     Engine,
     EngineError,
@@ -17,8 +22,6 @@ from dapo_mcore.rollout.protocol import (
     WeightBucket,
     filter_prompts,
 )
-from dapo_mcore.rollout.vllm_engine import VLLMEngine, VLLMEngineOptions
-from dapo_mcore.rollout.weight_sync import SyncTracker, hf_param_shapes
 
 __all__ = [
     "Engine",

@@ -124,7 +124,8 @@ class Response:
     are that policy's. 0 for a response sampled in one go."""
     routed_experts: Any = None
     """MoE models, transformers engine: int16 ``[prompt + response tokens, MoE layers, top_k]``, the experts each
-    token was routed to while sampling (-1 where not recorded: the last token); None otherwise (rollout/routes.py)."""
+    token was routed to while sampling (-1 where not recorded: the last token); None otherwise
+    (rollout/correction/routes.py)."""
     versions: list[tuple[int, int]] | None = None
     """The policy versions that produced the tokens, as ``(version, tokens)`` runs, oldest first, covering every
     token (a continued partial rollout has two); None until the rollout side stamps them (an engine's raw output)."""
@@ -288,8 +289,8 @@ class StreamingEngine(Engine, Protocol):
 
 @runtime_checkable
 class TickingEngine(StreamingEngine, Protocol):
-    """A streaming engine whose streams also have ``ticks()``: one list per decode step of the groups that ended in it.
-    Several engine groups can then stream together, in lockstep (``rollout.engine_groups``)."""
+    """A streaming engine whose streams also have ``ticks()``: one list per decode step of the groups that ended in
+    it. Several engine groups can then stream together, in lockstep (``rollout.scheduling.engine_groups``)."""
 
     stream_ticks: bool
     """True: ``stream()``'s result has ``ticks()``."""

@@ -26,7 +26,7 @@ def _build_engine(cfg: Config, launch: LaunchEnv, role: Any, *args: Any) -> Any:
 
     if cfg.rollout.engine != "vllm":
         return runtime._build_engine(cfg, *args)
-    from dapo_mcore.rollout.vllm_engine import launcher_ranks
+    from dapo_mcore.rollout.engines.vllm_engine import launcher_ranks
 
     with launcher_ranks(role.rank, role.size, launch.local_rank):
         return runtime._build_engine(cfg, *args)
@@ -35,8 +35,8 @@ def _build_engine(cfg: Config, launch: LaunchEnv, role: Any, *args: Any) -> Any:
 def run_engine_ranks(cfg: Config, launch: LaunchEnv, bridge: Any) -> int:
     from dapo_mcore.data.sources import filter_by_length, load_prompt_records, prompt_encoder
     from dapo_mcore.data.tokenizer import load_tokenizer
-    from dapo_mcore.rollout.async_engines import EngineLoop
-    from dapo_mcore.rollout.colocated import ColocatedRollouts, EngineGroups
+    from dapo_mcore.rollout.pipeline.async_engines import EngineLoop
+    from dapo_mcore.rollout.pipeline.colocated import ColocatedRollouts, EngineGroups
     from dapo_mcore.run import runtime
     from dapo_mcore.telemetry.timers import PhaseTimer
     from dapo_mcore.weights.hf_checkpoint import read_hf_config

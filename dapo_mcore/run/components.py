@@ -51,7 +51,7 @@ class Components:
     ledger: Any = None
     store: Any = None
     scheduler: Any = None
-    """rollout.scheduler.RolloutScheduler: which prompts a step generates and when it is full."""
+    """rollout.scheduling.scheduler.RolloutScheduler: which prompts a step generates and when it is full."""
     model_files: tuple[Path | None, Path | None] = (None, None)
     """(tokenizer dir, model dir) the run starts from: their tokenizer and generation-config files are kept verbatim in
     RUN_DIR/tokenizer (what `convert mcore-to-hf` copies into an export)."""
@@ -59,7 +59,7 @@ class Components:
     """Streaming generation aborts in-flight requests once a step is full: rollout.schedule.streaming with an engine
     that streams finished groups (in ticks, with several engine groups; otherwise streaming works chunk by chunk)."""
     rollouts: Any = None
-    """The rollout side (rollout.source.RolloutSource): what the trainer asks for a step's batch."""
+    """The rollout side (rollout.pipeline.source.RolloutSource): what the trainer asks for a step's batch."""
     _closers: list[Callable[[], None]] = field(default_factory=list)
 
     @property
@@ -68,7 +68,7 @@ class Components:
 
     def trainer_state(self, step: int, rollout_state: dict[str, Any] | None = None) -> dict[str, Any]:
         """What a checkpoint after ``step`` steps resumes from; ``rollout_state`` is the async engines' sampler and
-        schedule state after the pending batch (``rollout.async_source``), else the trainer's own."""
+        schedule state after the pending batch (``rollout.pipeline.async_source``), else the trainer's own."""
         state = {"step": step, **(rollout_state if rollout_state is not None else self.scheduler.checkpoint_state())}
         if self.ledger is not None:
             state["ledger"] = self.ledger.state_dict()
@@ -79,7 +79,7 @@ class Components:
 
         rollout_state, extra = None, {}
         if not self.rollouts.colocated:
-            from dapo_mcore.rollout.async_source import PENDING_FILE
+            from dapo_mcore.rollout.pipeline.async_source import PENDING_FILE
 
             rollout_state, pending = self.rollouts.checkpoint_payload(step)
             if pending is not None:

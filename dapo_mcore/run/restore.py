@@ -80,7 +80,7 @@ def restore(parts: Components, target: Path | None) -> int:
                         len(buffered.items), buffered.num_tokens())
             buffered.take()
     if not parts.rollouts.colocated:
-        from dapo_mcore.rollout.async_source import PENDING_FILE
+        from dapo_mcore.rollout.pipeline.async_source import PENDING_FILE
 
         pending = target / PENDING_FILE
         parts.rollouts.resume_from(int(state["step"]), state, pending.read_bytes() if pending.is_file() else None)

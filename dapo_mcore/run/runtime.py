@@ -141,9 +141,9 @@ def _actor_settings(cfg: Config, hf_config: dict[str, Any], pad_id: int):
 
 
 def run_stop_tokens(cfg: Config, hf_dir: Path | None, hf_config: dict[str, Any], tokenizer):
-    """The one stop set both engines use (rollout.stop_tokens): generation_config.json's EOS ids, the tokenizer's EOS
-    and rollout.stop_token_ids. Raises ConfigError naming the source of a bad id."""
-    from dapo_mcore.rollout.stop_tokens import StopTokenError, resolve_stop_tokens
+    """The one stop set both engines use (rollout.engines.stop_tokens): generation_config.json's EOS ids, the
+    tokenizer's EOS and rollout.stop_token_ids. Raises ConfigError naming the source of a bad id."""
+    from dapo_mcore.rollout.engines.stop_tokens import StopTokenError, resolve_stop_tokens
 
     try:
         stops = resolve_stop_tokens(hf_dir, tokenizer.eos_token_id, cfg.rollout.stop_token_ids,
@@ -186,7 +186,7 @@ def log_dtype_rule(cfg: Config, hf_dir: Path | None) -> None:
 
 def _build_engine(cfg: Config, hf_dir: Path | None, hf_config: dict[str, Any], tokenizer, stops):
     if cfg.rollout.engine == "vllm":
-        from dapo_mcore.rollout.vllm_engine import VLLMEngine, VLLMEngineOptions
+        from dapo_mcore.rollout.engines.vllm_engine import VLLMEngine, VLLMEngineOptions
 
         if hf_dir is None:
             raise ConfigError("rollout.engine=vllm needs model.hf_path (vLLM loads the model's config and tokenizer).")
@@ -202,7 +202,7 @@ def _build_engine(cfg: Config, hf_dir: Path | None, hf_config: dict[str, Any], t
         return VLLMEngine(options, hf_config)
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dapo_mcore.rollout.hf_engine import HFEngine
+    from dapo_mcore.rollout.engines.hf_engine import HFEngine
 
     dtype = torch.bfloat16 if cfg.model.params_dtype == "bfloat16" else torch.float32
     # Built from the config alone: build_components syncs every weight from the actor before the first
@@ -218,7 +218,8 @@ def build_components(cfg: Config, launch: LaunchEnv, *, resume: bool = True, che
                      for_eval: bool = False, bridge: Any = None) -> Components:
     """Start process groups, lock the run directory (training), build actor, engine, data and telemetry (see module
     docstring for the order). The lock is released by ``Components.close``, or here if building fails. ``bridge``:
-    the async mode's trainer ranks (``rollout.bridge``): no engine here, batches come from the engine ranks."""
+    the async mode's trainer ranks (``rollout.pipeline.bridge``): no engine here, batches come from the engine
+    ranks."""
     from dapo_mcore.actor.parallel import check_shared_dir, init_distributed
     from dapo_mcore.data.sources import load_prompt_records
 
@@ -257,7 +258,7 @@ def _build_parts(cfg: Config, launch: LaunchEnv, *, resume: bool, checkpoint: st
                         expert_parallel=cfg.parallel.expert_parallel)
     hf_dir = resolve_base_model(cfg, launch)
     if bridge is not None:
-        bridge.start()  # the run starts: no refusal (rollout.bridge.Bridge.start)
+        bridge.start()  # the run starts: no refusal (rollout.pipeline.bridge.Bridge.start)
         bridge.barrier()  # the engine ranks read the base model's config and tokenizer once it exists
     hf_config = cfg.model.hf_config(cfg.tiny_base.preset) if hf_dir is None else read_hf_config(hf_dir)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or hf_dir)
@@ -295,7 +296,7 @@ def _build_parts(cfg: Config, launch: LaunchEnv, *, resume: bool, checkpoint: st
         if launch.rank == 0 and parts.scheduler is not None and not for_eval:
             _watch_steps(parts)
     else:
-        from dapo_mcore.rollout.async_source import AsyncRollouts
+        from dapo_mcore.rollout.pipeline.async_source import AsyncRollouts
 
         parts.rollouts = AsyncRollouts(cfg, bridge, parts.timer)
     parts._closers.extend(parts_closers)
@@ -352,7 +353,7 @@ def _engine_streams(cfg: Config, engine_groups: int, engine: Any) -> bool:
 
 
 def _build_rollouts(parts: Components) -> Any:
-    from dapo_mcore.rollout.colocated import ColocatedRollouts, EngineGroups
+    from dapo_mcore.rollout.pipeline.colocated import ColocatedRollouts, EngineGroups
 
     return ColocatedRollouts(parts.cfg, engine=parts.engine, scheduler=parts.scheduler, tokenizer=parts.tokenizer,
                              score=parts.score, encode_prompt=parts.encode_prompt, timer=parts.timer,
@@ -361,7 +362,7 @@ def _build_rollouts(parts: Components) -> Any:
 
 
 def _build_scheduler(cfg: Config, sampler: Any) -> Any:
-    from dapo_mcore.rollout.scheduler import RolloutScheduler
+    from dapo_mcore.rollout.scheduling.scheduler import RolloutScheduler
 
     return RolloutScheduler(cfg.rollout.schedule, sampler, n=cfg.rollout.n, target=cfg.train.prompts_per_step,
                             gen_batch_prompts=cfg.rollout.gen_batch_prompts, max_rounds=cfg.algo.max_gen_batches,

@@ -7,7 +7,7 @@ same HF weights this runs one ``train_mini_batch``
   bypass     with algo.rollout_correction bypass (weights, rejection and the batch mean from pi_theta inside the
              loss, denominators and the mean applied to the gradients afterwards);
   decoupled  with pi_old := pi_rollout, the correction computed up front from ``compute_logprobs`` (= pi_theta
-             before the update) by ``rollout.mismatch.apply_correction``;
+             before the update) by ``rollout.correction.mismatch.apply_correction``;
 and writes the metrics and exported weights of both to WS/out/NAME_rank<R>.pt.
 """
 
@@ -26,7 +26,7 @@ CORRECTION = {"is_level": "token", "is_threshold": [0.5, 2.0], "is_batch_normali
 
 def run(ws: Path, spec: dict, bypass: bool) -> dict:
     from dapo_mcore.algo.rollout_correction import RolloutCorrectionConfig
-    from dapo_mcore.rollout.mismatch import apply_correction
+    from dapo_mcore.rollout.correction.mismatch import apply_correction
 
     spec = copy.deepcopy(spec)
     corr = RolloutCorrectionConfig(**CORRECTION, bypass=bypass)

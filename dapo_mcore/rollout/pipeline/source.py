@@ -3,7 +3,7 @@
 The trainer keeps the algorithm (batch -> samples -> old log-probs -> train -> publish weights -> log / eval /
 checkpoint). Everything that turns prompts into a step's scored, shaped and filtered batch (engines, engine
 groups, scoring, overlong shaping, dynamic sampling, streaming, staged groups, the partial-rollout buffer) sits
-behind :class:`RolloutSource`. ``rollout.colocated.ColocatedRollouts`` is the synchronous implementation: the
+behind :class:`RolloutSource`. ``rollout.pipeline.colocated.ColocatedRollouts`` is the synchronous implementation: the
 engines share the trainer's devices and generate between training phases.
 
 The interface has no callback into the trainer. The only thing it is handed at call time is ``stop``, a
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from dapo_mcore.algo.dynamic_sampling import SamplingStats
-from dapo_mcore.rollout.groups import GroupData
 from dapo_mcore.rollout.protocol import WeightBucket
+from dapo_mcore.rollout.scheduling.groups import GroupData
 
 __all__ = ["RolloutInterrupted", "RolloutSource", "StepBatch"]
 
@@ -49,7 +49,7 @@ class RolloutSource(Protocol):
 
     colocated: bool
     """True: the engines share the trainer's devices (the trainer offloads around generation); False: they have
-    ranks of their own (the async mode, ``rollout.async_source``)."""
+    ranks of their own (the async mode, ``rollout.pipeline.async_source``)."""
 
     @property
     def weights_valid(self) -> bool:

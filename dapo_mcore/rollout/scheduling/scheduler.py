@@ -30,8 +30,8 @@ from typing import Any
 
 from dapo_mcore.algo.dynamic_sampling import Group, SamplingStats, collect_groups, exhausted_error
 from dapo_mcore.algo.schedule_config import ScheduleConfig
-from dapo_mcore.rollout.partial import Buffered, PartialBuffer
 from dapo_mcore.rollout.protocol import PartialGroup, Response
+from dapo_mcore.rollout.scheduling.partial import Buffered, PartialBuffer
 
 __all__ = ["RolloutScheduler", "GenerateFn", "MergeFn", "ResumeFn", "round_size"]
 

@@ -10,8 +10,8 @@ from typing import Any, Protocol
 
 from torch import Tensor
 
+from dapo_mcore.rollout.engines.vllm_env import SUPPORTED_VLLM, PlatformTraits
 from dapo_mcore.rollout.protocol import EngineError
-from dapo_mcore.rollout.vllm_env import SUPPORTED_VLLM, PlatformTraits
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The engine ranks' two channels to the trainer in async mode, each on a thread of its own so generation never
-waits on the trainer for anything but a version it needs (``rollout.async_engines``):
+waits on the trainer for anything but a version it needs (``rollout.pipeline.async_engines``):
 
 - ``BatchSender`` (engine rank 0): the batches, evaluations and failures, sent in the order they were queued. A
   gloo send returns only once the trainer posts the matching receive, and the trainer receives a batch only when it

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from dapo_mcore.collectives.device import collective_device as strict_device
-from dapo_mcore.rollout.gather import broadcast_shares
 from dapo_mcore.rollout.protocol import PartialGroup, Response
+from dapo_mcore.rollout.scheduling.gather import broadcast_shares
 
 __all__ = ["EngineGroups", "EngineGroupStream", "ExchangeTally", "round_robin"]
 

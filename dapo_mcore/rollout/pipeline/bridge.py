@@ -106,8 +106,8 @@ class Bridge:
 
     @staticmethod
     def pack(message: dict[str, Any]) -> Any:
-        """``message`` as it travels (``rollout.wire``): what ``send_packed`` sends."""
-        from dapo_mcore.rollout import wire
+        """``message`` as it travels (``rollout.pipeline.wire``): what ``send_packed`` sends."""
+        from dapo_mcore.rollout.pipeline import wire
 
         return wire.pack(message)
 
@@ -122,7 +122,7 @@ class Bridge:
                 self.batches_pg.send([t], 0, tag).wait()
 
     def recv_object(self) -> dict[str, Any]:
-        from dapo_mcore.rollout import wire
+        from dapo_mcore.rollout.pipeline import wire
 
         sizes = torch.zeros(4, dtype=torch.int64)
         self.batches_pg.recv([sizes], 1, 0).wait()

@@ -2,9 +2,9 @@
 
 D, the engines' lead (``async_source.lead``), is ``rollout.pipeline.max_staleness`` (one less with partial rollouts,
 whose continued prefixes are one version older than the batch). The engine ranks run the synchronous rollout side
-(``rollout.colocated.ColocatedRollouts``: engine groups, scoring once over the engine ranks, overlong shaping,
-dynamic sampling, streaming, partial rollouts) over their own default process group, and talk to the trainer in the
-order ``rollout.async_source`` fixes:
+(``rollout.pipeline.colocated.ColocatedRollouts``: engine groups, scoring once over the engine ranks, overlong
+shaping, dynamic sampling, streaming, partial rollouts) over their own default process group, and talk to the trainer
+in the order ``rollout.pipeline.async_source`` fixes:
 
     receive version s (weights + start step + sampler/schedule state + batches pending); evaluate it if flagged
     for k = s + pending ...: take every version up to k - D (waiting only for one the trainer has not published
@@ -16,7 +16,8 @@ function of the step, so a run is a pure function of its seed and resumes exactl
 step it arrived would depend on the wall clock). With partial rollouts, the sequences in flight across that point
 (aborted at the end of batch k - 1) continue under the new version, and their tokens keep the version that produced
 each (``Response.versions``). Batches are sent on their own thread and, with D > 1, versions received on another
-(``rollout.async_channels``), so the engines wait for the trainer only when they need a version it has not published.
+(``rollout.pipeline.async_channels``), so the engines wait for the trainer only when they need a version it has not
+published.
 
 Signals are the trainer's business (it checkpoints and tells the engines to stop): SIGTERM/SIGUSR1/SIGINT are
 logged and otherwise ignored here, and the engines leave when the trainer says stop.
@@ -31,9 +32,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from dapo_mcore.errors import UserError
-from dapo_mcore.rollout.async_channels import BatchSender, Received, VersionReceiver
-from dapo_mcore.rollout.async_source import lead, unflatten_bucket
-from dapo_mcore.rollout.bridge import Bridge
+from dapo_mcore.rollout.pipeline.async_channels import BatchSender, Received, VersionReceiver
+from dapo_mcore.rollout.pipeline.async_source import lead, unflatten_bucket
+from dapo_mcore.rollout.pipeline.bridge import Bridge
 from dapo_mcore.rollout.protocol import EngineError, WeightBucket
 from dapo_mcore.signals import faults
 

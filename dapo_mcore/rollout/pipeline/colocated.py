@@ -21,12 +21,17 @@ import torch
 from dapo_mcore.algo.dynamic_sampling import Group
 from dapo_mcore.algo.overlong import overlong_penalty
 from dapo_mcore.data.records import PromptRecord
-from dapo_mcore.rollout.engine_groups import EngineGroups, EngineGroupStream, ExchangeTally, round_robin
-from dapo_mcore.rollout.gather import apply_once, broadcast_shares, merge_shares, plan_shares
-from dapo_mcore.rollout.groups import GroupData, as_group
-from dapo_mcore.rollout.partial import Buffered, join, runs, stale_response
+from dapo_mcore.rollout.pipeline.source import RolloutInterrupted, StepBatch
 from dapo_mcore.rollout.protocol import Response, SamplingParams, WeightBucket
-from dapo_mcore.rollout.source import RolloutInterrupted, StepBatch
+from dapo_mcore.rollout.scheduling.engine_groups import (
+    EngineGroups,
+    EngineGroupStream,
+    ExchangeTally,
+    round_robin,
+)
+from dapo_mcore.rollout.scheduling.gather import apply_once, broadcast_shares, merge_shares, plan_shares
+from dapo_mcore.rollout.scheduling.groups import GroupData, as_group
+from dapo_mcore.rollout.scheduling.partial import Buffered, join, runs, stale_response
 
 __all__ = ["ColocatedRollouts", "EngineGroups", "step_seed"]
 
@@ -40,19 +45,19 @@ def step_seed(base: int, step: int, batch: int) -> int:
 
 
 class ColocatedRollouts:
-    """The synchronous RolloutSource (``rollout.source``); in async mode the engine ranks' rollout side.
+    """The synchronous RolloutSource (``rollout.pipeline.source``); in async mode the engine ranks' rollout side.
 
     Args:
         cfg: the run's config (``rollout``, ``eval``, ``algo``'s overlong shaping, ``train.seed``).
         engine: the rollout engine (``rollout.protocol.Engine``).
-        scheduler: ``rollout.scheduler.RolloutScheduler`` (None for evaluation only).
+        scheduler: ``rollout.scheduling.scheduler.RolloutScheduler`` (None for evaluation only).
         tokenizer: decodes responses for the verifier.
         score: ``score(texts, ground_truths) -> results`` with ``.score``, ``.acc``, ``.pred``.
         encode_prompt: a PromptRecord -> prompt token ids.
         timer: the run's ``telemetry.timers.PhaseTimer`` (``generate`` and ``reward`` phases).
         groups: the engine-group layout.
         streams: the engine streams finished groups and the scheduler may abort (with several engine groups the
-            engine's streams advance in ticks: ``rollout.engine_groups``).
+            engine's streams advance in ticks: ``rollout.scheduling.engine_groups``).
     """
 
     def __init__(self, cfg: Any, *, engine: Any, scheduler: Any, tokenizer: Any,
@@ -93,7 +98,7 @@ class ColocatedRollouts:
 
     def step_batch(self, step: int, stop: Callable[[], bool]) -> StepBatch:
         """generate -> score -> shape, until the batch holds enough usable groups (the scheduler decides which
-        prompts to generate and when the step is full: ``rollout.scheduler``)."""
+        prompts to generate and when the step is full: ``rollout.scheduling.scheduler``)."""
 
         def params(n: int, slot: int) -> SamplingParams:
             # A pre-emption signal is honoured between generation calls too: one step can draw many batches.
@@ -251,7 +256,8 @@ class ColocatedRollouts:
         return [merged[k] for k in range(len(todo))]
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Response]]:
-        """Each engine group generates its share (``rollout.gather.plan_shares``); every rank gets all the results.
+        """Each engine group generates its share (``rollout.scheduling.gather.plan_shares``); every rank gets all the
+        results.
 
         Every group calls the engine on every generation call, even with fewer samples than groups, because vLLM's
         data-parallel engines step together. Each share has its own seed, derived from the call's seed.

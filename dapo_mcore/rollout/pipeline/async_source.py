@@ -1,6 +1,7 @@
 """The async mode's RolloutSource on the trainer ranks: batches arrive from engine ranks that generate ahead.
 
-The protocol (one order, fixed, so a run is a pure function of its seed; ``rollout.async_engines`` is the other side):
+The protocol (one order, fixed, so a run is a pure function of its seed; ``rollout.pipeline.async_engines`` is the
+other side):
 
     trainer rank 0 --weights--> engines   version s (the start: weights, the step to generate from, the sampler and
                                           schedule state, how many batches the checkpoint holds), then one version
@@ -36,6 +37,7 @@ the other trainer ranks (gloo objects over the trainer's default group).
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import pickle
@@ -47,10 +49,10 @@ import torch
 import torch.distributed as dist
 
 from dapo_mcore.errors import UserError
-from dapo_mcore.rollout.bridge import Bridge
-from dapo_mcore.rollout.groups import GroupData
+from dapo_mcore.rollout.pipeline.bridge import Bridge
+from dapo_mcore.rollout.pipeline.source import StepBatch
 from dapo_mcore.rollout.protocol import EngineError, WeightBucket
-from dapo_mcore.rollout.source import StepBatch
+from dapo_mcore.rollout.scheduling.groups import GroupData
 from dapo_mcore.signals import faults
 from dapo_mcore.telemetry.evaluation import eval_after
 
@@ -61,6 +63,25 @@ __all__ = ["AsyncRollouts", "PENDING_FILE", "flatten_bucket", "rebucket", "unfla
 PENDING_FILE = "rollouts_pending.pkl"
 """In an async run's checkpoint: the batches the engines generated for the steps after it (each with their state after
 it): ``{"batches": [message, ...]}`` (one message alone in checkpoints of a one-step-off run written before)."""
+
+# Where each module of rollout/ went when it was split into sub-packages: a pending file written before names its
+# classes (StepBatch, GroupData, ...) by the old modules, and resuming from it must still read it.
+_MOVED = {"correction": ("mismatch", "routes"),
+          "engines": ("hf_engine", "sampling", "stop_tokens", "vllm_backend", "vllm_engine", "vllm_env",
+                      "vllm_outputs", "weight_sync"),
+          "scheduling": ("engine_groups", "gather", "groups", "partial", "scheduler"),
+          "pipeline": ("async_channels", "async_engines", "async_source", "bridge", "colocated", "source", "wire")}
+_RENAMED = {f"dapo_mcore.rollout.{m}": f"dapo_mcore.rollout.{sub}.{m}" for sub, ms in _MOVED.items() for m in ms}
+
+
+class _PendingUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        return super().find_class(_RENAMED.get(module, module), name)
+
+
+def load_pending(data: bytes) -> Any:
+    """A pending file's content, also one written while rollout/ was flat (its classes under their old modules)."""
+    return _PendingUnpickler(io.BytesIO(data)).load()
 
 
 def lead(cfg: Any) -> int:
@@ -101,9 +122,9 @@ def _is_failure(value: Any) -> bool:
 
 def _broadcast(value: Any, root: bool) -> Any:
     """Trainer rank 0's ``value`` (a batch message, an evaluation's groups, a failure) on every trainer rank, packed
-    (``rollout.wire``) and sent as tensors on the trainer group's device."""
+    (``rollout.pipeline.wire``) and sent as tensors on the trainer group's device."""
     from dapo_mcore.collectives.device import collective_device
-    from dapo_mcore.rollout import wire
+    from dapo_mcore.rollout.pipeline import wire
 
     device = collective_device()
     sizes = device.to(torch.zeros(3, dtype=torch.int64))
@@ -167,7 +188,7 @@ class AsyncRollouts:
         """A checkpoint after ``step`` steps: the engines start from its state, the trainer trains on its batch."""
         self.fresh_start = step == 0
         if pending is not None:
-            held = pickle.loads(pending)
+            held = load_pending(pending)
             messages = held["batches"] if "batches" in held else [held]
             if len(messages) > self.lead:
                 raise UserError(f"the checkpoint after step {step} holds {len(messages)} batches the engines generated "

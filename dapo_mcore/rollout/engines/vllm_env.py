@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from dapo_mcore.model.gpu_stack import SUPPORTED
+from dapo_mcore.rollout.engines.weight_sync import hf_param_shapes
 from dapo_mcore.rollout.protocol import EngineError
-from dapo_mcore.rollout.weight_sync import hf_param_shapes
 
 logger = logging.getLogger(__name__)
 

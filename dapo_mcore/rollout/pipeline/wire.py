@@ -1,10 +1,10 @@
 """How a step's batch (or an evaluation) travels in async mode: its tokens and log-probs as two flat tensors.
 
-A message from the engines (``rollout.async_engines``) holds every response of the step: pickled as Python lists that
-is ~5 bytes a token id and 9 a log-prob, plus pickle's per-item framing. Here the responses' token ids travel as one
-int32 tensor and their log-probs as one float32 tensor (what the engines computed them in), and only the rest (records,
-scores, counts, each response's lengths and finish reason) is pickled. ``benchmarks/bridge_bytes.py`` measures both at
-the 32B recipe's shape.
+A message from the engines (``rollout.pipeline.async_engines``) holds every response of the step: pickled as Python
+lists that is ~5 bytes a token id and 9 a log-prob, plus pickle's per-item framing. Here the responses' token ids
+travel as one int32 tensor and their log-probs as one float32 tensor (what the engines computed them in), and only the
+rest (records, scores, counts, each response's lengths and finish reason) is pickled. ``benchmarks/bridge_bytes.py``
+measures both at the 32B recipe's shape.
 
 A group that appears twice in a message (a kept group is also among the generated ones) travels once and is one
 object again on arrival, as pickle would have it.
@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from dapo_mcore.rollout.groups import GroupData
+from dapo_mcore.rollout.pipeline.source import StepBatch
 from dapo_mcore.rollout.protocol import Response
-from dapo_mcore.rollout.source import StepBatch
+from dapo_mcore.rollout.scheduling.groups import GroupData
 
 __all__ = ["Packed", "light", "pack", "unpack"]
 

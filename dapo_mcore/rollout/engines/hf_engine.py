@@ -23,6 +23,9 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from dapo_mcore.rollout.correction.routes import RouteRecorder
+from dapo_mcore.rollout.engines.sampling import sample_next
+from dapo_mcore.rollout.engines.weight_sync import SyncTracker
 from dapo_mcore.rollout.protocol import (
     EngineError,
     PartialGroup,
@@ -32,9 +35,6 @@ from dapo_mcore.rollout.protocol import (
     check_prompts,
     check_resume,
 )
-from dapo_mcore.rollout.routes import RouteRecorder
-from dapo_mcore.rollout.sampling import sample_next
-from dapo_mcore.rollout.weight_sync import SyncTracker
 from dapo_mcore.weights.qwen3_moe import per_expert_views
 
 __all__ = ["HFEngine"]
@@ -320,7 +320,8 @@ class _HFGroupStream:
     def ticks(self) -> Iterator[list[tuple[int, list[Response]]]]:
         """One list per decode step: the groups whose last sample ended in it (often none), as ``__iter__`` yields
         them. Several engine groups advance their streams tick by tick and exchange what ended
-        (``rollout.engine_groups``), so where each stream stands at an exchange is decided by the seed, not by speed."""
+        (``rollout.scheduling.engine_groups``), so where each stream stands at an exchange is decided by the seed, not
+        by speed."""
         for ended in self._steps():
             yield [self._finished(p) for p in ended]
 

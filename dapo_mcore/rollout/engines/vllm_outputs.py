@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from dapo_mcore.rollout.protocol import EngineError, FinishReason, PartialGroup, Response, SamplingParams
 
 if TYPE_CHECKING:
-    from dapo_mcore.rollout.vllm_backend import VLLMBackend
+    from dapo_mcore.rollout.engines.vllm_backend import VLLMBackend
 
 __all__ = ["VLLMGroupStream", "completion_tokens", "responses_from_outputs"]
 
@@ -58,7 +58,7 @@ def responses_from_outputs(outputs: Sequence[Any], n: int, logprobs: str) -> lis
             token_ids, lps = completion_tokens(c, logprobs, where)
             routes = getattr(c, "routed_experts", None)  # vLLM with enable_return_routed_experts (MoE R3)
             if routes is not None:
-                from dapo_mcore.rollout.routes import routes_from_vllm
+                from dapo_mcore.rollout.correction.routes import routes_from_vllm
 
                 routes = routes_from_vllm(routes, len(out.prompt_token_ids) + len(token_ids))
             group.append(Response(token_ids=token_ids, logprobs=lps, finish_reason=reason, routed_experts=routes))
@@ -103,7 +103,7 @@ class VLLMGroupStream:
         """One list per engine step: the groups whose last sample ended in it (often none). The loop runs while any of
         vLLM's data-parallel engines has requests (``has_unfinished`` is a collective over them there, and a step
         of an engine with none left runs vLLM's dummy batch), so every engine group takes the same number of ticks
-        and the groups stream in lockstep (``rollout.engine_groups``), also one that serves no prompt."""
+        and the groups stream in lockstep (``rollout.scheduling.engine_groups``), also one that serves no prompt."""
         while self.backend.has_unfinished():
             ended = []
             for rid in self._take(self.backend.step()):

@@ -43,16 +43,8 @@ from typing import Any, Literal
 import torch
 
 from dapo_mcore.model.gpu_stack import release
-from dapo_mcore.rollout.protocol import (
-    EngineError,
-    Response,
-    SamplingParams,
-    WeightBucket,
-    check_prompts,
-    check_resume,
-)
-from dapo_mcore.rollout.vllm_backend import VLLMBackend, _LLMBackend, _world_size
-from dapo_mcore.rollout.vllm_env import (  # noqa: F401  (the engine's callers import these from here too)
+from dapo_mcore.rollout.engines.vllm_backend import VLLMBackend, _LLMBackend, _world_size
+from dapo_mcore.rollout.engines.vllm_env import (  # noqa: F401  (the engine's callers import these from here too)
     _RELAYOUT_ENV,
     _RUNNER_ENV,
     GPU_TRAITS,
@@ -70,8 +62,16 @@ from dapo_mcore.rollout.vllm_env import (  # noqa: F401  (the engine's callers i
     routed_experts_shm_bytes,
     shm_free_bytes,
 )
-from dapo_mcore.rollout.vllm_outputs import VLLMGroupStream, completion_tokens, responses_from_outputs
-from dapo_mcore.rollout.weight_sync import SyncTracker, hf_param_shapes
+from dapo_mcore.rollout.engines.vllm_outputs import VLLMGroupStream, completion_tokens, responses_from_outputs
+from dapo_mcore.rollout.engines.weight_sync import SyncTracker, hf_param_shapes
+from dapo_mcore.rollout.protocol import (
+    EngineError,
+    Response,
+    SamplingParams,
+    WeightBucket,
+    check_prompts,
+    check_resume,
+)
 
 __all__ = [
     "SUPPORTED_VLLM",
@@ -185,8 +185,9 @@ class VLLMEngineOptions:
     splits every expert over the tensor x data-parallel ranks (``FusedMoEParallelConfig.make`` flattens TP across
     DP), so each of the 30B-A3B recipe's 128 experts is cut 128 ways with a collective every layer across nodes."""
     stop_token_ids: tuple[int, ...] = ()
-    """The run's stop set (rollout.stop_tokens.resolve_stop_tokens), added to every request's ``stop_token_ids`` so
-    that vLLM stops on exactly the ids the transformers engine stops on, whatever vLLM reads from the model dir."""
+    """The run's stop set (rollout.engines.stop_tokens.resolve_stop_tokens), added to every request's
+    ``stop_token_ids`` so that vLLM stops on exactly the ids the transformers engine stops on, whatever vLLM reads
+    from the model dir."""
 
     def validate(self, world_size: int = 1) -> None:
         """Raise ValueError naming the fix."""
