@@ -31,8 +31,8 @@ def test_vllm_engine_is_built_with_expert_parallelism_for_either_spelling(spelli
     """``runtime._build_engine`` read ``num_experts`` only: a transformers-5 config built vLLM without expert
     parallelism (every expert split over all its ranks)."""
     from dapo_mcore.config import load_config
-    from dapo_mcore.rollout import vllm_engine as ve
-    from dapo_mcore.rollout.stop_tokens import StopTokens
+    from dapo_mcore.rollout.engines import vllm_engine as ve
+    from dapo_mcore.rollout.engines.stop_tokens import StopTokens
     from dapo_mcore.run import runtime
 
     built = {}
