@@ -40,8 +40,9 @@ def test_at_most_d_minus_one_copies_live_the_one_loading_included():
             raise Stop
         copy = Copy()
         with lock:
-            live.add(id(copy))
-            weakref.finalize(copy, lambda i=id(copy): live.discard(i))
+            key = id(copy)
+            live.add(key)
+            weakref.finalize(copy, live.discard, key)
             peak[0] = max(peak[0], len(live))
         time.sleep(0.02)  # the transfer
         received.append(copy)
