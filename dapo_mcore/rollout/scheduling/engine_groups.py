@@ -2,7 +2,8 @@
 
 Each engine group streams its own share of a chunk's prompts (round robin: prompt ``i`` goes to group
 ``i % groups``, so every group holds early prompts). The groups advance in lockstep, ``exchange_every`` decode steps
-at a time, and after each tick every group's leader broadcasts the groups that ended in it (``gather.broadcast_shares``).
+at a time, and after each tick every group's leader broadcasts the groups that ended in it (``gather.exchange_shares``:
+one all-gather a tick, then only the non-empty shares).
 Every rank then holds the same finished groups at the same tick, and the scheduler decides on them in prompt order,
 exactly as with one engine. Where a stream stands at an exchange depends on the seed and the decode steps taken, not
 on which engine is faster, so the whole step (kept, rejected, surplus, aborted, buffered) is a pure function of the
@@ -25,7 +26,7 @@ import torch.distributed as dist
 
 from dapo_mcore.collectives.device import collective_device as strict_device
 from dapo_mcore.rollout.protocol import PartialGroup, Response
-from dapo_mcore.rollout.scheduling.gather import broadcast_shares
+from dapo_mcore.rollout.scheduling.gather import exchange_shares
 
 __all__ = ["EngineGroups", "EngineGroupStream", "ExchangeTally", "round_robin"]
 
@@ -87,7 +88,7 @@ class EngineGroupStream:
         self._unclaimed: dict[int, list[Response]] = {}
         self._partials: list[PartialGroup] = []
         self.tally = tally if tally is not None else ExchangeTally()
-        """Each exchange: one size all-gather, the leaders' broadcasts, one all-reduce."""
+        """Each exchange: one size all-gather (with the still-running flags), then the broadcasts of non-empty shares."""
 
     def ticks(self) -> Iterator[list[tuple[int, list[Response]]]]:
         """Per exchange, the groups that ended on any engine since the last one, in prompt order (the same list on
@@ -102,9 +103,11 @@ class EngineGroupStream:
                 except StopIteration:
                     self._exhausted = True
             start = time.perf_counter()
-            shares = broadcast_shares([self.positions[i] for i, _ in mine], [r for _, r in mine],
-                                      sender=self.groups.leader, routes_to=self.groups.routes_to)
-            running = _sum_over_ranks([int(not self._exhausted)])[0]
+            # one all-gather carries every leader's share sizes and whether its engine still runs; only non-empty
+            # shares are broadcast after it: a tick where nothing ended anywhere is that one collective
+            shares, running = exchange_shares([self.positions[i] for i, _ in mine], [r for _, r in mine],
+                                              sender=self.groups.leader, flag=not self._exhausted,
+                                              routes_to=self.groups.routes_to)
             self.tally.count += 1
             self.tally.seconds += time.perf_counter() - start
             ended = sorted((pos, rs) for share in shares for pos, rs in share.items())
