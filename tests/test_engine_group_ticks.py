@@ -14,7 +14,7 @@ import types
 import pytest
 import torch
 
-from dapo_mcore.rollout.protocol import Response
+from dapo_mcore.rollout.protocol import PartialGroup, Response
 from dapo_mcore.rollout.scheduling import engine_groups, gather
 from dapo_mcore.rollout.scheduling.engine_groups import EngineGroups, EngineGroupStream
 
@@ -96,3 +96,46 @@ def test_a_tick_broadcasts_only_the_shares_that_hold_groups(world):
     ended = next(stream.ticks())
     assert rec.calls == ["all_gather", "broadcast1", "broadcast1"]
     assert [(pos, [r.token_ids for r in rs]) for pos, rs in ended] == [(1, [[5, 6], [7]])]
+
+
+def test_partials_pack_into_one_int64_tensor_exactly():
+    """The in-flight groups an abort exchanges (partial rollouts over several engine groups) travel as one int64 tensor
+    on a gloo group (they were pickled through ``all_gather_object`` on the default group: NCCL, GPU memory, on a
+    GPU); tokens and every log-prob bit come back."""
+    from dapo_mcore.rollout.scheduling.engine_groups import pack_partials, unpack_partials
+
+    lp = [-0.1, -1e-300, -123.456789012345678, float("-inf")]
+    groups = [(3, PartialGroup(0, [Response([1, 2, 3], lp[:3], "length"), Response([9], [lp[3]], "stop")],
+                               [False, True])),
+              (7, PartialGroup(1, [Response([], [], "length")], [False]))]
+    packed = pack_partials(groups)
+    assert packed.dtype == torch.int64 and packed.dim() == 1
+    back = unpack_partials(packed)
+    assert [(g.index, g.done) for g in back] == [(3, [False, True]), (7, [False])]
+    got = [(r.token_ids, r.logprobs, r.finish_reason) for g in back for r in g.responses]
+    assert got == [([1, 2, 3], lp[:3], "length"), ([9], [lp[3]], "stop"), ([], [], "length")]
+    assert unpack_partials(pack_partials([])) == []
+
+
+def test_the_abort_exchange_uses_no_object_collective(monkeypatch):
+    import torch.distributed as dist
+
+    from dapo_mcore.rollout.scheduling import engine_groups as eg
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("all_gather_object: a pickle through the default (NCCL on a GPU) group")
+
+    monkeypatch.setattr(dist, "all_gather_object", refuse)
+    sent = {}
+
+    def fake_all_gather_packed(ints, floats, group=None):
+        sent["group"] = group
+        return [(ints, floats)]
+
+    monkeypatch.setattr("dapo_mcore.collectives.packed.all_gather_packed", fake_all_gather_packed)
+    monkeypatch.setattr(eg, "host_group", lambda: "gloo-group")
+    stream = EngineGroupStream(None, [4], EngineGroups(count=2, index=0, leader=True), 4)
+    mine = [PartialGroup(0, [Response([5], [-0.5], "length")], [False])]
+    got = stream._exchange_partials(mine)
+    assert sent["group"] == "gloo-group"
+    assert [(g.index, [r.token_ids for r in g.responses]) for g in got] == [(4, [[5]])]

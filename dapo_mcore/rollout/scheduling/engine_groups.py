@@ -141,10 +141,57 @@ class EngineGroupStream:
         return list(self._partials)
 
     def _exchange_partials(self, mine: list[PartialGroup]) -> list[PartialGroup]:
-        """The leaders' in-flight groups on every rank (pickled: small, once per abort)."""
-        payload = [(self.positions[p.index], [(r.token_ids, r.logprobs, r.finish_reason) for r in p.responses], p.done)
-                   for p in mine]
-        everything: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everything, payload)
-        return [PartialGroup(pos, [Response(list(t), list(lp), fr) for t, lp, fr in rs], list(done))
-                for part in everything for pos, rs, done in part]
+        """The leaders' in-flight groups on every rank, once per abort: packed into one int64 tensor each (log-probs
+        as their float64 bits) and all-gathered on a gloo group, so nothing of it passes through GPU memory (a
+        pickle through NCCL would, gigabytes at a 32B step's partials, while vLLM holds the GPU)."""
+        from dapo_mcore.collectives.packed import all_gather_packed
+
+        ints = pack_partials([(self.positions[p.index], p) for p in mine])
+        gathered = all_gather_packed(ints, torch.zeros(0), group=host_group())
+        return [group for got, _ in gathered for group in unpack_partials(got)]
+
+
+_FINISH = ("stop", "length")
+_HOST_GROUPS: dict[int, Any] = {}
+
+
+def host_group() -> Any:
+    """A gloo group over the default group's ranks (made once per default group, by every rank at the same point:
+    the first abort that keeps partials, a collective over all of them)."""
+    world = dist.group.WORLD
+    if id(world) not in _HOST_GROUPS:
+        _HOST_GROUPS.clear()  # a new default group (a test's next world): the old groups went with it
+        _HOST_GROUPS[id(world)] = (world, dist.new_group(backend="gloo"))
+    return _HOST_GROUPS[id(world)][1]
+
+
+def pack_partials(groups: list[tuple[int, PartialGroup]]) -> torch.Tensor:
+    """``(position, group)`` pairs as one int64 tensor: count, then per group its position, response count, done
+    flags and per response its finish reason, token and log-prob counts, tokens and log-probs (float64 bits: exact)."""
+    out: list[torch.Tensor] = [torch.tensor([len(groups)], dtype=torch.int64)]
+    for pos, g in groups:
+        out.append(torch.tensor([pos, len(g.responses), *map(int, g.done)], dtype=torch.int64))
+        for r in g.responses:
+            out.append(torch.tensor([_FINISH.index(r.finish_reason), len(r.token_ids), len(r.logprobs),
+                                     *r.token_ids], dtype=torch.int64))
+            out.append(torch.tensor(r.logprobs, dtype=torch.float64).view(torch.int64))
+    return torch.cat(out)
+
+
+def unpack_partials(ints: torch.Tensor) -> list[PartialGroup]:
+    """Inverse of :func:`pack_partials` (groups with their positions as ``index``)."""
+    values, floats = ints.tolist(), ints.view(torch.float64).tolist()
+    out, at = [], 1
+    for _ in range(values[0]):
+        pos, count = values[at], values[at + 1]
+        done = [bool(x) for x in values[at + 2:at + 2 + count]]
+        at += 2 + count
+        responses = []
+        for _ in range(count):
+            finish, n, m = values[at:at + 3]
+            tokens = values[at + 3:at + 3 + n]
+            at += 3 + n
+            responses.append(Response(tokens, floats[at:at + m], _FINISH[finish]))  # type: ignore[arg-type]
+            at += m
+        out.append(PartialGroup(pos, responses, done))
+    return out
