@@ -70,6 +70,9 @@ def restore(parts: Components, target: Path | None) -> int:
     if target is None:
         return 0
     state = ckpt.load_checkpoint(target, parts.actor, weights_only=parts.cfg.run.resume_weights_only)
+    from dapo_mcore.rollout.scheduling.partial import join_partials
+
+    join_partials(state, target)  # the partial groups from their binary file (older checkpoints: inline)
     if parts.scheduler is not None:  # built exactly when there is a sampler (training data)
         parts.scheduler.load_checkpoint_state(state)
         buffered = parts.scheduler.partials
