@@ -1,11 +1,18 @@
-"""Benchmark: what the checkpoint manifest (size + checksum per file) costs at save and at load.
+"""Benchmark: what the checkpoint checksums (size + CRC-32 per file in the manifest) cost at save and at load.
 
-Writes one safetensors rank file of --mb megabytes (random fp32, like a model or Adam-moment shard) with the
-same writer the trainer uses, then checksums it with CRC-32 (the default) and SHA-256 and reads it back as
-`load_file` does on resume. Prints each as seconds and as a ratio to the write (save) or to the read (load),
-best of --repeat, and the load average (the machine is shared).
+One rank file of --mb megabytes (random fp32, like a model or Adam-moment shard), page cache warm, best of --repeat:
 
-    python benchmarks/checkpoint_hash.py [--mb 512] [--repeat 3] [--workdir DIR]
+- save without checksums: safetensors' ``save_file`` (what a save with no manifest does);
+- save with checksums: the trainer's save (``save_safetensors`` under ``record_digests``: streamed out, CRC-32 of the
+  bytes as they are written); and, for comparison, the former way: ``save_file`` then a second read to checksum;
+- load without checksums: ``load_file`` and a copy of every tensor (as a resume copies them into the model);
+- load with checksums: the trainer's checked read (``read_megatron_rank`` under ``checking_reads``: the tensors are
+  views of one mapping of the file, CRC-32 and NaN/inf check on a second thread while they are copied) and the same copy; and the former way: a checksum pass, then ``load_file``.
+
+Prints each time and each ratio to its baseline; the last line is ``checkpoint_checksum_overhead: X`` (the larger
+of the save and load ratios of the trainer's way). --smoke: a 16 MB file, one repeat (seconds; run in CI).
+
+    python benchmarks/checkpoint_hash.py [--mb 512] [--repeat 3] [--workdir DIR] [--smoke]
 """
 
 from __future__ import annotations
@@ -17,9 +24,11 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
-from dapo_mcore.weights.checkpoint import file_digest, save_safetensors
+from dapo_mcore.weights import checkpoint as wckpt
+
+RANK = "model/mp_rank_00_000/model.safetensors"
 
 
 def best(fn, repeat: int) -> float:
@@ -31,26 +40,55 @@ def best(fn, repeat: int) -> float:
     return min(times)
 
 
+def _save_checked(tensors, path: Path, root: Path) -> dict:
+    with wckpt.record_digests() as log:
+        wckpt.save_safetensors(tensors, path, {"format": "pt"})
+    return log.under(root)
+
+
+def _load_checked(root: Path, files: dict) -> None:
+    with wckpt.checking_reads(root, files) as check:
+        [t.clone() for t in wckpt.read_megatron_rank(root / "model", 0, 0).values()]
+        check.finish()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mb", type=int, default=512)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--workdir", default=None)
+    p.add_argument("--smoke", action="store_true", help="a 16 MB file, one repeat (a seconds-long check)")
     args = p.parse_args()
+    if args.smoke:
+        args.mb, args.repeat = 16, 1
     tensors = {f"t{i}": torch.randn(args.mb * (1 << 20) // 16 // 4) for i in range(16)}
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
-        path = Path(tmp) / "model.safetensors"
-        write = best(lambda: save_safetensors(tensors, path), args.repeat)
-        # load_file maps the file lazily; resume copies every tensor into the model, so touch every byte.
-        read = best(lambda: [t.clone() for t in load_file(os.fspath(path)).values()], args.repeat)
-        crc = best(lambda: file_digest(path, "crc32"), args.repeat)
-        sha = best(lambda: file_digest(path, "sha256"), args.repeat)
+        root = Path(tmp)
+        path = root / RANK
+        path.parent.mkdir(parents=True)
+        (root / "model" / wckpt.METADATA_FILE).write_text("{}")
+        t = {}
+        for _ in range(args.repeat):  # interleaved, so that a change of machine load hits every variant alike
+            t.setdefault("save", []).append(best(lambda: save_file(tensors, os.fspath(path), {"format": "pt"}), 1))
+            t.setdefault("save_old", []).append(best(lambda: (save_file(tensors, os.fspath(path), {"format": "pt"}),
+                                                              wckpt.file_digest(path)), 1))
+            t.setdefault("save_new", []).append(best(lambda: _save_checked(tensors, path, root), 1))
+            files = _save_checked(tensors, path, root)
+            t.setdefault("load", []).append(best(lambda: [x.clone() for x in load_file(os.fspath(path)).values()], 1))
+            t.setdefault("load_old", []).append(best(lambda f=files: (wckpt.verify_files(root, f), [
+                x.clone() for x in load_file(os.fspath(path)).values()]), 1))
+            t.setdefault("load_new", []).append(best(lambda f=files: _load_checked(root, f), 1))
         size = path.stat().st_size
+    t = {k: min(v) for k, v in t.items()}
     gb = size / 1e9
-    print(f"file {gb:.2f} GB (page cache warm), load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    print(f"write {write:.2f} s ({gb / write:.2f} GB/s)  read {read:.2f} s ({gb / read:.2f} GB/s)")
-    for name, t in (("crc32", crc), ("sha256", sha)):
-        print(f"{name:7s} {t:.2f} s ({gb / t:.2f} GB/s): +{100 * t / write:.0f}% on save, +{100 * t / read:.0f}% on load")
+    print(f"file {gb:.2f} GB (page cache warm), load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs, "
+          f"best of {args.repeat}")
+    print(f"save: no checksums {t['save']:.2f} s; checksums as written {t['save_new']:.2f} s "
+          f"({t['save_new'] / t['save']:.2f}x); write then re-read {t['save_old']:.2f} s ({t['save_old'] / t['save']:.2f}x)")
+    print(f"load: no checksums {t['load']:.2f} s; checked as read {t['load_new']:.2f} s "
+          f"({t['load_new'] / t['load']:.2f}x); checksum pass then read {t['load_old']:.2f} s "
+          f"({t['load_old'] / t['load']:.2f}x)")
+    print(f"checkpoint_checksum_overhead: {max(t['save_new'] / t['save'], t['load_new'] / t['load']):.2f}")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@
 #                                           .cache/dapo-mcore/ (both git-ignored; copy them to the GPU machine)
 #   bash benchmarks/gpu_check.sh [ARGS]     on the GPU machine (no network needed): installs the wheels into
 #                                           /tmp/site, then runs benchmarks/gpu_check.py ARGS under an overall time
-#                                           limit, logging to $OUT (gpu_check.log + the files gpu_check.py writes)
+#                                           limit, logging to $OUT (gpu_check.log + the files gpu_check.py writes);
+#                                           then the tool-code sandbox's smoke beside a GPU job (sandbox_smoke)
 #
 # docs/gpu-check.md says how to run it and what each section measures.
 set -euo pipefail
@@ -59,6 +60,9 @@ if not (target / name / "DONE").is_file():
         ensure_base_model(target, settings)
 print(f"tiny base: {target / name}")
 EOF
+    # The tool-code sandbox's smoke (sandbox_smoke) needs bubblewrap, which GPU images rarely hold: carry this
+    # machine's binary (it links only libc, libcap and libselinux).
+    if command -v bwrap >/dev/null; then mkdir -p "$CACHE/bin" && cp "$(command -v bwrap)" "$CACHE/bin/bwrap"; fi
     ls -la .whl "$CACHE/tiny_base"
     du -sh .whl "$CACHE"
     echo "carry: [\".whl\", \"$CACHE\"]   command: bash benchmarks/gpu_check.sh   timeout_s: 600"
@@ -95,6 +99,26 @@ run_check() {
     set -e
     [[ $rc -eq 124 || $rc -eq 137 ]] && echo "gpu_check.sh: stopped at the ${LIMIT_S} s limit" \
         | tee -a "$out/gpu_check.log"
+    [[ "${GPU_CHECK_SANDBOX:-1}" == 0 ]] || sandbox_smoke "$py" "$out" || { [[ $rc -ne 0 ]] || rc=1; }
+    return "$rc"
+}
+
+# Hostile tool code in the sandbox beside a CUDA matmul loop (benchmarks/sandbox_beside_gpu.py, ~15 s, at most 50;
+# skipped, with a line saying so, where neither the machine nor the carried cache has bubblewrap.
+sandbox_smoke() {
+    local py=$1 out=$2 bwrap rc
+    bwrap=$(command -v bwrap || true)
+    [[ -n "$bwrap" || ! -x "$CACHE/bin/bwrap" ]] || bwrap="$PWD/$CACHE/bin/bwrap"
+    if [[ -z "$bwrap" ]]; then
+        echo "sandbox smoke: SKIPPED: bubblewrap is not installed here and none was carried ($CACHE/bin/bwrap)" \
+            | tee -a "$out/gpu_check.log"
+        return 0
+    fi
+    set +e
+    timeout -k 5 45 "$py" benchmarks/sandbox_beside_gpu.py --bwrap "$bwrap" 2>&1 | tee "$out/sandbox_smoke.log" \
+        | tee -a "$out/gpu_check.log"
+    rc=${PIPESTATUS[0]}
+    set -e
     return "$rc"
 }
 

@@ -28,7 +28,7 @@ and returns freed heap to the OS); ``--reuse-freed-memory`` keeps freed memory i
 way CUDA's caching allocator does on a GPU, to show the transfer and copy costs without them.
 
     python benchmarks/weight_sync.py [--hidden 1024] [--layers 4] [--vocab 32000] [--repeats 5] [--no-engine]
-                                     [--reuse-freed-memory]
+                                     [--reuse-freed-memory] [--smoke]
 """
 
 from __future__ import annotations
@@ -120,13 +120,14 @@ def worker(args) -> None:
             pass
 
     def export_serial():  # the export without overlap: each placement's transfers waited on at once (same helpers)
+        from dapo_mcore.collectives.device import collective_device
         from dapo_mcore.weights.export import _Exporter
         from dapo_mcore.weights.live import live_layout, live_tensors
         from dapo_mcore.weights.registry import get_mapping
 
         mapping = get_mapping(hf)
         layout, _, _ = live_layout(chunks, "local", make_vocab_size_divisible_by=1)
-        exporter = _Exporter(mapping, layout, live_tensors(chunks, layout), group)
+        exporter = _Exporter(mapping, layout, live_tensors(chunks, layout), group, collective_device(group))
         for pl in mapping.placements(layout):
             if pl.exported:
                 exporter.finish(exporter.start(pl))
@@ -240,9 +241,13 @@ def _parse(argv):
                         "MALLOC_TRIM_THRESHOLD_), so freed tensors' pages are reused instead of page-faulted afresh, "
                         "as a caching allocator (CUDA's) does; every phase runs under the same setting")
     p.add_argument("--port", type=int, default=29571)
+    p.add_argument("--smoke", action="store_true", help="a tiny model, one repeat: seconds (run in CI)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.hidden, args.ffn, args.layers, args.heads, args.kv_heads, args.vocab, args.repeats = 64, 128, 2, 4, 2, 512, 1
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,9 @@ split into HF tensors and appended to a shard planned up front. The result loads
     python -m conversion.mcore_to_hf --mcore DIR --out DIR [--max-shard-size 5GB] [--tokenizer DIR]
         [--io auto|direct|buffered] [--debug]
 
+A LoRA run's checkpoint (with ``lora/``) gives the merged model, or with ``--adapter-only`` a peft adapter
+directory (conversion.lora_export).
+
 Tokenizer, generation config and chat template come from `--tokenizer`, else from a training run's
 ``RUN/tokenizer``, else from the checkpoint's own copy (``<ckpt>/tokenizer``, written by `hf_to_mcore`); with
 none of these the output has no tokenizer and a warning says so.
@@ -75,7 +78,11 @@ def convert_mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, *, max_shard
     `tokenizer_dir` None: use the checkpoint's own tokenizer copy when it has one (else warn).
     `direct`: O_DIRECT for the shards (True), page cache (False), or where the filesystem allows (None).
     """
+    from conversion.lora_export import Merger, lora_dir
+
     directory = ckpt.resolve_checkpoint_dir(mcore_dir)
+    adapters = lora_dir(mcore_dir)
+    merge_lora = Merger(adapters) if adapters is not None else None  # a LoRA run's: the merged model
     if tokenizer_dir is None and (directory / TOKENIZER_DIR).is_dir():
         tokenizer_dir = directory / TOKENIZER_DIR
     meta = ckpt.read_meta(directory)
@@ -95,6 +102,8 @@ def convert_mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, *, max_shard
             parts = [ckpt.read_rank_tensor(directory, t, pl.pp_rank, layout.chunk_prefix(pl.vchunk) + pl.key, ep)
                      for t in range(layout.tp)]
             for name, tensor in mapping.merge(pl, parts, layout):
+                if merge_lora is not None:
+                    tensor = merge_lora(name, tensor)
                 if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                     raise ckpt.CheckpointError(f"{directory}: {name} holds NaN or inf values (a checkpoint of a run "
                                                "whose update went non-finite); convert an earlier checkpoint.")
@@ -102,6 +111,8 @@ def convert_mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, *, max_shard
                 bar.advance(task, tensor.numel() * tensor.element_size())
             del parts
         writer.close()
+        if merge_lora is not None:
+            merge_lora.check_all_used()
         write_hf_config(tmp, meta.hf_config, dtype)
         if tokenizer_dir is not None:
             copy_tokenizer(tokenizer_dir, tmp)
@@ -129,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "optional for a Megatron-Bridge checkpoint (its run_config.yaml and tokenizer/ are used)")
     p.add_argument("--io", choices=tuple(IO_MODES), default="auto",
                    help="shard writes: O_DIRECT (direct), page cache (buffered), or O_DIRECT where allowed (auto)")
+    p.add_argument("--adapter-only", action="store_true",
+                   help="a LoRA run's checkpoint: write its adapter as a peft adapter directory (adapter_config.json, "
+                        "adapter_model.safetensors) instead of the merged model")
     p.add_argument("--no-progress", action="store_true")
     return add_debug_flag(p)
 
@@ -153,6 +167,12 @@ def input_format(path: str | Path) -> str:
 
 
 def _main(args) -> int:
+    if args.adapter_only:
+        from conversion.lora_export import export_adapter
+
+        export_adapter(args.mcore, args.out)
+        report_written(args.out)
+        return 0
     fmt = input_format(args.mcore) if args.format == "auto" else args.format
     if fmt == "torch_dist":
         from conversion.torch_dist import run_collective

@@ -132,7 +132,9 @@ def hf_to_torch_dist(hf_dir: str | Path, out_dir: str | Path, *, dtype: torch.dt
     rows = padded_vocab_size(hf_config["vocab_size"], divisible_by, tp, padding=vocab_padding)
     model = _build(hf_config, tp, pp, dtype, rows // tp)
     load_hf_into_model([model], hf_dir, "local", rows // tp)  # casts to `dtype` on copy, as .to(dtype) would
-    common: dict[str, Any] = {"checkpoint_version": 3.0, "iteration": 0}
+    # MARK: this checkpoint carries dist_checkpoint.CHECKSUMS, so a copy without it is refused as damaged
+    common: dict[str, Any] = {"checkpoint_version": 3.0, "iteration": 0,
+                              dist_checkpoint.MARK: dist_checkpoint.CHECKSUMS}
     if layout == "megatron-lm":  # its divisor: the largest power of two whose multiple x TP is exactly `rows`
         common["args"] = megatron_lm_args(hf_config, tp=tp, pp=pp, padded_vocab=rows,
                                           divisible_by=_power_of_two_divisor(rows // tp, divisible_by), dtype=dtype)

@@ -271,8 +271,9 @@ def _main(args, argv: list[str]) -> int:
             chunk.to(dtype=dtype)
         if args.mcore and dist_checkpoint.is_dist_checkpoint(args.mcore):
             dist_checkpoint.load_into_model(chunks, args.mcore)
-        elif args.mcore:
-            load_megatron_checkpoint_into_model(chunks, args.mcore)
+        elif args.mcore:  # at any layout, resharded as train's resume does (weights.reshard: exact)
+            load_megatron_checkpoint_into_model(chunks, args.mcore, reshard=True,
+                                                make_vocab_size_divisible_by=divisible_by, vocab_padding=padding)
         else:
             load_hf_into_model(chunks, hf_dir, args.layer_spec, args.vocab_divisible_by, vocab_padding=padding)
         ids = _prompt_ids(args, hf_dir, hf_config["vocab_size"])

@@ -18,9 +18,39 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from dapo_mcore import __version__
-from dapo_mcore.config.tree import ConfigError
-from dapo_mcore.errors import EXIT_USAGE, UserError, describe_os_error
+
+def _report_line(line: str) -> None:
+    """Print a user error's one line; a rank under `dapo_mcore.commands.launcher` hands it to the launcher instead, which
+    prints each distinct line once (not once per rank)."""
+    error_dir = os.environ.get("DAPO_MCORE_ERROR_DIR")
+    if error_dir and "RANK" in os.environ:
+        try:
+            Path(error_dir, f"rank{int(os.environ['RANK'])}").write_text(line + "\n")
+            return
+        except OSError:
+            pass  # the launcher's directory is gone: print it here instead, nothing is lost
+    print(line, file=sys.stderr)
+
+
+def _arm_before_imports(argv: list[str]) -> None:
+    """``train`` (a rank, or a lone process; not the --nproc-per-node launcher, which forwards signals itself): the
+    start-up watcher (``signals.startup``) is armed before the modules below are imported (seconds: pyarrow, then
+    torch), so a stop signal in those seconds is one line and the requeue code (75; Ctrl-C 130), not a silent 143
+    or a traceback through an import, and a Slurm pre-emption then is requeued."""
+    args = argv[1:] if argv[:1] == ["--debug"] else argv
+    if args[:1] == ["train"] and "--nproc-per-node" not in args and not any(a.startswith("--nproc-per-node=")
+                                                                          for a in args):
+        from dapo_mcore.signals import startup
+
+        startup.arm(_report_line)
+
+
+if Path(sys.argv[0]).name in ("dapo-mcore", "cli.py"):  # the command itself, not a test importing this module
+    _arm_before_imports(sys.argv[1:])
+
+from dapo_mcore import __version__  # noqa: E402
+from dapo_mcore.config.tree import ConfigError  # noqa: E402
+from dapo_mcore.errors import EXIT_USAGE, UserError, describe_os_error  # noqa: E402
 
 # name -> (module, function, one-line help). Delegated commands parse their own arguments.
 _DELEGATED: dict[str, tuple[str, str, str]] = {
@@ -231,12 +261,20 @@ def peer_lost(exc: BaseException) -> bool:
     return any(s in text for s in _PEER_LOST)
 
 
+def clip_words(text: str, limit: int) -> str:
+    """`text` cut to at most `limit` characters at a word boundary, with "..." where it was cut (never mid-word)."""
+    if len(text) <= limit:
+        return text
+    cut = text[:limit - 3]
+    return (cut.rsplit(" ", 1)[0] if " " in cut else cut).rstrip(" ,;:") + "..."
+
+
 def lost_peer_line(exc: BaseException, run_dir: Path, command: str) -> str:
     """One line: another rank died, what this rank saw, and the checkpoint the same command resumes from."""
     from dapo_mcore.actor.checkpoint import latest_complete
 
     seen = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    seen = seen.split("] ", 1)[-1][:160]  # gloo prefixes its source location
+    seen = clip_words(seen.split("] ", 1)[-1], 160)  # gloo prefixes its source location
     if command != "train":
         return f"another rank of the job stopped ({seen}); this rank stops too. Check the other ranks' logs"
     latest = latest_complete(run_dir / "checkpoints")
@@ -355,19 +393,6 @@ def _guard(fn: Callable[[], int], debug: bool = False) -> int:
         traceback.print_exception(error)
     _report_line(f"dapo-mcore: {message}")
     return EXIT_USAGE
-
-
-def _report_line(line: str) -> None:
-    """Print a user error's one line; a rank under `dapo_mcore.commands.launcher` hands it to the launcher instead, which
-    prints each distinct line once (not once per rank)."""
-    error_dir = os.environ.get("DAPO_MCORE_ERROR_DIR")
-    if error_dir and "RANK" in os.environ:
-        try:
-            Path(error_dir, f"rank{int(os.environ['RANK'])}").write_text(line + "\n")
-            return
-        except OSError:
-            pass  # the launcher's directory is gone: print it here instead, nothing is lost
-    print(line, file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,8 @@ class _Signals:
 
     def __init__(self) -> None:
         self.requested: str | None = None
+        self.last_step = False
+        """The trainer is in the run's last step: a stop then finishes the run (exit 0), not a requeue."""
         self._interrupts = 0
         self._previous = {sig: signal.signal(sig, self._handle)
                           for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
@@ -69,11 +71,13 @@ class _Signals:
             if self._interrupts > 1:
                 raise KeyboardInterrupt
         self.requested = self.requested or name
+        code = 0 if self.last_step else self.exit_code  # what stop_exit will return (the last step: the run is done)
+        ending = " (the run's last step: it finishes)" if self.last_step else ""
         if signum == signal.SIGINT:
-            log.warning("SIGINT received: will checkpoint after this step and exit %d (Ctrl-C again to abandon the "
-                        "step at once)", self.exit_code)
+            log.warning("SIGINT received: will checkpoint after this step%s and exit %d (Ctrl-C again to abandon "
+                        "the step at once)", ending, code)
         else:
-            log.warning("%s received: will checkpoint after this step and exit %d", name, self.exit_code)
+            log.warning("%s received: will checkpoint after this step%s and exit %d", name, ending, code)
 
     @property
     def exit_code(self) -> int:
@@ -307,7 +311,7 @@ class Trainer:
         # A step whose updates were all skipped (every token rejected or masked) trained nothing: no loss, not NaN.
         m.update({k: tm[name] for k, name in ((keys.TRAIN_LOSS, "loss"), (keys.TRAIN_GRAD_NORM, "grad_norm"))
                   if name in tm})
-        m.update({k: v for k, v in tm.items() if k.startswith("moe/")})  # MoE router load balance, aux loss
+        m.update({k: v for k, v in tm.items() if k.startswith(("moe/", "lora/"))})  # MoE router; LoRA update norms
         lens = response_length_stats(lengths, truncated, prefix="")
         m.update({keys.ROLLOUT_RESP_LEN_MEAN: lens["mean"], keys.ROLLOUT_RESP_LEN_MAX: lens["max"],
                   keys.ROLLOUT_RESP_LEN_MIN: lens["min"], keys.ROLLOUT_TRUNCATED_FRAC: lens["truncated_frac"]})
@@ -334,6 +338,7 @@ class Trainer:
                 rollouts_at_start = p.rollouts.snapshot()
                 p.profile_window(self.step + 1, starting=True)
                 faults.point("step", self.step + 1)
+                signals.last_step = self.step + 1 == cfg.train.steps
                 try:
                     with p.timer.phase("step"):
                         metrics, generated = self.run_step()

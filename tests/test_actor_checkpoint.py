@@ -155,3 +155,34 @@ def test_manifest_digests_match_naive_checksums(tmp_path):
     assert wckpt.verify_files(tmp_path, files) == []
     path.write_bytes(data[:-1] + b"X")
     assert wckpt.verify_files(tmp_path, files) == [f"{path}: sha256 differs from the manifest (corrupt bytes)"]
+
+
+def _flip_bit_in(text: str, needle: str) -> str:
+    at = text.index(needle) + len(needle) - 1
+    return text[:at] + chr(ord(text[at]) ^ 1) + text[at + 1:]
+
+
+@pytest.mark.parametrize("damage, intact", [
+    (lambda t: _flip_bit_in(t, '"size'), False),  # a key of an entry: {"sizd": ...}
+    (lambda t: _flip_bit_in(t, '"crc32'), False),
+    (lambda t: _flip_bit_in(t, "model.safetensors"), False),  # a file's name: it is missing, another unlisted
+    (lambda t: t.replace('"trainer_state.json": {', '"trainer_state.json": ["x"], "y": {', 1), False),
+    (lambda t: t.replace('"files": {', '"files": {"model/x": 3, ', 1), False),
+    (lambda t: '{"files": [1, 2]}', False),
+    (lambda t: "[]", False),
+    (lambda t: t.replace('"world_size": 1', '"world_size": "1"'), False),
+    # the world size is a hint (the rng files count the ranks): with its key damaged the files still verify
+    (lambda t: _flip_bit_in(t, '"world_size'), True),
+])
+def test_a_damaged_manifest_falls_back_to_the_previous_checkpoint(tmp_path, caplog, damage, intact):
+    _complete(tmp_path, 2)
+    newest = _complete(tmp_path, 4)
+    (tmp_path / "latest").write_text("step_000004")
+    manifest = newest / wckpt.MANIFEST_FILE
+    damaged = damage(manifest.read_text())
+    assert damaged != manifest.read_text()
+    manifest.write_text(damaged)
+    with caplog.at_level(logging.WARNING):
+        found = find_latest(tmp_path)
+    assert found.name == ("step_000004" if intact else "step_000002")
+    assert ("step_000004 is corrupt" in caplog.text) != intact

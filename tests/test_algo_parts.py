@@ -100,6 +100,7 @@ def test_collect_raises_after_max_batches_with_fix():
     assert info.value.stats.groups_rejected == 6
     assert "more prompts per batch" in str(info.value)
     assert "algo.dynamic_sampling=false rollout.gen_batch_prompts=1" in str(info.value)  # the whole way out
+    assert "new run.dir, or add run.overwrite=true" in str(info.value)  # which the run-dir check would refuse
 
 
 def test_collect_unlimited_and_disabled():

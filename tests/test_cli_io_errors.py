@@ -19,7 +19,8 @@ import pytest
 from dapo_mcore import cli
 from dapo_mcore.errors import describe_os_error
 
-pytestmark = pytest.mark.unit
+# each test carries its own tier marker: a module-level unit mark would put the
+# distributed/e2e tests below into the quick unit subset too (pytest adds it to every test of the module)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "tiny_cpu.yaml"
@@ -34,6 +35,7 @@ def _one_line(err: str) -> str:
     return lines[0]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("code, needle", [(errno.ENOSPC, "the disk is full"), (errno.EROFS, "read-only"),
                                           (errno.ENOENT, "create its parent directory"),
                                           (errno.EACCES, "fix the permissions")])
@@ -42,6 +44,7 @@ def test_os_errors_name_the_path_and_the_fix(code, needle):
     assert line.startswith(f"/runs/x/metrics.jsonl: {os.strerror(code)}; ") and needle in line
 
 
+@pytest.mark.unit
 def test_guard_shows_the_traceback_only_with_debug(capsys, monkeypatch):
     def fail() -> int:
         raise OSError(errno.ENOSPC, "No space left on device", "/full/ckpt.pt")
@@ -57,6 +60,7 @@ def test_guard_shows_the_traceback_only_with_debug(capsys, monkeypatch):
     assert "Traceback" in capsys.readouterr().err
 
 
+@pytest.mark.unit
 def test_guard_keeps_tracebacks_of_bugs():
     def bug() -> int:
         raise KeyError("internal")
@@ -65,6 +69,7 @@ def test_guard_keeps_tracebacks_of_bugs():
         cli._guard(bug)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("argv, needle", [
     (["profile", "/nonexistent/run"], "/nonexistent/run/metrics.jsonl does not exist"),
     (["report", "/nonexistent/run"], "/nonexistent/run/metrics.jsonl does not exist"),
@@ -76,6 +81,7 @@ def test_read_commands_report_a_missing_run_on_stderr_with_exit_2(capsys, argv, 
     assert out.out == "" and needle in _one_line(out.err)
 
 
+@pytest.mark.unit
 def test_convert_goes_through_the_same_guard(tmp_path, capsys):
     assert cli.main(["convert", "mcore-to-hf", "--mcore", str(tmp_path / "none"), "--out", str(tmp_path / "o")]) == 2
     assert str(tmp_path / "none") in _one_line(capsys.readouterr().err)
@@ -87,6 +93,7 @@ def _fake_run(run: Path) -> Path:
     return make(run, seed=1, n_steps=4)
 
 
+@pytest.mark.unit
 def test_report_into_a_path_through_a_file_names_it(tmp_path, capsys):
     run = _fake_run(tmp_path / "run")
     (tmp_path / "afile").write_text("x")
@@ -95,6 +102,7 @@ def test_report_into_a_path_through_a_file_names_it(tmp_path, capsys):
     assert str(tmp_path / "afile") in line and "fix the path" in line
 
 
+@pytest.mark.unit
 def test_report_on_a_full_disk_names_the_file(tmp_path, capsys, monkeypatch):
     import matplotlib.figure
 
@@ -108,6 +116,7 @@ def test_report_on_a_full_disk_names_the_file(tmp_path, capsys, monkeypatch):
     assert str(run / "figures") in line and "the disk is full" in line
 
 
+@pytest.mark.unit
 def test_train_refuses_a_run_dir_below_a_file_before_writing(tmp_path, capsys):
     (tmp_path / "afile").write_text("x")
     assert cli.main(["train", str(CONFIG), f"run.dir={tmp_path / 'afile' / 'run'}"]) == 2
@@ -116,12 +125,14 @@ def test_train_refuses_a_run_dir_below_a_file_before_writing(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
 
 
+@pytest.mark.unit
 def test_eval_of_a_missing_checkpoint_is_one_line(tmp_path, capsys):
     assert cli.main(["eval", str(CONFIG), f"run.dir={tmp_path}", "--checkpoint", str(tmp_path / "nope")]) == 2
     line = _one_line(capsys.readouterr().err)
     assert str(tmp_path / "nope") in line and "no such directory" in line and "'base'" in line
 
 
+@pytest.mark.unit
 def test_checkpoint_save_on_a_full_disk_is_an_os_error_naming_the_file(tmp_path, monkeypatch):
     """safetensors and torch.save hide the errno of a failed write; the checkpoint writers restore it."""
     import builtins

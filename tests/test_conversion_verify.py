@@ -49,3 +49,12 @@ def test_verify_defaults_to_the_checkpoints_dtype_and_names_torchrun(tmp_path):
     check_world(8, 2, 2)
     rc, _, err = run_verify(tmp_path, "--hf", str(hf), "--tp", "2", "--pp", "2")
     assert rc == 2 and "torchrun --nproc_per_node 4" in err and "Traceback" not in err
+
+
+def test_verify_of_a_checkpoint_at_another_layout_reshards_as_train_does(tmp_path):
+    hf = tmp_path / "hf"
+    save_tiny_hf_model(hf, seed=4)
+    convert_hf_to_mcore(hf, tmp_path / "tp2", ParallelLayout(tp=2))  # verified below on one process, TP=1
+    rc, stats, err = run_verify(tmp_path, "--hf", str(hf), "--mcore", str(tmp_path / "tp2"), "--seq-len", "32")
+    assert rc == 0, err[-2000:]
+    assert stats["top1_agreement"] == 1.0 and stats["max_abs_diff"] < 1e-5

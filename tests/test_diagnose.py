@@ -266,3 +266,31 @@ def test_gspo_sequence_clip_fraction_is_not_judged_by_token_thresholds():
     assert "clip-high" not in findings(with_series(healthy(), keys.TRAIN_CLIPFRAC_HIGH, lambda s, f: 0.0), cispo)
     (f,) = findings(with_series(healthy(), keys.TRAIN_CLIPFRAC_HIGH, lambda s, f: 0.12), cispo)["clip-high"]
     assert f.level == "warn" and "1+clip_high=5" in f.evidence
+
+
+def test_an_async_run_is_judged_by_what_it_set():
+    # a healthy async run with token TIS on (algo.tis_cap) and the lag's engine/trainer gap: no advice to start
+    # token_tis, and the log-prob gap is put down to the lag, not to the engine's dtype
+    cfg = {**CFG, "algo": {"clip_high": 0.28, "tis_cap": 2.0}, "rollout": {"max_new_tokens": 6,
+                                                                           "pipeline": {"mode": "async"}}}
+    records = _async(0.05, 0.05, n=N)
+    for r in records[1:]:
+        f = r[keys.STEP] / N
+        r.update({"async/lag_mean": 1.0, keys.MISMATCH_LOGP_ABS_DIFF_MEAN: 1e-3 * 10 ** (2 * f), keys.MISMATCH_KL: 0.05})
+    text = " ".join(f"{x.message} {x.evidence} {x.advice}" for x in diagnose(Run(records, cfg)).findings)
+    assert "algo.tis_cap=2.0" in text and "policy lag" in text
+    assert "engine dtype" not in text and "preset token_tis or icepop" not in text
+    sync = " ".join(x.advice for x in diagnose(Run(with_series(healthy(), keys.MISMATCH_LOGP_ABS_DIFF_MEAN,
+                                                                    lambda s, f: 1e-4 * 10 ** (3 * f)), CFG)).findings)
+    assert "engine dtype" in sync and "algo.tis_cap (or" in sync  # a sync run without a correction: as before
+
+
+def test_one_clipped_grad_norm_spike_is_a_note_and_a_repeated_or_unclipped_one_a_warning():
+    one = with_series(healthy(), keys.TRAIN_GRAD_NORM, lambda s, f: 6.75 if s == 21 else 1.0 + 0.2 * math.sin(s))
+    clipped = {**CFG, "optim": {**CFG["optim"], "grad_clip": 1.0}}
+    (f,) = findings(one, clipped)["spikes"]
+    assert f.level == "info" and "clipped to optim.grad_clip=1" in f.message
+    assert findings(one, {**CFG, "optim": {**CFG["optim"], "grad_clip": 0.0}})["spikes"][0].level == "warn"
+    twice = with_series(healthy(), keys.TRAIN_GRAD_NORM,
+                        lambda s, f: 6.75 if s in (21, 30) else 1.0 + 0.2 * math.sin(s))
+    assert findings(twice, clipped)["spikes"][0].level == "warn"

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from dapo_mcore.weights import dist_checkpoint
@@ -54,8 +55,11 @@ def _copy(ws: Path, name: str, *, checksums: bool = True) -> Path:
     out = ws / name
     shutil.rmtree(out, ignore_errors=True)
     shutil.copytree(ws / "bridge", out)
-    if not checksums:  # as Megatron-Bridge writes it
+    if not checksums:  # as Megatron-Bridge writes it: no table, and no mark of ours in the common state
         (out / ITER / dist_checkpoint.CHECKSUMS).unlink()
+        common = torch.load(out / ITER / "common.pt", weights_only=False)
+        del common[dist_checkpoint.MARK]
+        torch.save(common, out / ITER / "common.pt")
     return out
 
 
@@ -133,3 +137,35 @@ def test_a_full_disk_while_writing_the_bridge_format_is_one_line_exit_2(written,
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"dapo-mcore convert: writing {tmp_path / 'out'} failed") and "too large" in last
     assert sorted(p.name for p in tmp_path.iterdir()) == ["limited.py"]  # the partial output is gone
+
+
+def test_a_checkpoint_of_ours_without_its_checksums_is_refused(written):
+    ckpt = _copy(written, "table_deleted")
+    (ckpt / ITER / dist_checkpoint.CHECKSUMS).unlink()
+    with pytest.raises(InputFileError, match="written by dapo-mcore but its dapo_mcore_checksums.json is missing"):
+        dist_checkpoint.check_intact(dist_checkpoint.find(ckpt))
+
+
+def test_a_foreign_checkpoint_without_checksums_warns(written, caplog):
+    ckpt = _copy(written, "foreign", checksums=False)
+    with caplog.at_level("WARNING"):
+        dist_checkpoint.check_intact(dist_checkpoint.find(ckpt))
+    assert "carries no checksums" in caplog.text
+
+
+def _flip_bit_in(text: str, needle: str) -> str:
+    at = text.index(needle) + len(needle) - 1
+    return text[:at] + chr(ord(text[at]) ^ 1) + text[at + 1:]
+
+
+@pytest.mark.parametrize("damage", [
+    lambda t: _flip_bit_in(t, '"size'), lambda t: _flip_bit_in(t, '"crc32'), lambda t: _flip_bit_in(t, ".distcp"),
+    lambda t: t.replace('"files": {', '"files": {"x": [1], ', 1), lambda t: '{"files": 3}', lambda t: "[1]",
+])
+def test_a_damaged_checksum_table_is_one_line(written, damage):
+    ckpt = _copy(written, "table_damaged")
+    table = ckpt / ITER / dist_checkpoint.CHECKSUMS
+    table.write_text(damage(table.read_text()))
+    with pytest.raises(InputFileError) as err:
+        dist_checkpoint.check_intact(dist_checkpoint.find(ckpt))
+    assert str(ckpt) in str(err.value) and "\n" not in str(err.value)

@@ -113,3 +113,16 @@ def test_eval_flags_reach_the_ranks_not_the_overrides(monkeypatch, tmp_path):
     assert cli.main(["eval", "--nproc-per-node", "2", TINY, "eval.k=2", "--checkpoint", str(tmp_path), "--json"]) == 0
     assert seen["args"][:4] == ("eval", 2, TINY, ["eval.k=2"])
     assert seen["args"][5] == ["--checkpoint", str(tmp_path), "--json"]
+
+
+@pytest.mark.unit
+def test_a_refusal_on_one_rank_is_not_contradicted_by_the_stop_torch_sent_the_others(tmp_path, capsys):
+    from dapo_mcore.signals.startup import STOP_LINE
+
+    refusal = "dapo-mcore: configuration error: run directory runs/x holds another run (algo.clip_high: 0.28 -> 0.3)."
+    (tmp_path / "rank0").write_text(refusal + "\n")
+    (tmp_path / "rank1").write_text(STOP_LINE.format(name="SIGTERM") + "\n")
+    launcher._print_rank_errors(tmp_path, signalled=False)  # torch stopped rank 1 after rank 0 failed
+    assert capsys.readouterr().err == refusal + "\n"
+    launcher._print_rank_errors(tmp_path, signalled=True)  # a scancel reached both: both lines stay
+    assert len(capsys.readouterr().err.splitlines()) == 2

@@ -17,7 +17,8 @@ import pytest
 from dapo_mcore.commands import launcher
 from dapo_mcore.trainer import EXIT_REQUEUE, _Signals
 
-pytestmark = pytest.mark.unit
+# each test carries its own tier marker: a module-level unit mark would put the
+# distributed/e2e tests below into the quick unit subset too (pytest adds it to every test of the module)
 
 ROOT = Path(__file__).resolve().parents[1]
 _RANK = "import time; from dapo_mcore.commands.launcher import bind_to_launcher; bind_to_launcher(); print('up', flush=True); time.sleep(60)"
@@ -46,6 +47,7 @@ def _gone(pid: int, within_s: float = 10.0) -> bool:
     return False
 
 
+@pytest.mark.unit
 def test_a_rank_dies_with_its_launcher_even_on_kill_9():
     boss = subprocess.Popen([sys.executable, "-c", _LAUNCHER], env=_env(), stdout=subprocess.PIPE, text=True)
     try:
@@ -57,12 +59,14 @@ def test_a_rank_dies_with_its_launcher_even_on_kill_9():
         boss.kill()
 
 
+@pytest.mark.unit
 def test_a_rank_whose_launcher_is_already_gone_exits_at_once():
     env = {**_env(), launcher.LAUNCHER_PID_ENV: "1"}  # not this process's parent: the launcher died before the bind
     proc = subprocess.run([sys.executable, "-c", _RANK], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 137 and "up" not in proc.stdout
 
 
+@pytest.mark.unit
 def test_a_dead_rank_is_named_at_once_and_the_others_stopped(capsys):
     ranks = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env={**_env(), "RANK": str(r)},
                               start_new_session=True) for r in range(3)]
@@ -86,6 +90,7 @@ def test_a_dead_rank_is_named_at_once_and_the_others_stopped(capsys):
             p.wait()
 
 
+@pytest.mark.unit
 def test_sighup_is_forwarded_and_asks_for_a_checkpoint_and_requeue():
     assert signal.SIGHUP in launcher.FORWARDED
     signals = _Signals()
@@ -96,6 +101,7 @@ def test_sighup_is_forwarded_and_asks_for_a_checkpoint_and_requeue():
         signals.restore()
 
 
+@pytest.mark.unit
 def test_a_stop_during_the_last_step_exits_0_and_ignores_later_signals():
     before = signal.getsignal(signal.SIGTERM)
     signals = _Signals()
@@ -111,6 +117,7 @@ def test_a_stop_during_the_last_step_exits_0_and_ignores_later_signals():
         signal.signal(signal.SIGTERM, before)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_a_stop_signal_during_start_up_is_one_line_and_the_requeue_code(sig):
     code = ("import sys, time; from dapo_mcore.signals import startup; "

@@ -12,7 +12,8 @@ from torch.utils._pytree import tree_flatten
 from dapo_mcore.model.presets import preset_config
 from dapo_mcore.plan.planner import PlanInput, estimate_memory
 
-pytestmark = pytest.mark.unit
+# each test carries its own tier marker: a module-level unit mark would put the
+# distributed/e2e tests below into the quick unit subset too (pytest adds it to every test of the module)
 
 
 class LiveTensorBytes(TorchDispatchMode):
@@ -88,6 +89,7 @@ CPU_SHAPES = {
 }
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", list(CPU_SHAPES))
 def test_estimate_within_25_percent_of_measured_cpu_peak(name):
     cfg, tokens = CPU_SHAPES[name]
@@ -162,6 +164,7 @@ def _small_entropy_chunks(monkeypatch) -> None:
     monkeypatch.setattr(logprobs, "ENTROPY_CHUNK_BYTES", 1 << 18)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("dtype", "temperature"), LOSS_CASES)
 def test_the_actor_loss_peak_is_the_planners_logits_term_at_tp1(monkeypatch, dtype, temperature):
     _small_entropy_chunks(monkeypatch)

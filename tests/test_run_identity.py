@@ -89,3 +89,9 @@ def test_switching_between_sync_and_async_is_another_run(tmp_path):
     cfg = load_config(str(CONFIG), [f"run.dir={run_dir}", "rollout.pipeline.mode=async", "algo.tis_cap=2.0"])
     with pytest.raises(ConfigError, match=r"rollout.pipeline.mode: 'sync' -> 'async'"):
         prepare_run_dir(cfg, RANK0)
+
+
+def test_raising_max_gen_batches_continues_the_run(tmp_path):
+    # the fix dynamic sampling's exhaustion names first: it must not be refused as another run
+    run_dir = _existing_run(tmp_path)
+    prepare_run_dir(load_config(str(CONFIG), [f"run.dir={run_dir}", "algo.max_gen_batches=0"]), RANK0)

@@ -36,3 +36,27 @@ def test_preemption_signals_ask_for_a_requeue_and_a_later_ctrl_c_keeps_that_exit
             signals._handle(signal.SIGINT, None)
     finally:
         signals.restore()
+
+
+def test_the_engine_ranks_ignore_every_signal_the_trainer_answers():
+    # SIGHUP killed the async engine ranks (exit 129, no checkpoint) while the trainer checkpointed for it
+    from dapo_mcore.rollout.pipeline.async_engines import IGNORED_SIGNALS
+
+    signals = _Signals()
+    try:
+        assert set(IGNORED_SIGNALS) == set(signals._previous) and signal.SIGHUP in IGNORED_SIGNALS
+    finally:
+        signals.restore()
+
+
+def test_a_stop_during_the_last_step_announces_exit_0_not_75(caplog):
+    import logging
+
+    signals = _Signals()
+    try:
+        signals.last_step = True
+        with caplog.at_level(logging.WARNING):
+            signals._handle(signal.SIGTERM, None)
+        assert "exit 0" in caplog.text and "exit 75" not in caplog.text
+    finally:
+        signals.restore()

@@ -28,6 +28,7 @@ are explicit per step, so its trajectory does not depend on them). The model dir
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -46,6 +47,8 @@ from dapo_mcore.weights.live import load_megatron_checkpoint_into_model, save_me
 log = logging.getLogger(__name__)
 
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
+_UNLISTED = (wckpt.MANIFEST_FILE, "COMPLETE")
+"""The files of a checkpoint its manifest does not list: the manifest, and the marker written after it."""
 
 
 def _rank() -> int:
@@ -106,25 +109,31 @@ def save_checkpoint(root: Path, step: int, actor, trainer_state: dict[str, Any],
         (partial / "optim").mkdir(parents=True)
         (partial / "rng").mkdir()
     _barrier()
-    tp_rank, pp_rank, dp_rank = _ranks()
-    if actor.s.distributed_optimizer:
-        # Gathers over DP to DP rank 0, which writes: every DP rank must take part.
-        actor.optimizer.save_parameter_state(str(partial / "optim" / f"{shard_name(tp_rank, pp_rank)}_dist.pt"))
-    save_megatron_checkpoint(actor.chunks, partial / "model", actor.s.hf_config,
-                             make_vocab_size_divisible_by=actor.s.make_vocab_size_divisible_by,
-                             vocab_padding=actor.s.vocab_padding)
-    if actor.s.distributed_optimizer:
-        if dp_rank == 0:
-            wckpt.torch_save(actor.optimizer.state_dict(), partial / "optim" / f"{shard_name(tp_rank, pp_rank)}.pt")
-    else:
-        optim_state.save_optimizer(actor, partial / "optim", write=dp_rank == 0, write_meta=_rank() == 0)
-    wckpt.torch_save(_rng_state(), partial / "rng" / f"rank_{_rank():05d}.pt")
-    if _rank() == 0:
-        (partial / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1, default=_json_default))
-        for name, data in (extra_files or {}).items():
-            (partial / name).write_bytes(data)
+    with wckpt.record_digests() as written:
+        tp_rank, pp_rank, dp_rank = _ranks()
+        if actor.s.distributed_optimizer:
+            # Gathers over DP to DP rank 0, which writes: every DP rank must take part.
+            actor.optimizer.save_parameter_state(str(partial / "optim" / f"{shard_name(tp_rank, pp_rank)}_dist.pt"))
+        save_megatron_checkpoint(actor.chunks, partial / "model", actor.s.hf_config,
+                                 make_vocab_size_divisible_by=actor.s.make_vocab_size_divisible_by,
+                                 vocab_padding=actor.s.vocab_padding)
+        if actor.lora is not None:  # the adapters and their optimizer state (the base has none)
+            from dapo_mcore.actor import lora_state
+
+            lora_state.save_lora(actor, partial, lora_state.optimizer_step(actor))
+        elif actor.s.distributed_optimizer:
+            if dp_rank == 0:
+                wckpt.torch_save(actor.optimizer.state_dict(), partial / "optim" / f"{shard_name(tp_rank, pp_rank)}.pt")
+        else:
+            optim_state.save_optimizer(actor, partial / "optim", write=dp_rank == 0, write_meta=_rank() == 0)
+        wckpt.torch_save(_rng_state(), partial / "rng" / f"rank_{_rank():05d}.pt")
+        if _rank() == 0:
+            state = json.dumps(trainer_state, indent=1, default=_json_default)
+            wckpt.write_bytes(partial / "trainer_state.json", state.encode())
+            for name, data in (extra_files or {}).items():
+                wckpt.write_bytes(partial / name, data)
     _barrier()
-    _write_manifest(partial)
+    _write_manifest(partial, written.under(partial))
     if _rank() == 0:
         (partial / "COMPLETE").write_text(str(step))
         if final.exists():
@@ -159,13 +168,16 @@ def _gather(obj: Any) -> list[Any]:
     return out
 
 
-def _write_manifest(partial: Path) -> None:
-    """Collective, after every file is written: each rank checksums its share, rank 0 writes manifest.json."""
-    box: list[Any] = [wckpt.list_files(partial) if _rank() == 0 else None]
+def _write_manifest(partial: Path, mine: dict[str, dict[str, Any]]) -> None:
+    """Collective, after every file is written: rank 0 writes manifest.json from the digests each rank computed as
+    it wrote its files (`mine`, no second read). A file no rank recorded (Megatron's distributed-optimizer files,
+    written by Megatron) is checksummed after the fact, the ranks sharing that work."""
+    recorded = {k: v for part in _gather(mine) for k, v in part.items()}
+    box: list[Any] = [[n for n in wckpt.list_files(partial) if n not in recorded] if _rank() == 0 else None]
     if _world() > 1:
         dist.broadcast_object_list(box, src=0)
-    mine = {name: wckpt.file_digest(partial / name) for name in _share(box[0])}
-    digests = {k: v for part in _gather(mine) for k, v in part.items()}
+    late = {name: wckpt.file_digest(partial / name) for name in _share(box[0])}
+    digests = {**recorded, **{k: v for part in _gather(late) for k, v in part.items()}}
     if _rank() == 0:
         wckpt.write_manifest(partial, digests, world_size=_world())
 
@@ -221,15 +233,17 @@ def latest_complete(root: Path) -> Path | None:
     return candidates[-1] if candidates else None
 
 
-def find_latest(root: Path) -> Path | None:
+def find_latest(root: Path, *, contents: bool = True, skip: tuple[Path, ...] = ()) -> Path | None:
     """The checkpoint to resume from: ``latest`` if intact, else the newest intact one; None if there is none.
 
-    Collective when a process group exists (the ranks share the checksum work and agree on the result).
+    Collective when a process group exists (the ranks share the checksum work and agree on the result). Without
+    `contents`, "intact" is judged without reading the files (metadata, manifest, sizes): `load_checkpoint` checks
+    the bytes each rank reads as it reads them, and a resume that finds damage there asks again, with `skip`.
     Raises CheckpointError naming each bad file if checkpoints exist but none is intact.
     """
     root = Path(root)
     marker = root / "latest"
-    candidates = list(reversed(_complete_steps(root)))
+    candidates = [c for c in reversed(_complete_steps(root)) if c not in skip]
     if marker.is_file():
         # A marker torn by a crash may hold any bytes: undecodable ones must not stop the fallback below.
         named = root / marker.read_bytes().decode("utf-8", errors="replace").strip()
@@ -241,7 +255,7 @@ def find_latest(root: Path) -> Path | None:
                         named.name)
     bad = []
     for i, ckpt in enumerate(candidates):
-        problems = check_intact(ckpt)
+        problems = check_intact(ckpt, contents=contents)
         if not problems:
             return ckpt
         bad.append(f"{ckpt.name}: {problems[0]}")
@@ -254,10 +268,11 @@ def find_latest(root: Path) -> Path | None:
     return None
 
 
-def check_intact(ckpt: Path) -> list[str]:
+def check_intact(ckpt: Path, *, contents: bool = True) -> list[str]:
     """Problems of one checkpoint directory (unreadable metadata, files that differ from its manifest); [] if none.
 
     Collective when a process group exists: each rank checks a share of the files and all ranks get every problem.
+    Without `contents`: no file is read (sizes, names, metadata only; `load_checkpoint` checks the bytes).
     """
     ckpt = Path(ckpt)
     problems: list[str] = []
@@ -278,8 +293,11 @@ def check_intact(ckpt: Path) -> list[str]:
     if manifest is not None:
         files = manifest["files"]
         mine = _share(sorted(files))
-        problems += wckpt.verify_files(ckpt, files, mine)
-        if not problems:  # bytes as saved: now the values (a NaN checkpoint has a valid manifest)
+        if _rank() == 0:  # a flipped bit in a name leaves a file the manifest does not cover
+            problems += [f"{ckpt / n}: not in the manifest" for n in wckpt.list_files(ckpt, exclude=_UNLISTED)
+                         if n not in files]
+        problems += wckpt.verify_files(ckpt, files, mine, contents=contents)
+        if contents and not problems:  # bytes as saved: now the values (a NaN checkpoint has a valid manifest)
             problems += _nonfinite_files(ckpt, [n for n in mine if n.endswith(".safetensors")])
     return sorted({p for part in _gather(problems) for p in part})
 
@@ -353,11 +371,14 @@ def load_checkpoint(ckpt: Path, actor, *, weights_only: bool = False) -> dict[st
     check_same_model(ckpt, actor)
     saved = wckpt.read_meta(ckpt / "model").layout
     manifest = wckpt.read_manifest(ckpt)
-    world = manifest["world_size"] if manifest else len(list((ckpt / "rng").glob("rank_*.pt")))
+    world = manifest.get("world_size") if manifest else None  # absent from older manifests
+    world = world or len(list((ckpt / "rng").glob("rank_*.pt")))
     live = (actor.s.tensor_parallel, actor.s.pipeline_parallel, len(actor.chunks))
     same_layout = (saved.tp, saved.pp, saved.vpp) == live and world == _world()
     optim_dir = ckpt / "optim"
     saved_dist = any(optim_dir.glob("*_dist.pt"))
+    if actor.lora is not None:
+        return _load_lora_checkpoint(ckpt, actor, weights_only, same_layout)
     if not weights_only and not optim_state.has_canonical_state(optim_dir) and not same_layout:
         raise CheckpointError(
             f"checkpoint {ckpt} was saved at tp={saved.tp} pp={saved.pp} vpp={saved.vpp} on {world} ranks with "
@@ -369,13 +390,7 @@ def load_checkpoint(ckpt: Path, actor, *, weights_only: bool = False) -> dict[st
         raise CheckpointError(f"checkpoint {ckpt}: its optimizer state was saved with parallel.distributed_optimizer="
                               f"{str(saved_dist).lower()}; resume with that setting, or set "
                               "run.resume_weights_only=true to start the optimizer fresh.")
-    # Read and check the optimizer state first: a failure must leave the model untouched.
-    apply_optimizer = None
-    if not weights_only and optim_state.has_canonical_state(optim_dir):
-        apply_optimizer = optim_state.read_optimizer(actor, optim_dir)
-    load_megatron_checkpoint_into_model(actor.chunks, ckpt / "model", reshard=True,
-                                        make_vocab_size_divisible_by=actor.s.make_vocab_size_divisible_by,
-                                        vocab_padding=actor.s.vocab_padding)
+    apply_optimizer = _read_checked(ckpt, manifest, actor, weights_only)
     if weights_only:
         log.info("run.resume_weights_only=true: the optimizer starts fresh")
         actor.refresh_main_params()  # the fresh optimizer's fp32 main copies must take the loaded weights
@@ -387,6 +402,51 @@ def load_checkpoint(ckpt: Path, actor, *, weights_only: bool = False) -> dict[st
     if _rank() == 0 and not same_layout:
         log.info("resumed %s (saved at tp=%d pp=%d vpp=%d on %d ranks) at tp=%d pp=%d vpp=%d on %d ranks",
                  ckpt.name, saved.tp, saved.pp, saved.vpp, world, *live, _world())
+    _barrier()
+    return json.loads((ckpt / "trainer_state.json").read_text())
+
+
+def _read_checked(ckpt: Path, manifest: dict[str, Any] | None, actor, weights_only: bool):
+    """Read the optimizer state (first: a failure must leave the model untouched) and load the model, checking each
+    file this rank reads against the manifest as it is read; the ranks then agree: if any found damage, all raise
+    DamagedFileError naming it (a resume then falls back to an older checkpoint). Returns the optimizer's setter."""
+    optim_dir = ckpt / "optim"
+    scope = wckpt.checking_reads(ckpt, manifest["files"]) if manifest else contextlib.nullcontext()
+    damage, apply_optimizer = [], None
+    with scope as check:
+        try:
+            tp_rank, pp_rank, _ = _ranks()
+            for small in ("trainer_state.json", f"model/{wckpt.METADATA_FILE}", f"optim/{optim_state.STEP_FILE}",
+                          f"rng/rank_{_rank():05d}.pt", "rng/rank_00000.pt",  # the one _restore_rng reads
+                          f"optim/{shard_name(tp_rank, pp_rank)}.pt", f"optim/{shard_name(tp_rank, pp_rank)}_dist.pt"):
+                if check is not None and (ckpt / small).is_file():
+                    check.verify(ckpt / small)
+            if not weights_only and optim_state.has_canonical_state(optim_dir):
+                apply_optimizer = optim_state.read_optimizer(actor, optim_dir)
+            load_megatron_checkpoint_into_model(actor.chunks, ckpt / "model", reshard=True,
+                                                make_vocab_size_divisible_by=actor.s.make_vocab_size_divisible_by,
+                                                vocab_padding=actor.s.vocab_padding)
+            if check is not None:
+                check.finish()
+        except wckpt.DamagedFileError as err:
+            damage.append(str(err))
+    everywhere = sorted({p for part in _gather(damage) for p in part})
+    if everywhere:
+        raise wckpt.DamagedFileError(f"checkpoint {ckpt} is corrupt: {'; '.join(everywhere)}")
+    return apply_optimizer
+
+
+def _load_lora_checkpoint(ckpt: Path, actor, weights_only: bool, same_layout: bool) -> dict[str, Any]:
+    """A LoRA run's resume: the base identity and the adapters are checked first, then the base, the adapters and
+    their optimizer state are set (any layout: everything is canonical)."""
+    from dapo_mcore.actor import lora_state
+
+    lora_state.check_lora(ckpt, actor)
+    load_megatron_checkpoint_into_model(actor.chunks, ckpt / "model", reshard=True,
+                                        make_vocab_size_divisible_by=actor.s.make_vocab_size_divisible_by,
+                                        vocab_padding=actor.s.vocab_padding)
+    lora_state.load_lora(ckpt, actor, weights_only=weights_only)
+    _restore_rng(ckpt, same_layout)
     _barrier()
     return json.loads((ckpt / "trainer_state.json").read_text())
 

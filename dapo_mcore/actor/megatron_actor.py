@@ -61,6 +61,8 @@ class ActorSettings:
     pad_id: int = 0
     algo: Any = None  # AlgoConfig
     max_response_len: int | None = None
+    lora: Any = None  # model.lora (LoRAConfig): adapters on the linear layers, base frozen; None or rank 0 = off
+    seed: int = 0  # the run's seed: the adapters' initial A is drawn from it (model/lora/adapter.py)
 
     @property
     def seq_pad_multiple(self) -> int:
@@ -191,6 +193,12 @@ class MegatronActor:
             # Megatron's torch norms ignore params_dtype (fp32 weights in a bf16 model): cast like its Float16Module
             # does, so every parameter has one dtype (PP weight broadcasts allocate by dtype; fused rms_norm needs it).
             chunk.to(device=self.device, dtype=settings.params_dtype)
+        self.lora = settings.lora if settings.lora is not None and settings.lora.enabled else None
+        if self.lora is not None:  # before DDP and the optimizer: they then see the adapters alone
+            from dapo_mcore.model.lora.attach import attach_lora
+
+            attach_lora(chunks, self.lora, sequence_parallel=settings.sequence_parallel, seed=settings.seed,
+                        inputs_require_grad=settings.recompute != "none")
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
             use_distributed_optimizer=settings.distributed_optimizer)
@@ -225,6 +233,8 @@ class MegatronActor:
             self.replay = RouterReplay(chunks, moe.moe_layers, settings.router_replay, settings.sequence_parallel)
             self.top_k = moe.topk
         self._routes_of: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.base_source: str | None = None  # where the weights were loaded from (load_hf / load_megatron)
+        self._base_identity: dict | None = None
 
     # ---- weights -------------------------------------------------------------------------------------------
     @property
@@ -236,6 +246,7 @@ class MegatronActor:
         """Load a Hugging Face checkpoint into the live model (this rank's slices only, streamed)."""
         from dapo_mcore.weights.live import load_hf_into_model
 
+        self.base_source, self._base_identity = hf_dir, None  # LoRA: the base's identity (actor.lora_state)
         load_hf_into_model(self.chunks, hf_dir, layer_spec=self.s.layer_spec,
                            make_vocab_size_divisible_by=self.s.make_vocab_size_divisible_by,
                            vocab_padding=self.s.vocab_padding)
@@ -249,6 +260,7 @@ class MegatronActor:
         from dapo_mcore.weights import dist_checkpoint
         from dapo_mcore.weights.live import load_megatron_checkpoint_into_model
 
+        self.base_source, self._base_identity = directory, None
         if dist_checkpoint.is_dist_checkpoint(directory):
             dist_checkpoint.load_into_model(self.chunks, directory)
             self.refresh_main_params()
@@ -481,6 +493,7 @@ class MegatronActor:
         skip = self.nonfinite.check(reduced.get("loss", 0.0), grads_finite(self.chunks), lr)
         skip = skip or bool(reduced.pop("bypass_all_rejected", 0.0))  # bypass: every token rejected
         ok, grad_norm = False, None
+        before = [p.detach().clone() for p in self._adapters()] if self.lora is not None and not skip else None
         if not skip:
             ok, grad_norm, _ = self.optimizer.step()
         for m in self.model:
@@ -490,7 +503,36 @@ class MegatronActor:
             return {"skipped": 1.0, **{k: v for k, v in reduced.items() if k.startswith("rollout_corr/")}}
         reduced["grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
         reduced["update_ok"] = 1.0 if ok else 0.0
+        if before is not None:
+            reduced.update(self._adapter_norms(before))
         return reduced
+
+    def _adapters(self) -> list[torch.nn.Parameter]:
+        """LoRA: the trainable parameters (the adapters), in a fixed order."""
+        return [p for c in self.chunks for p in c.parameters() if p.requires_grad]
+
+    def _adapter_norms(self, before: list[torch.Tensor]) -> dict[str, float]:
+        """LoRA: the L2 norms of this update of the adapters and of the adapters, over the whole model (a collective
+        over the model-parallel group; a TP-replicated factor counted once; with expert parallelism the experts of
+        this rank's share)."""
+        from megatron.core import parallel_state as ps
+
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # summed where the adapters are: one copy
+        first = ps.get_tensor_model_parallel_rank() == 0
+        for p, old in zip(self._adapters(), before, strict=True):
+            if getattr(p, "tensor_model_parallel", False) or first:
+                sums[0] += (p.detach().double() - old.double()).pow(2).sum()
+                sums[1] += p.detach().double().pow(2).sum()
+        sums = sums.cpu()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            from dapo_mcore.collectives.device import collective_device
+
+            group = ps.get_model_parallel_group()
+            device = collective_device(group)
+            moved = device.to(sums)
+            dist.all_reduce(moved, group=group)
+            sums = device.host(moved)
+        return {"lora/update_norm": float(sums[0].sqrt()), "lora/adapter_norm": float(sums[1].sqrt())}
 
     def _sum_over_dp_last_stage(self, sums: dict[str, float]) -> dict[str, float]:
         """Metric contributions summed over DP ranks (last PP stage holds them), known on every rank."""

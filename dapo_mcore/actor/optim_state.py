@@ -97,7 +97,8 @@ def save_optimizer(actor, directory: Path, *, write: bool, write_meta: bool) -> 
         for kind in kinds:
             (directory / kind).mkdir(parents=True, exist_ok=True)
             wckpt.write_meta(directory / kind, meta)
-        (directory / STEP_FILE).write_text(json.dumps({"step": _step_of(targets), "states": kinds}) + "\n")
+        wckpt.write_bytes(directory / STEP_FILE,
+                          (json.dumps({"step": _step_of(targets), "states": kinds}) + "\n").encode())
 
 
 def has_canonical_state(directory: Path) -> bool:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dapo_mcore.algo.rollout_correction_config import RolloutCorrectionConfig
+from dapo_mcore.algo.schedule_config import UNSET
 
 BUILTIN_LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 """The aggregation modes ``algo.loss`` registers (a test keeps the two equal): a config naming one of them is
@@ -28,7 +29,7 @@ ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
 class AlgoConfig:
     """DAPO algorithm configuration (defaults: the paper's 32B recipe)."""
 
-    objective: str = "ppo_clip"
+    objective: str = UNSET
     """Policy objective: ppo_clip (DAPO/GRPO: the clipped token ratio), gspo (GSPO: the clipped sequence ratio, the
     length-normalized mean of the token log-ratios; preset gspo), cispo (CISPO: the clipped importance weight times
     the log-prob, no token's gradient dropped; preset cispo). clip_low/clip_high bound each objective's ratio."""
@@ -38,16 +39,16 @@ class AlgoConfig:
     norm_adv_by_std) or rloo (reward minus the mean of the other responses' rewards; needs rollout.n >= 2 and
     norm_adv_by_std=false)."""
 
-    clip_low: float = 0.2
+    clip_low: float = UNSET
     """epsilon_low: the ratio is clipped below at 1 - clip_low (DAPO and GRPO: 0.2)."""
 
-    clip_high: float = 0.28
+    clip_high: float = UNSET
     """epsilon_high: the ratio is clipped above at 1 + clip_high (DAPO "Clip-Higher": 0.28; GRPO: 0.2)."""
 
     dual_clip_c: float | None = None
     """Dual clip for negative advantages: token loss capped at -A*c; None disables, else c > 1 (verl 32B: 10)."""
 
-    loss_agg: str = "token-mean"
+    loss_agg: str = UNSET
     """Loss aggregation: token-mean (DAPO), seq-mean-token-mean (GRPO), seq-mean-token-sum,
     seq-mean-token-sum-norm (Dr. GRPO, divides by overlong_max_len)."""
 
@@ -57,13 +58,13 @@ class AlgoConfig:
     adv_eps: float = 1e-6
     """Added to the group std before dividing (DAPO: 1e-6)."""
 
-    dynamic_sampling: bool = True
+    dynamic_sampling: bool = UNSET
     """Keep only groups with mixed accuracy (0 < #correct < G), generating more batches until full."""
 
     max_gen_batches: int = 10
     """Most generation batches per training step with dynamic sampling (verl: 10); 0 = no limit."""
 
-    overlong_shaping: bool = True
+    overlong_shaping: bool = UNSET
     """Add the soft overlong punishment R_length in [-overlong_penalty_factor, 0] to the reward."""
 
     overlong_max_len: int = 20480
@@ -75,7 +76,7 @@ class AlgoConfig:
     overlong_penalty_factor: float = 1.0
     """Scale of the soft overlong punishment (verl: 1.0)."""
 
-    overlong_filter: bool = False
+    overlong_filter: bool = UNSET
     """Mask the loss of truncated responses (the paper's "overlong filtering" ablation)."""
 
     kl_coef: float = 0.0
@@ -99,6 +100,17 @@ class AlgoConfig:
     that differs from the engine where the engine records its routes anyway (the transformers engine does; vLLM
     captures them only with replay on, so with vLLM and "none" the metric is not logged)."""
 
+    preset: str | None = None
+    """A named objective recipe (PRESETS: dapo, grpo, gspo, cispo) setting objective, clip_low, clip_high,
+    loss_agg, dynamic_sampling, overlong_shaping and overlong_filter; a key given beside it overrides it, and the
+    keys hold the effective values (what config.yaml records). null: each key as given, else DAPO's."""
+
+    def __post_init__(self) -> None:
+        chosen = PRESETS.get(self.preset, {}) if self.preset is not None else {}  # unknown: validate() names it
+        for name, plain in _PLAIN.items():
+            if getattr(self, name) is UNSET:
+                setattr(self, name, chosen.get(name, plain))
+
     @property
     def correction(self) -> RolloutCorrectionConfig:
         """The effective correction: ``tis_cap`` as token TIS, else ``rollout_correction`` with its preset resolved."""
@@ -108,6 +120,8 @@ class AlgoConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the fix for any inconsistent setting."""
+        if self.preset is not None and self.preset not in PRESETS:
+            raise ValueError(f"algo.preset={self.preset!r} is unknown; use one of {', '.join(PRESETS)} (or null)")
         self._validate_objective()
         if not (0.0 < self.clip_low < 1.0 or (self.objective == "cispo" and self.clip_low == 1.0)):
             raise ValueError(f"algo.clip_low={self.clip_low} must be in (0, 1) (cispo: (0, 1], 1 = no lower bound); "
@@ -168,6 +182,15 @@ class AlgoConfig:
             raise ValueError(f"algo.dual_clip_c={self.dual_clip_c} belongs to the ppo_clip objective; set "
                              f"algo.dual_clip_c=null with algo.objective={self.objective}")
 
+    def advisories(self) -> list[str]:
+        """Settings that are valid but almost surely not meant (logged once at start by ``config``/``train``)."""
+        out = []
+        if self.objective == "gspo" and max(self.clip_low, self.clip_high) >= 0.01:
+            out.append(f"algo.objective=gspo with clip_low={self.clip_low:g} clip_high={self.clip_high:g}: GSPO clips a "
+                       "sequence ratio (the exp of a mean of token log-ratios), which stays close to 1, so a PPO-sized "
+                       "range almost never clips; GSPO's paper clips at 3e-4 / 4e-4 (algo.preset=gspo sets them)")
+        return out
+
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> AlgoConfig:
         """Build a validated config from a named preset (``PRESETS``) with field overrides."""
@@ -216,4 +239,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 al. 2025, arXiv:2507.18071: sequence ratio clipped to [1 - 3e-4, 1 + 4e-4], sequence-mean loss) and "cispo" (CISPO,
 MiniMax-M1, arXiv:2506.13585: token-level normalization, no lower bound on the weight; the upper bound 1 + 4 that
 MiniMax-M1 does not publish is ScaleRL's, arXiv:2510.13786). The rest of each recipe is DAPO's (dynamic sampling,
-overlong shaping); docs/algorithms.md gives the sources."""
+overlong shaping); docs/algorithms.md gives the sources. ``algo.preset=NAME`` selects one in a config."""
+
+_PLAIN: dict[str, Any] = {"objective": "ppo_clip", "clip_low": 0.2, "clip_high": 0.28, "loss_agg": "token-mean",
+                          "dynamic_sampling": True, "overlong_shaping": True, "overlong_filter": False}
+"""The preset-driven keys at their values when neither the user nor a preset sets them: DAPO's (PRESETS["dapo"])."""

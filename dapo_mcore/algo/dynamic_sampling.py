@@ -187,7 +187,7 @@ def exhausted_error(stats: SamplingStats, target: int, max_gen_batches: int) -> 
         "(0 = no limit), or use data of matching difficulty (easier if all wrong, harder if all right); to train "
         "on the groups anyway (no filter: unmixed groups have zero advantage), override "
         f"algo.dynamic_sampling=false rollout.gen_batch_prompts={target} (one generation batch of exactly the step's "
-        "prompts).",
+        "prompts): that is another run, so give it a new run.dir, or add run.overwrite=true to start this one over.",
         stats,
     )
 

@@ -34,14 +34,41 @@ def world_size_from_env(environ: dict[str, str] | None = None) -> int:
     return 1
 
 
+def infer_preset(cfg: Config) -> tuple[Config, str | None]:
+    """For the commands that plan a run rather than start it (config, plan, rehearse): a model.hf_path that is not
+    on this machine and whose name names a preset (``/models/Qwen2.5-32B``, ``Llama-3.1-8B``) is planned as that
+    preset. Returns the config and a line saying so (None when nothing was inferred)."""
+    from dataclasses import replace
+
+    from dapo_mcore.model.presets import preset_named_by
+
+    m = cfg.model
+    if not m.hf_path or (Path(m.hf_path) / "config.json").is_file():
+        return cfg, None
+    preset = preset_named_by(m.hf_path)
+    if preset is None:
+        return cfg, None
+    note = (f"model.hf_path={m.hf_path} is not on this machine: planned as model.preset={preset}, the shape its "
+            "name names")
+    return replace(cfg, model=replace(m, hf_path=None, preset=preset)), note
+
+
 def precheck(config_path: str, overrides: list[str], world_size: int | None = None, warn: bool = True,
-             check_files: bool = True) -> Config:
+             check_files: bool = True, plan_only: bool = False) -> Config:
     """Load and validate (raises ConfigError with the key and the fix); imports no torch model code. ``warn``: log
-    (once, on rank 0) the async-only settings a sync config sets and ignores."""
+    (once, on rank 0) the async-only settings a sync config sets and ignores. ``plan_only`` (``config``): a model
+    directory not on this machine is planned as the preset its name names (`infer_preset`, with a warning)."""
     cfg = load_config(config_path, overrides)
+    if plan_only:
+        cfg, note = infer_preset(cfg)
+        if note:
+            sys.stderr.write(f"warning: {note}\n")
     cfg.validate(world_size or world_size_from_env(), check_files=check_files)
     ignored = ignored_async_keys(cfg)
-    if warn and ignored and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+    main_rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+    for advice in cfg.algo.advisories() if warn and main_rank else []:
+        log.warning("%s", advice)
+    if warn and ignored and main_rank:
         log.warning("%s only apply to rollout.pipeline.mode=async; this config is sync, so they are ignored (set "
                     "rollout.pipeline.mode=async, or remove them)", ", ".join(ignored))
     return cfg
@@ -65,6 +92,7 @@ def describe_layout(cfg: Config, world_size: int) -> list[str]:
         *_process_lines(cfg, world_size),
         f"model: {model}",
         *([experts] if experts else []),
+        *([lora] if (lora := _lora_line(cfg, hf)) else []),
         f"per step: {t.prompts_per_step} prompts x {r.n} samples = {t.prompts_per_step * r.n} rollouts trained; "
         f"generation batches of {r.gen_batch_prompts} prompts"
         + (f", refilled up to {cfg.algo.max_gen_batches} times (dynamic sampling)" if cfg.algo.dynamic_sampling else ""),
@@ -77,6 +105,17 @@ def describe_layout(cfg: Config, world_size: int) -> list[str]:
                                         "answer" if cfg.reward.workers else " in the trainer process"),
         f"run dir: {run_dir} ({state})",
     ]
+
+
+def _lora_line(cfg: Config, hf: dict | None) -> str | None:
+    from dapo_mcore.plan.lora import describe_lora
+
+    lora, p = cfg.model.lora, cfg.parallel
+    precision = "fp32" if cfg.model.params_dtype == "float32" else "bf16"
+    return None if hf is None else describe_lora(hf, lora.rank, lora.alpha, lora.target_modules,
+                                                 tensor_parallel=p.tensor_parallel,
+                                                 pipeline_parallel=p.pipeline_parallel,
+                                                 expert_parallel=p.expert_parallel, precision=precision)
 
 
 def _schedule_line(cfg: Config) -> str:
@@ -135,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="processes to validate the layout for (default: from torchrun/Slurm variables, else 1)")
     args = parser.parse_intermixed_args(argv)  # overrides may follow --world-size
     world = args.world_size or world_size_from_env()
-    cfg = precheck(args.config, args.overrides, world, check_files=False)  # a cluster config, checked on a laptop
+    # a cluster config, checked on a laptop
+    cfg = precheck(args.config, args.overrides, world, check_files=False, plan_only=True)
     check_run_dir(cfg)
     sys.stdout.write(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     sys.stdout.write("# derived\n" + "".join(f"# {line}\n" for line in describe_layout(cfg, world)))
@@ -148,12 +188,13 @@ def main(argv: list[str] | None = None) -> int:
 def check_run_dir(cfg: Config) -> None:
     """The run-directory refusals of ``train`` (another run's directory, resume=never, not writable), writing
     nothing."""
-    from dapo_mcore.run.directory import check_writable, refuse_other_run
+    from dapo_mcore.run.directory import check_writable, refuse_non_run_overwrite, refuse_other_run
 
     run_dir = Path(cfg.run.dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run.dir={str(run_dir)!r} exists and is not a directory; choose another run.dir.")
     check_writable(run_dir, "run.dir")
+    refuse_non_run_overwrite(cfg)
     refuse_other_run(cfg)
 
 

@@ -112,13 +112,18 @@ class RankWatch:
                         os.killpg(group, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     continue
-        name = signal.Signals(signum).name if signum in signal.Signals._value2member_map_ else f"signal {signum}"
-        after = ("the same command resumes the run from its last checkpoint" if self.command == "train"
-                 else "run the same command again")
-        print(f"dapo-mcore: rank {self._ranks.get(pid, '?')} died of {name} (exit {self.code}); the other ranks were "
-              f"stopped. Its log above may say why ({'out of memory: see the kernel log' if signum == 9 else 'a crash'}"
-              f"); {after}", file=sys.stderr, flush=True)
+        print(dead_rank_line(self._ranks.get(pid, "?"), signum, self.command), file=sys.stderr, flush=True)
         return self.code
+
+
+def dead_rank_line(rank: object, signum: int, command: str) -> str:
+    """The launcher's one line for a rank that died of signal `signum` (the others' lines only say a peer left)."""
+    name = signal.Signals(signum).name if signum in signal.Signals._value2member_map_ else f"signal {signum}"
+    after = ("the same command resumes the run from its last checkpoint" if command == "train"
+             else "run the same command again")
+    why = "out of memory: see the kernel log" if signum == 9 else "a crash"
+    return (f"dapo-mcore: rank {rank} died of {name} (exit {128 + signum}); the other ranks were stopped. Its log "
+            f"above may say why ({why}); {after}")
 
 
 def _killed_by(pid: int) -> int | None:
@@ -152,7 +157,13 @@ def _worker_pgids() -> list[int]:
     return [g for g in pgids if g != os.getpgid(0)]
 
 
+_forwarded: list[int] = []
+"""The stop signals this launcher received and passed on to the ranks (none: any stop a rank reports came from
+torch stopping the others after one rank failed)."""
+
+
 def _forward(signum: int, _frame: object) -> None:
+    _forwarded.append(signum)
     for pgid in _worker_pgids():
         try:
             os.killpg(pgid, signum)
@@ -160,13 +171,21 @@ def _forward(signum: int, _frame: object) -> None:
             continue
 
 
-def _print_rank_errors(error_dir: Path) -> None:
-    """Each distinct one-line error the ranks wrote, once, naming the ranks that wrote it."""
+def _print_rank_errors(error_dir: Path, *, signalled: bool = True) -> None:
+    """Each distinct one-line error the ranks wrote, once, naming the ranks that wrote it. Not `signalled` (the
+    launcher passed no stop signal on): a rank's "SIGTERM during start-up ... exiting 75" is torch stopping it after
+    another rank failed, not a requeue, so it is left out beside that rank's line (a refusal, exit 2)."""
+    from dapo_mcore.signals.startup import STOP_LINE
+
+    stop_prefix, stop_tail = STOP_LINE.split("{name}")[0], STOP_LINE.split("{name}")[1][:40]
     by_line: dict[str, list[str]] = {}
     for path in sorted(error_dir.glob("rank*"), key=lambda p: int(p.name[4:] or 0)):
         line = path.read_text(errors="replace").strip()
         if line:
             by_line.setdefault(line, []).append(path.name[4:])
+    stops = [ln for ln in by_line if ln.startswith(stop_prefix) and stop_tail in ln]
+    if not signalled and len(stops) < len(by_line):
+        by_line = {ln: ranks for ln, ranks in by_line.items() if ln not in stops}
     for line, ranks in by_line.items():
         which = f" (rank {ranks[0]})" if len(ranks) == 1 else f" (ranks {','.join(ranks)})"
         print(f"{line}{which}" if len(by_line) > 1 else line, file=sys.stderr)
@@ -208,6 +227,7 @@ def launch(command: str, nproc: int, config: str, overrides: list[str], extra: l
     os.environ[ERROR_DIR_ENV] = str(error_dir)
     os.environ.setdefault(COMMAND_ENV, sys.argv[0] if Path(sys.argv[0]).name == "dapo-mcore" else "dapo-mcore")
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    _forwarded.clear()
     previous = {sig: signal.signal(sig, _forward) for sig in FORWARDED}
     watch = RankWatch(command)
     try:
@@ -215,13 +235,17 @@ def launch(command: str, nproc: int, config: str, overrides: list[str], extra: l
             elastic_launch(launch_config, cmd)(*cmd_args)
         code = 0
     except ChildFailedError as exc:
-        _, failure = exc.get_first_failure()
+        rank, failure = exc.get_first_failure()
         code = watch.code if watch.code is not None else exit_code_of(failure.exitcode)
+        if watch.code is None and failure.exitcode < 0 and -failure.exitcode not in FORWARDED:
+            # torch reaped the dead rank before the watch looked: name it from torch's record, as the watch would
+            watch.code = code
+            print(dead_rank_line(rank, -failure.exitcode, command), file=sys.stderr, flush=True)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if watch.code is None:  # after a rank's death the others' lines only say that a peer went away
-            _print_rank_errors(error_dir)
+            _print_rank_errors(error_dir, signalled=bool(_forwarded))
         for path in error_dir.iterdir():
             path.unlink()
         error_dir.rmdir()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict, fields
 from typing import Any
 
@@ -45,6 +46,7 @@ def plan_input_from_config(cfg: Any, world_size: int, **planner_settings: Any) -
         max_response_len=cfg.rollout.max_new_tokens, rollout_prompts=cfg.train.prompts_per_step,
         responses_per_prompt=cfg.rollout.n, mini_batch_prompts=cfg.train.mini_batch_prompts,
         gen_batch_prompts=cfg.rollout.gen_batch_prompts, offload_train_state_in_rollout=p.offload_for_rollout,
+        lora_rank=cfg.model.lora.rank, lora_targets=",".join(cfg.model.lora.target_modules),
         **TRAINER_FIXED,
     )
     pipe = cfg.rollout.pipeline
@@ -177,9 +179,12 @@ def _plan_from_args(parser: argparse.ArgumentParser,
             f"--{c.replace('_', '-')} -> {CONFIG_KEYS.get(c, 'fixed by the trainer')}" for c in clashes))
     if nodes is None or nodes < 1 or gpus_per_node < 1:
         parser.error("with CONFIG, give the job size: --nodes N [--gpus-per-node 8]")
+    from dapo_mcore.commands.config import infer_preset
     from dapo_mcore.config import load_config
 
-    cfg = load_config(config, overrides)
+    cfg, note = infer_preset(load_config(config, overrides))
+    if note:
+        sys.stderr.write(f"warning: {note}\n")
     world = nodes * gpus_per_node
     validate_config_layout(cfg, world)
     pipe = cfg.rollout.pipeline

@@ -34,7 +34,6 @@ MAX_WORLD = 8
 """The most gloo processes a rehearsal starts by default (a 2-core machine runs 8 tiny ranks, slowly)."""
 STEPS = 3
 """Two steps, a kill at the start of the third, a resume that finishes it."""
-FAMILIES = ("qwen2", "qwen3", "qwen3_moe")
 
 
 def _two(n: int | None) -> int:
@@ -45,9 +44,12 @@ def shrunk_model(hf: dict[str, Any], pp: int, vpp: int | None) -> dict[str, Any]
     """``hf``'s family at a tiny shape on the tiny tokenizer's vocabulary: 4 heads of 32 (KV 2 under grouped-query
     attention, else 4: both split by TP 2), layers a multiple of the pipeline's stages, 4 experts (2 per EP rank),
     top-k at most 2; the family's switches (tied embeddings, QKV bias, top-k normalisation, dense layers) kept."""
+    from dapo_mcore.model.hf_config import FAMILIES, supported_text
+
     family = hf.get("model_type")
-    if family not in FAMILIES:
-        raise UserError(f"rehearse: model_type={family!r} is not one this trainer runs; one of {', '.join(FAMILIES)}.")
+    if family not in FAMILIES:  # the one family table train, config, plan and verify read
+        raise UserError(f"rehearse: model_type={family!r} is not one this trainer runs; dapo-mcore trains "
+                        f"{supported_text()}.")
     stages = pp * (vpp or 1)
     gqa = hf.get("num_key_value_heads", hf["num_attention_heads"]) < hf["num_attention_heads"]
     out: dict[str, Any] = dict(
@@ -56,8 +58,15 @@ def shrunk_model(hf: dict[str, Any], pp: int, vpp: int | None) -> dict[str, Any]
         max_position_embeddings=128, rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=10000.0,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), bos_token_id=1, eos_token_id=2,
         pad_token_id=0)
-    if family == "qwen3":
+    if family in ("qwen3", "llama"):
         out["attention_bias"] = bool(hf.get("attention_bias", False))
+    if family == "llama":  # its RoPE variant kept (llama3 scaling: all four values, as the family is released)
+        from dapo_mcore.model.hf_config import rope_parameters
+
+        rope = rope_parameters(hf)
+        if rope.get("rope_type") == "llama3":
+            out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+        out["mlp_bias"] = False
     if family == "qwen3_moe":
         dense_first = bool(hf.get("mlp_only_layers"))
         out.update(num_experts=4, num_experts_per_tok=min(2, int(hf["num_experts_per_tok"])),
@@ -173,7 +182,9 @@ def shrink(cfg: Any, hf: dict[str, Any], *, vllm_installed: bool, nproc: int | N
 
 def recipe_model(cfg: Any) -> tuple[dict[str, Any], str]:
     """The recipe's model config.json and where it came from: ``model.hf_path`` if it is on this machine, the preset,
-    the tiny base, or the preset whose name the path's last component starts with (a login node without /models)."""
+    the tiny base, or the preset the path's last component names (a login node without /models: `infer_preset`,
+    as ``config`` and ``plan`` do)."""
+    from dapo_mcore.commands.config import infer_preset
     from dapo_mcore.model.presets import PRESET_NAMES, preset_config
 
     m = cfg.model
@@ -183,13 +194,13 @@ def recipe_model(cfg: Any) -> tuple[dict[str, Any], str]:
         return preset_config(m.preset), f"preset {m.preset}"
     if m.tiny_base and not m.hf_path:
         return {**preset_config(cfg.tiny_base.preset), "model_type": "qwen2"}, "the tiny base"
-    name = Path(str(m.hf_path)).name.lower()
-    matches = sorted((p for p in PRESET_NAMES if name.startswith(p)), key=len)
-    if not matches:
+    inferred, _ = infer_preset(cfg)
+    if inferred.model.preset is None:
         raise UserError(f"rehearse: model.hf_path={m.hf_path!r} is not on this machine and names no preset; give "
                         f"model.hf_path=DIR (a directory with its config.json) or model.preset=NAME with one of "
                         f"{', '.join(PRESET_NAMES)}.")
-    return preset_config(matches[-1]), f"preset {matches[-1]} (named by {m.hf_path}, which is not on this machine)"
+    name = inferred.model.preset
+    return preset_config(name), f"preset {name} (named by {m.hf_path}, which is not on this machine)"
 
 
 def _base(hf: dict[str, Any], cache: Path) -> Path:
@@ -244,11 +255,35 @@ def _last_error(log: Path) -> str:
     return (picked or lines or ["no output"])[-1][:400]
 
 
+def validate_as_written(cfg: Any) -> None:
+    """The recipe's own rules, before it is shrunk (a layout it cannot run must not rehearse as one it can): every
+    check ``config`` makes, at the smallest job the recipe's layout allows (DP 1 .. 64; the first refusal names the
+    problem when none fits). ConfigError (exit 2) otherwise. The model is the preset its path names where the path is
+    not on this machine."""
+    from dapo_mcore.commands.config import infer_preset
+    from dapo_mcore.config import ConfigError
+
+    cfg, _ = infer_preset(cfg)
+    cfg.model.validate()
+    p, pipe = cfg.parallel, cfg.rollout.pipeline
+    model_parallel = max(p.tensor_parallel, 1) * max(p.pipeline_parallel, 1)
+    engines = pipe.engine_ranks if pipe.mode == "async" else 0
+    first: ConfigError | None = None
+    for dp in range(1, 65):
+        try:
+            cfg.validate(model_parallel * dp + max(engines, 0), check_files=False)
+            return
+        except ConfigError as err:
+            first = first or err
+    raise first
+
+
 def rehearse(recipe: str, user_overrides: list[str], nproc: int | None, run_dir: Path | None) -> int:
     from dapo_mcore.config import load_config
 
     start = time.monotonic()
     cfg = load_config(recipe, user_overrides)
+    validate_as_written(cfg)
     hf, source = recipe_model(cfg)
     try:
         import vllm  # noqa: F401

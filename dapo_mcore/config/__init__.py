@@ -20,6 +20,7 @@ from dapo_mcore.config.tree import ConfigError, apply_overrides, from_dict, read
 from dapo_mcore.data.config import DataConfig
 from dapo_mcore.data.tiny_base_settings import TinyBaseSettings
 from dapo_mcore.model.hf_config import HFConfigError, QwenShape
+from dapo_mcore.model.lora.config import LoRAConfig, LoRAConfigError
 from dapo_mcore.model.presets import PRESET_NAMES, preset_config
 from dapo_mcore.model.vocab import VOCAB_PADDINGS
 
@@ -80,6 +81,8 @@ class ModelConfig:
     """FP8 settings (GPU only)."""
     tokenizer_path: str | None = None
     """Tokenizer directory if it is not `hf_path`."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA: low-rank adapters on the linear layers, the base frozen (rank 0 = off: full fine-tuning; docs/lora.md)."""
 
     def hf_config(self, tiny_preset: str = "tiny") -> dict[str, Any]:
         """The Hugging Face config.json dict of the model (from `hf_path`, the preset, or the tiny base's preset
@@ -125,6 +128,10 @@ class ModelConfig:
         if self.fp8.enabled and self.layer_spec != "transformer_engine":
             raise ConfigError("model.fp8.enabled=true needs model.layer_spec=transformer_engine "
                               "(the local spec has no FP8 kernels).")
+        try:
+            self.lora.validate()
+        except LoRAConfigError as exc:
+            raise ConfigError(str(exc)) from exc
 
 
 @dataclass
@@ -196,7 +203,8 @@ class TrainConfig:
     micro_batch_tokens: int = 16384
     """Token budget of one micro-batch per rank (prompt + response tokens)."""
     seed: int = 1234
-    """Seed of model init, sampling and data order."""
+    """Seed of model init, sampling and data order: 0 .. 2**31 - 1 (torch, Megatron's per-rank offsets and the
+    engines' seeds all take it)."""
 
 
 @dataclass
@@ -344,11 +352,13 @@ class RunConfig:
     """Where the run lives and what to do with an existing run directory."""
 
     dir: str = "runs/default"
-    """Run directory: config, metrics, TensorBoard, rollouts, checkpoints, ledger, figures."""
+    """Run directory: config, metrics, TensorBoard, rollouts, checkpoints, ledger, figures. Never empty (an unset
+    variable in a launch script must not make it the current directory)."""
     resume: Literal["auto", "never"] = "auto"
     """auto: continue from the latest checkpoint in `dir`; never: refuse a directory that already holds a run."""
     overwrite: bool = False
-    """Delete an existing run directory first (dangerous; off by default)."""
+    """Delete the run in `dir` first: only what a run writes there (config, metrics, checkpoints, ...); a directory
+    that holds files but no run is refused."""
     lock: bool = True
     """Hold RUN_DIR/.run.lock for the whole run so that a second run on the directory is refused (a double submit, a
     requeue racing a restart). false only for a file system that cannot lock files: then start one run at a time."""
@@ -364,6 +374,11 @@ class RunConfig:
     none on CPU (then only tokens/s is logged)."""
     profile_steps: list[int] = field(default_factory=list)
     """[first, last] steps to record with torch.profiler (traces in RUN_DIR/profile/); empty = off."""
+
+    def validate(self) -> None:
+        if not str(self.dir).strip():
+            raise ConfigError("run.dir is empty (an unset variable in run.dir=$X?); an empty run.dir would be the "
+                              "current directory: set run.dir=runs/NAME.")
 
 
 @dataclass
@@ -434,6 +449,10 @@ class Config:
         settings are refused by ``runtime.check_hardware``, so cluster configs validate on a laptop;
         ``check_files=False`` also leaves out whether the dataset files exist on this machine)."""
         self.model.validate()
+        if self.model.lora.enabled and self.parallel.distributed_optimizer:
+            raise ConfigError("model.lora.rank > 0 with parallel.distributed_optimizer=true: the adapters' optimizer "
+                              "state is small and LoRA checkpoints keep it per adapter; set "
+                              "parallel.distributed_optimizer=false.")
         for section in (self.algo, self.data, self.tiny_base):
             try:
                 section.validate(check_files) if section is self.data else section.validate()
@@ -443,6 +462,7 @@ class Config:
                 raise ConfigError(str(exc)) from exc
         self.reward.validate()
         self.telemetry.validate()
+        self.run.validate()
         self.validate_layout(world_size)
 
     def validate_layout(self, world_size: int) -> None:

@@ -157,6 +157,9 @@ def validate_batches(cfg: Config, world_size: int) -> None:
     dp = world_size // (cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel)
     _at_least(("train.prompts_per_step", t.prompts_per_step, 1), ("train.mini_batch_prompts", t.mini_batch_prompts, 1),
               ("train.epochs", t.epochs, 1), ("train.steps", t.steps, 0))
+    if not 0 <= t.seed < 2**31:
+        raise ConfigError(f"train.seed={t.seed} must lie in 0 .. 2**31 - 1 = {2**31 - 1} (torch, Megatron's per-rank "
+                          "seed offsets and the engines' seeds all take it); pick a smaller seed.")
     if t.prompts_per_step % t.mini_batch_prompts:
         raise ConfigError(f"train.mini_batch_prompts={t.mini_batch_prompts} does not divide train.prompts_per_step="
                           f"{t.prompts_per_step}; use one of {_divisors(t.prompts_per_step)}.")

@@ -177,6 +177,40 @@ def _refuse_duplicate_keys(node: yaml.Node | None, path: Path, prefix: str = "")
         _refuse_duplicate_keys(value_node, path, full)
 
 
+MAX_YAML_NODES = 100_000
+"""A config file expands to at most this many YAML nodes (a recipe has a few hundred): aliases of aliases (a
+"billion laughs" file) would otherwise take minutes and gigabytes to walk."""
+
+
+def _refuse_alias_bomb(root: yaml.Node | None, path: Path) -> None:
+    """Count the nodes the document expands to (each alias counted as often as it is used), memoised per node so
+    the count itself stays linear in the file; ConfigError past MAX_YAML_NODES or on a recursive alias."""
+    sizes: dict[int, int] = {}
+    active: set[int] = set()
+
+    def size(node: yaml.Node) -> int:
+        if id(node) in sizes:
+            return sizes[id(node)]
+        if id(node) in active:
+            raise ConfigError(f"config file {str(path)!r} holds a recursive YAML alias; write the values out.")
+        active.add(id(node))
+        children = (node.value if isinstance(node, yaml.SequenceNode) else
+                    [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else [])
+        total = 1
+        for child in children:
+            total += size(child)
+            if total > MAX_YAML_NODES:
+                raise ConfigError(f"config file {str(path)!r} expands to more than {MAX_YAML_NODES:,} YAML nodes "
+                                  "through its aliases (&anchor / *alias); a config is a few hundred: write the "
+                                  "values out.")
+        active.discard(id(node))
+        sizes[id(node)] = total
+        return total
+
+    if root is not None:
+        size(root)
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML mapping, with errors that say what is wrong with the file."""
     p = Path(path)
@@ -185,7 +219,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
                           f"(e.g. examples/tiny_cpu.yaml).")
     try:
         text = p.read_text(encoding="utf-8")
-        _refuse_duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader), p)
+        document = yaml.compose(text, Loader=yaml.SafeLoader)
+        _refuse_alias_bomb(document, p)
+        _refuse_duplicate_keys(document, p)
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {str(p)!r} is not valid YAML: {_yaml_problem(exc)}.") from exc

@@ -141,3 +141,18 @@ def preset_config(name: str, **overrides: Any) -> dict[str, Any]:
     cfg.update(copy.deepcopy(shapes[name]))
     cfg.update(overrides)
     return cfg
+
+
+def _squash(name: str) -> str:
+    return "".join(ch for ch in name.lower() if ch.isalnum() or ch == ".")
+
+
+def preset_named_by(path: str | None) -> str | None:
+    """The preset a model directory's name names (``/models/Qwen2.5-32B`` -> ``qwen2.5-32b``, ``Llama-3.1-8B-Instruct``
+    -> ``llama3.1-8b``): the longest preset whose name, case and dashes aside, the directory's last component starts
+    with; None if none does."""
+    if not path:
+        return None
+    name = _squash(str(path).rstrip("/").rsplit("/", 1)[-1])
+    matches = sorted((p for p in PRESET_NAMES if name.startswith(_squash(p))), key=len)
+    return matches[-1] if matches else None

@@ -136,6 +136,14 @@ def set_llama3_inv_freq(rotary, shape: QwenShape) -> None:
                                             original_max_position_embeddings=original)
 
 
+def family_label(hf: dict[str, Any]) -> str:
+    """The model family as logs name it ("Llama 3.x dense", "Qwen3-MoE"), from the one family table."""
+    from dapo_mcore.model.hf_config import FAMILIES
+
+    family = FAMILIES.get(hf.get("model_type"))
+    return family.label if family is not None else str(hf.get("model_type"))
+
+
 def build_gpt_model(hf: dict[str, Any], tconfig, *, spec: str = "local", make_vocab_size_divisible_by: int = 128,
                     attention: str = "auto", vocab_padding: str = "megatron") -> list:
     """Build this rank's GPTModel chunks (one per virtual pipeline stage). Parallel state must be initialized.
@@ -170,6 +178,6 @@ def build_gpt_model(hf: dict[str, Any], tconfig, *, spec: str = "local", make_vo
         if shape.rope_scaling is not None:
             set_llama3_inv_freq(model.rotary_pos_emb, shape)
         chunks.append(model)
-    log.info("built GPTModel: %d layers, hidden %d, vocab %d (padded %d), %d chunk(s) on this rank",
-             shape.num_layers, shape.hidden_size, shape.vocab_size, vocab, len(chunks))
+    log.info("built GPTModel (%s): %d layers, hidden %d, vocab %d (padded %d), %d chunk(s) on this rank",
+             family_label(hf), shape.num_layers, shape.hidden_size, shape.vocab_size, vocab, len(chunks))
     return chunks

@@ -80,6 +80,10 @@ class PlanInput:
     """Gradient buffer in fp32 (4 B/param) rather than the parameter dtype."""
     distributed_optimizer: bool = True
     """Shard fp32 main weights and Adam states over data-parallel ranks (ZeRO-1)."""
+    lora_rank: int = 0
+    """LoRA (model.lora.rank; 0 = full fine-tuning): the base frozen (weights only), the adapters trained (plan/lora.py)."""
+    lora_targets: str = "linear_qkv,linear_proj,linear_fc1,linear_fc2"
+    """LoRA's targeted Megatron layers, comma-separated (model.lora.target_modules)."""
     offload_train_state_in_rollout: bool = False
     """Move gradients and optimizer state to host memory while vLLM generates (parallel.offload_for_rollout)."""
     colocate_vllm: bool = True
@@ -329,6 +333,14 @@ def estimate_memory(p: PlanInput) -> MemoryEstimate:
         w, g, o, c = _persistent_bytes(p, params / p.tensor_parallel, linear / p.tensor_parallel)
         if shape.experts:
             w, g, o = _expert_parallel_bytes(p, shape, params, w, g, o)
+        if p.lora_rank > 0:  # the frozen base keeps its weights only; the adapters train
+            from dapo_mcore.plan.lora import adapter_params_per_gpu, lora_persistent_bytes
+
+            adapters = adapter_params_per_gpu(shape, p.lora_rank, tuple(p.lora_targets.split(",")),
+                                              tensor_parallel=p.tensor_parallel, pipeline_parallel=p.pipeline_parallel,
+                                              expert_parallel=p.expert_parallel)
+            aw, g, o = lora_persistent_bytes(adapters, p.precision)
+            w += aw
         acts, logits = _stage_activation_bytes(p, shape, stage)
         train = w + g + o + c + acts + logits + overhead + asleep
         kept = w + c  # the offload hooks move grad buffers and optimizer state, not weights or FP8 copies

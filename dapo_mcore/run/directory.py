@@ -29,8 +29,15 @@ _IDENTITY_SECTIONS = ("model", "algo", "data", "rollout", "train", "optim", "tin
 _NOT_IDENTITY = ("train.steps", "train.micro_batch_tokens", "model.layer_spec", "model.make_vocab_size_divisible_by",
                  "model.vocab_padding", "model.recompute", "rollout.vllm", "optim.skip_nonfinite_updates", "rollout.pipeline.engine_ranks",
                  "rollout.pipeline.bucket_mb",
+                 # how many rounds a step may take before it gives up: raising it continues the same trajectory
+                 # (the fix dynamic sampling's exhaustion names)
+                 "algo.max_gen_batches",
                  # a name only: the switches it sets are recorded beside it, and those are compared
-                 "rollout.schedule.preset")
+                 "rollout.schedule.preset", "algo.preset")
+
+# What a run writes at the top of its directory: run.overwrite deletes these and nothing else.
+RUN_ENTRIES = ("config.yaml", "config.yaml.tmp", "metrics.jsonl", "ledger.jsonl", "tensorboard", "rollouts.zarr",
+               "checkpoints", "tokenizer", "figures", "profile", "wandb", "wandb_run_id")
 
 
 def prepare_run_dir(cfg: Config, launch: LaunchEnv) -> None:
@@ -42,7 +49,23 @@ def prepare_run_dir(cfg: Config, launch: LaunchEnv) -> None:
         raise ConfigError(f"run.dir={str(run_dir)!r} exists and is not a directory; choose another run.dir.")
     check_writable(run_dir, "run.dir")
     if launch.rank == 0:
+        refuse_non_run_overwrite(cfg)
         refuse_other_run(cfg)
+
+
+def refuse_non_run_overwrite(cfg: Config) -> None:
+    """run.overwrite=true on a directory that holds files but no run (a checkout, HOME, a data dir) is refused:
+    an unset variable in a launch script must not empty it."""
+    from dapo_mcore.run.lock import LOCK_NAME
+
+    run_dir = Path(cfg.run.dir)
+    if not cfg.run.overwrite or not run_dir.is_dir():
+        return
+    names = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_NAME)
+    if names and not any(name in RUN_ENTRIES for name in names):
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        raise ConfigError(f"run.overwrite=true: run.dir={str(run_dir)!r} holds no run ({shown}; no config.yaml, "
+                          "metrics or checkpoints), so nothing is deleted; choose a new run.dir for this run.")
 
 
 def refuse_other_run(cfg: Config) -> None:
@@ -103,9 +126,13 @@ def claim_run_dir(cfg: Config, launch: LaunchEnv) -> Any:
 def _empty_run_dir(run_dir: Path) -> None:
     from dapo_mcore.run.lock import LOCK_NAME
 
-    entries = [p for p in run_dir.iterdir() if p.name != LOCK_NAME] if run_dir.is_dir() else []
+    present = [p for p in run_dir.iterdir() if p.name != LOCK_NAME] if run_dir.is_dir() else []
+    entries = [p for p in present if p.name in RUN_ENTRIES]
+    kept = sorted(p.name for p in present if p.name not in RUN_ENTRIES)
     if entries:
-        log.warning("run.overwrite=true: deleting the contents of %s", run_dir)
+        log.warning("run.overwrite=true: deleting the run in %s (%s)", run_dir, ", ".join(p.name for p in entries))
+    if kept:
+        log.warning("run.overwrite=true: keeping %s in %s (not written by a run)", ", ".join(kept), run_dir)
     for entry in entries:
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry)

@@ -34,12 +34,12 @@ def find_start_checkpoint(cfg: Config, *, resume: bool, checkpoint: str | None, 
         dist.barrier()
     if checkpoint:
         target = check_checkpoint_arg(checkpoint)
-        problems = ckpt.check_intact(target)
+        problems = ckpt.check_intact(target, contents=False)  # the bytes are checked as the load reads them
         if problems:
             raise ckpt.CheckpointError(f"--checkpoint {checkpoint} is corrupt: {'; '.join(problems)}. Choose "
                                        "another checkpoint of the run.")
         return target
-    return ckpt.find_latest(root)
+    return ckpt.find_latest(root, contents=False)  # the bytes are checked as the load reads them (restore)
 
 
 def adopt_checkpoint_padding(cfg: Config, target: Path | None, *, is_main: bool) -> Config:
@@ -59,17 +59,17 @@ def adopt_checkpoint_padding(cfg: Config, target: Path | None, *, is_main: bool)
     return replace(cfg, model=replace(cfg.model, vocab_padding=saved))
 
 
-def restore(parts: Components, target: Path | None) -> int:
+def restore(parts: Components, target: Path | None, *, fall_back: bool = True) -> int:
     """Load `target` (``find_start_checkpoint``); the step to continue after (0 without a checkpoint).
 
     A run may resume at another layout (the checkpoint reshards); run.resume_weights_only=true starts the optimizer
-    fresh.
+    fresh. A checkpoint whose files turn out damaged as they are read is skipped for the next older intact one
+    (`fall_back`: the run's own latest; not a ``--checkpoint`` the user named).
     """
-    from dapo_mcore.actor import checkpoint as ckpt
 
     if target is None:
         return 0
-    state = ckpt.load_checkpoint(target, parts.actor, weights_only=parts.cfg.run.resume_weights_only)
+    state, target = _load_or_fall_back(parts, target, fall_back)
     from dapo_mcore.rollout.scheduling.partial import join_partials
 
     join_partials(state, target)  # the partial groups from their binary file (older checkpoints: inline)
@@ -90,6 +90,30 @@ def restore(parts: Components, target: Path | None) -> int:
     parts._resume_state = state
     log.info("loaded checkpoint %s (step %d)", target, state["step"])
     return int(state["step"])
+
+
+def _load_or_fall_back(parts: Components, target: Path, fall_back: bool) -> tuple[dict, Path]:
+    from dapo_mcore.actor import checkpoint as ckpt
+    from dapo_mcore.weights import checkpoint as wckpt
+
+    skipped: list[Path] = []
+    while True:
+        try:
+            return ckpt.load_checkpoint(target, parts.actor, weights_only=parts.cfg.run.resume_weights_only), target
+        except wckpt.DamagedFileError as err:
+            if not fall_back:
+                raise
+            skipped.append(target)
+            nxt = ckpt.find_latest(target.parent, contents=False, skip=tuple(skipped))
+            if parts.is_main:
+                log.warning("%s; skipping it, next: %s", err, nxt.name if nxt is not None else "none left")
+            if nxt is None:
+                raise ckpt.CheckpointError(f"no intact checkpoint in {target.parent} ({err}). Restore the files, "
+                                           "or move the checkpoints away (or use a new run.dir) to start over.") from err
+            if wckpt.read_meta(nxt / "model").layout.vocab_padding != parts.cfg.model.vocab_padding:
+                raise ckpt.CheckpointError(f"{err}; the next checkpoint, {nxt}, pads the vocabulary by another rule: "
+                                           f"resume with --checkpoint {nxt}.") from err
+            target = nxt
 
 
 def check_checkpoint_arg(checkpoint: str) -> Path:

@@ -137,7 +137,8 @@ def _actor_settings(cfg: Config, hf_config: dict[str, Any], pad_id: int):
         lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay,
         grad_clip=cfg.optim.grad_clip, skip_nonfinite_updates=cfg.optim.skip_nonfinite_updates,
         micro_batch_tokens=cfg.train.micro_batch_tokens,
-        temperature=cfg.rollout.temperature, pad_id=pad_id, algo=cfg.algo, max_response_len=cfg.rollout.max_new_tokens)
+        temperature=cfg.rollout.temperature, pad_id=pad_id, algo=cfg.algo, max_response_len=cfg.rollout.max_new_tokens,
+        lora=cfg.model.lora, seed=cfg.train.seed)
 
 
 def run_stop_tokens(cfg: Config, hf_dir: Path | None, hf_config: dict[str, Any], tokenizer):
@@ -301,7 +302,7 @@ def _build_parts(cfg: Config, launch: LaunchEnv, *, resume: bool, checkpoint: st
         parts.rollouts = AsyncRollouts(cfg, bridge, parts.timer)
     parts._closers.extend(parts_closers)
     parts._closers.append(engine.close if engine is not None else parts.rollouts.close)
-    start = restore(parts, start_from)
+    start = restore(parts, start_from, fall_back=checkpoint is None)
     parts.start_step = start
     if not for_eval:
         if launch.rank == 0:

@@ -296,12 +296,25 @@ def rule_spikes(run: Run) -> list[Finding]:
         if spikes:
             med = spikes[0][2]
             pts = ", ".join(f"step {s}: {v:.3g}" for s, v, _ in spikes[:5])
-            found.append(Finding("spikes", "warn", f"{spikes[0][0]}-{spikes[-1][0]}", f"{key} spiked",
+            clip = _grad_clip(run)
+            # one gradient-norm spike in a run that clips gradients moved the weights no further than the clip: by
+            # the rule's own advice ("if it repeats") that is a note, not a warning
+            once_clipped = key == keys.TRAIN_GRAD_NORM and len(spikes) == 1 and clip is not None
+            found.append(Finding("spikes", "info" if once_clipped else "warn", f"{spikes[0][0]}-{spikes[-1][0]}",
+                                 f"{key} spiked" + (f" once (clipped to optim.grad_clip={clip:g})" if once_clipped
+                                                    else ""),
                                  f"{len(spikes)} step(s) more than {z_max:g} robust deviations from the median "
                                  f"{med:.3g}: {pts}",
                                  "read those steps' rollouts (`dapo-mcore rollouts RUN --step N`); lower optim.lr or "
                                  "optim.grad_clip if it repeats"))
     return found
+
+
+def _grad_clip(run: Run) -> float | None:
+    """optim.grad_clip as the run set it (None: off, or not recorded)."""
+    optim = run.config.get("optim") if isinstance(run.config.get("optim"), dict) else {}
+    clip = optim.get("grad_clip")
+    return float(clip) if isinstance(clip, (int, float)) and not isinstance(clip, bool) and clip > 0 else None
 
 
 def _no_update(record: dict[str, Any]) -> bool:
@@ -400,6 +413,34 @@ def rule_cannot_learn(run: Run) -> list[Finding]:
                     "; ".join(p for p in parts if p), advice)]
 
 
+LORA_STILL = 1e-4
+"""A LoRA update smaller than this share of the adapters' norm, in most steps, is an adapter that barely moves."""
+
+
+def rule_lora_update(run: Run) -> list[Finding]:
+    """LoRA runs: adapters that barely move. The data is not what stalls such a run (usable groups say whether it
+    has a signal): the learning rate or the adapter's size is. Relative update = update norm / adapter norm."""
+    steps, upd = run.series("lora/update_norm")
+    _, par = run.series("lora/adapter_norm")
+    rel = [u / p for u, p in zip(upd, par, strict=False) if p > 0]
+    if not rel:
+        return []
+    ordered = sorted(rel)
+    median = ordered[len(ordered) // 2]
+    rng = f"{steps[0]}-{steps[-1]}"
+    evidence = f"median relative update {median:.2g} per step (update norm / adapter norm; max {ordered[-1]:.2g})"
+    if median >= LORA_STILL:
+        return []
+    lr = run.cfg("optim", "lr")
+    lora = run.cfg("model", "lora")
+    rank, alpha = (lora.get("rank"), lora.get("alpha")) if isinstance(lora, dict) else (None, None)
+    return [Finding("lora-update", "warn", rng, "the LoRA adapters barely move", evidence,
+                    f"a learning-rate or adapter-size problem, not a stall of the data: LoRA usually needs ~10x the "
+                    f"full fine-tuning learning rate (optim.lr{f'={lr:g}' if lr is not None else ''}); or raise "
+                    f"model.lora.alpha{f'={alpha:g}' if alpha is not None else ''} (the update's scale is alpha / "
+                    f"rank) or model.lora.rank{f'={rank}' if rank is not None else ''}")]
+
+
 RULES: tuple[tuple[str, tuple[str, ...], Callable[[Run], list[Finding]]], ...] = (
     ("cannot-learn", (keys.ROLLOUT_USABLE_GROUP_FRAC, keys.TRAIN_LOSS), rule_cannot_learn),
     ("usable-groups", (keys.ROLLOUT_USABLE_GROUP_FRAC,), rule_usable_groups),
@@ -414,12 +455,13 @@ RULES: tuple[tuple[str, tuple[str, ...], Callable[[Run], list[Finding]]], ...] =
     ("pipeline", ("async/trainer_wait_s",), rule_pipeline),
     ("off-policy", (keys.CORR_KL_K3, "async/lag_mean"), rule_off_policy),
     ("routing-mismatch", ("moe/routing_mismatch_frac",), rule_routing_mismatch),
+    ("lora-update", ("lora/update_norm",), rule_lora_update),
 )
 """(name, metrics it needs, rule). A rule runs when at least one of its metrics was logged."""
 LEVEL_RULES = frozenset({"cannot-learn", "usable-groups", "length-limit", "spikes", "warmup", "pipeline",
-                         "routing-mismatch", "no-update"})
+                         "routing-mismatch", "no-update", "lora-update"})
 """Rules that judge levels (or non-finite values), not trends: they run on a run of any length."""
-MODE_RULES = frozenset({"pipeline", "off-policy", "routing-mismatch"})
+MODE_RULES = frozenset({"pipeline", "off-policy", "routing-mismatch", "lora-update"})
 """Rules of one mode (async; runs that log rollout_corr/*; MoE): a run of the other is not told they were skipped."""
 
 

@@ -23,11 +23,48 @@ def rule_mismatch(run: Run) -> list[Finding]:
         return []
     _, kl = run.series(keys.MISMATCH_KL)
     kl_txt = f"; mismatch/kl at the end {kl[-1]:.3g}" if kl else ""
+    corrected = correction_in_use(run)
+    if is_async(run):  # the engines sample from an older policy by design: the gap is mostly that lag
+        fix = ("in async mode this gap includes the engines' policy lag (up to rollout.pipeline.max_staleness "
+               "versions): compare async/lag_mean and a sync run of the same config before suspecting the engine's "
+               "precision or the weight sync")
+    else:
+        fix = "check the engine dtype vs model.params_dtype and that weight sync covers every tensor"
+    fix += (f"; the run already corrects the gradient ({corrected})" if corrected else
+            "; algo.tis_cap (or an algo.rollout_correction preset) corrects the gradient for a known mismatch")
     return [Finding("mismatch", "warn", f"{s_rng.split('-')[0]}-{e_rng.split('-')[1]}",
                     "the rollout engine and the trainer disagree on log-probs" + (", and it is growing" if growing else ""),
                     f"|logp_engine - logp_trainer| mean {start:.3g} (steps {s_rng}) -> {end:.3g} (steps {e_rng}){kl_txt}",
-                    "check the engine dtype vs model.params_dtype and that weight sync covers every tensor; "
-                    "algo.tis_cap (or an algo.rollout_correction preset) corrects the gradient for a known mismatch")]
+                    fix)]
+
+
+def is_async(run: Run) -> bool:
+    """The run's config says rollout.pipeline.mode=async, or its metrics carry the async pipeline's lag."""
+    pipeline = (run.config.get("rollout") or {}).get("pipeline") if isinstance(run.config.get("rollout"), dict) else None
+    return (isinstance(pipeline, dict) and pipeline.get("mode") == "async") or run.has("async/lag_mean")
+
+
+def correction_in_use(run: Run) -> str:
+    """The token-level TIS correction the run set, as config.yaml names it (``algo.tis_cap=2``, ``preset
+    token_tis``), or '' (then "start token_tis" is advice, not a repetition of the run's own setting)."""
+    algo = run.config.get("algo") if isinstance(run.config.get("algo"), dict) else {}
+    if algo.get("tis_cap") is not None:
+        return f"algo.tis_cap={algo['tis_cap']}"
+    rc = algo.get("rollout_correction") if isinstance(algo.get("rollout_correction"), dict) else {}
+    if rc.get("preset"):
+        return f"algo.rollout_correction.preset={rc['preset']}"
+    if rc.get("is_level"):
+        return f"algo.rollout_correction.is_level={rc['is_level']}"
+    return ""
+
+
+def _next_correction(run: Run) -> str:
+    """What to try for a gap the policy lag makes: token TIS if the run has none, else what token TIS leaves."""
+    corrected = correction_in_use(run)
+    if not corrected:
+        return "algo.rollout_correction preset token_tis or icepop"
+    return (f"the run already applies {corrected}: try preset icepop (it drops the tokens with huge weights) or "
+            "seq_mis")
 
 
 OFF_POLICY_KL_FLOOR = 1e-3
@@ -63,6 +100,9 @@ def rule_off_policy(run: Run) -> list[Finding]:
             advice = "leave bypass mode (preset token_tis: the old-log-prob pass returns and clips against pi_old)"
         elif weighted:
             advice = "reject the outlier responses too: preset geo_rs_token_tis, or seq_mis"
+        elif correction_in_use(run):
+            advice = (f"the run applies {correction_in_use(run)}: reject the outlier responses too (preset "
+                      "geo_rs_token_tis or seq_mis), or icepop if a few tokens carry huge weights")
         else:
             advice = ("start a correction: preset token_tis (icepop if a few tokens carry huge weights, seq_mis for "
                       "long responses)")
@@ -96,15 +136,13 @@ def _async_gap(run: Run) -> list[Finding]:
                                f"{keys.TRAIN_PPO_KL} reached {top[1]:.3g} at step {top[0]} (median {med:.3g}) at "
                                f"{len(jumps)} step(s)",
                                "lower optim.lr or train fewer mini-batches per step, and correct the lag: "
-                               "algo.rollout_correction preset token_tis or icepop (rollout.pipeline.max_staleness "
-                               "bounds it)"))
+                               f"{_next_correction(run)} (rollout.pipeline.max_staleness bounds it)"))
     mk = run.end_mean(keys.MISMATCH_KL)
     if mk is not None and mk > OFF_POLICY_KL_LARGE:
         out.append(Finding("off-policy", "warn", f"{run.train_steps[0]}-{run.train_steps[-1]}" if run.train_steps
                            else "-", "async: the engines' and the trainer's policies are far apart",
                            f"{keys.MISMATCH_KL} {mk:.3g} at the end (engine vs trainer log-probs of the trained "
-                           "tokens)", "correct it: algo.rollout_correction preset token_tis or icepop, or lower "
-                           "rollout.pipeline.max_staleness"))
+                           "tokens)", f"correct it: {_next_correction(run)}; or lower rollout.pipeline.max_staleness"))
     return out
 
 

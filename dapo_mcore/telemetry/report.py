@@ -69,6 +69,9 @@ PANELS: tuple[Panel, ...] = (
     Panel("tis", "Truncated importance sampling (algo.tis_cap)", "value", (
         ("mismatch/tis_mean", "mean TIS weight"), ("mismatch/tis_clip_frac", "fraction of tokens at the cap"),
         ("train/tis_weight", "TIS weight in the loss")), split=True, optional=True),
+    Panel("lora", "LoRA adapters", "L2 norm", (
+        ("lora/update_norm", "update per optimizer step"), ("lora/adapter_norm", "adapters")), split=True,
+        optional=True),
 )
 LINE_STYLES: tuple[tuple[str, float, str | None], ...] = (("-", 3.0, None), ("--", 2.2, "o"), (":", 2.0, "s"),
                                                          ("-.", 1.4, "^"))

@@ -16,6 +16,7 @@ The trainer writes one per checkpoint and verifies it before resuming (``actor.c
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -23,6 +24,7 @@ import logging
 import os
 import re
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,31 +100,50 @@ def read_meta(directory: str | Path) -> CheckpointMeta:
 
 
 def write_meta(directory: str | Path, meta: CheckpointMeta) -> None:
-    (Path(directory) / METADATA_FILE).write_text(json.dumps(meta.to_json(), indent=2, sort_keys=True) + "\n")
+    text = json.dumps(meta.to_json(), indent=2, sort_keys=True) + "\n"
+    write_bytes(Path(directory) / METADATA_FILE, text.encode())
 
 
 def read_megatron_rank(directory: str | Path, tp_rank: int, pp_rank: int,
                        ep_rank: int | None = None) -> dict[str, torch.Tensor]:
-    """The full state dict of one (tp, pp[, ep]) rank file (memory-mapped tensors)."""
+    """The full state dict of one (tp, pp[, ep]) rank file (memory-mapped tensors; read whole and checked as it is
+    read while `checking_reads` covers it)."""
     directory = resolve_checkpoint_dir(directory)
     path = rank_file(directory, tp_rank, pp_rank, ep_rank)
     if not path.exists():
         meta = read_meta(directory)
         raise CheckpointError(f"{path} does not exist; the checkpoint has tp={meta.layout.tp} pp={meta.layout.pp}.")
+    if _checking is not None and _checking.covers(path):
+        return _checking.read_safetensors(path)
     return load_file(os.fspath(path))
 
 
 def read_rank_tensor(directory: str | Path, tp_rank: int, pp_rank: int, key: str,
                      ep_rank: int | None = None) -> torch.Tensor:
-    with safe_open(os.fspath(rank_file(directory, tp_rank, pp_rank, ep_rank)), framework="pt") as f:
+    path = rank_file(directory, tp_rank, pp_rank, ep_rank)
+    if _checking is not None and _checking.covers(path):
+        _checking.verify(path)  # a slice of the file is read: its checksum needs a pass of its own
+    with safe_open(os.fspath(path), framework="pt") as f:
         return f.get_tensor(key)
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> None:
     """safetensors' ``save_file``; a failed write is raised as an OSError naming `path` (safetensors raises its
-    own error type with the errno only in the message), so callers and the CLI treat it like any I/O error."""
+    own error type with the errno only in the message), so callers and the CLI treat it like any I/O error.
+
+    While `record_digests` is active the file is streamed out tensor by tensor (`StreamingSafetensorsWriter`)
+    and its CRC-32 is computed from the bytes as they are written, for the manifest."""
     from safetensors.torch import save_file
 
+    if _recording is not None:
+        from dapo_mcore.weights.safetensors_io import StreamingSafetensorsWriter
+
+        entries = [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]
+        with StreamingSafetensorsWriter(path, entries, metadata, checksum=True) as writer:
+            for k, t in tensors.items():
+                writer.write(k, t)
+        _recording.add(path, writer.digest())
+        return
     try:
         save_file(tensors, os.fspath(path), metadata)
     except Exception as err:
@@ -138,8 +159,57 @@ def torch_save(obj: Any, path: str | Path) -> None:
     about zip offsets). For small objects: RNG states, optimizer metadata."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
+    write_bytes(path, buffer.getbuffer())
+
+
+def write_bytes(path: str | Path, data: bytes | memoryview) -> None:
+    """Write a small file whole (recording its digest while `record_digests` is active)."""
     with open(path, "wb") as f:
-        f.write(buffer.getbuffer())
+        f.write(data)
+    if _recording is not None:
+        _recording.add(path, {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"})
+
+
+class DigestLog:
+    """The size and CRC-32 of every file this process wrote while `record_digests` was active, by absolute path."""
+
+    def __init__(self) -> None:
+        self.digests: dict[str, dict[str, Any]] = {}
+
+    def add(self, path: str | Path, digest: dict[str, Any]) -> None:
+        self.digests[os.fspath(Path(path).absolute())] = digest
+
+    def moved(self, src: str | Path, dst: str | Path) -> None:
+        """Directory `src` was renamed to `dst`: its files' digests follow."""
+        src, dst = Path(src).absolute(), Path(dst).absolute()
+        self.digests = {os.fspath(dst / Path(p).relative_to(src)) if Path(p).is_relative_to(src) else p: d
+                        for p, d in self.digests.items()}
+
+    def under(self, root: str | Path) -> dict[str, dict[str, Any]]:
+        """The digests of the files under `root`, by POSIX path relative to it."""
+        root = Path(root).absolute()
+        return {Path(p).relative_to(root).as_posix(): d for p, d in self.digests.items()
+                if Path(p).is_relative_to(root)}
+
+
+_recording: DigestLog | None = None
+
+
+def note_moved(src: str | Path, dst: str | Path) -> None:
+    """Tell `record_digests` (if active) that directory `src` was renamed to `dst`."""
+    if _recording is not None:
+        _recording.moved(src, dst)
+
+
+@contextlib.contextmanager
+def record_digests() -> Iterator[DigestLog]:
+    """Record the digest of each file `save_safetensors`, `torch_save` and `write_bytes` write (no re-read)."""
+    global _recording
+    previous, _recording = _recording, DigestLog()
+    try:
+        yield _recording
+    finally:
+        _recording = previous
 
 
 # ---- integrity: per-file size + checksum ----------------------------------------------------------------------
@@ -180,27 +250,63 @@ def write_manifest(root: str | Path, digests: dict[str, dict[str, Any]], **extra
 
 
 def read_manifest(root: str | Path) -> dict[str, Any] | None:
-    """The manifest of `root`, or None if it has none; CheckpointError if it is unreadable."""
+    """The manifest of `root`, or None if it has none; CheckpointError if it is unreadable or malformed (a flipped
+    bit in a key, an entry that is not a size and a checksum): a damaged manifest is a damaged checkpoint."""
     path = Path(root) / MANIFEST_FILE
     if not path.exists():
         return None
     try:
         body = json.loads(path.read_text())
-        if not isinstance(body.get("files"), dict):
+        if not isinstance(body, dict) or not isinstance(body.get("files"), dict):
             raise ValueError("no 'files' table")
+        problem = table_problem(body["files"])
+        if problem is None and "world_size" in body and not _positive_int(body["world_size"]):
+            problem = f"world_size {body['world_size']!r} is not a positive integer"
+        if problem is not None:
+            raise ValueError(problem)
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{path} is unreadable ({err})") from err
     return body
 
 
-def verify_files(root: str | Path, files: dict[str, dict[str, Any]], names: list[str] | None = None) -> list[str]:
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _size_of(entry: Any) -> int | None:
+    size = entry.get("size") if isinstance(entry, dict) else None
+    return size if isinstance(size, int) and not isinstance(size, bool) and size >= 0 else None
+
+
+def _algo_of(entry: Any) -> str | None:
+    return next((a for a in HASHES if isinstance(entry, dict) and isinstance(entry.get(a), str)), None)
+
+
+def table_problem(files: Any) -> str | None:
+    """What is wrong with a checksum table ({relative path: {"size": bytes, algo: hex}}), or None: every entry must
+    hold a size and a known checksum, so that checking files against it never meets a missing key."""
+    if not isinstance(files, dict):
+        return "its file table is not a mapping"
+    for name, want in files.items():
+        if _size_of(want) is None:
+            return f"entry {name!r} holds no size"
+        if _algo_of(want) is None:
+            return f"entry {name!r} holds no {' or '.join(HASHES)} checksum"
+    return None
+
+
+def verify_files(root: str | Path, files: dict[str, dict[str, Any]], names: list[str] | None = None, *,
+                 contents: bool = True) -> list[str]:
     """Check `names` (default: all) of the manifest table `files` against the files under `root`.
 
     Returns one problem per bad file, naming it ("model/x.safetensors: 4096 bytes, expected 8192 (truncated)");
-    sizes are compared before anything is read.
+    sizes are compared before anything is read, and only sizes without `contents`.
     """
     root = Path(root)
     problems = []
+    malformed = table_problem(files)
+    if malformed is not None:
+        return [f"{root}: the checksum table is malformed ({malformed})"]
     for name in files if names is None else names:
         want, path = files[name], root / name
         try:
@@ -209,10 +315,8 @@ def verify_files(root: str | Path, files: dict[str, dict[str, Any]], names: list
                 cut = " (truncated)" if size < want["size"] else ""
                 problems.append(f"{path}: {size} bytes, the manifest says {want['size']}{cut}")
                 continue
-            algo = next((a for a in HASHES if a in want), None)
-            if algo is None:
-                problems.append(f"{path}: the manifest holds no known checksum ({', '.join(HASHES)})")
-            elif file_digest(path, algo)[algo] != want[algo]:
+            algo = _algo_of(want)
+            if contents and file_digest(path, algo)[algo] != want[algo]:
                 problems.append(f"{path}: {algo} differs from the manifest (corrupt bytes)")
         except FileNotFoundError:
             problems.append(f"{path}: missing")
@@ -238,3 +342,135 @@ def nonfinite_tensors(path: str | Path) -> list[str]:
 def describe_nonfinite(path: str | Path, keys: list[str]) -> str:
     shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
     return f"{path}: NaN or inf values in {shown} (saved from a run whose update went non-finite)"
+
+
+# ---- checksums as files are read -----------------------------------------------------------------------------
+class DamagedFileError(CheckpointError):
+    """A file of a checkpoint differs from its manifest or holds NaN/inf (found while it was read)."""
+
+
+class ReadCheck:
+    """While `checking_reads` is active, the files of a manifest table that this process reads are checked: a rank
+    file read whole (`read_megatron_rank`) is mapped once, its tensors handed out as views of the mapping at once,
+    and its CRC-32 and NaN/inf check run on a second thread while the caller copies those tensors into the model
+    (both release the GIL); a file read in slices, or a small one, by a pass of its own (`verify`). `finish` waits
+    for the checks. Files this process does not read are not read for the check. Damage raises DamagedFileError on
+    this process only: the caller agrees across ranks before acting on it."""
+
+    def __init__(self, root: str | Path, files: dict[str, dict[str, Any]]) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.root, self.files, self.seen = Path(root).absolute(), files, set()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-crc")
+        self._pending: list[Any] = []
+
+    def covers(self, path: str | Path) -> bool:
+        return Path(path).absolute().is_relative_to(self.root)
+
+    def _name(self, path: str | Path) -> str:
+        return Path(path).absolute().relative_to(self.root).as_posix()
+
+    def verify(self, path: str | Path) -> None:
+        name = self._name(path)
+        if name in self.seen:
+            return
+        self.seen.add(name)
+        if name not in self.files:
+            raise DamagedFileError(f"{path}: not in the manifest")
+        problems = verify_files(self.root, {name: self.files[name]})
+        if problems:
+            raise DamagedFileError(problems[0])
+
+    def read_safetensors(self, path: str | Path) -> dict[str, torch.Tensor]:
+        name = self._name(path)
+        want = self.files.get(name)
+        if want is None or _algo_of(want) != "crc32":  # not listed, or a sha256 manifest: checked by a pass
+            self.verify(path)
+            return load_file(os.fspath(path))
+        self.seen.add(name)
+        problems = verify_files(self.root, {name: want}, contents=False)  # the size, from stat
+        if problems:
+            raise DamagedFileError(problems[0])
+        buf = _map_file(Path(path))
+        tensors = _parse_safetensors(buf, path)
+        self._pending.append(self._pool.submit(_check_bytes, buf, tensors, want["crc32"], path))
+        return tensors
+
+    def finish(self) -> None:
+        """Wait for the checks of the files read so far; DamagedFileError naming the first bad one."""
+        pending, self._pending = self._pending, []
+        problems = [p for p in (f.result() for f in pending) if p is not None]
+        if problems:
+            raise DamagedFileError(problems[0])
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def _map_file(path: Path) -> torch.Tensor:
+    """The bytes of `path` as a uint8 tensor over a private (copy-on-write) mapping of it, as safetensors maps."""
+    import mmap
+    import warnings
+
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.frombuffer(mapped, dtype=torch.uint8)
+
+
+def _check_bytes(buf: torch.Tensor, tensors: dict[str, torch.Tensor], crc32: str, path) -> str | None:
+    """The problem of a mapped file (its CRC-32 against the manifest's, then its values), or None."""
+    view = memoryview(buf.numpy()).cast("B")
+    crc, step = 0, 16 << 20
+    for at in range(0, len(view), step):
+        crc = zlib.crc32(view[at:at + step], crc)
+    if f"{crc:08x}" != crc32:
+        return f"{path}: crc32 differs from the manifest (corrupt bytes)"
+    bad = [k for k, t in tensors.items() if t.is_floating_point() and t.numel() and not _finite(t)]
+    return describe_nonfinite(path, bad) if bad else None
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """No NaN or infinity in `t`: its min and max, one pass and no tensor of flags (a NaN propagates to both)."""
+    low, high = torch.aminmax(t.reshape(-1))
+    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
+
+
+_checking: ReadCheck | None = None
+
+
+@contextlib.contextmanager
+def checking_reads(root: str | Path, files: dict[str, dict[str, Any]]) -> Iterator[ReadCheck]:
+    """Check the files of `files` (a manifest table of `root`) that this process reads while active; call the
+    check's `finish` before relying on what was read."""
+    global _checking
+    previous, _checking = _checking, ReadCheck(root, files)
+    try:
+        yield _checking
+    finally:
+        _checking.close()
+        _checking = previous
+
+
+def _parse_safetensors(buf: torch.Tensor, path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file held in `buf` (uint8), as views of it where aligned, else copies."""
+    from dapo_mcore.weights.safetensors_io import _ST_TO_DTYPE
+
+    try:
+        n = int.from_bytes(bytes(buf[:8].numpy()), "little")
+        header = json.loads(bytes(buf[8:8 + n].numpy()))
+        out = {}
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            dtype, (a, b) = _ST_TO_DTYPE[info["dtype"]], info["data_offsets"]
+            raw = buf[8 + n + a:8 + n + b]
+            if raw.numel() != b - a:
+                raise ValueError(f"{key} runs past the end of the file")
+            if (8 + n + a) % dtype.itemsize:
+                raw = raw.clone()  # a view must start at a multiple of its element size
+            out[key] = raw.view(dtype).reshape(info["shape"])
+        return out
+    except (ValueError, KeyError, TypeError, RuntimeError) as err:
+        raise DamagedFileError(f"{path}: not a readable safetensors file ({err})") from err

@@ -14,8 +14,8 @@ there is none: the same load on 0.16.1 and 0.19. Formats no installed version re
 legacy per-rank ``torch`` format) are refused in one line that says what reads them.
 
 Damage (`check_intact`, before any tensor is read): the checkpoints dapo-mcore writes carry ``CHECKSUMS`` (size and
-CRC-32 of every file of the iteration dir), so a flipped byte is one line; Megatron-LM's and Megatron-Bridge's carry
-none and are read as they are, but every ``.distcp`` is checked against the byte ranges its ``.metadata`` lists, so a
+CRC-32 of every file of the iteration dir), so a flipped byte is one line, and ``MARK`` in their common state, so one
+whose table was deleted is refused; Megatron-LM's and Megatron-Bridge's carry none and are read with a warning, but every ``.distcp`` is checked against the byte ranges its ``.metadata`` lists, so a
 truncated file is named too. A ``.metadata``/``common.pt`` that does not unpickle is one line as well.
 """
 
@@ -38,6 +38,8 @@ RUN_CONFIG = "run_config.yaml"
 EMBEDDING_KEY = "embedding.word_embeddings.weight"
 CHECKSUMS = "dapo_mcore_checksums.json"
 """Beside the ``.distcp`` files of a checkpoint dapo-mcore wrote: {"files": {relative path: {size, crc32}}}."""
+MARK = "dapo_mcore_checksums"
+"""A key of the common state of the checkpoints dapo-mcore writes: they carry CHECKSUMS, so one without is damaged."""
 _FIX = "restore the checkpoint from a good copy, or write it again from its source (dapo-mcore convert)"
 
 
@@ -200,26 +202,19 @@ twice, unless one of them changed."""
 
 def check_intact(ckpt: DistCheckpoint) -> None:
     """InputFileError naming the first damaged file: one that differs from CHECKSUMS (ours), or a ``.distcp`` shorter
-    than the byte ranges the ``.metadata`` lists for it (any writer's). Each process checks every file."""
-    from dapo_mcore.weights import checkpoint as wckpt
-
+    than the byte ranges the ``.metadata`` lists for it (any writer's). A checkpoint of ours (``MARK`` in its common
+    state) whose CHECKSUMS is gone is refused; another writer's, which carries none, is read with a warning."""
     table = ckpt.path / CHECKSUMS
     if table.is_file():
-        key = (os.fspath(ckpt.path.resolve()), *((p.name, p.stat().st_size, p.stat().st_mtime_ns)
-                                                  for p in sorted(ckpt.path.rglob("*")) if p.is_file()))
-        if key in _checked:
-            return
-        try:
-            files = json.loads(table.read_text())["files"]
-            assert isinstance(files, dict)
-        except (OSError, ValueError, KeyError, AssertionError) as err:
-            raise InputFileError(f"{table} cannot be read ({err}); {_FIX}.") from err
-        problems = wckpt.verify_files(ckpt.path, files)
-        if problems:
-            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            raise InputFileError(f"{ckpt.path} is damaged: {problems[0]}{more}; {_FIX}.")
-        _checked.add(key)
+        _check_against_table(ckpt, table)
         return
+    if _carries_mark(ckpt):
+        raise InputFileError(f"{ckpt.path} was written by dapo-mcore but its {CHECKSUMS} is missing, so its bytes "
+                             f"cannot be verified; {_FIX}.")
+    if os.fspath(ckpt.path.resolve()) not in _warned:
+        _warned.add(os.fspath(ckpt.path.resolve()))
+        log.warning("%s carries no checksums (written by Megatron-LM or Megatron-Bridge): only truncated files are "
+                    "detected, not flipped bytes", ckpt.path)
     needed: dict[str, int] = {}
     for info in _storage_metadata(ckpt).storage_data.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -229,6 +224,51 @@ def check_intact(ckpt: DistCheckpoint) -> None:
         if have is None or have < size:
             what = "missing" if have is None else f"{have} bytes, its .metadata lists {size} (truncated)"
             raise InputFileError(f"{ckpt.path} is damaged: {path}: {what}; {_FIX}.")
+
+
+_warned: set[str] = set()
+
+
+def _check_against_table(ckpt: DistCheckpoint, table: Path) -> None:
+    from dapo_mcore.weights import checkpoint as wckpt
+
+    key = (os.fspath(ckpt.path.resolve()), *((p.name, p.stat().st_size, p.stat().st_mtime_ns)
+                                              for p in sorted(ckpt.path.rglob("*")) if p.is_file()))
+    if key in _checked:
+        return
+    try:
+        files = json.loads(table.read_text())["files"]
+        malformed = wckpt.table_problem(files)
+        if malformed is not None:
+            raise ValueError(malformed)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise InputFileError(f"{table} cannot be read ({err}); {_FIX}.") from err
+    problems = wckpt.verify_files(ckpt.path, files)
+    problems += [f"{ckpt.path / n}: not in {CHECKSUMS}" for n in wckpt.list_files(ckpt.path, exclude=(CHECKSUMS,))
+                 if n not in files]
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise InputFileError(f"{ckpt.path} is damaged: {problems[0]}{more}; {_FIX}.")
+    _checked.add(key)
+
+
+def _carries_mark(ckpt: DistCheckpoint) -> bool:
+    """Whether the checkpoint's common state holds ``MARK`` (dapo-mcore wrote it). The common state is ``common.pt``
+    (megatron-core <= 0.16) or inside the ``.distcp`` files (0.17+, read only where the installed version can)."""
+    common = ckpt.path / "common.pt"
+    if common.is_file():
+        import torch
+
+        with _unreadable_as_damage(ckpt, "common.pt"):
+            state = torch.load(common, map_location="cpu", weights_only=False)
+        return isinstance(state, dict) and MARK in state
+    if _reads_common_pt_only():
+        return False
+    from megatron.core import dist_checkpointing
+
+    with _unreadable_as_damage(ckpt, "common state"):
+        state = dist_checkpointing.load_common_state_dict(os.fspath(ckpt.path))
+    return isinstance(state, dict) and MARK in state
 
 
 def _storage_metadata(ckpt: DistCheckpoint) -> Any:

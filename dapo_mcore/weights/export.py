@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from dapo_mcore.collectives.device import collective_device
+from dapo_mcore.model.lora.attach import adapted_layers
 from dapo_mcore.weights.export_plan import CopyPlan, column_block, copy_plan, copy_runs
 from dapo_mcore.weights.layout import ParallelLayout
 from dapo_mcore.weights.live import live_ep_rank, live_layout, live_tensors, plain_tensor
@@ -79,7 +80,8 @@ def iter_hf_weights(model_chunks: list, hf_config: dict[str, Any], *, layer_spec
 
     ep_group = ps.get_expert_model_parallel_group() if layout.ep > 1 else None
     ep_ranks = dist.get_process_group_ranks(ep_group) if ep_group is not None else []
-    exporter = _Exporter(mapping, layout, params, tp_group, device)
+    deltas = {layout.chunk_prefix(a.chunk) + a.weight_key: a.adapter for a in adapted_layers(model_chunks)}
+    exporter = _Exporter(mapping, layout, params, tp_group, device, deltas)
     owned = iter([pl for pl in placements if held_here(pl)])
     # One placement ahead: its TP transfers are in flight while this one is finished and while the consumer
     # sends or loads the bucket just yielded (the generator is suspended at ``yield``, the collectives are not).
@@ -134,8 +136,10 @@ class _Exporter:
     """
 
     def __init__(self, mapping: ModelMapping, layout: ParallelLayout, params: dict[str, torch.Tensor], tp_group,
-                 device: Any):
+                 device: Any, deltas: dict[str, Any] | None = None):
         self.mapping, self.layout, self.params, self.group = mapping, layout, params, tp_group
+        self.deltas = deltas or {}
+        """LoRA: the adapter of each adapted weight's key; its shard is merged before it is sent."""
         self.device = device
         """The collective device: the parameters are on it already on a GPU (``to`` is then no copy)."""
         self.geo = mapping.geometry(layout)
@@ -149,8 +153,12 @@ class _Exporter:
         """Issue ``pl``'s transfers without waiting for them (None when there is no placement)."""
         if pl is None:
             return None
-        local = plain_tensor(self.params[self.layout.chunk_prefix(pl.vchunk) + pl.key]).detach().contiguous()
-        local = self.device.to(local)
+        key = self.layout.chunk_prefix(pl.vchunk) + pl.key
+        local = plain_tensor(self.params[key]).detach()
+        adapter = self.deltas.get(key)
+        if adapter is not None:  # LoRA: this rank's shard of W + scale * B @ A, merged here (no whole matrix)
+            local = (local.float() + adapter.delta().to(local.device)).to(local.dtype)
+        local = self.device.to(local.contiguous())
         if not self.by_plan:
             flat = self.device.empty((self.layout.tp * local.shape[0], *local.shape[1:]), local.dtype)
             return InFlight(pl, [flat], [dist.all_gather_into_tensor(flat, local, group=self.group, async_op=True)])

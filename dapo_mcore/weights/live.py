@@ -74,11 +74,15 @@ def live_ep_rank(layout: ParallelLayout) -> int | None:
 
 
 def live_tensors(model_chunks: list, layout: ParallelLayout) -> dict[str, torch.Tensor]:
-    """This rank's parameters under their checkpoint keys (chunk prefix when VPP > 1)."""
+    """This rank's base parameters under their checkpoint keys (chunk prefix when VPP > 1); LoRA adapters are not
+    among them (``weights.lora`` handles those)."""
+    from dapo_mcore.model.lora.attach import is_adapter_param
+
     out: dict[str, torch.Tensor] = {}
     for v, chunk in enumerate(model_chunks):
         for name, param in unwrap(chunk).named_parameters():
-            out[layout.chunk_prefix(v) + name] = param
+            if not is_adapter_param(name):
+                out[layout.chunk_prefix(v) + name] = param
     return out
 
 
@@ -189,14 +193,24 @@ def load_megatron_checkpoint_into_model(model_chunks: list, directory: str | Pat
                                    f"live {params[bad[0]].dtype}; cast the model chunks to one dtype before "
                                    "loading (chunk.to(dtype), as the actor does: Megatron's norms stay float32).")
     _copy_in(params, state)
-    resharded = "" if meta.layout == layout else f" (resharded from tp={meta.layout.tp} pp={meta.layout.pp} " \
-                                                f"vpp={meta.layout.vpp})"
-    live_rows = _live_padded_vocab(model_chunks, layout, mapping)
-    if meta.padded_vocab_size != live_rows:
-        resharded += (f" (vocabulary re-padded: {meta.padded_vocab_size} rows, {meta.layout.vocab_padding} padding -> "
-                      f"{live_rows} rows, {layout.vocab_padding} padding)")
-    log.info("loaded %s rank (tp %d, pp %d): %d tensors%s", directory, tp_rank, pp_rank, len(state), resharded)
+    how = describe_load(meta.layout, layout, meta.padded_vocab_size, _live_padded_vocab(model_chunks, layout, mapping))
+    log.info("loaded %s rank (tp %d, pp %d): %d tensors%s", directory, tp_rank, pp_rank, len(state), how)
     return meta
+
+
+def describe_load(saved: ParallelLayout, live: ParallelLayout, saved_rows: int, live_rows: int) -> str:
+    """What a load did beyond reading the rank's own file: " (resharded from tp=.. pp=.. vpp=..)" only when the
+    split moved, the layer spec's renaming, the vocabulary's re-padding; "" for a load at the saved layout."""
+    out = ""
+    if (saved.tp, saved.pp, saved.vpp, saved.ep) != (live.tp, live.pp, live.vpp, live.ep):
+        out += f" (resharded from tp={saved.tp} pp={saved.pp} vpp={saved.vpp}" + (
+            f" ep={saved.ep})" if saved.ep > 1 or live.ep > 1 else ")")
+    if saved.layer_spec != live.layer_spec:
+        out += f" (names of the {saved.layer_spec} layer spec mapped to {live.layer_spec})"
+    if saved_rows != live_rows:
+        out += (f" (vocabulary re-padded: {saved_rows} rows, {saved.vocab_padding} padding -> {live_rows} rows, "
+                f"{live.vocab_padding} padding)")
+    return out
 
 
 def _live_padded_vocab(model_chunks: list, layout: ParallelLayout, mapping: ModelMapping) -> int:
@@ -249,5 +263,6 @@ def save_megatron_checkpoint(model_chunks: list, directory: str | Path, hf_confi
     if dist.get_rank() == 0:
         os.replace(tmp, target)
     dist.barrier()
+    ckpt.note_moved(tmp, target)
     # DEBUG: the trainer writes into a step_*.partial directory and logs the final name itself.
     log.debug("wrote model files to %s (tp=%d pp=%d vpp=%d)", target, layout.tp, layout.pp, layout.vpp)

@@ -52,7 +52,7 @@ class StreamingSafetensorsWriter:
     """
 
     def __init__(self, path: str | Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None, *, direct: bool | None = False):
+                 metadata: dict[str, str] | None = None, *, direct: bool | None = False, checksum: bool = False):
         header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
         offset = 0
         self._pending: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
@@ -64,7 +64,9 @@ class StreamingSafetensorsWriter:
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)
         self.path = Path(path)
-        self._file = StagedFileWriter(self.path, direct=direct)
+        # staging buffers no larger than the file (fresh pages cost a fault each; small files are the common case)
+        staging = min(64 << 20, max(1 << 20, -(-(len(blob) + 8 + offset) // 4096) * 4096))
+        self._file = StagedFileWriter(self.path, direct=direct, checksum=checksum, buffer_bytes=staging)
         self._file.write(struct.pack("<Q", len(blob)) + blob)
         self._next = 0
 
@@ -98,6 +100,10 @@ class StreamingSafetensorsWriter:
         self._file.close()
         if missing:
             raise ValueError(f"{self.path.name}: closed before writing {len(missing)} tensors ({missing[:3]}...)")
+
+    def digest(self) -> dict[str, object]:
+        """``{"size", "crc32"}`` of the file written (after `close`; the writer was made with `checksum`)."""
+        return {"size": self._file.size, "crc32": f"{self._file.crc32:08x}"}
 
     def __enter__(self) -> StreamingSafetensorsWriter:
         return self

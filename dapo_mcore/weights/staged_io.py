@@ -18,6 +18,7 @@ import mmap
 import os
 import queue
 import threading
+import zlib
 from pathlib import Path
 
 from dapo_mcore.weights.errors import OutputPathError
@@ -80,11 +81,12 @@ class StagedFileWriter:
     """Append-only writer: `write`, `write_zeros` and `read_into` add bytes at the end; `close` finishes.
 
     `direct`: True requires O_DIRECT, False never uses it, None uses it where the filesystem allows (logged
-    when not). Memory: `num_buffers * buffer_bytes` of staging, allocated once.
+    when not). `checksum`: keep the CRC-32 of the bytes written (``crc32``), computed by the writer thread as
+    each buffer goes out, so a checkpoint's manifest needs no second read of the file. Memory: `num_buffers * buffer_bytes` of staging, allocated once.
     """
 
     def __init__(self, path: str | Path, *, direct: bool | None = None, buffer_bytes: int = 64 << 20,
-                 num_buffers: int = 3):
+                 num_buffers: int = 3, checksum: bool = False):
         if buffer_bytes <= 0 or buffer_bytes % _ALIGN or num_buffers < 2:
             raise ValueError(f"buffer_bytes must be a positive multiple of {_ALIGN} and num_buffers >= 2 "
                              f"(got {buffer_bytes}, {num_buffers}).")
@@ -101,6 +103,7 @@ class StagedFileWriter:
             self._free.put(i)
         self._full: queue.Queue[tuple[int, int, int] | None] = queue.Queue()
         self._error: BaseException | None = None
+        self._checksum, self.crc32 = checksum, 0  # CRC-32 of the bytes written so far (with `checksum`)
         self._cur, self._fill, self._buf_offset = 0, 0, 0
         self._closed = False
         self._thread = threading.Thread(target=self._drain, name=f"staged-writer:{self.path.name}", daemon=True)
@@ -109,9 +112,11 @@ class StagedFileWriter:
     # ---- writer thread ------------------------------------------------------------------------------
     def _drain(self) -> None:
         while (item := self._full.get()) is not None:
-            idx, nbytes, offset = item
+            idx, nbytes, offset, content = item
             try:
                 if self._error is None:
+                    if self._checksum:  # the bytes as they go out, while the producer fills the next buffer
+                        self.crc32 = zlib.crc32(self._views[idx][:content], self.crc32)
                     self._pwrite_all(self._views[idx][:nbytes], offset)
             except BaseException as e:  # noqa: BLE001  (handed to the producer, re-raised there)
                 self._error = e
@@ -150,9 +155,9 @@ class StagedFileWriter:
             raise OSError(code, f"background write failed: {os.strerror(code)}", os.fspath(self.path)) from err
 
     # ---- producer side ------------------------------------------------------------------------------
-    def _submit(self, nbytes: int) -> None:
+    def _submit(self, nbytes: int, content: int | None = None) -> None:
         self._raise_if_failed()
-        self._full.put((self._cur, nbytes, self._buf_offset))
+        self._full.put((self._cur, nbytes, self._buf_offset, nbytes if content is None else content))
         self._buf_offset += nbytes
 
     def _advance(self, n: int) -> None:
@@ -206,7 +211,7 @@ class StagedFileWriter:
                     if self.direct:  # O_DIRECT writes whole aligned blocks; the padding is truncated below
                         nbytes = min(_round_up(self._fill, self.align), self.buffer_bytes)
                         self._views[self._cur][self._fill:nbytes] = bytes(nbytes - self._fill)
-                    self._submit(nbytes)
+                    self._submit(nbytes, self._fill)
             finally:
                 self._stop()
             self._raise_if_failed()

@@ -19,8 +19,9 @@ each (``Response.versions``). Batches are sent on their own thread and, with D >
 (``rollout.pipeline.async_channels``), so the engines wait for the trainer only when they need a version it has not
 published.
 
-Signals are the trainer's business (it checkpoints and tells the engines to stop): SIGTERM/SIGUSR1/SIGINT are
-logged and otherwise ignored here, and the engines leave when the trainer says stop.
+Signals are the trainer's business (it checkpoints and tells the engines to stop): every signal the trainer answers
+(SIGTERM/SIGUSR1/SIGHUP/SIGINT, ``IGNORED_SIGNALS``) is logged and otherwise ignored here, and the engines leave
+when the trainer says stop (a SIGHUP that killed the engine ranks ended the job with 129 and no checkpoint).
 """
 
 from __future__ import annotations
@@ -36,9 +37,13 @@ from dapo_mcore.rollout.pipeline.async_channels import BatchSender, Received, Ve
 from dapo_mcore.rollout.pipeline.async_source import lead, unflatten_bucket
 from dapo_mcore.rollout.pipeline.bridge import Bridge
 from dapo_mcore.rollout.protocol import EngineError, WeightBucket
-from dapo_mcore.signals import faults
+from dapo_mcore.signals import faults, startup
 
 log = logging.getLogger(__name__)
+
+IGNORED_SIGNALS = tuple(sorted(startup.WATCHED))
+"""The stop signals the trainer answers (it checkpoints and tells the engines to stop); the engine ranks ignore them
+all: one of them killing an engine rank would end the job without the trainer's checkpoint."""
 
 __all__ = ["EngineLoop"]
 
@@ -78,7 +83,7 @@ class EngineLoop:
         self._versions: VersionReceiver | None = None
 
     def run(self) -> int:
-        previous = {sig: signal.signal(sig, self._ignore) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+        previous = {sig: signal.signal(sig, self._ignore) for sig in IGNORED_SIGNALS}
         try:
             self._loop()
         except _Stop:

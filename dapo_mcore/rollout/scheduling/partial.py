@@ -170,7 +170,11 @@ def join_partials(state: dict[str, Any], ckpt_dir: Any) -> None:
     if not path.is_file():
         raise UserError(f"checkpoint {ckpt_dir} names its partial rollouts in {ref['file']}, which is missing; restore "
                         f"the file or resume from another checkpoint.")
-    binary = torch.load(path, weights_only=True)
+    try:
+        binary = torch.load(path, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - a damaged file: one line naming it
+        raise UserError(f"checkpoint {ckpt_dir}: {ref['file']} cannot be read ({type(exc).__name__}); restore the "
+                        f"file or resume from another checkpoint.") from exc
     schedule["partials"] = [{**d, "responses": [{**r, "token_ids": _pack(r["token_ids"].tolist(), "<i4"),
                                                  "logprobs": _pack(r["logprobs"].tolist(), "<f8")}
                                                 for r in d["responses"]]} for d in binary]

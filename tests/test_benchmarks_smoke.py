@@ -1,0 +1,58 @@
+"""Benchmarks run in CI in their seconds-long ``--smoke`` mode, so one that no longer runs (an API it calls changed)
+fails here instead of rotting unseen. Each must end with a ``name: value`` line."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(args: list[str]) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(k, None)
+    done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    last = done.stdout.strip().splitlines()[-1]
+    assert re.match(r"^[a-z_]+: [0-9.]+", last), last
+    return done.stdout
+
+
+# Benchmarks without a --smoke flag, run at a few-seconds size through their own options.
+SMALL = {
+    "packing.py": ["--sequences", "64", "--dp", "2"],
+    "reward.py": ["--n", "200", "--workers", "1"],
+    "bridge_bytes.py": ["--prompts", "24", "--kept", "8", "--tokens", "64", "--trainer-ranks", "2"],
+}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("script", sorted(SMALL))
+def test_small_benchmarks_run(script):
+    _run([f"benchmarks/{script}", *SMALL[script]])
+
+
+@pytest.mark.unit
+def test_checkpoint_hash_smoke():
+    out = _run(["benchmarks/checkpoint_hash.py", "--smoke"])
+    assert "checkpoint_checksum_overhead:" in out
+
+
+@pytest.mark.distributed
+def test_weight_sync_smoke():  # two gloo ranks (torchrun)
+    out = _run(["benchmarks/weight_sync.py", "--smoke", "--port", str(_free_port())])
+    assert "export_over_serial_export:" in out  # the serial export (the TypeError) ran
