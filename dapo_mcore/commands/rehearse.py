@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from dapo_mcore.errors import UserError
+from dapo_mcore.model.hf_config import expert_count, is_moe
 
 __all__ = ["Rehearsal", "main", "shrink", "shrunk_model"]
 
@@ -122,7 +123,7 @@ def shrink(cfg: Any, hf: dict[str, Any], *, vllm_installed: bool, nproc: int | N
     """The rehearsal of the resolved recipe ``cfg`` (a Config) whose model is ``hf`` (its config.json)."""
     p, r, a = cfg.parallel, cfg.rollout, cfg.algo
     tiny = bool(cfg.model.tiny_base and not cfg.model.hf_path)
-    moe = hf.get("model_type") == "qwen3_moe"
+    moe = is_moe(hf)
     tp, pp, vpp, ep, dp, engines = _layout(cfg, moe, tiny, nproc)
     world = tp * pp * dp + engines
     sp = False  # the local layer spec (the only one on a CPU) has no sequence parallelism: TE's has
@@ -332,8 +333,8 @@ def rehearse(recipe: str, user_overrides: list[str], nproc: int | None, run_dir:
         print(f"rehearse {recipe}: FAILED at the resume (exit {second}): {_last_error(log)} (log: {log})")
         return 1
     hf = plan.hf or hf
-    family = hf["model_type"] + (f" ({hf['num_experts']} experts, top-{hf['num_experts_per_tok']})"
-                                 if "num_experts" in hf else "")
+    family = hf["model_type"] + (f" ({expert_count(hf)} experts, top-{hf['num_experts_per_tok']})"
+                                 if is_moe(hf) else "")
     print(f"rehearsed {recipe} on CPU in {time.monotonic() - start:.0f} s: {family}, {hf['num_hidden_layers']} "
           f"layers, {', '.join(plan.kept)} on {plan.world} gloo ranks with NCCL-on-CPU; {STEPS - 1} steps, rank "
           f"{killed_rank} killed (-9) at step {STEPS} (exit {first}), resumed and finished; model from {source}; "

@@ -76,6 +76,7 @@ class Components:
 
     def save(self, step: int) -> Path:
         from dapo_mcore.actor.checkpoint import save_checkpoint
+        from dapo_mcore.rollout.scheduling.partial import PARTIALS_FILE, split_partials
 
         rollout_state, extra = None, {}
         if not self.rollouts.colocated:
@@ -84,9 +85,12 @@ class Components:
             rollout_state, pending = self.rollouts.checkpoint_payload(step)
             if pending is not None:
                 extra[PENDING_FILE] = pending
-        return save_checkpoint(Path(self.cfg.run.dir) / "checkpoints", step, self.actor,
-                               self.trainer_state(step, rollout_state), self.cfg.checkpoint.keep_last,
-                               extra_files=extra)
+        state = self.trainer_state(step, rollout_state)
+        partials = split_partials(state)  # the buffered groups' tokens go to a binary file, not trainer_state.json
+        if partials is not None:
+            extra[PARTIALS_FILE] = partials
+        return save_checkpoint(Path(self.cfg.run.dir) / "checkpoints", step, self.actor, state,
+                               self.cfg.checkpoint.keep_last, extra_files=extra)
 
     def log_step(self, step: int, metrics: dict[str, Any], generated: list) -> None:
         """Per-phase seconds and the cost ledger join the step's metrics; rank 0 writes everything."""

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from dapo_mcore.actor.parallel import LaunchEnv, read_launch_env
 from dapo_mcore.config import Config, ConfigError, load_config, write_resolved
 from dapo_mcore.config.rules import expert_tensor_parallel
+from dapo_mcore.model.hf_config import is_moe
 from dapo_mcore.run.components import Components
 from dapo_mcore.run.directory import claim_run_dir
 from dapo_mcore.run.restore import adopt_checkpoint_padding, find_start_checkpoint, open_telemetry, restore
@@ -200,7 +201,7 @@ def _build_engine(cfg: Config, hf_dir: Path | None, hf_config: dict[str, Any], t
             dtype=cfg.model.params_dtype, seed=cfg.train.seed, max_prompt_len=cfg.data.max_prompt_len,
             stop_token_ids=stops.ids, load_format="dummy",  # build_components syncs every weight from the actor before the first generation
             return_routed_experts=cfg.algo.router_replay == "rollout", instances=v.engines == "instances",
-            expert_parallel=bool(hf_config.get("num_experts")))
+            expert_parallel=is_moe(hf_config))
         return VLLMEngine(options, hf_config)
     from transformers import AutoConfig, AutoModelForCausalLM
 

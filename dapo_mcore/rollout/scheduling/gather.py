@@ -136,18 +136,32 @@ def broadcast_shares(indices: Sequence[int], results: Sequence[Sequence[Response
     Routed experts (MoE routing replay) stay with their sender, and also reach rank ``routes_to`` when given (the
     async engines' rank 0, which sends the whole batch to the trainer).
     """
+    return exchange_shares(indices, results, sender, False, chunk_elems, routes_to)[0]
+
+
+def exchange_shares(indices: Sequence[int], results: Sequence[Sequence[Response]], sender: bool, flag: bool,
+                    chunk_elems: int = CHUNK_ELEMS, routes_to: int | None = None
+                    ) -> tuple[list[dict[int, list[Response]]], int]:
+    """``broadcast_shares`` and how many ranks raised ``flag`` (e.g. "my engine still runs"), in the same size
+    all-gather: a streamed tick whose groups are all still running costs that one collective (an empty share is
+    not broadcast)."""
     device = collective_device()
-    if sender:
+    if sender and len(indices):
         ints, floats = pack_responses(indices, results)
-    else:
+    else:  # nothing to send: its share is empty on every rank without a broadcast
         ints, floats = torch.zeros(0, dtype=torch.int64), torch.zeros(0)
-    sizes = device.to(torch.tensor([int(sender), ints.numel(), floats.numel()], dtype=torch.int64))
-    all_sizes = [device.empty(3, torch.int64) for _ in range(dist.get_world_size())]
+    sizes = device.to(torch.tensor([int(sender), ints.numel(), floats.numel(), int(flag)], dtype=torch.int64))
+    all_sizes = [device.empty(4, torch.int64) for _ in range(dist.get_world_size())]
     dist.all_gather(all_sizes, sizes)
     me = dist.get_rank()
     out = []
-    for src, (is_sender, n_int, n_float) in enumerate(device.host(s).tolist() for s in all_sizes):
+    table = [device.host(s).tolist() for s in all_sizes]
+    flagged = sum(row[3] for row in table)
+    for src, (is_sender, n_int, n_float, _) in enumerate(table):
         if not is_sender:
+            continue
+        if n_int == 0:
+            out.append({})
             continue
         got_i = _broadcast_chunked(ints if src == me else None, n_int, torch.int64, src, device, chunk_elems)
         got_f = _broadcast_chunked(floats if src == me else None, n_float, torch.float32, src, device, chunk_elems)
@@ -157,7 +171,7 @@ def broadcast_shares(indices: Sequence[int], results: Sequence[Sequence[Response
         if routes_to is not None and src != routes_to and me in (src, routes_to):
             _route_to(share, src, routes_to, device)
         out.append(share)
-    return out
+    return out, flagged
 
 
 def _route_to(share: dict[int, list[Response]], src: int, dst: int, device: Any) -> None:
