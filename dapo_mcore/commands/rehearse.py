@@ -179,6 +179,7 @@ def shrink(cfg: Any, hf: dict[str, Any], *, vllm_installed: bool, nproc: int | N
         *model, "model.layer_spec=local", "model.fp8.enabled=false",
         f"parallel.tensor_parallel={tp}", f"parallel.pipeline_parallel={pp}",
         f"parallel.virtual_pipeline={vpp if vpp else 'null'}", f"parallel.expert_parallel={ep}",
+        *([f"parallel.expert_tensor_parallel={min(p.expert_tensor_parallel, tp)}"] if moe else []),
         f"parallel.sequence_parallel={str(sp).lower()}", "parallel.distributed_optimizer=false",
         "parallel.backend=gloo", "parallel.timeout_minutes=5", "parallel.offload_for_rollout=false",
         f"rollout.engine={engine}", f"rollout.gen_batch_prompts={prompts}",
