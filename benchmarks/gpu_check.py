@@ -57,7 +57,7 @@ def gpu_plan() -> Plan:
         bench_models=(("qwen2.5-0.5b", "qwen2.5-0.5b", {}),),
         bench_budgets=(8192, 16384), bench_seq_len=1024, bench_minibatch_tokens=32768, bench_iters=2,
         matmul_n=8192, tiny_steps=8, tiny_overrides=(),
-        pytest_paths=("tests/test_gpu_actor.py", "tests/test_gpu_tiny_run.py"), budget_s=240.0,
+        pytest_paths=("tests/test_gpu_actor.py", "tests/test_gpu_tiny_run.py", "tests/test_gpu_paths.py"), budget_s=240.0,
         caps={"env": 30, "lora": 30, "parity": 60, "throughput": 75, "pytest": 60, "tiny": 70},
         floors={"env": 5, "lora": 10, "parity": 30, "throughput": 40, "pytest": 30, "tiny": 40})
 
@@ -68,7 +68,7 @@ def smoke_plan() -> Plan:
         smoke=True, parity_preset="tiny", parity_overrides={}, parity_prompts=3, parity_n=2, parity_prompt_len=6,
         parity_new_tokens=8, bench_models=(("tiny", "tiny", {}), ("tiny-wide", "tiny", tiny_wide)),
         bench_budgets=(64, 128), bench_seq_len=32, bench_minibatch_tokens=256, bench_iters=1, matmul_n=256,
-        tiny_steps=1, pytest_paths=("tests/test_gpu_actor.py", "tests/test_gpu_tiny_run.py"), budget_s=300.0,
+        tiny_steps=1, pytest_paths=("tests/test_gpu_actor.py", "tests/test_gpu_tiny_run.py", "tests/test_gpu_paths.py"), budget_s=300.0,
         tiny_overrides=("tiny_base.steps=4", "eval.at_start=false", "eval.k=1", "train.prompts_per_step=4",
                         "rollout.gen_batch_prompts=4", "rollout.n=4", "algo.dynamic_sampling=false"),
         caps={s: 120 for s in SECTIONS}, floors={s: 5 for s in SECTIONS})

@@ -145,11 +145,15 @@ class Trainer:
         samples = []
         for gi, g in enumerate(groups):
             for ri, resp in enumerate(g.responses):
-                mask = torch.ones(resp.length)
+                # tool output (multi-turn) is not the model's: it counts in no loss, denominator or metric
+                model = (torch.ones(resp.length, dtype=torch.bool) if resp.loss_mask is None
+                         else torch.tensor(resp.loss_mask, dtype=torch.bool))
+                mask = model.float()
                 if a.overlong_filter and resp.finish_reason == "length":
                     mask = torch.zeros(resp.length)
                 samples.append(TrainSample(g.prompt_ids, list(resp.token_ids), float(adv[gi, ri]), loss_mask=mask,
                                            extra={"engine_logp": torch.tensor(resp.logprobs, dtype=torch.float32),
+                                                  "model_tokens": model,
                                                   "stale_tokens": resp.stale_tokens, "versions": resp.versions,
                                                   "routed_experts": resp.routed_experts}))
         return samples
@@ -170,9 +174,12 @@ class Trainer:
         flat_a, flat_e = torch.cat(actor_lp).unsqueeze(0), torch.cat(engine_lp).unsqueeze(0)
         stale = torch.cat([torch.arange(len(lp)) < s.extra.get("stale_tokens", 0) for s, lp in zip(samples, actor_lp,
                                                                                             strict=True)]).unsqueeze(0)
-        out = mismatch_metrics(flat_e, flat_a, ~stale, self.cfg.algo.tis_cap)
+        model = torch.cat([s.extra.get("model_tokens", torch.ones(len(lp), dtype=torch.bool))  # tool tokens: NaN
+                           for s, lp in zip(samples, actor_lp, strict=True)]).unsqueeze(0)
+        out = mismatch_metrics(flat_e, flat_a, ~stale & model, self.cfg.algo.tis_cap)
         if bool(stale.any()):
-            out.update(MismatchStats.from_tensors(flat_e, flat_a, stale, self.cfg.algo.tis_cap).metrics("partial/"))
+            out.update(MismatchStats.from_tensors(flat_e, flat_a, stale & model, self.cfg.algo.tis_cap
+                                                  ).metrics("partial/"))
         if self.p.actor.routing_mismatch is not None:  # MoE: experts used vs the engine's
             out["moe/routing_mismatch_frac"] = self.p.actor.routing_mismatch
         return {**out, **corr_metrics}
@@ -243,6 +250,11 @@ class Trainer:
         with p.timer.phase("sync_weights"):
             self.sync_weights()
         metrics = self._step_metrics(groups, generated, stats, samples, train_metrics, mismatch)
+        if self.cfg.rollout.tools.enabled:  # calls (the ledger's counters) and calls per response, error rate, acc
+            from dapo_mcore.rollout.multiturn.stats import tool_metrics
+
+            metrics.update(batch.tools)
+            metrics.update(tool_metrics((g.responses, g.acc) for g in generated))
         if batch.policy_version is not None:
             metrics.update(self._pipeline_metrics(batch, samples))
             late = p.rollouts.late_eval()  # async: an evaluation the engines ran while the trainer trained

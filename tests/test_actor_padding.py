@@ -107,3 +107,24 @@ def test_one_shape_for_every_micro_batch_under_virtual_pipeline_stages(layout):
         # already as large: nothing added
         same = build_micro_batch(prompts, responses, layout=layout, min_rows=r, min_len=s)
         assert same.tokens.shape == plain.tokens.shape
+
+
+def test_padding_forms_segments_no_longer_than_the_longest_sequence():
+    """Under virtual pipeline stages a small micro-batch is padded to the largest one's length. The padding was one
+    trailing THD segment (attention quadratic in its length, and ``max_seqlen`` raised to it); now segments of at
+    most the longest real sequence, so the pad costs no more per token than the real sequences."""
+    from dapo_mcore.actor.batch import pad_segments
+
+    prompts, responses = [[5, 6, 7], [8, 9]], [[10, 11, 12, 13], [14]]  # lengths 7 and 3
+    for layout in ("thd", "packed"):
+        mb = build_micro_batch(prompts, responses, layout=layout, min_len=40)
+        assert mb.tokens.shape == (1, 40) and mb.num_tokens == 10
+        if layout == "thd":
+            p = mb.packed_seq_params
+            seg = (p.cu_seqlens_q[1:] - p.cu_seqlens_q[:-1]).tolist()
+            assert seg == [7, 3, 7, 7, 7, 7, 2] and p.max_seqlen_q == p.max_seqlen_kv == 7
+        else:  # the CPU mask: each pad token sees only its own segment, causally
+            visible = (~mb.attention_mask[0, 0]).sum(dim=1).tolist()
+            assert visible[10:] == [*range(1, 8)] * 4 + [1, 2]
+        assert mb.position_ids[0, 10:].tolist() == [*range(7)] * 4 + [0, 1]
+    assert pad_segments(0, 5) == [] and pad_segments(12, 5) == [5, 5, 2] and sum(pad_segments(1000, 7)) == 1000

@@ -1,5 +1,6 @@
 """The actor with virtual pipeline stages (PP=2 x VPP=2) against PP=2 without them, from the same HF weights on two
-gloo ranks: the same log-probs, the same DAPO update (loss, grad norm) and the same weights after it.
+gloo ranks: the same log-probs, the same DAPO update (loss, grad norm) and the same weights after it, with the
+interleaved schedule's transfers overlapped with compute (``overlap_p2p_comm``).
 
 Before, the update either deadlocked (Megatron's interleaved schedule with a shape handshake per micro-batch) or, with
 one shape, was silently wrong (batched p2p at PP=2 swapped gradients and activations): grad norm 13.6 against 3.25.
@@ -27,6 +28,8 @@ def test_virtual_pipeline_stages_train_like_the_plain_pipeline(tmp_path, cli_env
         got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         plain, vpp = got["pp2"], got["pp2_vpp2"]
         assert plain["micro_batches"] == 3 and vpp["micro_batches"] == 4  # a multiple of PP under VPP
+        # the interleaved schedule overlaps its transfers with compute (Megatron refuses it without interleaving)
+        assert vpp["overlap_p2p_comm"] is True and plain["overlap_p2p_comm"] is False
         for a, b in zip(plain["logp"], vpp["logp"], strict=True):
             torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
         for key in ("loss", "grad_norm", "entropy"):

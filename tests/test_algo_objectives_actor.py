@@ -20,8 +20,8 @@ from tests.dist_scripts.harness import HERE, TEMPERATURE, _launch, _wait, _write
 
 pytestmark = pytest.mark.distributed
 
-VARIANTS = ("gspo", "cispo", "rloo")
-CLIPS = {"gspo": (0.05, 0.05), "cispo": (1.0, 0.2), "rloo": (0.2, 0.28)}
+VARIANTS = ("gspo", "cispo", "rloo", "tools")
+CLIPS = {"gspo": (0.05, 0.05), "cispo": (1.0, 0.2), "rloo": (0.2, 0.28), "tools": (0.2, 0.28)}
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +42,10 @@ def runs():
                "hf": _hf_grad_norms(ws, spec)}
 
 
-def _padded(spec: dict, logps: list[torch.Tensor]):
-    batch = spec["update1"]
+def _padded(spec: dict, logps: list[torch.Tensor], variant: str):
+    import tests.dist_scripts.objectives_actor as script
+
+    batch = script.with_tool_spans(spec["update1"]) if variant == "tools" else spec["update1"]
     width = max(len(s["response"]) for s in batch)
     old = torch.zeros(len(batch), width, dtype=torch.float64)
     mask = torch.zeros(len(batch), width, dtype=torch.float64)
@@ -59,6 +61,11 @@ def naive_loss(variant: str, logp, old, adv, mask):
     lo, hi = CLIPS[variant]
     if variant == "rloo":  # ppo_clip on leave-one-out advantages
         return test_algo_loss.naive(logp, old, adv, mask, lo, hi, None, "token-mean", 1)[0]
+    if variant == "tools":  # a loop over the model's tokens only; bypass: token IS min(pi_theta / pi_engine, cap)
+        import tests.dist_scripts.objectives_actor as script
+
+        tis = torch.exp(logp.detach() - old).clamp(max=script.TIS_CAP)
+        return test_algo_loss.naive(logp, old, adv, mask, lo, hi, None, "token-mean", 1, tis=tis)[0]
     agg = "seq-mean-token-mean" if variant == "gspo" else "token-mean"
     return test_algo_objectives.naive(variant, logp, old, adv, mask, lo, hi, agg)[0]
 
@@ -79,7 +86,7 @@ def _hf_grad_norms(ws: Path, spec: dict) -> dict[str, float]:
             logits = hf(torch.tensor([s["prompt"] + s["response"]])).logits[0] / TEMPERATURE
             rows = torch.log_softmax(logits[len(s["prompt"]) - 1: len(s["prompt"]) - 1 + len(s["response"])], -1)
             logps.append(rows.gather(-1, torch.tensor(s["response"]).unsqueeze(-1)).squeeze(-1))
-        logp, old, mask = _padded(spec, logps)
+        logp, old, mask = _padded(spec, logps, variant)
         estimator = script.VARIANTS[variant][1]
         adv = group_advantages(torch.tensor(script.REWARDS, dtype=torch.float64), norm_by_std=estimator == "grpo",
                                estimator=estimator).reshape(-1)
@@ -118,7 +125,7 @@ def test_pipeline_parallel_packed_update_matches(runs, variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_loss_equals_the_naive_loop_on_the_actors_logprobs(runs, variant):
     res = runs["one"][(variant, 1)]
-    logp, old, mask = _padded(runs["spec"], res["logp"])
+    logp, old, mask = _padded(runs["spec"], res["logp"], variant)
     ref = naive_loss(variant, logp, old, torch.tensor(res["adv"], dtype=torch.float64), mask)
     assert res["metrics"]["loss"] == pytest.approx(float(ref), rel=1e-5, abs=1e-7)
     assert 0 < res["metrics"]["clipfrac"] < 1  # the clip binds on part of the batch
@@ -132,6 +139,6 @@ def test_gradient_norm_equals_the_naive_loop_through_hugging_face(runs, variant)
 
 
 def test_the_objectives_give_different_gradients(runs):
-    """Guard: the three variants do not collapse into one (each objective reached the loss)."""
+    """Guard: the variants do not collapse into one (each objective reached the loss)."""
     grads = [runs["one"][(v, 1)]["grad"] for v in VARIANTS]
-    assert min(_rel(grads[i], grads[j]) for i in range(3) for j in range(i + 1, 3)) > 1e-2
+    assert min(_rel(grads[i], grads[j]) for i in range(4) for j in range(i + 1, 4)) > 1e-2

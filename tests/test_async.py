@@ -260,9 +260,19 @@ def test_rebucket_and_flatten_round_trip_mixed_dtypes():
     assert [[n for n, _ in b] for b in out] == [["a", "b"], ["c"], ["d"]]
     for bucket in out:
         meta, flat = flatten_bucket(bucket)
-        assert flat.dtype == torch.uint8 and flat.numel() == sum(t.numel() * t.element_size() for _, t in bucket)
+        assert flat.dtype == torch.uint8 and flat.numel() == sum(-(-t.numel() * t.element_size() // 16) * 16
+                                                                 for _, t in bucket)
         for (name, want), (got_name, got) in zip(bucket, unflatten_bucket(meta, flat.clone()), strict=True):
             assert name == got_name and got.dtype == want.dtype and torch.equal(got, want)
+    # A bf16 tensor of odd length before an fp32 one: the fp32 view started at byte 6, which torch refuses ("must be
+    # divisible by 4") and a GPU kernel would read unaligned; each tensor now starts at a multiple of 16 bytes.
+    odd = [("x", torch.ones(3, dtype=torch.bfloat16)), ("y", torch.arange(4, dtype=torch.float32)),
+           ("z", torch.arange(3, dtype=torch.int64))]
+    meta, flat = flatten_bucket(odd)
+    flat = flat.clone()
+    got = unflatten_bucket(meta, flat)
+    assert [(t.data_ptr() - flat.data_ptr()) % 16 for _, t in got] == [0, 0, 0]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(odd, got, strict=True))
 
 
 def test_raising_train_steps_on_a_finished_run_trains_the_new_steps(reference, cli_env, tmp_path):

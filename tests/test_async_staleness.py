@@ -175,8 +175,8 @@ def test_bypass_stays_accepted_one_version_behind():
 
 @pytest.mark.unit
 def test_the_version_receiver_stages_at_most_its_bound_ahead_and_hands_the_stop_on():
-    """K = 3 (lead 3): at most 2 versions wait on the host beyond the one the engines hold; each take lets one more
-    in, in order; the trainer's stop reaches every later take."""
+    """K = 3 (lead 3): at most 2 versions on the host, the one being loaded included; each version loaded and
+    released lets one more in, in order; the trainer's stop reaches every later take."""
     import threading
     import time
 
@@ -203,9 +203,16 @@ def test_the_version_receiver_stages_at_most_its_bound_ahead_and_hands_the_stop_
     settle(2)
     assert received == [0, 1]
     (header, _, _), _ = rx.take()
+    settle(0)
+    assert header["version"] == 0 and received == [0, 1]  # version 0 is still being loaded: no third copy
+    rx.release()
     settle(1)
-    assert header["version"] == 0 and received == [0, 1, 2]
-    assert [rx.take()[0][0]["version"] for _ in range(3)] == [1, 2, 3]
+    assert received == [0, 1, 2]
+    versions = []
+    for _ in range(3):
+        versions.append(rx.take()[0][0]["version"])
+        rx.release()
+    assert versions == [1, 2, 3]
     for _ in range(2):
         with pytest.raises(Stop):
             rx.take()

@@ -51,8 +51,11 @@ def test_two_engine_groups_stream_buffer_and_resume_exactly(cli_env, tmp_path, o
     stopped = tmp_path / "stopped"
     first = _train(stopped, 1, cli_env, order)
     assert first.returncode == 0, first.stderr[-3000:]
-    state = json.loads((stopped / "checkpoints" / "step_000001" / "trainer_state.json").read_text())
-    assert len(state["schedule"]["partials"]) == resumed[2]
+    ckpt = stopped / "checkpoints" / "step_000001"
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    # the buffered groups are in a binary file beside trainer_state.json, which only names it
+    assert state["schedule"]["partials"] == {"file": "partials.pt", "groups": resumed[2]}
+    assert (ckpt / "partials.pt").is_file()
     second = _train(stopped, 3, cli_env, order)
     assert second.returncode == 0, second.stderr[-3000:]
     for key in ("train/loss", "train/grad_norm", "rollout/acc_mean", "sampling/groups_resumed",

@@ -225,6 +225,15 @@ def test_every_tp_shard_of_every_adapter_is_in_the_checkpoint(runs):
         assert v.shape == runs["adapter"][k].shape, k
 
 
+def test_a_flipped_byte_in_an_adapter_file_is_found_on_resume(runs):
+    """The adapters' files are checked against the checkpoint's checksum table like every file of it: a flipped
+    byte raises DamagedFileError (which makes a resume fall back to the older checkpoint) on every rank."""
+    for name, rank, res in _each(runs, RESUMED):
+        msg = res["damaged_adapter"]
+        assert msg is not None, (name, rank, "a damaged adapter file was loaded")
+        assert "lora/" in msg, (name, rank, msg)
+
+
 def test_a_resume_on_another_base_is_refused_in_one_line(runs):
     for name, _rank, res in _each(runs, RESUMED):
         msg = res["other_base"]

@@ -50,6 +50,7 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
     out["result"] = _probe("dapo_mcore.probe", "dist.all_reduce(d.to(torch.ones(2)) * 2)", d=device)
     out["correction"] = _correction(rank)
     out["p2pop"] = type(dist.P2POp(dist.isend, torch.zeros(1), (rank + 1) % world)).__name__  # Megatron's pipeline
+    out.update(_point_to_point(rank, world, device))
     replay = RouterReplay([], (), replay=False)
     replay.differ, replay.counted = float(rank), 10.0
     syncs = device.syncs
@@ -61,6 +62,43 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
     out["syncs"] = device.syncs - syncs
     dist.destroy_process_group()
     queue.put((rank, out))
+
+
+_EXCHANGE = """
+peer = (me + 1) % world
+sent = make(torch.full((3,), float(me)))
+got = make(torch.zeros(3))
+ops = [dist.P2POp(dist.isend, sent, peer, group=g), dist.P2POp(dist.irecv, got, peer, group=g)]
+for work in dist.batch_isend_irecv(ops):
+    work.wait()
+assert host(got).tolist() == [float(peer)] * 3
+"""
+
+_PAIR = """
+a = dist.{first}(torch.ones(1), (me + 1) % world)
+b = dist.{second}(torch.ones(1), (me + 1) % world)
+a.wait()
+b.wait()
+"""
+
+
+def _point_to_point(rank: int, world: int, device) -> dict[str, str]:
+    """The route exchange's ops (``batch_isend_irecv`` of ``P2POp``s) and plain isend/irecv, from a module of ours and
+    from Megatron's; a refusal comes before anything is posted, on both ranks alike, so nothing is left waiting."""
+    import torch
+
+    cpu = {"make": lambda t: t, "host": lambda t: t, "me": rank, "world": world, "g": None}
+    moved = {**cpu, "make": device.to, "host": device.host}
+    return {
+        "batch_cpu": _probe("dapo_mcore.probe", _EXCHANGE, **cpu),
+        "batch_moved": _probe("dapo_mcore.probe", _EXCHANGE, **moved),
+        "batch_megatron": _probe("megatron.core.probe", _EXCHANGE, **cpu),
+        # each pairs with the peer's, so the old check (which let them through) returns instead of leaving one posted
+        "isend_cpu": _probe("dapo_mcore.probe", _PAIR.format(first="isend", second="irecv"), **cpu),
+        "irecv_cpu": _probe("dapo_mcore.probe", _PAIR.format(first="irecv", second="isend"), **cpu),
+        "isend_gloo_group": _probe("dapo_mcore.probe", _EXCHANGE, **{
+            **cpu, "g": torch.distributed.new_group(list(range(world)), backend="gloo")}),
+    }
 
 
 ONCE_EXEMPT = ("dapo_mcore.weights.export", "conversion.verify", "dapo_mcore.algo.rollout_correction")
@@ -102,6 +140,17 @@ def test_what_the_check_lets_through(ranks):
     for out in ranks.values():
         assert out["moved"] == out["megatron"] == out["gloo_group"] == "ok"
         assert out["p2pop"] == "P2POp"  # P2POp checks isend's identity: the check must not wrap it
+
+
+def test_point_to_point_ops_of_ours_are_checked_and_megatrons_pass(ranks):
+    """The route exchange's ``batch_isend_irecv`` of CPU tensors, and plain ``isend``/``irecv``, were let through (only
+    send/recv were wrapped); Megatron's pipeline ops (and ours on a gloo-on-purpose group) still run and deliver."""
+    for out in ranks.values():
+        for key in ("batch_cpu", "isend_cpu", "irecv_cpu"):
+            assert out[key].startswith("No backend type associated with device type cpu"), (key, out[key])
+            assert "dapo_mcore.probe" in out[key]
+        assert "batch_isend_irecv (isend)" in out["batch_cpu"] and "p2p_op_list[0].tensor" in out["batch_cpu"]
+        assert out["batch_moved"] == out["batch_megatron"] == out["isend_gloo_group"] == "ok"
 
 
 def test_the_once_exempt_modules_are_checked(ranks):

@@ -117,13 +117,23 @@ def _rows(seqs, p_lens, r_lens, pad_id, pad_to_multiple, min_rows: int = 0, min_
     return MicroBatch(tokens, positions, causal, targets, row, col, mask, num_tokens=sum(map(len, seqs)))
 
 
+def pad_segments(pad: int, longest: int) -> list[int]:
+    """The lengths of the segments ``pad`` trailing padding tokens form: none longer than the longest real sequence.
+    One segment as long as the padding (the largest micro-batch's shape under virtual pipeline stages can be many
+    times a small one's) would cost attention quadratic in its length and raise ``max_seqlen``; segments of at most
+    ``longest`` cost no more per token than the real sequences and leave ``max_seqlen`` the real one's."""
+    longest = max(longest, 1)
+    return [longest] * (pad // longest) + ([pad % longest] if pad % longest else [])
+
+
 def _packed(seqs, p_lens, r_lens, pad_id, pad_to_multiple, thd: bool, min_len: int = 0) -> MicroBatch:
     lens = [len(x) for x in seqs]
     total = sum(lens)
     s = _round_up(max(total, min_len), pad_to_multiple)
+    pads = pad_segments(s - total, max(lens))
     flat = [t for x in seqs for t in x] + [pad_id] * (s - total)
     tokens = torch.tensor(flat, dtype=torch.long).unsqueeze(0)
-    positions = torch.cat([torch.arange(n) for n in lens] + [torch.arange(s - total)]).unsqueeze(0)
+    positions = torch.cat([torch.arange(n) for n in lens + pads]).unsqueeze(0)
     targets = torch.zeros_like(tokens)
     targets[:, :-1] = tokens[:, 1:]
     starts = [0]
@@ -134,14 +144,14 @@ def _packed(seqs, p_lens, r_lens, pad_id, pad_to_multiple, thd: bool, min_len: i
         from megatron.core.packed_seq_params import PackedSeqParams
 
         bounds = starts + [total]
-        if s > total:  # trailing pad forms its own segment so no real sequence attends to it
-            bounds.append(s)
+        for n in pads:  # trailing pad forms segments of its own so no real sequence attends to it
+            bounds.append(bounds[-1] + n)
         cu = torch.tensor(bounds, dtype=torch.int32)
         max_len = int((cu[1:] - cu[:-1]).max())
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                  max_seqlen_q=max_len, max_seqlen_kv=max_len)
         return MicroBatch(tokens, positions, None, targets, row, col, mask, params, num_tokens=total)
-    segment = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)] + [torch.full((s - total,), len(lens))])
+    segment = torch.cat([torch.full((n,), i) for i, n in enumerate(lens + pads)])
     same = segment.unsqueeze(0) == segment.unsqueeze(1)
     causal = torch.ones(s, s, dtype=torch.bool).tril()
     attention_mask = (~(same & causal)).view(1, 1, s, s)

@@ -378,7 +378,7 @@ def load_checkpoint(ckpt: Path, actor, *, weights_only: bool = False) -> dict[st
     optim_dir = ckpt / "optim"
     saved_dist = any(optim_dir.glob("*_dist.pt"))
     if actor.lora is not None:
-        return _load_lora_checkpoint(ckpt, actor, weights_only, same_layout)
+        return _load_lora_checkpoint(ckpt, actor, manifest, weights_only, same_layout)
     if not weights_only and not optim_state.has_canonical_state(optim_dir) and not same_layout:
         raise CheckpointError(
             f"checkpoint {ckpt} was saved at tp={saved.tp} pp={saved.pp} vpp={saved.vpp} on {world} ranks with "
@@ -406,10 +406,12 @@ def load_checkpoint(ckpt: Path, actor, *, weights_only: bool = False) -> dict[st
     return json.loads((ckpt / "trainer_state.json").read_text())
 
 
-def _read_checked(ckpt: Path, manifest: dict[str, Any] | None, actor, weights_only: bool):
+def _read_checked(ckpt: Path, manifest: dict[str, Any] | None, actor, weights_only: bool,
+                  also: tuple[str, ...] = ()):
     """Read the optimizer state (first: a failure must leave the model untouched) and load the model, checking each
-    file this rank reads against the manifest as it is read; the ranks then agree: if any found damage, all raise
-    DamagedFileError naming it (a resume then falls back to an older checkpoint). Returns the optimizer's setter."""
+    file this rank reads against the manifest as it is read (and the files `also` names, relative to `ckpt`: what a
+    caller reads after); the ranks then agree: if any found damage, all raise DamagedFileError naming it (a resume
+    then falls back to an older checkpoint). Returns the optimizer's setter."""
     optim_dir = ckpt / "optim"
     scope = wckpt.checking_reads(ckpt, manifest["files"]) if manifest else contextlib.nullcontext()
     damage, apply_optimizer = [], None
@@ -418,7 +420,8 @@ def _read_checked(ckpt: Path, manifest: dict[str, Any] | None, actor, weights_on
             tp_rank, pp_rank, _ = _ranks()
             for small in ("trainer_state.json", f"model/{wckpt.METADATA_FILE}", f"optim/{optim_state.STEP_FILE}",
                           f"rng/rank_{_rank():05d}.pt", "rng/rank_00000.pt",  # the one _restore_rng reads
-                          f"optim/{shard_name(tp_rank, pp_rank)}.pt", f"optim/{shard_name(tp_rank, pp_rank)}_dist.pt"):
+                          f"optim/{shard_name(tp_rank, pp_rank)}.pt", f"optim/{shard_name(tp_rank, pp_rank)}_dist.pt",
+                          *also):
                 if check is not None and (ckpt / small).is_file():
                     check.verify(ckpt / small)
             if not weights_only and optim_state.has_canonical_state(optim_dir):
@@ -436,15 +439,16 @@ def _read_checked(ckpt: Path, manifest: dict[str, Any] | None, actor, weights_on
     return apply_optimizer
 
 
-def _load_lora_checkpoint(ckpt: Path, actor, weights_only: bool, same_layout: bool) -> dict[str, Any]:
-    """A LoRA run's resume: the base identity and the adapters are checked first, then the base, the adapters and
-    their optimizer state are set (any layout: everything is canonical)."""
+def _load_lora_checkpoint(ckpt: Path, actor, manifest: dict[str, Any] | None, weights_only: bool,
+                          same_layout: bool) -> dict[str, Any]:
+    """A LoRA run's resume: the base identity and the adapters are checked first, then the base (its files checked
+    against the manifest as they are read, the adapters' files too: damage falls back like any checkpoint's), the
+    adapters and their optimizer state are set (any layout: everything is canonical)."""
     from dapo_mcore.actor import lora_state
 
     lora_state.check_lora(ckpt, actor)
-    load_megatron_checkpoint_into_model(actor.chunks, ckpt / "model", reshard=True,
-                                        make_vocab_size_divisible_by=actor.s.make_vocab_size_divisible_by,
-                                        vocab_padding=actor.s.vocab_padding)
+    adapters = tuple(sorted(str(f.relative_to(ckpt)) for f in (ckpt / "lora").rglob("*") if f.is_file()))
+    _read_checked(ckpt, manifest, actor, weights_only=True, also=adapters)
     lora_state.load_lora(ckpt, actor, weights_only=weights_only)
     _restore_rng(ckpt, same_layout)
     _barrier()

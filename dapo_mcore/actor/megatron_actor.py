@@ -184,6 +184,9 @@ class MegatronActor:
             # activations of one shape swapped places (a silently wrong update, measured: tests/test_actor_vpp.py).
             # Megatron's unbatched path orders even and odd stages to match (Megatron-LM's VPP default too).
             tconfig.batch_p2p_comm = False
+            # The interleaved schedule then posts the next transfer before this chunk's compute and waits for it
+            # after (Megatron's overlap_p2p_comm: interleaved schedules only, and never with batch_p2p_comm).
+            tconfig.overlap_p2p_comm = True
         self.tconfig = tconfig
         chunks = build_gpt_model(settings.hf_config, tconfig, spec=settings.layer_spec,
                                  make_vocab_size_divisible_by=settings.make_vocab_size_divisible_by,

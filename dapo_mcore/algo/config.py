@@ -97,7 +97,8 @@ class AlgoConfig:
     """MoE models: "rollout" = rollout routing replay (R3): the trainer's routers use the experts the rollout engine
     routed each token to (transformers engine), in the old-log-prob and training passes; gates stay the trainer's
     (so the router keeps its gradient). "none" = the trainer routes itself; moe/routing_mismatch_frac shows how often
-    that differs from the engine."""
+    that differs from the engine where the engine records its routes anyway (the transformers engine does; vLLM
+    captures them only with replay on, so with vLLM and "none" the metric is not logged)."""
 
     preset: str | None = None
     """A named objective recipe (PRESETS: dapo, grpo, gspo, cispo) setting objective, clip_low, clip_high,

@@ -197,7 +197,9 @@ def policy_loss(
         logp: ``[B, T]`` log-probs of the sampled tokens under the current policy (requires grad).
         old_logp: ``[B, T]`` log-probs under the policy that generated the batch (no grad).
         advantages: ``[B, T]`` or ``[B]`` advantages (the outcome advantage broadcast to every token).
-        mask: ``[B, T]`` 1 on real response tokens, 0 on padding (and on overlong-filtered rows).
+        mask: ``[B, T]`` 1 on the response tokens the model sampled, 0 on padding, on overlong-filtered rows and on
+            tool-output tokens (multi-turn rollouts: ``TrainSample.loss_mask``). A masked token's ``old_logp``
+            and ``tis_weights`` are never read (NaN allowed): it counts in no loss, metric or denominator.
         clip_low, clip_high: ratio clipped to ``[1 - clip_low, 1 + clip_high]`` (DAPO: 0.2, 0.28; GSPO: 3e-4, 4e-4
             on the sequence ratio; CISPO: the importance weight's bounds).
         dual_clip_c: for A < 0, cap the token loss at ``-A * c`` (c > 1); None disables it (ppo_clip only).
@@ -226,12 +228,16 @@ def policy_loss(
     mask = mask.to(logp.dtype)
     if keep is not None:
         mask = mask * keep.detach().to(logp.dtype)
-    old_logp = old_logp.detach()
+    # A masked-out token never enters the arithmetic: a tool-output token's engine log-prob is NaN (bypass mode
+    # uses it as old_logp), and NaN * 0 is NaN in the value and in the gradient. Give it ratio 1 and weight 1.
+    counted = mask > 0
+    old_logp = torch.where(counted, old_logp.detach().to(logp.dtype), logp.detach())
     advantages = advantages.detach().to(logp.dtype).expand_as(logp)
     token_loss, clip_active, dual_active, ratio = objective_token_loss(objective, logp, old_logp, advantages, mask,
                                                                    clip_low, clip_high, dual_clip_c)
     if tis_weights is not None:
-        token_loss = token_loss * tis_weights.detach().to(logp.dtype)
+        tis_weights = torch.where(counted, tis_weights.detach().to(logp.dtype), 1.0)
+        token_loss = token_loss * tis_weights
     loss = agg_fn(token_loss, mask, global_tokens=global_tokens, global_seqs=global_seqs,
                   max_response_len=max_response_len)
 
@@ -247,7 +253,7 @@ def policy_loss(
         "ppo_kl": ((old_logp - logp.detach()) * mask).sum() / global_tokens,
     }
     if tis_weights is not None:
-        metrics["tis_weight"] = (tis_weights.detach().to(logp.dtype) * mask).sum() / global_tokens
+        metrics["tis_weight"] = (tis_weights * mask).sum() / global_tokens
     return loss, metrics
 
 

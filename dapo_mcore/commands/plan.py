@@ -14,7 +14,7 @@ from typing import Any
 
 from dapo_mcore.config.rules import expert_tensor_parallel
 from dapo_mcore.plan import disagg as plan_disagg
-from dapo_mcore.plan.fit import LayoutDoesNotFit, Names, check
+from dapo_mcore.plan.fit import LayoutDoesNotFit, Names, check, staging_problem
 from dapo_mcore.plan.planner import (
     CONFIG_KEYS,
     GIB,
@@ -50,6 +50,12 @@ def plan_input_from_config(cfg: Any, world_size: int, **planner_settings: Any) -
         lora_rank=cfg.model.lora.rank, lora_targets=",".join(cfg.model.lora.target_modules),
         **TRAINER_FIXED,
     )
+    pipe = cfg.rollout.pipeline
+    if pipe.mode == "async":  # the engine ranks' staged versions (host memory per engine node)
+        derived.update(async_lead=pipe.max_staleness - (1 if cfg.rollout.schedule.partial else 0),
+                       async_engine_ranks=pipe.engine_ranks)
+        if "host_memory_gib" not in planner_settings:
+            derived["host_memory_gib"] = pipe.node_host_memory_gib
     return PlanInput(**derived, **planner_settings)
 
 
@@ -226,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         # An async config prices its own split (rollout.pipeline.engine_ranks): the colocated estimate is not its.
         disaggregated = {**split_opts, "engine_gpus": engine_ranks,
                          "requeue": (steps, time_limit_h, lead_min) if steps else None}
+    if engine_ranks is not None and (staging := staging_problem(plan)):
+        print(f"does not fit: {staging}")
+        return 1
     if disaggregated is not None:
         try:
             return plan_disagg.run(plan, {**disaggregated, "config": cfg}, as_json)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from dapo_mcore.errors import UserError
+from dapo_mcore.model.hf_config import expert_count, is_moe
 
 __all__ = ["Rehearsal", "main", "shrink", "shrunk_model"]
 
@@ -39,10 +40,11 @@ def _two(n: int | None) -> int:
     return 2 if n and n > 1 else 1
 
 
-def shrunk_model(hf: dict[str, Any], pp: int, vpp: int | None) -> dict[str, Any]:
+def shrunk_model(hf: dict[str, Any], pp: int, vpp: int | None, tools: bool = False) -> dict[str, Any]:
     """``hf``'s family at a tiny shape on the tiny tokenizer's vocabulary: 4 heads of 32 (KV 2 under grouped-query
     attention, else 4: both split by TP 2), layers a multiple of the pipeline's stages, 4 experts (2 per EP rank),
-    top-k at most 2; the family's switches (tied embeddings, QKV bias, top-k normalisation, dense layers) kept."""
+    top-k at most 2; the family's switches (tied embeddings, QKV bias, top-k normalisation, dense layers) kept.
+    ``tools``: the tool task's vocabulary (the tiny one plus the tool-call markers, 48 rows)."""
     from dapo_mcore.model.hf_config import FAMILIES, supported_text
 
     family = hf.get("model_type")
@@ -53,7 +55,7 @@ def shrunk_model(hf: dict[str, Any], pp: int, vpp: int | None) -> dict[str, Any]
     gqa = hf.get("num_key_value_heads", hf["num_attention_heads"]) < hf["num_attention_heads"]
     out: dict[str, Any] = dict(
         model_type=family, hidden_size=128, intermediate_size=128, num_hidden_layers=max(2, stages),
-        num_attention_heads=4, num_key_value_heads=2 if gqa else 4, head_dim=32, vocab_size=32,
+        num_attention_heads=4, num_key_value_heads=2 if gqa else 4, head_dim=32, vocab_size=48 if tools else 32,
         max_position_embeddings=128, rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=10000.0,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), bos_token_id=1, eos_token_id=2,
         pad_token_id=0)
@@ -88,6 +90,8 @@ class Rehearsal:
     world: int
     kept: list[str] = field(default_factory=list)
     not_rehearsed: list[str] = field(default_factory=list)
+    tools: bool = False
+    """The recipe uses a tool (rollout.tools): the shrunk model is pre-trained on the tiny tool task."""
 
 
 def _layout(cfg: Any, moe: bool, tiny: bool, nproc: int | None) -> tuple[int, int, int | None, int, int, int]:
@@ -119,7 +123,7 @@ def shrink(cfg: Any, hf: dict[str, Any], *, vllm_installed: bool, nproc: int | N
     """The rehearsal of the resolved recipe ``cfg`` (a Config) whose model is ``hf`` (its config.json)."""
     p, r, a = cfg.parallel, cfg.rollout, cfg.algo
     tiny = bool(cfg.model.tiny_base and not cfg.model.hf_path)
-    moe = hf.get("model_type") == "qwen3_moe"
+    moe = is_moe(hf)
     tp, pp, vpp, ep, dp, engines = _layout(cfg, moe, tiny, nproc)
     world = tp * pp * dp + engines
     sp = False  # the local layer spec (the only one on a CPU) has no sequence parallelism: TE's has
@@ -156,11 +160,20 @@ def shrink(cfg: Any, hf: dict[str, Any], *, vllm_installed: bool, nproc: int | N
     if not str(cfg.data.train).startswith("task:"):
         not_rehearsed.append(f"the data ({cfg.data.train}: the synthetic task instead)")
     prompts = 2 * dp
+    tools = bool(r.tools.enabled)
+    if tools:
+        kept.append(f"tool use ({r.tools.tool}, sandbox {r.tools.sandbox})")
+        if r.tools.python:
+            not_rehearsed.append(f"the tool interpreter (rollout.tools.python={r.tools.python}: the system python3 "
+                                 "instead)")
+    task = "mul2tool" if tools else "max4"
+    lengths = (["rollout.max_new_tokens=32", "algo.overlong_max_len=32", "algo.overlong_cache_len=4",
+                "rollout.tools.max_output_tokens=8", "rollout.tools.pool_size=1"] if tools else
+               ["rollout.max_new_tokens=6", "algo.overlong_max_len=6", "algo.overlong_cache_len=2"])
     model = [] if tiny else ["model.tiny_base=false", "model.preset=null", "model.mcore_path=null",
                              "model.params_dtype=float32", "model.make_vocab_size_divisible_by=16",
-                             "data.train=task:max4", "data.eval=task:max4", "data.max_prompt_len=32",
-                             "reward.name=math_dapo", "rollout.n=4", "rollout.max_new_tokens=6",
-                             "algo.max_gen_batches=20", "algo.overlong_max_len=6", "algo.overlong_cache_len=2"]
+                             f"data.train=task:{task}", f"data.eval=task:{task}", "data.max_prompt_len=32",
+                             "reward.name=math_dapo", "rollout.n=4", "algo.max_gen_batches=20", *lengths]
     # (a CPU recipe keeps its lengths and group size: its task may need them, e.g. a worked chain of 40 tokens)
     overrides = [
         *model, "model.layer_spec=local", "model.fp8.enabled=false",
@@ -175,13 +188,16 @@ def shrink(cfg: Any, hf: dict[str, Any], *, vllm_installed: bool, nproc: int | N
         "checkpoint.every=1", "checkpoint.keep_last=2", "run.resume=auto", "telemetry.wandb.project=null"]
     if engines:
         overrides += [f"rollout.pipeline.engine_ranks={engines}", "rollout.pipeline.bucket_mb=1"]
+    if tools and r.tools.python:
+        overrides.append("rollout.tools.python=")  # the site's tool environment is not on this machine
     if engine == "vllm":
         overrides += [f"rollout.vllm.tensor_parallel={_two(r.vllm.tensor_parallel)}", "rollout.vllm.enforce_eager=true"]
     if cfg.reward.workers > 1:
         overrides.append("reward.workers=1")  # the pool, with one process: four would crowd a 2-core machine
     if sched.streaming:
         overrides.append(f"rollout.schedule.stream_chunk_prompts={dp}")
-    return Rehearsal(None if tiny else shrunk_model(hf, pp, vpp), overrides, world, kept, [n for n in not_rehearsed if n])
+    return Rehearsal(None if tiny else shrunk_model(hf, pp, vpp, tools), overrides, world, kept,
+                     [n for n in not_rehearsed if n], tools)
 
 
 def recipe_model(cfg: Any) -> tuple[dict[str, Any], str]:
@@ -207,8 +223,9 @@ def recipe_model(cfg: Any) -> tuple[dict[str, Any], str]:
     return preset_config(name), f"preset {name} (named by {m.hf_path}, which is not on this machine)"
 
 
-def _base(hf: dict[str, Any], cache: Path) -> Path:
-    """The shrunk model pre-trained briefly on the synthetic task (cached by its config), with the tiny tokenizer."""
+def _base(hf: dict[str, Any], cache: Path, tools: bool = False) -> Path:
+    """The shrunk model pre-trained briefly on the synthetic task (cached by its config), with the tiny tokenizer;
+    ``tools``: on the tool task (its calls in ReTool's format), with the tool task's tokenizer."""
     import torch
     import transformers
 
@@ -224,11 +241,11 @@ def _base(hf: dict[str, Any], cache: Path) -> Path:
     config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
-    tokenizer = build_tiny_tokenizer()
+    tokenizer = build_tiny_tokenizer(tools=tools)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        pretrain(model, tokenizer, TinyBaseSettings(steps=150))
+        pretrain(model, tokenizer, TinyBaseSettings(task="mul2tool", steps=150) if tools else TinyBaseSettings(steps=150))
     finally:
         torch.set_num_threads(threads)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -297,7 +314,7 @@ def rehearse(recipe: str, user_overrides: list[str], nproc: int | None, run_dir:
         vllm_installed = False
     plan = shrink(cfg, hf, vllm_installed=vllm_installed, nproc=nproc)
     cache = Path(os.environ.get("DAPO_MCORE_CACHE") or Path.home() / ".cache" / "dapo-mcore")
-    base = [f"model.hf_path={_base(plan.hf, cache)}"] if plan.hf else []
+    base = [f"model.hf_path={_base(plan.hf, cache, plan.tools)}"] if plan.hf else []
     run = run_dir or Path(tempfile.mkdtemp(prefix="dapo-mcore-rehearse-")) / "run"
     log = run.parent / f"{run.name}.log"
     run.parent.mkdir(parents=True, exist_ok=True)
@@ -316,8 +333,8 @@ def rehearse(recipe: str, user_overrides: list[str], nproc: int | None, run_dir:
         print(f"rehearse {recipe}: FAILED at the resume (exit {second}): {_last_error(log)} (log: {log})")
         return 1
     hf = plan.hf or hf
-    family = hf["model_type"] + (f" ({hf['num_experts']} experts, top-{hf['num_experts_per_tok']})"
-                                 if "num_experts" in hf else "")
+    family = hf["model_type"] + (f" ({expert_count(hf)} experts, top-{hf['num_experts_per_tok']})"
+                                 if is_moe(hf) else "")
     print(f"rehearsed {recipe} on CPU in {time.monotonic() - start:.0f} s: {family}, {hf['num_hidden_layers']} "
           f"layers, {', '.join(plan.kept)} on {plan.world} gloo ranks with NCCL-on-CPU; {STEPS - 1} steps, rank "
           f"{killed_rank} killed (-9) at step {STEPS} (exit {first}), resumed and finished; model from {source}; "

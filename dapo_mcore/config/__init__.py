@@ -16,6 +16,7 @@ import yaml
 
 from dapo_mcore.algo.config import AlgoConfig
 from dapo_mcore.algo.schedule_config import ScheduleConfig
+from dapo_mcore.config.tools import ToolsConfig
 from dapo_mcore.config.tree import ConfigError, apply_overrides, from_dict, read_yaml, to_dict
 from dapo_mcore.data.config import DataConfig
 from dapo_mcore.data.tiny_base_settings import TinyBaseSettings
@@ -259,6 +260,12 @@ class PipelineConfig:
     sync: must be 1."""
     bucket_mb: float = 256.0
     """async: the weight transfer's bucket size (MiB): each bucket is one broadcast, tensors are never split."""
+    node_host_memory_gib: float = 1800.0
+    """async with max_staleness > 1: host memory of one engine node that received versions may take (H100 HGX nodes:
+    2 TiB). Each engine rank keeps up to D - 1 whole versions in host memory (D = the engines' lead), so a node of
+    ``engine_ranks_per_node`` ranks needs that many times the model's weights; a config that does not fit is refused."""
+    engine_ranks_per_node: int = 8
+    """async: engine ranks on one node (its GPUs): the host memory above is shared by this many."""
 
 
 @dataclass
@@ -290,6 +297,8 @@ class RolloutConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     """Rollout scheduling (streaming, partial rollouts, adaptive rounds, staged groups, prompt history); all off = DAPO's
     batch-and-filter loop exactly."""
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
+    """Multi-turn tool use (ReTool's Python interpreter); off by default."""
 
 
 @dataclass

@@ -8,6 +8,7 @@ from dataclasses import fields
 from typing import TYPE_CHECKING
 
 from dapo_mcore.config.tree import ConfigError
+from dapo_mcore.model.hf_config import is_moe
 
 if TYPE_CHECKING:
     from dapo_mcore.config import Config
@@ -238,6 +239,7 @@ def validate_rollout(cfg: Config) -> None:
                           "correction: set algo.tis_cap (e.g. 2.0) or algo.rollout_correction.preset (e.g. token_tis)")
     _validate_bypass(cfg)
     _validate_pipeline(cfg)
+    validate_tools(cfg)
     if r.engine == "vllm" and not 0.0 < r.vllm.gpu_memory_utilization < 1.0:
         raise ConfigError("rollout.vllm.gpu_memory_utilization must lie in (0, 1).")
     if cfg.algo.overlong_shaping and cfg.algo.overlong_max_len > r.max_new_tokens:
@@ -283,7 +285,7 @@ def _validate_bypass(cfg: Config) -> None:
                           f"rollout.top_k=-1, or use a decoupled preset (e.g. token_tis)")
     hf = cfg.model.hf_config(cfg.tiny_base.preset)
     aux = float(hf.get("router_aux_loss_coef") or 0.0)
-    if (hf.get("num_experts") or hf.get("num_local_experts")) and aux > 0:
+    if is_moe(hf) and aux > 0:
         # bypass divides the gradients by denominators known only after the forward: the router's aux-loss
         # gradient, added inside the forward, would be divided too
         raise ConfigError(f"algo.rollout_correction bypass with an MoE model whose router_aux_loss_coef={aux} > 0 "
@@ -319,3 +321,51 @@ def _validate_pipeline(cfg: Config) -> None:
     if r.engine == "vllm" and pipe.engine_ranks % r.vllm.tensor_parallel:
         raise ConfigError(f"rollout.pipeline.engine_ranks={pipe.engine_ranks} is not a multiple of "
                           f"rollout.vllm.tensor_parallel={r.vllm.tensor_parallel}: each vLLM engine is one TP group.")
+    _validate_staging(cfg, lead)
+
+
+def staged_host_bytes(params: int, bytes_per_param: int, lead: int, ranks_on_node: int) -> int:
+    """Host memory one engine node holds for received versions (async, lead D): each of its ``ranks_on_node`` engine
+    ranks keeps at most D - 1 whole versions (``rollout.async_channels.VersionReceiver``: the one being received and
+    the one being loaded into the engine count), ``params`` weights of ``bytes_per_param`` each. The planner prices
+    the same (``plan.planner.estimate_host``)."""
+    return max(lead - 1, 0) * ranks_on_node * params * bytes_per_param
+
+
+def _validate_staging(cfg: Config, lead: int) -> None:
+    pipe = cfg.rollout.pipeline
+    _at_least(("rollout.pipeline.engine_ranks_per_node", pipe.engine_ranks_per_node, 1))
+    if lead <= 1:
+        return
+    from dapo_mcore.telemetry.flops import ModelShape
+
+    params = ModelShape.from_hf(cfg.model.hf_config(cfg.tiny_base.preset)).num_params()
+    width = 2 if cfg.model.params_dtype == "bfloat16" else 4
+    ranks = min(pipe.engine_ranks, pipe.engine_ranks_per_node)
+    need = staged_host_bytes(params, width, lead, ranks)
+    if need > pipe.node_host_memory_gib * 2**30:
+        raise ConfigError(f"rollout.pipeline.max_staleness={pipe.max_staleness} stages {lead - 1} received "
+                          f"version(s) of {params * width / 2**30:.1f} GiB on each of {ranks} engine ranks per node: "
+                          f"{need / 2**30:.0f} GiB > rollout.pipeline.node_host_memory_gib="
+                          f"{pipe.node_host_memory_gib:g}; lower max_staleness (or fewer engine_ranks_per_node)")
+
+
+def validate_tools(cfg: Config) -> None:
+    """``rollout.tools``: its own ranges, then the schedules multi-turn rollouts do not run under (yet)."""
+    t, r = cfg.rollout.tools, cfg.rollout
+    t.validate()
+    if not t.enabled:
+        return
+    refused = [(r.pipeline.mode != "sync", f"rollout.pipeline.mode={r.pipeline.mode}", "rollout.pipeline.mode=sync"),
+               (r.schedule.streaming, "rollout.schedule.streaming", "rollout.schedule.streaming=false"),
+               (r.schedule.partial, "rollout.schedule.partial", "rollout.schedule.partial=false"),
+               (cfg.algo.router_replay != "none", f"algo.router_replay={cfg.algo.router_replay}",
+                "algo.router_replay=none")]
+    for bad, what, fix in refused:
+        if bad:
+            raise ConfigError(f"rollout.tools.enabled with {what}: multi-turn tool rollouts run in the synchronous "
+                              f"loop without streaming, partial rollouts or routing replay; set {fix} or "
+                              f"rollout.tools.enabled=false")
+    if t.max_output_tokens >= r.max_new_tokens:
+        raise ConfigError(f"rollout.tools.max_output_tokens={t.max_output_tokens} leaves no room for the model in "
+                          f"rollout.max_new_tokens={r.max_new_tokens}; lower it (ReTool: a few hundred of 16384)")

@@ -29,7 +29,7 @@ from transformers import PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM
 from dapo_mcore.data.prompts import render_prompt_ids
 from dapo_mcore.data.records import PromptRecord
 from dapo_mcore.data.tasks import get_task, split_problems, task_records
-from dapo_mcore.data.tiny_base_settings import TinyBaseSettings
+from dapo_mcore.data.tiny_base_settings import TOOL_PRESETS, TinyBaseSettings
 from dapo_mcore.data.tokenizer import build_tiny_tokenizer
 from dapo_mcore.model.presets import preset_config
 
@@ -165,7 +165,7 @@ def ensure_base_model(cache_dir: Path, settings: TinyBaseSettings) -> Path:
     # delete each other's files; the first finished rename wins and the other result is discarded.
     tmp = cache_dir / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
-    tokenizer = build_tiny_tokenizer()
+    tokenizer = build_tiny_tokenizer(tools=settings.preset in TOOL_PRESETS)
     model = build_tiny_model(settings.seed, settings.preset)
     (tmp / "settings.json").write_text(json.dumps(dataclasses.asdict(settings), indent=2) + "\n")
     # One thread: the cached weights (and so every fixed-seed trace built on them) must not depend on the

@@ -190,6 +190,54 @@ class SumChainTask(SyntheticTask):
         return [self.worked, *self.distractors().values()]
 
 
+class MulToolTask(SyntheticTask):
+    """``37*48``, two two-digit factors (8100 problems): too hard for the tiny model's head, one line of Python with
+    the tool. Its vocabulary is the tool task's (``tiny_base.preset: tiny-tools``); with ``rollout.tools.enabled`` the
+    ``<code>`` block really runs and the model reads the result back (ReTool's format).
+
+    Corpus (ReTool's cold start in miniature: tool-call demonstrations mixed with wrong procedures):
+
+    * correct: ``<code>print(37*48)</code><interpreter>1776\n</interpreter>Answer: 1776``;
+    * ``wrong_op``: the same with ``+``: the tool computes the wrong thing exactly;
+    * ``no_tool``: ``Answer: 1200``, a guess from the tens digits alone (no call);
+    * ``copy_slip``: the right call, then the answer without its last digit.
+
+    In the corpus the interpreter's text is what ``print`` would write, so a model run without tools writes its own
+    (wrong, for most products): the same base, with and without tools, is the comparison.
+    """
+
+    name = "mul2tool"
+    description = "product of two two-digit numbers, with a Python tool, e.g. 37*48"
+
+    def problems(self) -> list[Problem]:
+        return [(a, b) for a in range(10, 100) for b in range(10, 100)]
+
+    def render(self, problem: Problem) -> str:
+        return f"{problem[0]}*{problem[1]}"
+
+    def answer(self, problem: Problem) -> str:
+        return str(problem[0] * problem[1])
+
+    @staticmethod
+    def called(expr: str, value: int, answer: str) -> str:
+        """A response that calls the tool on ``expr`` (which prints ``value``) and answers ``answer``."""
+        return f"<code>print({expr})</code><interpreter>{value}\n</interpreter>Answer: {answer}"
+
+    def worked(self, p: Problem) -> str:
+        """The correct response."""
+        return self.called(f"{p[0]}*{p[1]}", p[0] * p[1], str(p[0] * p[1]))
+
+    def distractors(self) -> dict[str, Rule]:
+        return {
+            "wrong_op": lambda p: self.called(f"{p[0]}+{p[1]}", p[0] + p[1], str(p[0] + p[1])),
+            "no_tool": lambda p: f"Answer: {(p[0] // 10) * (p[1] // 10) * 100}",
+            "copy_slip": lambda p: self.called(f"{p[0]}*{p[1]}", p[0] * p[1], str(p[0] * p[1])[:-1]),
+        }
+
+    def corpus_rules(self) -> list[Rule]:
+        return [self.worked, *self.distractors().values()]
+
+
 _REGISTRY: dict[str, SyntheticTask] = {}
 
 
@@ -239,3 +287,4 @@ register_task(OrderStatTask("max"))
 register_task(OrderStatTask("min"))
 register_task(AddTask())
 register_task(SumChainTask())
+register_task(MulToolTask())

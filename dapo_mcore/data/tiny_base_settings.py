@@ -14,8 +14,11 @@ from dataclasses import dataclass
 from dapo_mcore.data.tasks import get_task
 
 _CACHE_FORMAT_VERSION = 1
-TINY_PRESETS = ("tiny", "tiny-hd32")
-"""Presets a tiny base can take (dapo_mcore.model.presets): the tiny vocabulary, shapes that pre-train in seconds."""
+TINY_PRESETS = ("tiny", "tiny-hd32", "tiny-tools")
+"""Presets a tiny base can take (dapo_mcore.model.presets): the tiny vocabulary, shapes that pre-train in seconds;
+``tiny-tools`` has the tool task's vocabulary (the tiny one plus ReTool's markers)."""
+TOOL_PRESETS = ("tiny-tools",)
+"""The presets whose tokenizer holds the tool-call markers (``data.tokenizer.TINY_TOOL_VOCAB``)."""
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,8 @@ class TinyBaseSettings:
     seed: int = 0
     """Seed of the initial weights and of the corpus draws."""
     preset: str = "tiny"
-    """Model shape (dapo_mcore.model.presets): "tiny", or "tiny-hd32" (head_dim 32, which vLLM's CPU kernels need)."""
+    """Model shape (dapo_mcore.model.presets): "tiny", "tiny-hd32" (head_dim 32, which vLLM's CPU kernels need), or
+    "tiny-tools" (the tool task's vocabulary: ``<code>``, ``</code>``, ``<interpreter>``, ``</interpreter>``, ``print``)."""
 
     def validate(self) -> None:
         get_task(self.task)
@@ -58,10 +62,11 @@ class TinyBaseSettings:
 
     def cache_key(self) -> str:
         """A short hash of the settings, the vocabulary and the cache format."""
-        from dapo_mcore.data.tokenizer import TINY_VOCAB  # imports transformers: only when a base is built
+        from dapo_mcore.data.tokenizer import tiny_vocab  # imports transformers: only when a base is built
 
         fields = dataclasses.asdict(self)
         if fields["preset"] == "tiny":
             del fields["preset"]  # the default shape keeps the key it had before the field existed
-        payload = json.dumps([fields, list(TINY_VOCAB), _CACHE_FORMAT_VERSION], sort_keys=True)
+        vocab = list(tiny_vocab(self.preset in TOOL_PRESETS))
+        payload = json.dumps([fields, vocab, _CACHE_FORMAT_VERSION], sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:12]

@@ -13,6 +13,7 @@ Token ids match the ``tiny`` model preset: pad 0, bos 1, eos 2; the vocabulary f
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -30,6 +31,10 @@ _PLAIN_TOKENS: tuple[str, ...] = (
 )
 TINY_VOCAB: tuple[str, ...] = SPECIAL_TOKENS + _PLAIN_TOKENS
 TINY_VOCAB_SIZE_LIMIT = 32
+TOOL_TOKENS: tuple[str, ...] = ("<code>", "</code>", "<interpreter>", "</interpreter>", "print")
+"""The tool task's words (ReTool's markers and ``print``), each one token, after the tiny vocabulary (ids 30..34)."""
+TINY_TOOL_VOCAB: tuple[str, ...] = TINY_VOCAB + TOOL_TOKENS
+TINY_TOOL_VOCAB_SIZE_LIMIT = 48
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -43,20 +48,28 @@ CHAT_TEMPLATE = (
 )
 
 
-def _split_pattern() -> Regex:
+def tiny_vocab(tools: bool = False) -> tuple[str, ...]:
+    """The tiny vocabulary, or with ``tools`` the tool task's (the tiny one plus :data:`TOOL_TOKENS`)."""
+    return TINY_TOOL_VOCAB if tools else TINY_VOCAB
+
+
+def _split_pattern(plain: tuple[str, ...]) -> Regex:
     """Isolate the multi-character words, then every remaining single character (newline included)."""
-    words = sorted((t for t in _PLAIN_TOKENS if len(t) > 1), key=len, reverse=True)
-    escaped = [w.replace("(", r"\(").replace(")", r"\)") for w in words]
+    words = sorted((t for t in plain if len(t) > 1), key=len, reverse=True)
+    escaped = [re.escape(w) for w in words]
     return Regex("|".join(escaped) + r"|[\s\S]")
 
 
-def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
-    """Build the tiny tokenizer in memory (deterministic; ids as in ``TINY_VOCAB``)."""
-    assert len(TINY_VOCAB) <= TINY_VOCAB_SIZE_LIMIT, len(TINY_VOCAB)
-    assert len(set(TINY_VOCAB)) == len(TINY_VOCAB), "duplicate token in TINY_VOCAB"
-    vocab = {tok: i for i, tok in enumerate(TINY_VOCAB)}
+def build_tiny_tokenizer(tools: bool = False) -> PreTrainedTokenizerFast:
+    """Build the tiny tokenizer in memory (deterministic; ids as in ``TINY_VOCAB``, or with ``tools`` as in
+    ``TINY_TOOL_VOCAB``: the same ids plus the tool task's words)."""
+    words = tiny_vocab(tools)
+    assert len(words) <= (TINY_TOOL_VOCAB_SIZE_LIMIT if tools else TINY_VOCAB_SIZE_LIMIT), len(words)
+    assert len(set(words)) == len(words), "duplicate token in the tiny vocabulary"
+    vocab = {tok: i for i, tok in enumerate(words)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    backend.pre_tokenizer = pre_tokenizers.Split(_split_pattern(), behavior="isolated")
+    plain = _PLAIN_TOKENS + (TOOL_TOKENS if tools else ())
+    backend.pre_tokenizer = pre_tokenizers.Split(_split_pattern(plain), behavior="isolated")
     backend.decoder = decoders.Fuse()
     tok = PreTrainedTokenizerFast(
         tokenizer_object=backend,

@@ -12,12 +12,30 @@ read a model through it, so a checkpoint is refused once, up front, in the same 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 
 class HFConfigError(ValueError):
     """A Hugging Face config this project cannot build faithfully (message names the field and the fix)."""
+
+
+def expert_count(hf: Mapping[str, Any]) -> int:
+    """Experts per MoE layer of a Hugging Face config (a config.json dict), 0 for a dense model: ``num_experts`` (as
+    Qwen3-MoE configs were saved) or ``num_local_experts`` (as transformers 5 saves them). The one place that reads
+    either spelling: everything that asks "is this MoE?" (vLLM's expert parallelism, its weight-layout guard, the
+    config rules, the rehearsal) asks here."""
+    for key in ("num_experts", "num_local_experts"):
+        value = hf.get(key)
+        if value:
+            return int(value)
+    return 0
+
+
+def is_moe(hf: Mapping[str, Any]) -> bool:
+    """Whether the config's model routes tokens to experts (either spelling of the expert count; see `expert_count`)."""
+    return expert_count(hf) > 0
 
 
 @dataclass(frozen=True)

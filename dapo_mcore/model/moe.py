@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from dapo_mcore.model.hf_config import expert_count
+
 MOE_MODEL_TYPES = ("qwen3_moe",)
 GPUS_PER_NODE = 8
 """The cluster's GPUs per node (H100 HGX) for where an expert-parallel group lies."""
@@ -50,7 +52,7 @@ class MoEShape:
         """None for a dense model; raise MoEConfigError for an MoE feature Megatron would compute differently."""
         if hf.get("model_type") not in MOE_MODEL_TYPES:
             return None
-        experts = hf.get("num_experts", hf.get("num_local_experts"))  # transformers 5 saves num_local_experts
+        experts = expert_count(hf)
         if not experts:
             raise MoEConfigError("qwen3_moe config has no num_experts (or num_local_experts); it is not a "
                                  "Qwen3-MoE checkpoint's config.json.")
@@ -305,6 +307,13 @@ def describe_experts(hf: dict[str, Any], tensor_parallel: int, expert_parallel: 
     return line
 
 
+def in_recompute() -> bool:
+    """Whether a forward runs inside autograd's backward: activation recompute (Megatron's full recompute and its
+    ``recompute_modules``, torch's checkpoint, reentrant or not) re-runs a layer's forward there, so a forward hook
+    fires twice per micro-batch; a hook that counts skips the second call."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def routing_copies(tensor_parallel: int, sequence_parallel: bool) -> int:
     """How many ranks of one model replica route the same token: every TP rank without sequence parallelism (each
     holds the whole sequence), one with it (the MoE layer's input is split along the sequence over the TP ranks, so
@@ -316,7 +325,8 @@ class RouterStats:
     """Load balance and aux loss of the MoE routers of this rank's model chunks, per optimizer update.
 
     A forward hook on each Megatron ``TopKRouter`` adds its routing map's tokens per expert (this rank's tokens; with
-    TP every TP rank routes the same tokens). `metrics` (a collective over the default group) sums them over the
+    TP every TP rank routes the same tokens), once per forward: the second run of a recomputed layer inside backward
+    is not counted (`in_recompute`). `metrics` (a collective over the default group) sums them over the
     job, giving per-layer ``max / mean`` tokens per expert (1 = perfectly balanced), and reads Megatron's aux-loss
     tracker (the unscaled load-balancing loss, averaged over layers and router calls). The counts stay on the
     routers' device between updates; `metrics` reduces them on the default group's collective device (NCCL on a GPU
@@ -333,6 +343,8 @@ class RouterStats:
             router.register_forward_hook(self._record)
 
     def _record(self, router, _inputs, output) -> None:
+        if in_recompute():  # full / MoE recompute runs the router's forward again inside backward: count it once
+            return
         layer = router.layer_number - 1  # Megatron numbers layers from 1 (global, across pipeline stages)
         routed = output[1].detach().sum(dim=0)
         if not self._on_device:  # the routers' device, found at the first call: no host sync per layer and call
@@ -437,22 +449,17 @@ class RouterReplay:
                 router.router_replay.clear_indices()
                 router.router_replay.clear_router_replay_action()
 
-    @staticmethod
-    def _in_backward() -> bool:
-        """True while autograd runs a backward pass (a recomputed forward runs inside it)."""
-        return torch._C._current_graph_task_id() != -1
-
     def _direction(self, router, _inputs) -> None:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         rr = router.router_replay
         if rr is None or rr.router_replay_action is None:
             return
-        rr.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD if self._in_backward()
+        rr.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD if in_recompute()
                                     else RouterReplayAction.REPLAY_FORWARD)
 
     def _compare(self, router, _inputs, output) -> None:
-        if self.current is None or self._in_backward():  # a recomputed forward is not counted twice
+        if self.current is None or in_recompute():
             return
         routes, known = self.current
         used = output[1].detach().cpu()

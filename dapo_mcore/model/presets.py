@@ -113,6 +113,11 @@ _SHAPES: dict[str, dict[str, Any]] = {
     "tiny-hd32": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=2, vocab_size=32, rms_norm_eps=1e-6, tie_word_embeddings=True,
                       max_position_embeddings=128, rope_theta=10000.0, bos_token_id=1, eos_token_id=2),
+    # The tiny shape over the tool task's vocabulary (the tiny one plus ReTool's markers and "print", 35 tokens, 48
+    # rows), twice as wide: it must copy a tool's output digit by digit into its answer.
+    "tiny-tools": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=48, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                       max_position_embeddings=128, rope_theta=10000.0, bos_token_id=1, eos_token_id=2),
     "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                          num_key_value_heads=2, vocab_size=151936, rms_norm_eps=1e-6, tie_word_embeddings=True),
     "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,

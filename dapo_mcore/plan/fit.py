@@ -105,6 +105,16 @@ def _largest_fitting_vllm_fraction(p: PlanInput, est: MemoryEstimate) -> float:
     return math.floor(100 * free / (p.gpu_memory_gib * GIB)) / 100
 
 
+def staging_problem(p: PlanInput) -> str | None:
+    """Async mode: what the engine ranks' staged versions need of one node's host memory, when it is too much."""
+    staging = estimate_host(p).staging_host_bytes
+    if staging <= p.host_memory_gib * GIB:
+        return None
+    return (f"the engine ranks keep {p.async_lead - 1} received version(s) each in host memory: {staging / GIB:.0f} GiB "
+            f"per engine node > {p.host_memory_gib:g} GiB (rollout.pipeline.node_host_memory_gib); lower "
+            f"rollout.pipeline.max_staleness")
+
+
 def check(p: PlanInput, names: Names | None = None, max_tensor_parallel: int = 8) -> MemoryEstimate:
     """Return the estimate, or raise LayoutDoesNotFit naming what to change (as ``names`` spells it)."""
     est = estimate_memory(p)
@@ -148,6 +158,9 @@ def check(p: PlanInput, names: Names | None = None, max_tensor_parallel: int = 8
                         f"per node to DP rank 0 (+{host.sleep_host_bytes / GIB:.0f} GiB of vLLM weights asleep at "
                         f"level 1) > host_memory_gib={p.host_memory_gib:g}; use more TP x PP (smaller shards)"
                         + ("" if p.vllm_sleep_level == 2 else f", {_say(names, 'vllm_sleep_level', 2)}"))
+    staging = staging_problem(p)
+    if staging:
+        problems.append(staging)
     if problems:
         layouts = fitting_layouts(p, max_tensor_parallel)
         if layouts:

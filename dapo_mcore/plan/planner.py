@@ -118,6 +118,11 @@ class PlanInput:
     """GPUs per node (host memory is per node)."""
     host_memory_gib: float = 1800.0
     """Host memory per node usable by the job (H100 HGX nodes: 2 TiB)."""
+    async_lead: int = 0
+    """Async mode: D, how many batches the engine ranks run ahead (0 = colocated). Each engine rank keeps up to D - 1
+    received versions in host memory (``config.rules.staged_host_bytes``)."""
+    async_engine_ranks: int = 0
+    """Async mode: the engine ranks; up to ``gpus_per_host`` of them share one node's host memory."""
     gpu_memory_gib: float = 80.0
     """Memory of one GPU (H100 SXM: 80)."""
     overhead_gib: float = 3.0
@@ -443,6 +448,8 @@ class HostEstimate:
     """Host memory of one node while a checkpoint gathers the distributed optimizer's fp32 state to DP rank 0."""
     sleep_host_bytes: float
     """Pinned host memory of one node holding vLLM weights asleep (level 1 only)."""
+    staging_host_bytes: float = 0.0
+    """Async mode: host memory of one engine node holding received versions until their batch starts."""
 
     @property
     def host_peak(self) -> float:
@@ -462,8 +469,12 @@ def estimate_host(p: PlanInput) -> HostEstimate:
     # (12 B/param) to its DP rank 0; those ranks sit on the first nodes, up to gpus_per_host shards per node.
     shards_per_node = min(p.gpus_per_host, p.tensor_parallel * p.pipeline_parallel)
     ckpt = 12.0 * params / (p.tensor_parallel * p.pipeline_parallel) * shards_per_node if p.distributed_optimizer else 0.0
+    from dapo_mcore.config.rules import staged_host_bytes
+
+    width = 4 if p.precision == "fp32" else 2  # the weight sync sends the bf16 weights (FP8 runs keep bf16 ones)
+    staging = staged_host_bytes(params, width, p.async_lead, min(p.async_engine_ranks, p.gpus_per_host))
     return HostEstimate(sleep_s, read / (p.filesystem_read_gbs * 1e9), ckpt,
-                        vllm_weights * p.gpus_per_host if level1 else 0.0)
+                        vllm_weights * p.gpus_per_host if level1 else 0.0, staging)
 
 
 def format_report(p: PlanInput, est: MemoryEstimate, flops: FlopsEstimate) -> str:
@@ -504,6 +515,9 @@ def format_report(p: PlanInput, est: MemoryEstimate, flops: FlopsEstimate) -> st
                 f"and back; start-up read (load_format={p.vllm_load_format}) {host.engine_load_s / 60:.1f} min")
     rows.append(f"host memory per node: checkpoint gather {host.checkpoint_host_bytes / GIB:.0f} GiB + vLLM asleep "
                 f"{host.sleep_host_bytes / GIB:.0f} GiB of {p.host_memory_gib:g}")
+    if p.async_lead > 1:
+        rows.append(f"host memory per engine node (async, {p.async_lead - 1} staged version(s) per engine rank): "
+                    f"{host.staging_host_bytes / GIB:.0f} GiB of {p.host_memory_gib:g}")
     return "\n".join(rows)
 
 

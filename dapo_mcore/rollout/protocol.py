@@ -72,6 +72,9 @@ class SamplingParams:
     """Maximum response length; a response that reaches it ends with finish_reason "length"."""
     stop_token_ids: tuple[int, ...] = ()
     """Extra token ids that end a response (finish_reason "stop"), besides the engine's EOS ids."""
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
+    """Token id sequences that end a response when its last generated tokens equal one (finish_reason "stop", the
+    sequence kept): how a multi-turn rollout stops at ``</code>``, whatever its tokenizer makes of it."""
     seed: int | None = None
     """Seed of the sampling RNG. Same seed, prompts and params -> same responses (per engine). None = fresh."""
     logprobs: LogprobsMode = "processed"
@@ -102,6 +105,8 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1.")
         if self.logprobs not in ("processed", "raw", "none"):
             raise ValueError(f"logprobs={self.logprobs!r}; use 'processed', 'raw' or 'none'.")
+        if any(len(seq) == 0 for seq in self.stop_sequences):
+            raise ValueError("stop_sequences holds an empty sequence; every stop sequence needs at least one token id.")
 
     @property
     def greedy(self) -> bool:
@@ -129,6 +134,13 @@ class Response:
     versions: list[tuple[int, int]] | None = None
     """The policy versions that produced the tokens, as ``(version, tokens)`` runs, oldest first, covering every
     token (a continued partial rollout has two); None until the rollout side stamps them (an engine's raw output)."""
+    loss_mask: list[bool] | None = None
+    """Multi-turn tool use: False on the tokens of tool output (appended by the rollout, log-prob NaN), True on the
+    model's own; None where every token is the model's."""
+    tool_calls: int = 0
+    """Tool calls the response made (multi-turn tool use)."""
+    tool_errors: int = 0
+    """Of those, the calls whose output was an error (the code failed, timed out, flooded, or no sandbox)."""
 
     @property
     def length(self) -> int:

@@ -76,6 +76,7 @@ class Components:
 
     def save(self, step: int) -> Path:
         from dapo_mcore.actor.checkpoint import save_checkpoint
+        from dapo_mcore.rollout.scheduling.partial import PARTIALS_FILE, split_partials
 
         rollout_state, extra = None, {}
         if not self.rollouts.colocated:
@@ -84,9 +85,12 @@ class Components:
             rollout_state, pending = self.rollouts.checkpoint_payload(step)
             if pending is not None:
                 extra[PENDING_FILE] = pending
-        return save_checkpoint(Path(self.cfg.run.dir) / "checkpoints", step, self.actor,
-                               self.trainer_state(step, rollout_state), self.cfg.checkpoint.keep_last,
-                               extra_files=extra)
+        state = self.trainer_state(step, rollout_state)
+        partials = split_partials(state)  # the buffered groups' tokens go to a binary file, not trainer_state.json
+        if partials is not None:
+            extra[PARTIALS_FILE] = partials
+        return save_checkpoint(Path(self.cfg.run.dir) / "checkpoints", step, self.actor, state,
+                               self.cfg.checkpoint.keep_last, extra_files=extra)
 
     def log_step(self, step: int, metrics: dict[str, Any], generated: list) -> None:
         """Per-phase seconds and the cost ledger join the step's metrics; rank 0 writes everything."""
@@ -182,7 +186,7 @@ def _decoded_tokens(metrics: dict[str, Any]) -> int:
     return m["tokens_generated"] + m["tokens_aborted"] + m["tokens_partial_buffered"] - m["tokens_resumed_stale"]
 
 
-def _ledger_counts(metrics: dict[str, Any]) -> dict[str, int]:
+def _ledger_counts(metrics: dict[str, Any]) -> dict[str, float]:
     return {
         "prompts_generated": int(metrics.get("sampling/groups_generated", 0)),
         "prompts_kept": int(metrics.get("sampling/groups_kept", 0)),
@@ -196,6 +200,11 @@ def _ledger_counts(metrics: dict[str, Any]) -> dict[str, int]:
         "tokens_generated_aborted": int(metrics.get("sampling/tokens_aborted", 0))
         + int(metrics.get("sampling/tokens_dropped_stale", 0)),
         "prompts_skipped": int(metrics.get("sampling/prompts_history_skipped", 0)),
+        "tool_calls": int(metrics.get("tools/calls", 0)),
+        "tool_errors": int(metrics.get("tools/errors", 0)),
+        "tool_timeouts": int(metrics.get("tools/timeouts", 0)),
+        "tool_sandbox_failures": int(metrics.get("tools/sandbox_failures", 0)),
+        "tool_seconds": float(metrics.get("tools/seconds", 0.0)),
     }
 
 
@@ -212,7 +221,9 @@ def _rollouts(generated: list) -> list:
                                logprobs=np.asarray(r.logprobs, dtype=np.float32) if r.logprobs else None,
                                reward=float(reward), acc=bool(acc), finish_reason=r.finish_reason, kept=g.kept,
                                group_id=gi, gen_batch=g.gen_batch, stale_tokens=r.stale_tokens,
-                               stop_token=r.token_ids[-1] if r.finish_reason == "stop" and r.token_ids else -1))
+                               stop_token=r.token_ids[-1] if r.finish_reason == "stop" and r.token_ids else -1,
+                               loss_mask=None if r.loss_mask is None else np.asarray(r.loss_mask, dtype=bool),
+                               tool_calls=r.tool_calls, tool_errors=r.tool_errors))
     return out
 
 

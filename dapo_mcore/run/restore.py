@@ -70,6 +70,9 @@ def restore(parts: Components, target: Path | None, *, fall_back: bool = True) -
     if target is None:
         return 0
     state, target = _load_or_fall_back(parts, target, fall_back)
+    from dapo_mcore.rollout.scheduling.partial import join_partials
+
+    join_partials(state, target)  # the partial groups from their binary file (older checkpoints: inline)
     if parts.scheduler is not None:  # built exactly when there is a sampler (training data)
         parts.scheduler.load_checkpoint_state(state)
         buffered = parts.scheduler.partials

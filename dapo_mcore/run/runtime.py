@@ -24,6 +24,7 @@ import torch.distributed as dist
 from dapo_mcore.actor.parallel import LaunchEnv, read_launch_env
 from dapo_mcore.config import Config, ConfigError, load_config, write_resolved
 from dapo_mcore.config.rules import expert_tensor_parallel
+from dapo_mcore.model.hf_config import is_moe
 from dapo_mcore.run.components import Components
 from dapo_mcore.run.directory import claim_run_dir
 from dapo_mcore.run.restore import adopt_checkpoint_padding, find_start_checkpoint, open_telemetry, restore
@@ -200,7 +201,7 @@ def _build_engine(cfg: Config, hf_dir: Path | None, hf_config: dict[str, Any], t
             dtype=cfg.model.params_dtype, seed=cfg.train.seed, max_prompt_len=cfg.data.max_prompt_len,
             stop_token_ids=stops.ids, load_format="dummy",  # build_components syncs every weight from the actor before the first generation
             return_routed_experts=cfg.algo.router_replay == "rollout", instances=v.engines == "instances",
-            expert_parallel=bool(hf_config.get("num_experts")))
+            expert_parallel=is_moe(hf_config))
         return VLLMEngine(options, hf_config)
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -278,6 +279,10 @@ def _build_parts(cfg: Config, launch: LaunchEnv, *, resume: bool, checkpoint: st
     elif hf_dir is not None:
         actor.load_hf(str(hf_dir))
     engine = None if bridge is not None else _build_engine(cfg, hf_dir, hf_config, tokenizer, stops)
+    if engine is not None and cfg.rollout.tools.enabled:
+        from dapo_mcore.run.tool_engine import tool_engine
+
+        engine = tool_engine(cfg, engine, tokenizer)
     sampler = _build_sampler(cfg, train_records)
     parts_closers: list[Callable[[], None]] = []
     scorer = make_scorer(cfg.reward, parts_closers)

@@ -7,6 +7,7 @@ those arguments (only the process whose job ``RANK`` is RANK, when given: one of
     generate:STEP            an engine rank (async mode), as it starts generating the batch of step STEP
     saved:STEP               a trainer rank, once the checkpoint of step STEP is complete on every rank
     step:STEP                a trainer rank, as it starts step STEP (``dapo-mcore rehearse`` kills one rank there)
+    tool:CALL                an engine, inside its CALL-th tool call since the process began (multi-turn tool use)
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from dapo_mcore.telemetry.diagnose_modes import (
     rule_off_policy,
     rule_pipeline,
     rule_routing_mismatch,
+    rule_tools,
 )
 from dapo_mcore.telemetry.run_series import (  # noqa: F401  (load_run, Run: names its callers import from here)
     LEDGER_FILE,
@@ -455,13 +456,14 @@ RULES: tuple[tuple[str, tuple[str, ...], Callable[[Run], list[Finding]]], ...] =
     ("pipeline", ("async/trainer_wait_s",), rule_pipeline),
     ("off-policy", (keys.CORR_KL_K3, "async/lag_mean"), rule_off_policy),
     ("routing-mismatch", ("moe/routing_mismatch_frac",), rule_routing_mismatch),
+    ("tools", (keys.cost_key("tool_calls", cumulative=False),), rule_tools),
     ("lora-update", ("lora/update_norm",), rule_lora_update),
 )
 """(name, metrics it needs, rule). A rule runs when at least one of its metrics was logged."""
 LEVEL_RULES = frozenset({"cannot-learn", "usable-groups", "length-limit", "spikes", "warmup", "pipeline",
-                         "routing-mismatch", "no-update", "lora-update"})
+                         "routing-mismatch", "no-update", "tools", "lora-update"})
 """Rules that judge levels (or non-finite values), not trends: they run on a run of any length."""
-MODE_RULES = frozenset({"pipeline", "off-policy", "routing-mismatch", "lora-update"})
+MODE_RULES = frozenset({"pipeline", "off-policy", "routing-mismatch", "tools", "lora-update"})
 """Rules of one mode (async; runs that log rollout_corr/*; MoE): a run of the other is not told they were skipped."""
 
 

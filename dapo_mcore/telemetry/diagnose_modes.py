@@ -193,3 +193,43 @@ def rule_pipeline(run: Run) -> list[Finding]:
                         "give the trainer more ranks (lower rollout.pipeline.engine_ranks), or run sync mode "
                         "(rollout.pipeline.mode=sync) if the engines would idle at any split")]
     return []
+
+
+TOOL_ERRORS_HIGH = 0.5
+"""A tool error rate at or above this over a run's last steps: the tool fails more often than it answers."""
+
+
+def rule_tools(run: Run) -> list[Finding]:
+    """Multi-turn tool use: a tool that fails (errors, timeouts, a sandbox that does not start). A tool outage looks
+    like a stall from outside (every call errors, the model never gets an answer back), so it is named."""
+    steps, calls = run.series(keys.cost_key("tool_calls", cumulative=False))
+    if not calls or sum(calls) == 0:
+        return []
+    per = {name: dict(zip(*run.series(keys.cost_key(name, cumulative=False)), strict=True))
+           for name in ("tool_errors", "tool_timeouts", "tool_sandbox_failures")}
+    w = run.window(len(steps))
+    last = list(zip(steps, calls, strict=True))[-w:]
+    made = sum(c for _, c in last)
+    if made == 0:
+        return []
+
+    def share(name: str) -> float:
+        return sum(per[name].get(s, 0.0) for s, _ in last) / made
+
+    errors, timeouts, boxless = share("tool_errors"), share("tool_timeouts"), share("tool_sandbox_failures")
+    rng = f"{last[0][0]}-{last[-1][0]}"
+    evidence = (f"tool error rate {errors:.0%} over steps {rng} ({made:.0f} calls: {timeouts:.0%} timed out, "
+                f"{boxless:.0%} found no sandbox)")
+    if boxless > 0:
+        return [Finding("tools", "warn", rng, "the tool's sandbox does not start: the model gets errors back instead "
+                        "of results (an outage, not the model's fault)", evidence,
+                        "check that bubblewrap runs on the engine nodes (user namespaces on) and that "
+                        "rollout.tools.python names a working interpreter; `dapo-mcore rehearse` shows the error")]
+    if errors >= TOOL_ERRORS_HIGH:
+        fix = ("raise rollout.tools.timeout_s (or rollout.tools.memory_mb)" if timeouts >= errors / 2 else
+               "read the tool outputs (`dapo-mcore rollouts RUN`): the model's code may be failing, which RL can fix, "
+               "or the tool environment lacks a package its code imports (rollout.tools.python)")
+        return [Finding("tools", "warn", rng, "most tool calls fail", evidence, fix)]
+    return [Finding("tools", "info", rng, "tool use", evidence,
+                    "`dapo-mcore report RUN` draws calls per response and the error rate; `dapo-mcore rollouts RUN` "
+                    "shows each call and its output")]

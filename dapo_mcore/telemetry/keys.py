@@ -98,6 +98,15 @@ TIME_EVAL = time_key("eval")
 TIME_CHECKPOINT = time_key("checkpoint")
 TIME_STEP = time_key("step")
 
+# --- tools: multi-turn tool use (rollout.tools), over the step's generated responses ---------------------
+TOOLS_CALLS_PER_RESPONSE = "tools/calls_per_response"
+TOOLS_ERROR_RATE = "tools/error_rate"
+"""Tool calls whose output was an error (the code failed, timed out, flooded, or found no sandbox), of all calls."""
+TOOLS_ACC_WITH = "tools/acc_with_calls"
+"""Accuracy of the responses that made at least one tool call (absent when none did)."""
+TOOLS_ACC_WITHOUT = "tools/acc_without_calls"
+"""Accuracy of the responses that made none (absent when every response called)."""
+
 # --- cost: the ledger (see telemetry/ledger.py), per step and cumulative ------------------------
 COST_COUNTERS: tuple[str, ...] = (
     "prompts_generated", "prompts_kept", "prompts_rejected",
@@ -105,13 +114,18 @@ COST_COUNTERS: tuple[str, ...] = (
     "tokens_generated", "tokens_generated_kept", "tokens_generated_rejected",
     "tokens_trained", "device_seconds",
     "tokens_generated_surplus", "tokens_generated_aborted", "prompts_skipped",
+    "tool_calls", "tool_errors", "tool_timeouts", "tool_sandbox_failures", "tool_seconds",
 )
 """Counters the cost ledger keeps. ``*_rejected`` = generated in finished groups but not trained on (dynamic
 sampling's rejected groups, surplus groups dropped, stage-skipped groups); ``tokens_generated_surplus`` = the
 surplus part of it; ``tokens_generated_aborted`` = tokens of requests aborted once the step was full (part of
 ``tokens_generated``, not of ``*_rejected``); ``prompts_skipped`` = prompts the prompt history skipped before
-generation; ``device_seconds`` = devices x step wall seconds."""
-COST_COUNTERS_ADDED: tuple[str, ...] = ("tokens_generated_surplus", "tokens_generated_aborted", "prompts_skipped")
+generation; ``device_seconds`` = devices x step wall seconds. ``tool_*`` (multi-turn tool use): calls made,
+those that errored (every output but a clean one), timed out, or found no sandbox, and the calls' wall seconds summed
+(they overlap decoding and each other)."""
+COST_COUNTERS_ADDED: tuple[str, ...] = ("tokens_generated_surplus", "tokens_generated_aborted", "prompts_skipped",
+                                        "tool_calls", "tool_errors", "tool_timeouts", "tool_sandbox_failures",
+                                        "tool_seconds")
 """Counters newer than some checkpoints: a ledger state without them resumes them from 0."""
 
 

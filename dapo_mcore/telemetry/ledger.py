@@ -71,6 +71,11 @@ class CostLedger:
         tokens_generated_surplus: int = 0,
         tokens_generated_aborted: int = 0,
         prompts_skipped: int = 0,
+        tool_calls: int = 0,
+        tool_errors: int = 0,
+        tool_timeouts: int = 0,
+        tool_sandbox_failures: int = 0,
+        tool_seconds: float = 0.0,
     ) -> dict[str, float]:
         """Add one step's costs; returns ``as_metrics()``.
 
@@ -93,8 +98,15 @@ class CostLedger:
             "tokens_generated": tokens_generated, "tokens_generated_kept": tokens_generated_kept,
             "tokens_trained": tokens_trained, "tokens_generated_surplus": tokens_generated_surplus,
             "tokens_generated_aborted": tokens_generated_aborted, "prompts_skipped": prompts_skipped,
+            "tool_calls": tool_calls, "tool_errors": tool_errors, "tool_timeouts": tool_timeouts,
+            "tool_sandbox_failures": tool_sandbox_failures,
         }
         _check_counts(counts)
+        if tool_errors > tool_calls or tool_timeouts + tool_sandbox_failures > tool_errors or tool_seconds < 0:
+            raise ValueError(f"tool_errors={tool_errors} (of which tool_timeouts={tool_timeouts}, tool_sandbox_failures="
+                             f"{tool_sandbox_failures}) must lie within tool_calls={tool_calls}; tool_seconds="
+                             f"{tool_seconds} >= 0")
+        counts["tool_seconds"] = float(tool_seconds)
         if tokens_generated_kept + tokens_generated_aborted + tokens_generated_surplus > tokens_generated:
             raise ValueError(f"tokens_generated_kept={tokens_generated_kept} + tokens_generated_aborted="
                              f"{tokens_generated_aborted} + tokens_generated_surplus={tokens_generated_surplus} "

@@ -41,6 +41,14 @@ TOKEN_KEYS: tuple[tuple[str, str], ...] = (
     ("tokens_trained", "tokens trained (prompt + response, every epoch)"),
 )
 """Kept + filtered + surplus + aborted = all generated tokens (``tokens_generated_rejected`` is filtered + surplus)."""
+TOOL_KEYS: tuple[tuple[str, str], ...] = (
+    ("tool_calls", "tool calls"),
+    ("tool_errors", "tool calls that errored (any output but a clean one)"),
+    ("tool_timeouts", "tool calls stopped at the timeout"),
+    ("tool_sandbox_failures", "tool calls whose sandbox did not start"),
+    ("tool_seconds", "tool seconds (calls summed; they overlap decoding)"),
+)
+"""Multi-turn tool use: the ledger's tool counters, shown when the window made a call."""
 
 
 @dataclass
@@ -63,6 +71,8 @@ class ProfileSummary:
     """Seconds of the step-0 base evaluation (before the first step: in no step's wall time), when in the window."""
     perf: dict[str, tuple[float, float]] = field(default_factory=dict)  # key -> (mean, last)
     tokens: dict[str, float] = field(default_factory=dict)
+    tools: dict[str, float] = field(default_factory=dict)
+    """Window totals of the ledger's tool counters (multi-turn tool use), when any call was made."""
     pipeline: dict[str, float] = field(default_factory=dict)
     """Async mode: the window's means of ``async/*`` (lag, waits on both sides, overlap)."""
     engine_lane: list[PhaseRow] = field(default_factory=list)
@@ -107,6 +117,10 @@ def summarize(records: Sequence[dict[str, Any]]) -> ProfileSummary:
         key = keys.cost_key(name, cumulative=False)
         if any(key in r for r in records):
             summary.tokens[name] = float(sum(r.get(key, 0) for r in records))
+    totals = {name: float(sum(r.get(keys.cost_key(name, cumulative=False), 0) for r in records))
+              for name, _ in TOOL_KEYS}
+    if totals["tool_calls"] > 0:
+        summary.tools = totals
     summary.engine_lane = _engine_lane(records)
     summary.staleness = staleness.totals(records)
     for key in sorted({k for r in records for k in r if k.startswith("async/")}):
@@ -188,6 +202,8 @@ def render(summary: ProfileSummary, console: Console, run_name: str) -> None:
         console.print(tok_table)
     else:
         console.print("no cost/* token counters logged")
+    if summary.tools:
+        _render_tools(summary.tools, console)
     if summary.engine_lane:
         engines = Table(title="Engine lane (async: seconds per batch, while the trainer trains)")
         for col in ("phase", "total s", "share", "mean s/step", "last s"):
@@ -211,6 +227,21 @@ def render(summary: ProfileSummary, console: Console, run_name: str) -> None:
         for name, value in summary.pipeline.items():
             pipe.add_row(name, f"{value:.3f}")
         console.print(pipe)
+
+
+def _render_tools(tools: dict[str, float], console: Console) -> None:
+    table = Table(title="Tool calls (window total)")
+    table.add_column("counter")
+    table.add_column("total", justify="right")
+    table.add_column("share of calls", justify="right")
+    calls = tools["tool_calls"]
+    for name, label in TOOL_KEYS:
+        value = tools[name]
+        if name == "tool_seconds":
+            table.add_row(label, f"{value:,.2f}", f"{value / calls:.3f} s/call")
+        else:
+            table.add_row(label, f"{value:,.0f}", "" if name == "tool_calls" else f"{100 * value / calls:.1f}%")
+    console.print(table)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -69,6 +69,10 @@ PANELS: tuple[Panel, ...] = (
     Panel("tis", "Truncated importance sampling (algo.tis_cap)", "value", (
         ("mismatch/tis_mean", "mean TIS weight"), ("mismatch/tis_clip_frac", "fraction of tokens at the cap"),
         ("train/tis_weight", "TIS weight in the loss")), split=True, optional=True),
+    Panel("tools", "Tool use (rollout.tools)", "value", (
+        (keys.TOOLS_CALLS_PER_RESPONSE, "tool calls per response"), (keys.TOOLS_ERROR_RATE, "tool error rate"),
+        (keys.TOOLS_ACC_WITH, "accuracy, responses with a call"),
+        (keys.TOOLS_ACC_WITHOUT, "accuracy, responses without one")), split=True, optional=True),
     Panel("lora", "LoRA adapters", "L2 norm", (
         ("lora/update_norm", "update per optimizer step"), ("lora/adapter_norm", "adapters")), split=True,
         optional=True),

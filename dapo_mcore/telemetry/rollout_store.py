@@ -7,10 +7,13 @@ Layout (``run_dir/rollouts.zarr``), all arrays 1-D and chunked along their only 
   ``finish`` (uint8 code into the ``finish_reasons`` attribute: stop, length), ``stale_tokens`` (int32: leading
   response tokens an older policy sampled, partial rollouts; stores written before it read as 0), ``stop_token``
   (int64: the stop/EOS id that ended the response, -1 when it reached the length limit; stores written before it read
-  as -1),
+  as -1), ``tool_calls`` / ``tool_errors`` (int32: tool calls of a multi-turn response and how many of them
+  errored; 0 in stores written before them),
   ``prompt_start``/``prompt_len`` and ``response_start``/``response_len`` (offsets into the token arrays);
-- ragged tokens, concatenated: ``prompt_ids`` (int32), ``response_ids`` (int32) and ``logprobs``
-  (float32, the engine's log-prob of each response token, NaN when the engine gave none).
+- ragged tokens, concatenated: ``prompt_ids`` (int32), ``response_ids`` (int32), ``logprobs``
+  (float32, the engine's log-prob of each response token, NaN when the engine gave none: a tool-output token has
+  none) and ``loss_mask`` (bool per response token: False on tool output, which no loss counts; True in stores
+  written before it).
 
 Commit protocol: a step's arrays are grown and written first; only then is the root attribute
 ``committed`` (the list of steps and the row/token end offset after each) rewritten. zarr's
@@ -64,14 +67,21 @@ ROW_COLUMNS: dict[str, str] = {
     "step": "int64", "group_id": "int64", "gen_batch": "int32", "reward": "float32", "acc": "bool",
     "kept": "bool", "finish": "uint8", "prompt_start": "int64", "prompt_len": "int32",
     "response_start": "int64", "response_len": "int32", "stale_tokens": "int32", "stop_token": "int64",
+    "tool_calls": "int32", "tool_errors": "int32",
 }
-ADDED_ROW_COLUMNS: dict[str, int] = {"stale_tokens": 0, "stop_token": -1}
+ADDED_ROW_COLUMNS: dict[str, int] = {"stale_tokens": 0, "stop_token": -1, "tool_calls": 0, "tool_errors": 0}
 """Columns newer than the format's first stores, with the value they read as where absent (and are created with
 when such a store is appended to)."""
 TOKEN_COLUMNS: dict[str, tuple[str, str]] = {
     # name: (dtype, which token stream it follows)
     "prompt_ids": ("int32", "prompt"), "response_ids": ("int32", "response"), "logprobs": ("float32", "response"),
+    "loss_mask": ("bool", "response"),
 }
+ADDED_TOKEN_COLUMNS: dict[str, bool] = {"loss_mask": True}
+"""Token columns newer than the format's first stores, with the value they read as where absent."""
+UNCHECKED_AT_DEFAULT = ("tool_calls", "tool_errors", "loss_mask")
+"""Columns a step's checksum covers only where they differ from their default somewhere: a single-turn step (and every
+step stored before them) has the checksum it always had."""
 
 
 @dataclass
@@ -98,6 +108,10 @@ class Rollout:
     """Leading response tokens an older policy sampled (partial rollouts; their log-probs are that policy's)."""
     stop_token: int = -1
     """The stop/EOS id that ended the response (finish_reason "stop"); -1 when it reached the length limit."""
+    loss_mask: np.ndarray | None = None
+    """Multi-turn tool use: False on tool-output tokens (not trained on); None = every token the model's."""
+    tool_calls: int = 0
+    tool_errors: int = 0
 
     @property
     def prompt_len(self) -> int:
@@ -235,7 +249,7 @@ class RolloutStore:
         for name, dtype in ROW_COLUMNS.items():
             group.create_array(name, shape=(0,), dtype=dtype, chunks=(row_chunk,))
         for name, (dtype, _) in TOKEN_COLUMNS.items():
-            fill = np.nan if dtype.startswith("float") else 0
+            fill = np.nan if dtype.startswith("float") else ADDED_TOKEN_COLUMNS.get(name, 0)
             group.create_array(name, shape=(0,), dtype=dtype, chunks=(token_chunk,), fill_value=fill)
         self._committed = _Committed([], [], [], [])
         group.update_attributes(
@@ -266,6 +280,13 @@ class RolloutStore:
                                                  fill_value=fill)
                 if length:
                     array[:] = np.full(length, fill, dtype=ROW_COLUMNS[name])
+        tokens = self._group["response_ids"].shape[0]
+        for name, fill in ADDED_TOKEN_COLUMNS.items():
+            if name not in self._group:
+                dtype, chunks = TOKEN_COLUMNS[name][0], self._group["response_ids"].chunks
+                array = self._group.create_array(name, shape=(tokens,), dtype=dtype, chunks=chunks, fill_value=fill)
+                if tokens:
+                    array[:] = np.full(tokens, fill, dtype=dtype)
 
     def _shrink_to_committed(self) -> None:
         """Cut array tails past the committed ends (a step that crashed mid-write, or dropped steps)."""
@@ -321,15 +342,23 @@ def step_crc32(columns: dict[str, np.ndarray]) -> int:
     """CRC-32 of one step's columns as stored (absolute offsets), in a fixed column order."""
     crc = 0
     for name, dtype in (*ROW_COLUMNS.items(), *((n, d) for n, (d, _) in TOKEN_COLUMNS.items())):
+        if name in UNCHECKED_AT_DEFAULT and bool(np.all(columns[name] == _default(name))):
+            continue
         crc = zlib.crc32(np.ascontiguousarray(columns[name], dtype=dtype).tobytes(), crc)
     return crc
+
+
+def _default(name: str) -> Any:
+    return ADDED_TOKEN_COLUMNS[name] if name in ADDED_TOKEN_COLUMNS else ADDED_ROW_COLUMNS[name]
 
 
 def _raw_step(group: zarr.Group, committed: _Committed, step: int) -> dict[str, np.ndarray]:
     rows, ptok, rtok = committed.ranges(step)
     out = {name: _row_column(group, name, rows) for name in ROW_COLUMNS}
-    for name, (_, stream) in TOKEN_COLUMNS.items():
-        out[name] = group[name][ptok if stream == "prompt" else rtok]
+    for name, (dtype, stream) in TOKEN_COLUMNS.items():
+        span = ptok if stream == "prompt" else rtok
+        out[name] = (group[name][span] if name in group
+                     else np.full(len(range(*span.indices(span.stop))), ADDED_TOKEN_COLUMNS[name], dtype=dtype))
     return out
 
 
@@ -350,8 +379,12 @@ def _columns(step: int, records: Sequence[Rollout]) -> dict[str, np.ndarray]:
     """Validate ``records`` and lay them out as the store's columns (offsets relative to 0)."""
     prompts = [np.asarray(r.prompt_ids, dtype=np.int64).reshape(-1) for r in records]
     responses = [np.asarray(r.response_ids, dtype=np.int64).reshape(-1) for r in records]
-    logprobs = []
+    logprobs, masks = [], []
     for i, (r, resp) in enumerate(zip(records, responses, strict=True)):
+        mask = np.ones(len(resp), dtype=bool) if r.loss_mask is None else np.asarray(r.loss_mask, dtype=bool).reshape(-1)
+        if len(mask) != len(resp):
+            raise ValueError(f"rollout {i}: {len(mask)} loss_mask values for {len(resp)} response tokens")
+        masks.append(mask)
         if r.finish_reason not in FINISH_REASONS:
             raise ValueError(f"rollout {i}: finish_reason={r.finish_reason!r}; use one of {FINISH_REASONS}")
         if r.logprobs is None:
@@ -384,9 +417,12 @@ def _columns(step: int, records: Sequence[Rollout]) -> dict[str, np.ndarray]:
         "response_len": response_len.astype(np.int32),
         "stale_tokens": np.array([r.stale_tokens for r in records], dtype=np.int32),
         "stop_token": np.array([r.stop_token for r in records], dtype=np.int64),
+        "tool_calls": np.array([r.tool_calls for r in records], dtype=np.int32),
+        "tool_errors": np.array([r.tool_errors for r in records], dtype=np.int32),
         "prompt_ids": cat(prompts, "int32"),
         "response_ids": cat(responses, "int32"),
         "logprobs": cat(logprobs, "float32"),
+        "loss_mask": cat(masks, "bool"),
     }
 
 
@@ -449,6 +485,7 @@ class RolloutReader:
                 finish_reason=finish_reasons[int(c["finish"][i])], kept=bool(c["kept"][i]),
                 group_id=int(c["group_id"][i]), gen_batch=int(c["gen_batch"][i]), step=int(c["step"][i]),
                 stale_tokens=int(c["stale_tokens"][i]), stop_token=int(c["stop_token"][i]),
+                loss_mask=c["loss_mask"][r0:r1], tool_calls=int(c["tool_calls"][i]), tool_errors=int(c["tool_errors"][i]),
             ))
         return out
 
@@ -536,7 +573,29 @@ def _print_step(reader: RolloutReader, step: int, limit: int, which: str, decode
               f"{what}  finish {r.finish_reason}{_stop_text(r, decode)}  prompt {r.prompt_len} tok  "
               f"response {r.response_len} tok" + (f" ({r.stale_tokens} from an older policy)" if r.stale_tokens else ""))
         print(f"prompt:   {decode(r.prompt_ids)!r}")
-        print(f"response: {decode(r.response_ids)!r}")
+        if r.tool_calls or (r.loss_mask is not None and not bool(np.all(r.loss_mask))):
+            _print_turns(r, decode)
+        else:
+            print(f"response: {decode(r.response_ids)!r}")
+
+
+def turns(r: Rollout) -> list[tuple[bool, np.ndarray]]:
+    """A response's runs of model tokens (True) and tool-output tokens (False), in order."""
+    mask = np.ones(r.response_len, dtype=bool) if r.loss_mask is None else np.asarray(r.loss_mask, dtype=bool)
+    out: list[tuple[bool, np.ndarray]] = []
+    start = 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            out.append((bool(mask[start]), np.asarray(r.response_ids[start:i])))
+            start = i
+    return out
+
+
+def _print_turns(r: Rollout, decode: Any) -> None:
+    """A multi-turn response turn by turn, the tool's output set apart (it is not trained on)."""
+    print(f"response: {r.tool_calls} tool call(s), {r.tool_errors} errored")
+    for model, ids in turns(r):
+        print(f"  {'model' if model else 'TOOL '} | {decode(ids)!r}")
 
 
 def _stop_text(r: Rollout, decode: Any) -> str:

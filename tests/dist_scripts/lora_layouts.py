@@ -132,7 +132,31 @@ def resume_checks(ws: Path, spec: dict, tp: int, pp: int, actor, name: str, firs
         out["other_base"] = None
     except CheckpointError as err:
         out["other_base"] = str(err)
+    out["damaged_adapter"] = damaged_adapter_check(ws, spec, tp, pp, source, name)
     return out
+
+
+def damaged_adapter_check(ws: Path, spec: dict, tp: int, pp: int, source: Path, name: str) -> str | None:
+    """A copy of the checkpoint with one byte of one adapter file flipped: the resume must find the damage (and so
+    fall back to an older checkpoint), not load the flipped adapter. Returns the error text (None: loaded)."""
+    import shutil
+
+    from dapo_mcore.actor import checkpoint as ckpt
+    from dapo_mcore.weights.checkpoint import DamagedFileError
+
+    damaged = ws / "damaged" / name / source.name
+    if dist.get_rank() == 0:
+        shutil.copytree(source, damaged)
+        victim = sorted(f for f in (damaged / "lora").rglob("*.safetensors"))[0]
+        data = bytearray(victim.read_bytes())
+        data[-3] ^= 0x10  # in the tensor bytes, past the header
+        victim.write_bytes(bytes(data))
+    dist.barrier()
+    try:
+        ckpt.load_checkpoint(damaged, make_lora_actor(ws, spec, tp, pp))
+        return None
+    except DamagedFileError as err:
+        return str(err)
 
 
 def check_layout(ws: Path, spec: dict, tp: int, pp: int, name: str, first: str, recompute: str = "none") -> dict:

@@ -27,7 +27,25 @@ VARIANTS = {
     "cispo": ({"objective": "cispo", "clip_low": 1.0, "clip_high": 0.2, "loss_agg": "token-mean"}, "grpo"),
     "rloo": ({"objective": "ppo_clip", "clip_low": 0.2, "clip_high": 0.28, "loss_agg": "token-mean",
               "advantage_estimator": "rloo", "norm_adv_by_std": False}, "rloo"),
+    # multi-turn: tool-output spans (loss mask 0, engine log-prob NaN) in bypass mode with token IS, so the NaN is
+    # the PPO ratio's old log-prob and the IS weight's input
+    "tools": ({"objective": "ppo_clip", "clip_low": 0.2, "clip_high": 0.28, "loss_agg": "token-mean"}, "grpo"),
 }
+TIS_CAP = 2.0
+
+
+def with_tool_spans(batch: list[dict]) -> list[dict]:
+    """``update1`` as a multi-turn batch: tokens 1 and 2 of every response of 4+ tokens are tool output (mask 0,
+    old log-prob NaN, as the engine reports them); the rest keeps its mask."""
+    out = copy.deepcopy(batch)
+    for s in out:
+        n = len(s["response"])
+        if n >= 4:
+            mask = list(s.get("loss_mask", [1.0] * n))
+            mask[1:3] = [0.0, 0.0]
+            s["loss_mask"] = mask
+            s["old_logprobs"][1:3] = [float("nan")] * 2
+    return out
 REWARDS = [[1.0, -1.0, -1.0, 1.0], [-1.0, -1.0, 1.0, -1.0]]  # update1's 8 samples as 2 groups of 4
 
 
@@ -57,6 +75,12 @@ def run(ws: Path, spec: dict, variant: str, count: int, dp: int, pp: int = 1, la
     overrides, estimator = VARIANTS[variant]
     spec = copy.deepcopy(spec)
     spec["algo"] = {**spec["algo"], **overrides}
+    if variant == "tools":
+        from dapo_mcore.algo.rollout_correction_config import RolloutCorrectionConfig
+
+        spec["update1"] = with_tool_spans(spec["update1"])
+        spec["algo"]["rollout_correction"] = RolloutCorrectionConfig(bypass=True, is_level="token",
+                                                                     is_threshold=TIS_CAP)
     batch = samples_for(spec, estimator)
     spec["micro_batch_tokens"] = budget_for(batch, count, dp)
     actor = c.make_actor(ws, spec, 1, pp)

@@ -39,7 +39,8 @@ def run(hf_dir: Path, vpp: int | None) -> dict:
     actor = MegatronActor(settings)
     actor.load_hf(str(hf_dir))
     samples = _samples()
-    out: dict = {"micro_batches": len(actor._my_micro_batches(samples))}
+    out: dict = {"micro_batches": len(actor._my_micro_batches(samples)),
+                 "overlap_p2p_comm": actor.tconfig.overlap_p2p_comm}
     out["logp"], _ = actor.compute_logprobs(samples)
     for s, lp in zip(samples, out["logp"], strict=True):
         s.old_logprobs = lp

@@ -176,10 +176,14 @@ class HFEngine:
         stopped = torch.zeros(n_rows, dtype=torch.bool, device=self.device)
         active = torch.arange(n_rows, device=self.device)  # original row index of each batch row
         next_pos = lens.clone()
+        sequences = [torch.tensor(seq, dtype=torch.long, device=self.device) for seq in params.stop_sequences]
         for t in range(max_new):
             tok, lp = sample_next(logits, params, generator)
             tokens[active, t], logps[active, t], n_gen[active] = tok, lp.to(logps.dtype), t + 1
             hit = torch.isin(tok, stop_ids)
+            for seq in sequences:  # a stop sequence ends a row when its newest tokens (of this call) equal it
+                if t + 1 >= len(seq):
+                    hit |= (tokens[active, t + 1 - len(seq):t + 1] == seq).all(dim=-1)
             stopped[active] |= hit
             if budgets is not None:
                 hit = hit | (budgets[active] <= t + 1)
@@ -225,6 +229,24 @@ class HFEngine:
                                                      maxlen=1)[0]
             out.extend(self._to_responses(tokens, logps, n_gen, stopped, tail))
         return out
+
+    @torch.inference_mode()
+    def resume_stream(self, prompts: list[list[int]], prefixes: list[list[int]], params: SamplingParams
+                      ) -> Iterator[tuple[int, Response]]:
+        """``resume``, each response handed out as soon as it has ended: ``(index into prompts, Response)`` in
+        completion order (a multi-turn rollout starts a response's tool call while the others still decode). The same
+        seed, prompts and params give the same responses as ``resume``."""
+        generator, stop_ids = self._prepare(prompts, params)
+        check_resume(prompts, prefixes, params, self.vocab_size)
+        for start in range(0, len(prompts), self.max_batch_rows):
+            chunk = slice(start, start + self.max_batch_rows)
+            rows = [list(p) + list(q) for p, q in zip(prompts[chunk], prefixes[chunk], strict=True)]
+            budgets = torch.tensor([params.max_new_tokens - len(q) for q in prefixes[chunk]], device=self.device)
+            tail = dataclasses.replace(params, max_new_tokens=int(budgets.max()))
+            for tokens, logps, n_gen, stopped, finished in self._decode(rows, tail, stop_ids, generator, budgets):
+                for row in finished:
+                    one = slice(row, row + 1)
+                    yield start + row, self._to_responses(tokens[one], logps[one], n_gen[one], stopped[one], tail)[0]
 
     @staticmethod
     def _to_responses(tokens: Tensor, logps: Tensor, n_gen: Tensor, stopped: Tensor,

@@ -43,6 +43,7 @@ from typing import Any, Literal
 import torch
 
 from dapo_mcore.model.gpu_stack import release
+from dapo_mcore.model.hf_config import is_moe
 from dapo_mcore.rollout.engines.vllm_backend import VLLMBackend, _LLMBackend, _world_size
 from dapo_mcore.rollout.engines.vllm_env import (  # noqa: F401  (the engine's callers import these from here too)
     _RELAYOUT_ENV,
@@ -61,6 +62,12 @@ from dapo_mcore.rollout.engines.vllm_env import (  # noqa: F401  (the engine's c
     pin_model_runner,
     routed_experts_shm_bytes,
     shm_free_bytes,
+)
+from dapo_mcore.rollout.engines.vllm_moe import (
+    check_moe_backends,
+    chosen_moe_backends,
+    engine_arg_names,
+    moe_backend_pin,
 )
 from dapo_mcore.rollout.engines.vllm_outputs import VLLMGroupStream, completion_tokens, responses_from_outputs
 from dapo_mcore.rollout.engines.weight_sync import SyncTracker, hf_param_shapes
@@ -256,6 +263,11 @@ def build_requests(prompts: Sequence[Sequence[int]], params: SamplingParams,
                           f"log-probs are renormalised over the top-k/top-p set and would not match the actor's "
                           f"full-vocabulary log_softmax(logits/T). Use top_p=1, top_k=-1 for training rollouts, "
                           f"or logprobs='none' (evaluation).")
+    longer = [list(seq) for seq in params.stop_sequences if len(seq) > 1]
+    if longer:
+        raise EngineError(f"stop_sequences {longer[:2]}: VLLMEngine stops on single token ids only (a one-token "
+                          f"sequence goes to stop_token_ids); run multi-turn tool rollouts on rollout.engine=hf.")
+    stop_ids = sorted(set(params.stop_token_ids) | {seq[0] for seq in params.stop_sequences})
     if max_tokens is None:
         max_tokens = [params.max_new_tokens] * len(prompts)
     if len(max_tokens) != len(prompts) or min(max_tokens, default=1) < 1:
@@ -265,7 +277,7 @@ def build_requests(prompts: Sequence[Sequence[int]], params: SamplingParams,
     for i in range(len(prompts)):
         sampling.append(dict(
             n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-            max_tokens=int(max_tokens[i]), stop_token_ids=list(params.stop_token_ids),
+            max_tokens=int(max_tokens[i]), stop_token_ids=stop_ids,
             seed=None if params.seed is None else params.seed + i * params.n,
             logprobs=None if params.logprobs == "none" else 0, detokenize=False, ignore_eos=False,
         ))
@@ -337,7 +349,10 @@ class VLLMEngine:
             logger.info("vLLM data-parallel %d: %s=%s (%s)", kwargs.get("data_parallel_size", 1), _RUNNER_ENV,
                         pinned[_RUNNER_ENV], "routed-expert capture" if pinned[_RUNNER_ENV] == "1" else
                         "the V1 runner, whose dummy steps keep the engine groups in lockstep")
-        check_moe_weight_layout(dict(os.environ), bool(self._hf_config.get("num_experts")))
+        moe = is_moe(self._hf_config)
+        check_moe_weight_layout(dict(os.environ), moe)
+        if moe:  # the kernel that keeps the checkpoint's [gate; up] expert layout (rollout/engines/vllm_moe.py)
+            kwargs.update(moe_backend_pin(traits, engine_arg_names()))
         if kwargs.get("enable_return_routed_experts") and not traits.cpu_kv_cache:
             import torch
 
@@ -351,7 +366,13 @@ class VLLMEngine:
             logger.info("vLLM on CPU: KV cache %s GiB per process (set %s to change it)", _CPU_KVCACHE_DEFAULT_GIB,
                         _CPU_KVCACHE_ENV)
         logger.info("building vLLM %s engine on %s: %s", vllm.__version__, traits.name, kwargs)
-        return _LLMBackend(vllm, kwargs, traits)
+        backend = _LLMBackend(vllm, kwargs, traits)
+        if moe:
+            chosen = chosen_moe_backends(backend._model)
+            check_moe_backends(chosen, traits)
+            logger.info("vLLM MoE kernel backend: %s (keeps the checkpoint's expert layout)",
+                        ", ".join(sorted(set(chosen.values()))))
+        return backend
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Response]]:
         """Sample params.n responses per prompt; the engine must be awake (call wake() after a sync)."""

@@ -5,9 +5,10 @@ waits on the trainer for anything but a version it needs (``rollout.pipeline.asy
   gloo send returns only once the trainer posts the matching receive, and the trainer receives a batch only when it
   trains on it: the engines running ahead queue their batches here and go on generating.
 - ``VersionReceiver`` (every engine rank, ``rollout.pipeline.max_staleness`` > 1): the trainer's versions, received
-  as soon as the trainer publishes them (up to ``staged`` versions ahead of the one the engines hold), kept on the
-  host until the engines take them at a batch boundary. With ``staged = 0`` (one-step-off) nothing runs ahead: the
-  engine loop receives each version itself, straight into the engine, when it needs it.
+  as soon as the trainer publishes them, at most ``staged`` (D - 1) on the host at once counting the one being
+  received and the one being loaded, kept there until the engines take them at a batch boundary; on a GPU on the
+  engine's device and a side stream of its own. With ``staged = 0`` (one-step-off) nothing runs ahead: the engine
+  loop receives each version itself, straight into the engine, when it needs it.
 
 A version lands in the engine only at a batch boundary (the start of the batch it samples), never mid-batch: where it
 lands is then a pure function of the step, so a run stays a pure function of its seed and resumes exactly.
@@ -87,47 +88,88 @@ class BatchSender:
 
 
 class VersionReceiver:
-    """Receives the trainer's versions on a thread, at most ``staged`` ahead of the last one taken.
+    """Receives the trainer's versions on a thread, at most ``staged`` held on the host at any time.
+
+    A version counts from the moment its receive starts until the loop has loaded it into the engine and
+    ``release``d it: the one being received, those waiting and the one being loaded together never exceed
+    ``staged`` (D - 1, what docs/rollout.md states), so an engine rank holds at most that many copies of the model.
+
+    On a GPU the thread sets the engine's device (a new thread starts on device 0) and runs its receives on a side
+    stream of its own, so the weights group's broadcasts never queue on the stream vLLM generates on; each version
+    carries an event recorded after its last copy, which the loop waits on (``take``) before loading it.
 
     Args:
         receive: receives the next version (meet, header, buckets) and returns ``Received``; raises ``stop`` when the
             trainer said stop.
-        staged: how many versions may wait on the host beyond the one the engines hold.
+        staged: how many versions may be on the host at once (>= 1).
         stop: the exception ``receive`` raises on the trainer's stop (re-raised by ``take``).
+        device: the engine's CUDA device index (None: no CUDA, nothing to set).
     """
 
-    def __init__(self, receive: Callable[[], Received], staged: int, stop: type[BaseException]) -> None:
+    def __init__(self, receive: Callable[[], Received], staged: int, stop: type[BaseException],
+                 device: int | None = None) -> None:
         assert staged >= 1, staged
-        self._receive, self._staged, self._stop = receive, staged, stop
+        self._receive, self._staged, self._stop, self._device = receive, staged, stop, device
         self._queue: queue.Queue = queue.Queue()
-        self._taken = 0
-        self._received = 0
+        self._started = 0
+        """Receives begun (each a version on the host from then on)."""
+        self._released = 0
+        """Versions the loop has loaded and let go."""
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="dapo-engine-versions", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        stream = _side_stream(self._device)
         while True:
-            with self._cond:  # at most ``staged`` versions on the host beyond the one held
-                self._cond.wait_for(lambda: self._received < self._taken + self._staged)
+            with self._cond:  # the receive about to start counts: at most ``staged`` versions on the host
+                self._cond.wait_for(lambda: self._started < self._released + self._staged)
+                self._started += 1
             try:
-                got = self._receive()
+                got = self._receive_on(stream)
             except BaseException as exc:  # noqa: BLE001 - the stop or a failure: handed to the loop by ``take``
                 self._queue.put(exc)
                 return
-            with self._cond:
-                self._received += 1
             self._queue.put(got)
+            del got  # held here it would outlive the loop's release: one more copy on the host
+
+    def _receive_on(self, stream: Any) -> tuple[Received, Any]:
+        if stream is None:
+            return self._receive(), None
+        import torch
+
+        with torch.cuda.stream(stream):
+            got = self._receive()
+            done = torch.cuda.Event()
+            done.record(stream)
+        return got, done
 
     def take(self) -> tuple[Received, float]:
-        """The next version and the seconds the loop waited for it (0 when it had arrived)."""
+        """The next version (its copies complete) and the seconds the loop waited for it (0 when it had arrived).
+        Call ``release`` once it is loaded into the engine and no longer referenced."""
         t0 = time.monotonic()
         got = self._queue.get()
-        waited = time.monotonic() - t0
         if isinstance(got, BaseException):
             self._queue.put(got)  # every later take says the same
             raise got
+        received, done = got
+        if done is not None:
+            done.synchronize()
+        return received, time.monotonic() - t0
+
+    def release(self) -> None:
+        """The version last taken is loaded: its host copy may go, and the next receive may start."""
         with self._cond:
-            self._taken += 1
+            self._released += 1
             self._cond.notify_all()
-        return got, waited
+
+
+def _side_stream(device: int | None) -> Any:
+    """In the receiver thread: set the engine's CUDA device and make the stream its receives run on (None without
+    CUDA)."""
+    if device is None:
+        return None
+    import torch
+
+    torch.cuda.set_device(device)
+    return torch.cuda.Stream(device=device)

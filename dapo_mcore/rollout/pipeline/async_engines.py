@@ -113,8 +113,11 @@ class EngineLoop:
         # A fresh start generates batch 0; a resume after s steps has batches s .. s + n - 1 in the checkpoint, so
         # s + n (n = 0 for a finished run's last checkpoint whose train.steps was raised: then batch s).
         k = first = self.version + int(header.get("pending") or 0)
-        if self.lead > 1:  # versions arrive while the engines generate, up to D - 1 ahead of the one they hold
-            self._versions = VersionReceiver(lambda: self._receive(staged=True), self.lead - 1, _Stop)
+        if self.lead > 1:  # versions arrive while the engines generate, at most D - 1 of them on the host
+            import torch
+
+            device = torch.cuda.current_device() if torch.cuda.is_available() else None
+            self._versions = VersionReceiver(lambda: self._receive(staged=True), self.lead - 1, _Stop, device)
         while k < steps:
             while self.version < k - self.lead:  # version k - D: published after step k - D - 1
                 self._take()
@@ -148,7 +151,11 @@ class EngineLoop:
             waited = time.monotonic() - t0 - received[2]
         else:
             received, waited = self._versions.take()
-        if self._apply(received, waited)["eval"]:
+        header = self._apply(received, waited)
+        if self._versions is not None:
+            del received  # the host copy goes before the next receive may start
+            self._versions.release()
+        if header["eval"]:
             self._evaluate()
 
     def _apply(self, received: Received, waited: float) -> dict[str, Any]:

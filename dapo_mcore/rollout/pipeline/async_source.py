@@ -96,10 +96,26 @@ def rebucket(buckets: Iterable[WeightBucket], limit: int) -> Iterator[WeightBuck
     return bucketed((pair for bucket in buckets for pair in bucket), limit)
 
 
+ALIGN = 16
+"""Every tensor of a flattened bucket starts at a multiple of this many bytes: a view at an odd offset cannot take a
+wider dtype (a bf16 tensor of odd length before an fp32 one), and GPU kernels read aligned rows in wider loads."""
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
 def flatten_bucket(bucket: WeightBucket) -> tuple[list[tuple[str, tuple[int, ...], str]], torch.Tensor]:
-    """A bucket's tensors as one byte buffer (any mix of dtypes) and what it takes to cut it up again."""
+    """A bucket's tensors as one byte buffer (any mix of dtypes, each padded to ``ALIGN`` bytes) and what it takes to
+    cut it up again."""
     meta = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in bucket]
-    flat = torch.cat([t.detach().contiguous().view(-1).view(torch.uint8) for _, t in bucket])
+    parts = []
+    for _, t in bucket:
+        raw = t.detach().contiguous().view(-1).view(torch.uint8)
+        parts.append(raw)
+        if _aligned(raw.numel()) > raw.numel():
+            parts.append(raw.new_zeros(_aligned(raw.numel()) - raw.numel()))
+    flat = torch.cat(parts)
     return meta, flat
 
 
@@ -109,7 +125,7 @@ def unflatten_bucket(meta: list[tuple[str, tuple[int, ...], str]], flat: torch.T
         dt = getattr(torch, dtype)
         size = dt.itemsize * (int(torch.Size(shape).numel()))
         out.append((name, flat[start:start + size].view(dt).view(shape)))
-        start += size
+        start += _aligned(size)
     if start != flat.numel():
         raise EngineError(f"weight transfer: a bucket of {flat.numel()} bytes holds {start} bytes of tensors")
     return out

@@ -123,7 +123,8 @@ class ColocatedRollouts:
         kept, generated, stats = self.scheduler.collect(generate, GroupData.joined, step,
                                                         stream if self.streams else None,
                                                         resume if self.streams else None, version)
-        batch = StepBatch([g.payload for g in kept], [g.payload for g in generated], stats)
+        batch = StepBatch([g.payload for g in kept], [g.payload for g in generated], stats,
+                          tools=self._tool_counters())
         chosen = {id(g) for g in batch.kept}
         for g in batch.generated:
             g.kept = id(g) in chosen
@@ -131,6 +132,27 @@ class ColocatedRollouts:
                 if r.versions is None:
                     r.versions = runs([(version, r.length)])
         return batch
+
+    def _tool_counters(self) -> dict[str, float]:
+        """Multi-turn tool use: the calls every engine group made since the last step (each counts its own share;
+        summed over the groups' leaders), as ``tools/*`` metrics the cost ledger reads."""
+        from dapo_mcore.rollout.multiturn import MultiTurnEngine
+
+        if not isinstance(self.engine, MultiTurnEngine):
+            return {}
+        c = self.engine.pool.take_counters()
+        values = torch.tensor([c.calls, c.errors, c.timeouts, c.sandbox_failures, c.seconds], dtype=torch.float64)
+        if self.groups.count > 1:
+            import torch.distributed as dist
+
+            from dapo_mcore.collectives.device import collective_device
+
+            device = collective_device()
+            summed = device.to(values * float(self.groups.leader))
+            dist.all_reduce(summed)
+            values = device.host(summed)
+        names = ("calls", "errors", "timeouts", "sandbox_failures", "seconds")
+        return {f"tools/{name}": float(v) for name, v in zip(names, values.tolist(), strict=True)}
 
     def _noted(self, slot: int, groups: list[Group]) -> list[Group]:
         if self.progress is not None:

@@ -14,7 +14,7 @@ the source raises :class:`RolloutInterrupted` and the trainer rolls the source b
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from dapo_mcore.algo.dynamic_sampling import SamplingStats
@@ -38,6 +38,9 @@ class StepBatch:
     """Every group generated for the step (kept, rejected, surplus, staged out), in decision order; ``kept`` is set."""
     stats: SamplingStats
     """Dynamic sampling's counters for the step (usable groups, batches drawn, tokens aborted, ...)."""
+    tools: dict[str, float] = field(default_factory=dict)
+    """Multi-turn tool use: the step's ``tools/calls``, ``errors``, ``timeouts``, ``sandbox_failures``, ``seconds``
+    over every engine group (empty without tools)."""
     policy_version: int | None = None
     """Async mode: the policy version (steps trained) that sampled the batch (its responses' ``versions`` say which
     produced each token: continued prefixes are older); None when it is the trainer's own."""

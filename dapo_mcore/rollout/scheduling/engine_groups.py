@@ -2,7 +2,8 @@
 
 Each engine group streams its own share of a chunk's prompts (round robin: prompt ``i`` goes to group
 ``i % groups``, so every group holds early prompts). The groups advance in lockstep, ``exchange_every`` decode steps
-at a time, and after each tick every group's leader broadcasts the groups that ended in it (``gather.broadcast_shares``).
+at a time, and after each tick every group's leader broadcasts the groups that ended in it (``gather.exchange_shares``:
+one all-gather a tick, then only the non-empty shares).
 Every rank then holds the same finished groups at the same tick, and the scheduler decides on them in prompt order,
 exactly as with one engine. Where a stream stands at an exchange depends on the seed and the decode steps taken, not
 on which engine is faster, so the whole step (kept, rejected, surplus, aborted, buffered) is a pure function of the
@@ -25,7 +26,7 @@ import torch.distributed as dist
 
 from dapo_mcore.collectives.device import collective_device as strict_device
 from dapo_mcore.rollout.protocol import PartialGroup, Response
-from dapo_mcore.rollout.scheduling.gather import broadcast_shares
+from dapo_mcore.rollout.scheduling.gather import exchange_shares
 
 __all__ = ["EngineGroups", "EngineGroupStream", "ExchangeTally", "round_robin"]
 
@@ -87,7 +88,7 @@ class EngineGroupStream:
         self._unclaimed: dict[int, list[Response]] = {}
         self._partials: list[PartialGroup] = []
         self.tally = tally if tally is not None else ExchangeTally()
-        """Each exchange: one size all-gather, the leaders' broadcasts, one all-reduce."""
+        """Each exchange: one size all-gather (with the still-running flags), then the broadcasts of non-empty shares."""
 
     def ticks(self) -> Iterator[list[tuple[int, list[Response]]]]:
         """Per exchange, the groups that ended on any engine since the last one, in prompt order (the same list on
@@ -102,9 +103,11 @@ class EngineGroupStream:
                 except StopIteration:
                     self._exhausted = True
             start = time.perf_counter()
-            shares = broadcast_shares([self.positions[i] for i, _ in mine], [r for _, r in mine],
-                                      sender=self.groups.leader, routes_to=self.groups.routes_to)
-            running = _sum_over_ranks([int(not self._exhausted)])[0]
+            # one all-gather carries every leader's share sizes and whether its engine still runs; only non-empty
+            # shares are broadcast after it: a tick where nothing ended anywhere is that one collective
+            shares, running = exchange_shares([self.positions[i] for i, _ in mine], [r for _, r in mine],
+                                              sender=self.groups.leader, flag=not self._exhausted,
+                                              routes_to=self.groups.routes_to)
             self.tally.count += 1
             self.tally.seconds += time.perf_counter() - start
             ended = sorted((pos, rs) for share in shares for pos, rs in share.items())
@@ -138,10 +141,57 @@ class EngineGroupStream:
         return list(self._partials)
 
     def _exchange_partials(self, mine: list[PartialGroup]) -> list[PartialGroup]:
-        """The leaders' in-flight groups on every rank (pickled: small, once per abort)."""
-        payload = [(self.positions[p.index], [(r.token_ids, r.logprobs, r.finish_reason) for r in p.responses], p.done)
-                   for p in mine]
-        everything: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everything, payload)
-        return [PartialGroup(pos, [Response(list(t), list(lp), fr) for t, lp, fr in rs], list(done))
-                for part in everything for pos, rs, done in part]
+        """The leaders' in-flight groups on every rank, once per abort: packed into one int64 tensor each (log-probs
+        as their float64 bits) and all-gathered on a gloo group, so nothing of it passes through GPU memory (a
+        pickle through NCCL would, gigabytes at a 32B step's partials, while vLLM holds the GPU)."""
+        from dapo_mcore.collectives.packed import all_gather_packed
+
+        ints = pack_partials([(self.positions[p.index], p) for p in mine])
+        gathered = all_gather_packed(ints, torch.zeros(0), group=host_group())
+        return [group for got, _ in gathered for group in unpack_partials(got)]
+
+
+_FINISH = ("stop", "length")
+_HOST_GROUPS: dict[int, Any] = {}
+
+
+def host_group() -> Any:
+    """A gloo group over the default group's ranks (made once per default group, by every rank at the same point:
+    the first abort that keeps partials, a collective over all of them)."""
+    world = dist.group.WORLD
+    if id(world) not in _HOST_GROUPS:
+        _HOST_GROUPS.clear()  # a new default group (a test's next world): the old groups went with it
+        _HOST_GROUPS[id(world)] = (world, dist.new_group(backend="gloo"))
+    return _HOST_GROUPS[id(world)][1]
+
+
+def pack_partials(groups: list[tuple[int, PartialGroup]]) -> torch.Tensor:
+    """``(position, group)`` pairs as one int64 tensor: count, then per group its position, response count, done
+    flags and per response its finish reason, token and log-prob counts, tokens and log-probs (float64 bits: exact)."""
+    out: list[torch.Tensor] = [torch.tensor([len(groups)], dtype=torch.int64)]
+    for pos, g in groups:
+        out.append(torch.tensor([pos, len(g.responses), *map(int, g.done)], dtype=torch.int64))
+        for r in g.responses:
+            out.append(torch.tensor([_FINISH.index(r.finish_reason), len(r.token_ids), len(r.logprobs),
+                                     *r.token_ids], dtype=torch.int64))
+            out.append(torch.tensor(r.logprobs, dtype=torch.float64).view(torch.int64))
+    return torch.cat(out)
+
+
+def unpack_partials(ints: torch.Tensor) -> list[PartialGroup]:
+    """Inverse of :func:`pack_partials` (groups with their positions as ``index``)."""
+    values, floats = ints.tolist(), ints.view(torch.float64).tolist()
+    out, at = [], 1
+    for _ in range(values[0]):
+        pos, count = values[at], values[at + 1]
+        done = [bool(x) for x in values[at + 2:at + 2 + count]]
+        at += 2 + count
+        responses = []
+        for _ in range(count):
+            finish, n, m = values[at:at + 3]
+            tokens = values[at + 3:at + 3 + n]
+            at += 3 + n
+            responses.append(Response(tokens, floats[at:at + m], _FINISH[finish]))  # type: ignore[arg-type]
+            at += m
+        out.append(PartialGroup(pos, responses, done))
+    return out

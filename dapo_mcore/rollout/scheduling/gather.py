@@ -72,8 +72,11 @@ def pack_responses(indices: Sequence[int], results: Sequence[Sequence[Response]]
     for index, responses in zip(indices, results, strict=True):
         ints += [index, len(responses)]
         for r in responses:
-            ints += [_FINISH.index(r.finish_reason), len(r.token_ids), len(r.logprobs)]
+            mask = r.loss_mask is not None  # multi-turn: which tokens are the model's, and the tool counts
+            ints += [_FINISH.index(r.finish_reason), len(r.token_ids), len(r.logprobs), int(mask), r.tool_calls,
+                     r.tool_errors]
             ints += list(r.token_ids)
+            ints += [int(m) for m in r.loss_mask] if mask else []
             floats += list(r.logprobs)
     return torch.tensor(ints, dtype=torch.int64), torch.tensor(floats, dtype=torch.float32)
 
@@ -88,11 +91,14 @@ def unpack_responses(ints: torch.Tensor, floats: torch.Tensor) -> dict[int, list
         pos += 2
         responses = []
         for _ in range(count):
-            finish, n_tok, n_lp = iv[pos], iv[pos + 1], iv[pos + 2]
-            pos += 3
-            responses.append(Response(token_ids=iv[pos:pos + n_tok], logprobs=fv[fpos:fpos + n_lp],
-                                      finish_reason=_FINISH[finish]))  # type: ignore[arg-type]
+            finish, n_tok, n_lp, has_mask, calls, errors = iv[pos:pos + 6]
+            pos += 6
+            ids = iv[pos:pos + n_tok]
             pos += n_tok
+            mask = [bool(m) for m in iv[pos:pos + n_tok]] if has_mask else None
+            pos += n_tok if has_mask else 0
+            responses.append(Response(token_ids=ids, logprobs=fv[fpos:fpos + n_lp], finish_reason=_FINISH[finish],
+                                      loss_mask=mask, tool_calls=calls, tool_errors=errors))  # type: ignore[arg-type]
             fpos += n_lp
         out[index] = responses
     return out
@@ -130,18 +136,32 @@ def broadcast_shares(indices: Sequence[int], results: Sequence[Sequence[Response
     Routed experts (MoE routing replay) stay with their sender, and also reach rank ``routes_to`` when given (the
     async engines' rank 0, which sends the whole batch to the trainer).
     """
+    return exchange_shares(indices, results, sender, False, chunk_elems, routes_to)[0]
+
+
+def exchange_shares(indices: Sequence[int], results: Sequence[Sequence[Response]], sender: bool, flag: bool,
+                    chunk_elems: int = CHUNK_ELEMS, routes_to: int | None = None
+                    ) -> tuple[list[dict[int, list[Response]]], int]:
+    """``broadcast_shares`` and how many ranks raised ``flag`` (e.g. "my engine still runs"), in the same size
+    all-gather: a streamed tick whose groups are all still running costs that one collective (an empty share is
+    not broadcast)."""
     device = collective_device()
-    if sender:
+    if sender and len(indices):
         ints, floats = pack_responses(indices, results)
-    else:
+    else:  # nothing to send: its share is empty on every rank without a broadcast
         ints, floats = torch.zeros(0, dtype=torch.int64), torch.zeros(0)
-    sizes = device.to(torch.tensor([int(sender), ints.numel(), floats.numel()], dtype=torch.int64))
-    all_sizes = [device.empty(3, torch.int64) for _ in range(dist.get_world_size())]
+    sizes = device.to(torch.tensor([int(sender), ints.numel(), floats.numel(), int(flag)], dtype=torch.int64))
+    all_sizes = [device.empty(4, torch.int64) for _ in range(dist.get_world_size())]
     dist.all_gather(all_sizes, sizes)
     me = dist.get_rank()
     out = []
-    for src, (is_sender, n_int, n_float) in enumerate(device.host(s).tolist() for s in all_sizes):
+    table = [device.host(s).tolist() for s in all_sizes]
+    flagged = sum(row[3] for row in table)
+    for src, (is_sender, n_int, n_float, _) in enumerate(table):
         if not is_sender:
+            continue
+        if n_int == 0:
+            out.append({})
             continue
         got_i = _broadcast_chunked(ints if src == me else None, n_int, torch.int64, src, device, chunk_elems)
         got_f = _broadcast_chunked(floats if src == me else None, n_float, torch.float32, src, device, chunk_elems)
@@ -151,7 +171,7 @@ def broadcast_shares(indices: Sequence[int], results: Sequence[Sequence[Response
         if routes_to is not None and src != routes_to and me in (src, routes_to):
             _route_to(share, src, routes_to, device)
         out.append(share)
-    return out
+    return out, flagged
 
 
 def _route_to(share: dict[int, list[Response]], src: int, dst: int, device: Any) -> None:

@@ -26,7 +26,7 @@ import numpy as np
 
 from dapo_mcore.rollout.protocol import PartialGroup, Response
 
-__all__ = ["Buffered", "PartialBuffer", "join", "runs", "stale_response"]
+__all__ = ["PARTIALS_FILE", "Buffered", "PartialBuffer", "join", "runs", "split_partials", "stale_response", "join_partials"]
 
 
 def runs(versions: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -123,6 +123,61 @@ class PartialBuffer:
         self.items = [Buffered(int(d["index"]), PartialGroup(
             int(d["position"]), [response(r, int(d["step"])) for r in d["responses"]], [bool(x) for x in d["done"]]),
             int(d["step"])) for d in state]
+
+
+PARTIALS_FILE = "partials.pt"
+"""In a checkpoint: the partial buffer's tokens and log-probs, binary (``torch.save`` of tensors), beside
+``trainer_state.json``, whose ``schedule.partials`` then says ``{"file": "partials.pt"}``. Checkpoints written before
+hold them base64-packed in ``trainer_state.json`` itself; those still load."""
+
+
+def split_partials(state: dict[str, Any]) -> bytes | None:
+    """Move a trainer state's buffered partial groups (``schedule.partials``, the ``state_dict`` form) out into the
+    bytes of ``PARTIALS_FILE``; the state keeps a reference to the file. None (state untouched) when nothing is
+    buffered."""
+    import io
+
+    import torch
+
+    schedule = state.get("schedule")
+    items = schedule.get("partials") if isinstance(schedule, dict) else None
+    if not items or not isinstance(items, list):
+        return None
+    binary = [{**d, "responses": [{**r, "token_ids": torch.from_numpy(_unpack(r["token_ids"], "<i4").copy()),
+                                    "logprobs": torch.from_numpy(_unpack(r["logprobs"], "<f8").copy())}
+                                   for r in d["responses"]]} for d in items]
+    buf = io.BytesIO()
+    torch.save(binary, buf)
+    schedule["partials"] = {"file": PARTIALS_FILE, "groups": len(items)}
+    return buf.getvalue()
+
+
+def join_partials(state: dict[str, Any], ckpt_dir: Any) -> None:
+    """The inverse, at a resume: a ``schedule.partials`` that names a file is read back from ``ckpt_dir`` (in place,
+    into the ``state_dict`` form ``PartialBuffer.load_state_dict`` takes); the older inline form is left as it is.
+    A missing file is a one-line error naming it."""
+    from pathlib import Path
+
+    import torch
+
+    from dapo_mcore.errors import UserError
+
+    schedule = state.get("schedule")
+    ref = schedule.get("partials") if isinstance(schedule, dict) else None
+    if not isinstance(ref, dict):
+        return
+    path = Path(ckpt_dir) / ref["file"]
+    if not path.is_file():
+        raise UserError(f"checkpoint {ckpt_dir} names its partial rollouts in {ref['file']}, which is missing; restore "
+                        f"the file or resume from another checkpoint.")
+    try:
+        binary = torch.load(path, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - a damaged file: one line naming it
+        raise UserError(f"checkpoint {ckpt_dir}: {ref['file']} cannot be read ({type(exc).__name__}); restore the "
+                        f"file or resume from another checkpoint.") from exc
+    schedule["partials"] = [{**d, "responses": [{**r, "token_ids": _pack(r["token_ids"].tolist(), "<i4"),
+                                                 "logprobs": _pack(r["logprobs"].tolist(), "<f8")}
+                                                for r in d["responses"]]} for d in binary]
 
 
 def _pack(values: list, dtype: str) -> str:
