@@ -3,6 +3,8 @@
 Sections, in the order they run (the ones whose numbers nothing else can give first, so a late overrun costs least):
 
   env         device, versions, what was imported from where
+  lora        the LoRA merge on the device (benchmarks/gpu_lora_merge.py): grads reach only the adapters, the
+              shard-local merge equals a naive fp32 W + scale * B @ A, its time
   parity      log-probs of the Megatron actor (bf16, local spec) against Hugging Face on sequences the model itself
               sampled (a Qwen2.5-0.5B-shaped random model), with HF bf16 vs HF fp32 as the bf16 noise floor
   throughput  the actor's train step (``train_mini_batch``) and log-prob pass (``compute_logprobs``) for 0.5B- and
@@ -42,7 +44,7 @@ from benchmarks.gpu_measure import Plan, error_text, free_port, worker_main  # n
 
 log = logging.getLogger("gpu_check")
 
-SECTIONS = ("env", "parity", "throughput", "pytest", "tiny")
+SECTIONS = ("env", "lora", "parity", "throughput", "pytest", "tiny")
 WORKER_SECTIONS = ("parity", "throughput")
 
 
@@ -56,8 +58,8 @@ def gpu_plan() -> Plan:
         bench_budgets=(8192, 16384), bench_seq_len=1024, bench_minibatch_tokens=32768, bench_iters=2,
         matmul_n=8192, tiny_steps=8, tiny_overrides=(),
         pytest_paths=("tests/test_gpu_actor.py", "tests/test_gpu_tiny_run.py", "tests/test_gpu_paths.py"), budget_s=240.0,
-        caps={"env": 30, "parity": 60, "throughput": 75, "pytest": 60, "tiny": 70},
-        floors={"env": 5, "parity": 30, "throughput": 40, "pytest": 30, "tiny": 40})
+        caps={"env": 30, "lora": 30, "parity": 60, "throughput": 75, "pytest": 60, "tiny": 70},
+        floors={"env": 5, "lora": 10, "parity": 30, "throughput": 40, "pytest": 30, "tiny": 40})
 
 
 def smoke_plan() -> Plan:
@@ -203,6 +205,21 @@ def section_pytest(plan: Plan, out_dir: Path, timeout: float) -> dict[str, Any]:
     return out
 
 
+def section_lora(plan: Plan, workdir: Path, timeout: float) -> dict[str, Any]:
+    """benchmarks/gpu_lora_merge.py in its own process; its ``name: value`` lines go into gpu_check.log."""
+    result, log_path = workdir / "lora.json", workdir / "lora_merge.log"
+    result.unlink(missing_ok=True)
+    cmd = [sys.executable, str(REPO / "benchmarks" / "gpu_lora_merge.py"), "--result", str(result)]
+    proc, handle = _spawn(cmd + (["--smoke"] if plan.smoke else []), log_path, _child_env())
+    rc, timed_out = _finish(proc, handle, time.monotonic() + timeout)
+    print("\n".join(re.findall(r"(?m)^\w+: .*$", log_path.read_text(errors="replace"))), flush=True)
+    data = json.loads(result.read_text()) if result.is_file() else {}
+    if timed_out or rc != 0 or not data:
+        data.update(status="FAILED", error=data.get("error") or f"{'timed out' if timed_out else f'exit code {rc}'}: "
+                    f"{_tail(log_path)}")
+    return data
+
+
 def summarize_tiny_run(run_dir: Path, log_path: Path) -> dict[str, Any]:
     """Steps done, seconds per step and per phase, last accuracy / held-out score, backend, from a run's files."""
     text = log_path.read_text(errors="replace") if log_path.is_file() else ""
@@ -306,6 +323,9 @@ def headline(name: str, r: dict[str, Any]) -> str:
         best = max(ok, key=lambda row: row["train_mfu"])
         return (f"{r['matmul']['dtype']} matmul {r['matmul']['tflops']:.3g} TFLOP/s; best train MFU "
                 f"{best['train_mfu']:.1%} ({best['model']} @ {best['budget']} tok)")
+    if name == "lora":
+        return (f"{r['layers']} layers (rank {r['rank']}, {r['dtype']}): max |merge - naive fp32| "
+                f"{r['merge_vs_naive_fp32_max_abs_diff']:.2g}, merge {r['merge_ms']:.3g} ms, export {r['export_s']:.2g} s")
     if name == "pytest":
         return ", ".join(f"{n} {k}" for k, n in r["counts"].items())
     if name == "tiny":
@@ -355,6 +375,8 @@ def run_section(name: str, plan: Plan, out_dir: Path, workdir: Path, timeout: fl
             data = section_worker(name, plan, out_dir, workdir, timeout)
         elif name == "pytest":
             data = section_pytest(plan, out_dir, timeout)
+        elif name == "lora":
+            data = section_lora(plan, workdir, timeout)
         else:
             data = section_tiny(plan, out_dir, workdir, timeout)
     except Exception as exc:  # recorded as FAILED; the next section still runs

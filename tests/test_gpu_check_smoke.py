@@ -52,6 +52,12 @@ def test_sections_hold_their_numbers(smoke):
     _, out = smoke
     s = json.loads((out / "gpu_check.json").read_text())["sections"]
     assert s["env"]["megatron-core"] and s["env"]["zarr"]
+    lora = s["lora"]  # benchmarks/gpu_lora_merge.py in its CPU mode
+    assert lora["device"] == "cpu" and lora["layers"] == 8 and lora["base_params_with_grad"] == 0
+    assert lora["adapter_params_with_grad"] == lora["adapter_params"] == 16
+    assert lora["merge_vs_naive_fp32_max_abs_diff"] < 1e-5 < lora["delta_max_abs"]
+    assert lora["export_tensors_outside_one_rounding"] == 0 and lora["merge_ms"] > 0
+    assert lora["export_tensors_changed_by_merge"] == lora["export_tensors_the_naive_merge_changes"] == 14
     stats = s["parity"]["stats"]
     assert stats["megatron_vs_hf_bf16"]["tokens"] == stats["hf_bf16_vs_hf_fp32"]["tokens"] > 0
     assert s["parity"]["ref_logp_std"] > 0.1
