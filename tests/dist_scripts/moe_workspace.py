@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import socket
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,12 +34,13 @@ def _hf_logp(model, prompt: list[int], response: list[int]) -> torch.Tensor:
     return torch.stack([torch.log_softmax(logits[len(prompt) - 1 + j], -1)[t] for j, t in enumerate(response)])
 
 
-def write_moe_workspace(ws: Path) -> tuple[dict, list[torch.Tensor], dict[str, torch.Tensor]]:
-    """Write the workspace; returns (spec, HF's log-probs of ``spec["samples"]``, HF's weights in checkpoint names)."""
+def write_moe_workspace(ws: Path, **config: Any) -> tuple[dict, list[torch.Tensor], dict[str, torch.Tensor]]:
+    """Write the workspace; returns (spec, HF's log-probs of ``spec["samples"]``, HF's weights in checkpoint names).
+    ``config``: overrides of the tiny model's HF config."""
     from conversion.synthetic_moe import save_tiny_moe_model
     from dapo_mcore.weights.qwen3_moe import per_expert_views
 
-    model = save_tiny_moe_model(ws / "hf", seed=2)
+    model = save_tiny_moe_model(ws / "hf", seed=2, **config)
     gen = torch.Generator().manual_seed(4)
     vocab = model.config.vocab_size
     spec = {"seed": 5, "vocab_div": 16, "temperature": TEMPERATURE, "micro_batch_tokens": 24, "lr": 1e-3,
