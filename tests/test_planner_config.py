@@ -138,8 +138,45 @@ def test_plan_warns_when_a_layout_fits_with_little_headroom(capsys):
     assert main([CFG_32B, *model, "--nodes", "16"]) == 0  # the recipe's PP=2: ~19 GiB free, no warning
     out = capsys.readouterr().out
     assert "warning" not in out
-    # 600 steps x ~26 min in 12 h jobs that checkpoint in their last hour: 24 jobs; 20 requeues stop near step 525
-    assert "= 24 jobs of 12 h (25 steps each), 23 requeues: more than DAPO_MAX_REQUEUES=20 (the run would stop near " \
-           "step 525); submit with DAPO_MAX_REQUEUES=35" in out
+    # the requeues come from the step model's time of the recipe's own schedule (the --rank-variants row), not the
+    # MFU line's one batch of max-length responses: 600 steps in 12 h jobs that checkpoint in their last hour
+    minutes = float(out.split("step time by the step model: ")[1].split(" min")[0])
+    per_job = int(11 * 60 // minutes)  # (to the printed 0.01 min)
+    jobs = -(-600 // per_job)
+    assert f"= {jobs} jobs of 12 h ({per_job} steps each), {jobs - 1} requeues" in out
     assert main([*moe, "--margin", "0.02"]) == 0
     assert "warning" not in capsys.readouterr().out
+
+
+SMALL_32B = [*PRESET_32B, "train.prompts_per_step=16", "rollout.gen_batch_prompts=32", "train.mini_batch_prompts=16",
+             "algo.max_gen_batches=4"]
+"""The 32B recipe with a small batch: the step model simulates it in about a second."""
+
+
+def test_the_plain_step_time_is_the_rank_variants_row_of_this_config():
+    """One step model: the plain report's step time (which sizes the requeues) is --rank-variants' "this config" row,
+    the same function at the same settings (before: the MFU estimate, 26.4 min, beside the row's 10.1)."""
+    from dapo_mcore.commands.plan import model_step
+    from dapo_mcore.plan.disagg import TransferRates, own_split
+    from dapo_mcore.plan.step_model import SimSettings, colocated_input, rank_variants, variants_of
+
+    for extra in ([], ["rollout.schedule.preset=paper"]):
+        cfg = load_config(CFG_32B, [*SMALL_32B, *extra])
+        plan = plan_input_from_config(cfg, 128)
+        variant, seconds = model_step(cfg, plan, 1)
+        assert variant == variants_of(cfg)[0]
+        p = colocated_input(cfg, plan)
+        rows = rank_variants(cfg, p, TransferRates(), SimSettings(steps=1), own_split(cfg, p, TransferRates()))
+        assert [t for v, s, t in rows if v == variant and s is None] == [seconds]
+
+
+def test_plan_prints_one_step_time_for_the_config(capsys):
+    """The CLI, both ways in one run: the plain line's minutes, the requeue line's and the ranking's marked row agree
+    (a plain path that drifted to another model or other settings would print another number)."""
+    assert main([CFG_32B, *SMALL_32B, "--nodes", "16", "--rank-variants"]) == 0
+    out = capsys.readouterr().out
+    row = next(ln for ln in out.splitlines() if ln.endswith("<- this config"))
+    assert row.split()[1] == "sync_partial_done"
+    plain = out.split("step time by the step model: ")[1].split(" min")[0]
+    assert row.split()[3] == plain
+    assert f"x ~{float(plain):.0f} min (the step model, sync_partial_done)" in out

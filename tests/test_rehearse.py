@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from dapo_mcore.commands.config import precheck
-from dapo_mcore.commands.rehearse import recipe_model, shrink
+from dapo_mcore.commands.launcher import dead_rank_line
+from dapo_mcore.commands.rehearse import launcher_dead_rank, passed_line, recipe_model, rehearse, shrink
 from dapo_mcore.config import load_config
 from dapo_mcore.errors import UserError
 
@@ -116,18 +118,75 @@ def test_a_model_path_that_is_not_here_and_names_no_preset_is_one_line():
         recipe_model(cfg)
 
 
+@pytest.mark.unit
+def test_the_summary_names_the_rank_the_launcher_named():
+    """The fault targets rank 1, but the summary says what the launcher saw: the rank its dead-rank line names."""
+    log = "\n".join(["[rank0] step 2 done", dead_rank_line("0", 9, "train"), "[rank1] peer left"])
+    assert launcher_dead_rank(log) == "0"
+    assert launcher_dead_rank("no rank died here") is None
+    assert launcher_dead_rank(dead_rank_line("?", 9, "train")) is None  # the launcher could not tell: the target
+    plan = _plan("tiny_cpu.yaml", nproc=2)
+    line = passed_line("r.yaml", 12.0, {"model_type": "qwen2", "num_hidden_layers": 2}, plan, "0", 137, "x")
+    assert "rank 0 killed (-9) at step 3 (exit 137)" in line and line.startswith("rehearsed r.yaml")
+
+
+def _fake_train(run: Path, dead: str | None):
+    """A stand-in for the two train launches: the first writes step 1-2 checkpoints and (maybe) the launcher's
+    dead-rank line, the second finishes step 3; both write what a run logs."""
+    calls = []
+
+    def train(recipe, overrides, world, log, fault):
+        calls.append(fault)
+        with log.open("a") as f:
+            if fault:
+                for step in (1, 2):
+                    (run / "checkpoints" / f"step_{step:06d}").mkdir(parents=True, exist_ok=True)
+                logging.getLogger("dapo_mcore.test").warning("a warning on stderr before the verdict")
+                f.write((dead_rank_line(dead, 9, "train") if dead else "killed") + "\n")
+                return 137
+            (run / "checkpoints" / "step_000003").mkdir(parents=True)
+            f.write("loaded checkpoint checkpoints/step_000002 (step 2)\n")
+            return 0
+    return train, calls
+
+
+@pytest.mark.unit
+def test_the_verdict_is_the_last_line_and_names_the_launchers_rank(tmp_path, monkeypatch, capsys):
+    """rehearse's closing line is its last line of output and names the rank the launcher named in THIS
+    rehearsal's part of the log (a --run-dir used before holds an older rehearsal's lines: not read)."""
+    from dapo_mcore.commands import rehearse as mod
+
+    run = tmp_path / "run"
+    (tmp_path / "run.log").write_text(dead_rank_line("3", 9, "train") + "\n")  # an earlier rehearsal's line
+    train, calls = _fake_train(run, dead="0")
+    monkeypatch.setattr(mod, "_train", train)
+    assert rehearse(str(ROOT / "examples" / "tiny_cpu.yaml"), [], 2, run) == 0
+    out, _ = capsys.readouterr()
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("rehearsed ") and "rank 0 killed (-9)" in last, out
+    assert calls == ["step:3@1", None]
+    # no dead-rank line in this rehearsal's part of the log: the rank the fault targeted, not the older line's 3
+    run2 = tmp_path / "run2"
+    (tmp_path / "run2.log").write_text(dead_rank_line("3", 9, "train") + "\n")
+    monkeypatch.setattr(mod, "_train", _fake_train(run2, dead=None)[0])
+    assert rehearse(str(ROOT / "examples" / "tiny_cpu.yaml"), [], 2, run2) == 0
+    assert "rank 1 killed (-9)" in capsys.readouterr()[0].strip().splitlines()[-1]
+
+
 @pytest.mark.e2e
 def test_a_two_rank_rehearsal_trains_is_killed_and_resumes(tmp_path, cli_env):
     """tiny_cpu.yaml on 2 ranks: two steps, rank 1 killed (-9) at the third, the resume finishes it."""
     proc = subprocess.run([sys.executable, "-m", "dapo_mcore.cli", "rehearse", "examples/tiny_cpu.yaml",
-                           "--nproc-per-node", "2", "--run-dir", str(tmp_path / "run")], cwd=ROOT, env=cli_env,
-                          capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    line = proc.stdout.strip().splitlines()[-1]
+                           "reward.workers=2", "--nproc-per-node", "2", "--run-dir", str(tmp_path / "run")], cwd=ROOT, env=cli_env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    line = proc.stdout.strip().splitlines()[-1]  # the verdict: the last line of all it printed
     assert line.startswith("rehearsed examples/tiny_cpu.yaml") and "rank 1 killed (-9) at step 3" in line
     assert "DP=2" in line and "not rehearsed:" in line
     log = (tmp_path / "run.log").read_text()
     assert "DAPO_MCORE_FAULT=step:3@1: killing this process" in log and "checkpoints/step_000002 (step 2)" in log
+    assert "dapo-mcore: rank 1 died of SIGKILL" in log  # the rank the verdict names
+    assert "Traceback" not in log  # the killed rank's reward-pool workers stop quietly (the pool: reward.workers)
     steps = [json.loads(r)["step"] for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
              if '"step"' in r]
     assert max(steps) == 3

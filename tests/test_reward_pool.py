@@ -97,3 +97,60 @@ def test_argument_checks():
         RewardPool("nope")
     with RewardPool(num_workers=1) as pool, pytest.raises(ValueError, match="2 responses but 1"):
         pool.score(["a", "b"], ["1"])
+
+
+class _GonePeer:
+    """A worker's end of the pipe whose parent is gone after ``answers`` chunks: recv raises EOFError (or send
+    BrokenPipeError, with ``on_send``), as the pipe of a killed rank does."""
+
+    def __init__(self, answers: int, on_send: bool = False) -> None:
+        self.chunks, self.on_send, self.sent = answers, on_send, []
+
+    def recv(self):
+        if self.chunks == 0:
+            raise EOFError
+        self.chunks -= 1
+        return [("Answer: 540", "540")]
+
+    def send(self, obj):
+        if self.on_send and obj != "ready":
+            raise BrokenPipeError(32, "Broken pipe")
+        self.sent.append(obj)
+
+
+class _Counter:
+    value = 0
+
+
+@pytest.mark.parametrize("on_send", [False, True], ids=["recv", "send"])
+def test_a_worker_whose_parent_died_stops_without_a_traceback(monkeypatch, on_send):
+    """The rank that owns the pool is killed (rehearse's kill -9): its workers find the pipe closed and stop
+    quietly (before: EOFError/BrokenPipeError out of the worker, a traceback in the run's log)."""
+    import signal
+
+    from dapo_mcore.reward import pool
+
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # the worker ignores SIGINT: not in the test process
+    monkeypatch.setattr(pool.mp, "parent_process", lambda: None)  # the parent: gone
+    conn = _GonePeer(answers=1, on_send=on_send)
+    assert pool._worker_main(conn, _Counter(), compute_score, {}) is None
+    assert conn.sent[0] == "ready" and len(conn.sent) == (1 if on_send else 2)
+
+
+def test_a_worker_whose_parent_lives_and_dropped_the_pipe_still_raises(monkeypatch):
+    """Only a dead parent is quiet: a live parent that closed the pipe without the stop message is a bug, raised."""
+    import signal
+
+    from dapo_mcore.reward import pool
+
+    class _Alive:
+        def join(self, timeout=None):
+            pass
+
+        def is_alive(self):
+            return True
+
+    monkeypatch.setattr(signal, "signal", lambda *a: None)
+    monkeypatch.setattr(pool.mp, "parent_process", lambda: _Alive())
+    with pytest.raises(EOFError):
+        pool._worker_main(_GonePeer(answers=0), _Counter(), compute_score, {})

@@ -171,6 +171,26 @@ def ranking_lines(cfg: Any, plan: PlanInput, steps: int) -> list[str]:
             f"{steps} simulated step(s) per training stage; a model, not a measurement):", *format_ranking(rows, own)]
 
 
+def model_step(cfg: Any, plan: PlanInput, steps: int) -> tuple[str, float] | None:
+    """(variant, seconds) of a colocated config's own schedule by the step model (``step_model.own_step_seconds``,
+    the function and settings of ``--rank-variants``' "this config" row); None without a config and vLLM engines,
+    or where the step model cannot price the engines (an MoE whose lone sequence outruns its full engine)."""
+    if cfg is None or not plan.colocate_vllm:
+        return None
+    from dapo_mcore.plan.step_model import SimSettings, colocated_input, own_step_seconds
+
+    try:
+        return own_step_seconds(cfg, colocated_input(cfg, plan), plan_disagg.TransferRates(), SimSettings(steps=steps))
+    except ValueError:  # EngineModel.from_throughput: the decode rates contradict each other
+        return None
+
+
+def model_step_line(variant: str, seconds: float) -> str:
+    return (f"step time by the step model: {seconds / 60:.2f} min ({variant}, this config's schedule, colocated; "
+            f"mean of 3 training stages with generation tails; --rank-variants' 'this config' row): it sizes the "
+            f"requeues (the MFU line above prices one generation batch of max-length responses)")
+
+
 def _plan_from_args(parser: argparse.ArgumentParser,
                     args: dict[str, Any]) -> tuple[PlanInput, Names | None, int, int | None, int | None]:
     """(PlanInput, message names, max TP, train.steps of CONFIG, the engine ranks of an async CONFIG) from parsed
@@ -266,8 +286,14 @@ def main(argv: list[str] | None = None) -> int:
     except LayoutDoesNotFit as err:
         print(err)
         return 1
+    own = None if as_json else model_step(cfg, plan, rank_steps)
+    if own is not None:
+        print(model_step_line(*own))
     if steps and not as_json:
-        print(requeue_line(steps, sum(estimate_step_seconds(plan, flops)), time_limit_h, lead_min))
+        if own is not None:
+            print(requeue_line(steps, own[1], time_limit_h, lead_min, basis=f"the step model, {own[0]}"))
+        else:
+            print(requeue_line(steps, sum(estimate_step_seconds(plan, flops)), time_limit_h, lead_min))
     warning = headroom_warning(plan, est, margin)
     if warning:
         print(warning)

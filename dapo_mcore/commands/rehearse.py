@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -321,26 +323,58 @@ def rehearse(recipe: str, user_overrides: list[str], nproc: int | None, run_dir:
     run.parent.mkdir(parents=True, exist_ok=True)
     overrides = [*user_overrides, *plan.overrides, *base, f"run.dir={run}"]
     killed_rank = 1 if plan.world > 1 else 0
+    before = log.stat().st_size if log.is_file() else 0  # a --run-dir used before: its log is appended to
     first = _train(recipe, overrides, plan.world, log, fault=f"step:{STEPS}@{killed_rank}")
     done = sorted(p.name for p in (run / "checkpoints").glob("step_*")) if (run / "checkpoints").is_dir() else []
     if f"step_{STEPS - 1:06d}" not in done:
-        print(f"rehearse {recipe}: FAILED before the kill (exit {first}, checkpoints {done or 'none'}): "
-              f"{_last_error(log)} (log: {log})")
-        return 1
+        return _verdict(f"rehearse {recipe}: FAILED before the kill (exit {first}, checkpoints {done or 'none'}): "
+                        f"{_last_error(log)} (log: {log})", 1)
+    killed = launcher_dead_rank(_read_from(log, before)) or str(killed_rank)
     second = _train(recipe, overrides, plan.world, log, fault=None)
     text = log.read_text(errors="replace")
     finished = (run / "checkpoints" / f"step_{STEPS:06d}").is_dir()
     if second != 0 or not finished or f"step_{STEPS - 1:06d} (step {STEPS - 1})" not in text:
-        print(f"rehearse {recipe}: FAILED at the resume (exit {second}): {_last_error(log)} (log: {log})")
-        return 1
+        return _verdict(f"rehearse {recipe}: FAILED at the resume (exit {second}): {_last_error(log)} (log: {log})", 1)
     hf = plan.hf or hf
+    return _verdict(passed_line(recipe, time.monotonic() - start, hf, plan, killed, first, source), 0)
+
+
+DEAD_RANK = re.compile(r"^dapo-mcore: rank (\S+) died of ", re.M)
+"""The launcher's line for a rank that died (``launcher.dead_rank_line``)."""
+
+
+def launcher_dead_rank(text: str) -> str | None:
+    """The rank the launcher named as dead in ``text`` (the last such line), or None where it named none (or could
+    not tell: "rank ?")."""
+    hits = [h for h in DEAD_RANK.findall(text) if h != "?"]
+    return hits[-1] if hits else None
+
+
+def _read_from(log: Path, offset: int) -> str:
+    with log.open("rb") as f:
+        f.seek(offset)
+        return f.read().decode(errors="replace")
+
+
+def passed_line(recipe: str, seconds: float, hf: dict[str, Any], plan: Rehearsal, killed: str, first_exit: int,
+                source: str) -> str:
+    """The closing line of a rehearsal that passed; ``killed``: the rank the launcher named as dead."""
     family = hf["model_type"] + (f" ({expert_count(hf)} experts, top-{hf['num_experts_per_tok']})"
                                  if is_moe(hf) else "")
-    print(f"rehearsed {recipe} on CPU in {time.monotonic() - start:.0f} s: {family}, {hf['num_hidden_layers']} "
-          f"layers, {', '.join(plan.kept)} on {plan.world} gloo ranks with NCCL-on-CPU; {STEPS - 1} steps, rank "
-          f"{killed_rank} killed (-9) at step {STEPS} (exit {first}), resumed and finished; model from {source}; "
-          f"not rehearsed: {', '.join(plan.not_rehearsed)}.")
-    return 0
+    return (f"rehearsed {recipe} on CPU in {seconds:.0f} s: {family}, {hf['num_hidden_layers']} layers, "
+            f"{', '.join(plan.kept)} on {plan.world} gloo ranks with NCCL-on-CPU; {STEPS - 1} steps, rank {killed} "
+            f"killed (-9) at step {STEPS} (exit {first_exit}), resumed and finished; model from {source}; "
+            f"not rehearsed: {', '.join(plan.not_rehearsed)}.")
+
+
+def _verdict(line: str, code: int) -> int:
+    """The verdict, the rehearsal's last line of output: whatever this process wrote to stderr (warnings, logs) is
+    out before it."""
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stderr.flush()
+    print(line, flush=True)
+    return code
 
 
 def main(argv: list[str]) -> int:

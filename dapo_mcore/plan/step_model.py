@@ -266,7 +266,8 @@ def colocated_input(cfg: Any, p: Any) -> Any:
     return replace(p, vllm_gpu_memory_utilization=VLLMConfig().gpu_memory_utilization)
 
 
-def requeue_line(steps: int, step_seconds: float, time_limit_h: float, lead_min: float) -> str:
+def requeue_line(steps: int, step_seconds: float, time_limit_h: float, lead_min: float,
+                 basis: str = "estimate, one generation batch") -> str:
     """How many jobs of ``time_limit_h`` (the last ``lead_min`` minutes spent checkpointing) ``steps`` need at the
     estimated step time, and the DAPO_MAX_REQUEUES that lets the run finish (slurm/env.sh defaults to 20)."""
     usable_s = max(time_limit_h * 3600 - lead_min * 60, step_seconds)
@@ -274,10 +275,27 @@ def requeue_line(steps: int, step_seconds: float, time_limit_h: float, lead_min:
     jobs = math.ceil(steps / per_job)
     need = jobs - 1
     note = "" if need <= 20 else f": more than DAPO_MAX_REQUEUES=20 (the run would stop near step {21 * per_job})"
-    return (f"time: {steps} steps x ~{step_seconds / 60:.0f} min (estimate, one generation batch) = "
+    return (f"time: {steps} steps x ~{step_seconds / 60:.0f} min ({basis}) = "
             f"{steps * step_seconds / 3600:.0f} h = {jobs} jobs of {time_limit_h:g} h ({per_job} steps each), "
             f"{need} requeues{note}; submit with DAPO_MAX_REQUEUES={math.ceil(need * 1.5)} (1.5x for dynamic "
             f"sampling's extra batches and failures)")
+
+
+def variant_seconds(variant: str, split: Any, p: Any, pr: Pricing, st: Any,
+                    stages: tuple[Stage, ...] = STAGES_32B) -> float:
+    """A variant's mean step seconds over ``stages`` (``split`` None: colocated): every step time ``plan`` prints,
+    the plain report's and each ``--rank-variants`` row, is this function."""
+    return float(np.mean([price_variant(variant, split, p, pr, stage, k, st)[0].step for k, stage in enumerate(stages)]))
+
+
+def own_step_seconds(cfg: Any, p: Any, rates: Any, st: Any = SimSettings(steps=1), split: Any = None,
+                     stages: tuple[Stage, ...] = STAGES_32B) -> tuple[str, float]:
+    """(variant, mean step seconds) of ``cfg``'s own schedule: colocated on ``p``'s GPUs, or async at ``split`` for
+    an async config; the number ``plan`` prints and sizes the requeues with, and ``--rank-variants``' "this config"
+    row (the same function and settings)."""
+    sync_v, async_v = variants_of(cfg)
+    variant, at = (async_v, split) if cfg.rollout.pipeline.mode == "async" else (sync_v, None)
+    return variant, variant_seconds(variant, at, p, pricing(cfg, p, rates, st), st, stages)
 
 
 def rank_variants(cfg: Any, p: Any, rates: Any, st: Any = SimSettings(), split: Any = None,
@@ -288,7 +306,7 @@ def rank_variants(cfg: Any, p: Any, rates: Any, st: Any = SimSettings(), split: 
     pr = pricing(cfg, p, rates, st)
 
     def mean(variant: str, at: Any) -> float:
-        return float(np.mean([price_variant(variant, at, p, pr, stage, k, st)[0].step for k, stage in enumerate(stages)]))
+        return variant_seconds(variant, at, p, pr, st, stages)
 
     rows = [(v, None, mean(v, None)) for v in (*SYNC_VARIANTS, *COMPLETION_VARIANTS) if not v.startswith("async")]
     if split is not None and split.fits:

@@ -35,6 +35,20 @@ _STARTUP_TIMEOUT_S = 120.0
 def _worker_main(conn: Connection, progress: Any, fn: Callable[..., RewardResult], fn_kwargs: dict) -> None:
     """Worker loop: receive ``list[(response, ground_truth)]``, score in order, send back the results."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns shutdown on Ctrl-C
+    try:
+        _serve(conn, progress, fn, fn_kwargs)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        # the parent's end of the pipe is gone. When the parent died with it (the rank that owns this pool was
+        # killed or crashed: its own death is what gets reported) this worker has no one to answer and stops
+        # quietly; a parent still alive that dropped the pipe is a bug, and raises
+        parent = mp.parent_process()
+        if parent is not None:
+            parent.join(timeout=5.0)  # its pipe and its sentinel close together as it dies
+            if parent.is_alive():
+                raise
+
+
+def _serve(conn: Connection, progress: Any, fn: Callable[..., RewardResult], fn_kwargs: dict) -> None:
     conn.send(_READY)
     while True:
         items = conn.recv()
