@@ -280,7 +280,7 @@ def test_the_trainer_computes_the_configured_estimator():
 
     rewards = [1.0, -1.0, -1.0, 1.0, 1.0]
     resp = [SimpleNamespace(length=2, finish_reason="stop", token_ids=[5, 6], logprobs=[-0.1, -0.2], stale_tokens=0,
-                            versions=None, routed_experts=None) for _ in rewards]
+                            versions=None, routed_experts=None, loss_mask=None) for _ in rewards]
     group = SimpleNamespace(rewards=rewards, responses=resp, prompt_ids=[3])
     cfg = SimpleNamespace(algo=AlgoConfig(advantage_estimator="rloo", norm_adv_by_std=False))
     got = [s.advantage for s in Trainer.make_samples(SimpleNamespace(cfg=cfg), [group])]

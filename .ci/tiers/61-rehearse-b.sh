@@ -4,4 +4,5 @@
 # ci-beside-main: like 60-rehearse.sh, it shares nothing with the main suite (its own run dirs under .cache/rehearse,
 # its own bases under the cache's rehearse/ folder, free ports).
 set -euo pipefail
+export DAPO_MCORE_CI_NO_SKIPS=1  # as in 60-rehearse.sh: nothing here may be skipped
 REHEARSE_PART=b exec bash .ci/tiers/60-rehearse.sh

@@ -154,6 +154,13 @@ def ranking_lines(cfg: Any, plan: PlanInput, steps: int) -> list[str]:
         variants_of,
     )
 
+    from dapo_mcore.errors import UserError
+    from dapo_mcore.model.hf_config import is_moe
+
+    if is_moe(cfg.model.hf_config(cfg.tiny_base.preset)):
+        raise UserError("--rank-variants cannot price this recipe's engines: the step model decodes at a dense "
+                        "model's rates, not an MoE's (its layouts and decode model are plain `plan`'s); run "
+                        "`dapo-mcore plan` without --rank-variants, which prices an MoE's generation")
     p = colocated_input(cfg, plan)
     rates = plan_disagg.TransferRates()
     split = plan_disagg.own_split(cfg, p, rates)
@@ -162,8 +169,6 @@ def ranking_lines(cfg: Any, plan: PlanInput, steps: int) -> list[str]:
     try:
         rows = rank_variants(cfg, p, rates, SimSettings(steps=steps), split)
     except ValueError as err:  # EngineModel.from_throughput: the decode rates contradict each other
-        from dapo_mcore.errors import UserError
-
         raise UserError(f"--rank-variants cannot price this recipe's engines: {err} (the step model's lone sequence "
                         "decodes at the dense 32B's rate, slower than this model's full engine per sequence: an MoE "
                         "with few active parameters); rank a dense recipe, or price it without --rank-variants") from err
