@@ -186,3 +186,19 @@ def test_the_pin_needs_vllms_setting_and_a_check_that_found_nothing_refuses():
     assert moe_backend_pin(GPU_TRAITS, {"model"}) == {}
     with pytest.raises(EngineError, match="found no MoE layer"):
         check_moe_backends({}, GPU_TRAITS)
+
+
+def test_a_cpu_sync_drops_only_the_cpu_moe_kernels():
+    """vLLM 0.32.0's reload packs the CPU experts' weights only where the method has no kernel yet (the real engine
+    is checked in tests/test_vllm_moe_sync.py); a GPU backend's kernel (Triton: no re-layout) is left as built."""
+    from dapo_mcore.rollout.engines.vllm_moe import unbuild_cpu_moe_kernels
+
+    backend = Enum("UnquantizedMoeBackend", ["CPU", "TRITON"])
+    layers = torch.nn.ModuleDict({n: torch.nn.Module() for n in ("experts_cpu", "experts_triton", "mlp", "experts_unbuilt")})
+    layers["experts_cpu"].quant_method = types.SimpleNamespace(unquantized_backend=backend.CPU, moe_kernel=object())
+    layers["experts_triton"].quant_method = types.SimpleNamespace(unquantized_backend=backend.TRITON, moe_kernel=object())
+    layers["mlp"].quant_method = types.SimpleNamespace()
+    layers["experts_unbuilt"].quant_method = types.SimpleNamespace(unquantized_backend=backend.CPU, moe_kernel=None)
+    assert unbuild_cpu_moe_kernels(layers) == 1
+    assert layers["experts_cpu"].quant_method.moe_kernel is None
+    assert layers["experts_triton"].quant_method.moe_kernel is not None

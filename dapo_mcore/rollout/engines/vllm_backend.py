@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from torch import Tensor
 
 from dapo_mcore.rollout.engines.vllm_env import SUPPORTED_VLLM, PlatformTraits
+from dapo_mcore.rollout.engines.vllm_moe import unbuild_cpu_moe_kernels
 from dapo_mcore.rollout.protocol import EngineError
 
 logger = logging.getLogger(__name__)
@@ -100,6 +101,7 @@ class _LLMBackend:
             # it is complete. Initialised once per sync, not per bucket: a layer's tensors may span buckets.
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+            unbuild_cpu_moe_kernels(self._model)  # else vLLM skips the CPU experts' prepack on a reload
             initialize_layerwise_reload(self._model)
 
     def load_weights(self, weights: list[tuple[str, Tensor]]) -> None:

@@ -14,6 +14,13 @@ the vLLM releases this project supports) where vLLM has it, and after the build 
 method chose (``UnquantizedFusedMoEMethod.unquantized_backend``) and refuses any other in one line. On vLLM's CPU
 platform the only backend is its CPU one, and the CPU weight sync goes through the layer-wise reload, which runs
 the post-load processing again after every sync: nothing is pinned there, and the CPU backend is accepted.
+
+On a reload, vLLM 0.32.0's ``UnquantizedFusedMoEMethod._setup_kernel`` treats a method whose ``moe_kernel`` is already
+built as a weight update and skips ``moe_kernel.fused_experts.process_weights_after_loading``, which is where the CPU
+experts (``CPUUnquantizedExperts``) pad and prepack ``w13``/``w2`` into their grouped-GEMM layout: every sync left the
+experts in the checkpoint layout that the CPU kernel then read as packed (log-probs off by whole nats against the
+same weights loaded from disk). ``unbuild_cpu_moe_kernels`` drops those kernels before a CPU sync, so the reload
+takes vLLM's first-load route for them (kernel rebuilt, weights packed once), whether or not a later vLLM fixes it.
 """
 
 from __future__ import annotations
@@ -25,7 +32,8 @@ from typing import Any
 from dapo_mcore.rollout.engines.vllm_env import PlatformTraits
 from dapo_mcore.rollout.protocol import EngineError
 
-__all__ = ["KEEPS_LAYOUT", "check_moe_backends", "chosen_moe_backends", "moe_backend_pin"]
+__all__ = ["KEEPS_LAYOUT", "check_moe_backends", "chosen_moe_backends", "moe_backend_pin",
+           "unbuild_cpu_moe_kernels"]
 
 PINNED = "triton"
 """The ``moe_backend`` the engine asks vLLM for (its ``MoEBackend`` literal)."""
@@ -83,3 +91,19 @@ def check_moe_backends(chosen: dict[str, str], traits: PlatformTraits) -> None:
                           f"swapped; use a vLLM release with the moe_backend setting (the engine pins "
                           f"moe_backend={PINNED!r} there) and unset VLLM_USE_FLASHINFER_MOE_FP16 and "
                           f"VLLM_ROCM_USE_AITER_MOE.")
+
+
+def unbuild_cpu_moe_kernels(model: Any) -> int:
+    """Before a layer-wise reload on vLLM's CPU platform: set ``moe_kernel`` to None on every MoE method that runs the
+    CPU backend, so the reload's post-load processing builds the kernel again and prepacks the new expert weights
+    (see the module docstring). Returns how many it reset."""
+    reset = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        backend = getattr(method, "unquantized_backend", None)
+        if backend is None or getattr(method, "moe_kernel", None) is None:
+            continue
+        if str(getattr(backend, "name", backend)) in KEEPS_LAYOUT["cpu"]:
+            method.moe_kernel = None
+            reset += 1
+    return reset
