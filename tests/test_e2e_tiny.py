@@ -396,7 +396,9 @@ def test_partial_rollouts_train_and_resume_the_same_trajectory(env, tmp_path):
     first = _run(_cmd(run_dir, f"train.steps={s}", *partial), env)
     assert first.returncode == 0, first.stderr[-3000:]
     state = json.loads((run_dir / "checkpoints" / f"step_{s:06d}" / "trainer_state.json").read_text())
-    assert len(state["schedule"]["partials"]) == resumed_groups[s + 1]
+    held = state["schedule"]["partials"]  # the in-flight groups are in a binary file beside the state, counted here
+    assert held["groups"] == resumed_groups[s + 1]
+    assert (run_dir / "checkpoints" / f"step_{s:06d}" / held["file"]).is_file()
     second = _run(_cmd(run_dir, "train.steps=4", *partial), env)
     assert second.returncode == 0, second.stderr[-3000:]
     b = _metrics(run_dir)
