@@ -21,6 +21,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+HEADLINE = re.compile(r"^[a-z_0-9]+: [-0-9.eE+]+")
+
+
 def _run(args: list[str]) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
@@ -28,22 +31,24 @@ def _run(args: list[str]) -> str:
     done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     last = done.stdout.strip().splitlines()[-1]
-    assert re.match(r"^[a-z_]+: [0-9.]+", last), last
+    assert HEADLINE.match(last) and "nan" not in last.lower(), last
     return done.stdout
 
 
-# Benchmarks without a --smoke flag, run at a few-seconds size through their own options.
-SMALL = {
-    "packing.py": ["--sequences", "64", "--dp", "2"],
-    "reward.py": ["--n", "200", "--workers", "1"],
-    "bridge_bytes.py": ["--prompts", "24", "--kept", "8", "--tokens", "64", "--trainer-ranks", "2"],
+# Single-process benchmarks whose --smoke run takes seconds; the value is the headline the last line must name.
+SMOKE = {
+    "packing.py": "packed_token_efficiency",
+    "reward.py": "reward_answers_per_s",
+    "bridge_bytes.py": "bridge_bytes_after_over_before",
+    "route_bytes.py": "route_bytes_after_over_before",
 }
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("script", sorted(SMALL))
-def test_small_benchmarks_run(script):
-    _run([f"benchmarks/{script}", *SMALL[script]])
+@pytest.mark.parametrize("script", sorted(SMOKE))
+def test_benchmark_smoke(script):
+    out = _run([f"benchmarks/{script}", "--smoke"])
+    assert out.strip().splitlines()[-1].startswith(f"{SMOKE[script]}: ")
 
 
 @pytest.mark.unit
