@@ -41,6 +41,8 @@ SMOKE = {
     "reward.py": "reward_answers_per_s",
     "bridge_bytes.py": "bridge_bytes_after_over_before",
     "route_bytes.py": "route_bytes_after_over_before",
+    "tool_sandbox.py": "sandbox_over_bare",  # bubblewrap, as the sandbox's own tests
+    "recipe_speed.py": "shipped_over_paper_sync",  # ~10 s of CPU: the planner's step model at the 32B shape
 }
 
 
@@ -49,6 +51,21 @@ SMOKE = {
 def test_benchmark_smoke(script):
     out = _run([f"benchmarks/{script}", "--smoke"])
     assert out.strip().splitlines()[-1].startswith(f"{SMOKE[script]}: ")
+
+
+@pytest.mark.e2e  # ~15 s of CPU: 3 stages of a 24k-response generation at the 32B recipe's shape
+def test_rollout_sim_smoke():
+    out = _run(["benchmarks/rollout_sim.py", "--smoke", "--generation-only"])
+    assert out.strip().splitlines()[-1].startswith("sim_generation_time_ratio: ")
+
+
+@pytest.mark.unit
+def test_sandbox_beside_gpu_on_cpu():  # its headline is a verdict, not a number: every attack contained
+    done = subprocess.run([sys.executable, "benchmarks/sandbox_beside_gpu.py", "--device", "cpu"], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "sandbox_beside_gpu: ok", done.stdout[-3000:]
 
 
 @pytest.mark.unit
