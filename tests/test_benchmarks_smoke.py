@@ -53,6 +53,21 @@ def test_benchmark_smoke(script):
     assert out.strip().splitlines()[-1].startswith(f"{SMOKE[script]}: ")
 
 
+# Tiny-model runs (a gloo world of one each): 5-10 s of CPU each, a minute of wall on a loaded 2-core machine.
+E2E_SMOKE = {
+    "actor_overhead.py": "actor_over_plain_train",
+    "moe_actor.py": "moe_actor_over_plain",
+    "tool_overlap.py": "tool_over_zero_time",
+}
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("script", sorted(E2E_SMOKE))
+def test_tiny_model_benchmark_smoke(script):
+    out = _run([f"benchmarks/{script}", "--smoke"])
+    assert out.strip().splitlines()[-1].startswith(f"{E2E_SMOKE[script]}: ")
+
+
 @pytest.mark.e2e  # ~15 s of CPU: 3 stages of a 24k-response generation at the 32B recipe's shape
 def test_rollout_sim_smoke():
     out = _run(["benchmarks/rollout_sim.py", "--smoke", "--generation-only"])
