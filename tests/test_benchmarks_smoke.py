@@ -68,6 +68,18 @@ def test_tiny_model_benchmark_smoke(script):
     assert out.strip().splitlines()[-1].startswith(f"{E2E_SMOKE[script]}: ")
 
 
+@pytest.mark.e2e  # two fresh processes, each building and training a 1-layer bf16 actor: ~13 s of CPU
+def test_lora_memory_smoke():
+    out = _run(["benchmarks/lora_memory.py", "--smoke"])
+    assert out.strip().splitlines()[-1].startswith("lora_over_full_peak: ")
+
+
+@pytest.mark.distributed  # two gloo ranks, each its own engine
+def test_engine_groups_smoke():
+    out = _run(["benchmarks/engine_groups.py", "--smoke"])
+    assert out.strip().splitlines()[-1].startswith("exchange_share_of_step: ")
+
+
 @pytest.mark.e2e  # ~15 s of CPU: 3 stages of a 24k-response generation at the 32B recipe's shape
 def test_rollout_sim_smoke():
     out = _run(["benchmarks/rollout_sim.py", "--smoke", "--generation-only"])
