@@ -16,6 +16,7 @@ machine (other jobs competing for the cores) measures the work itself rather tha
 CPU-time ratio is the headline on CPU, wall clock on a GPU. Log-probs of all variants are compared first.
 Single process, world of one (gloo), CPU or one GPU.
 Last line: ``actor_over_plain_train: X`` (median ratio) for the hidden-512 model with the default (sdpa) attention.
+``--smoke``: the tiny model only (its ratio is the last line then), 2 short sequences, one repetition (run in CI).
 """
 
 from __future__ import annotations
@@ -214,7 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resp-max", type=int, default=128)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--smoke", action="store_true",
+                    help="the tiny model only, 2 short sequences, one repetition (the same update and log-prob code; CI)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.models, args.sequences, args.warmup, args.reps, args.prompt_max, args.resp_max = "tiny", 2, 0, 1, 8, 16
+        args.prompt_min, args.resp_min = min(args.prompt_min, 8), min(args.resp_min, 16)
     torch.set_num_threads(args.threads)
     from dapo_mcore.actor.parallel import shutdown
 

@@ -10,7 +10,7 @@ the recipe's shape. Two legs per step:
 - ``fan-out``: trainer rank 0 -> each other trainer rank (31 here). Before: the whole pickled message to each
   (``broadcast_object_list``); after: the kept groups whole, the others without responses (``wire.light``), packed.
 Run: ``.venv/bin/python benchmarks/bridge_bytes.py [--tokens 20480]``. Last line ``bridge_bytes_after_over_before: X``
-(both legs together; < 1: fewer bytes).
+(both legs together; < 1: fewer bytes). ``--smoke``: priced at 24 prompts x 64 tokens on 2 ranks (run in CI).
 """
 
 from __future__ import annotations
@@ -71,7 +71,11 @@ def main() -> None:
     ap.add_argument("--kept", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=20480, help="tokens per response (the recipe's maximum)")
     ap.add_argument("--trainer-ranks", type=int, default=32)
+    ap.add_argument("--smoke", action="store_true",
+                    help="price a 24-prompt, 64-token, 2-rank step (the same fit; a seconds-long check, run in CI)")
     args = ap.parse_args()
+    if args.smoke:
+        args.prompts, args.kept, args.tokens, args.trainer_ranks = 24, 8, 64, 2
     coef = fit([(6, 64), (6, 128), (12, 64)])
     check = sizes(9, 96)  # kept_every=3: 3 of 9 kept
     for key, want in check.items():

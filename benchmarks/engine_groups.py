@@ -13,7 +13,7 @@ training (the weights stay put, so every variant sees the same policy):
 Per variant: wall seconds per step, seconds in exchanges (their collectives, waits for the slower group included),
 exchanges per step, and generated tokens per kept group (aborted tokens included: what the step paid).
 Run from the repository root: ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/engine_groups.py``.
-Last line: ``exchange_share_of_step: X`` (exchange seconds / wall seconds at the default exchange_every=4).
+Last line: ``exchange_share_of_step: X`` (exchange seconds / wall seconds at the default exchange_every=4). ``--smoke``: 1 step, K=4 only (CI).
 """
 
 from __future__ import annotations
@@ -104,7 +104,11 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--every", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--stop-ids", type=int, default=6, help="token ids 2.. that end a response (of 32): lengths vary")
+    p.add_argument("--smoke", action="store_true",
+                   help="1 step of 2 groups of 2, 8 tokens, K=4 only (both ranks, every variant; run in CI)")
     args = p.parse_args()
+    if args.smoke:
+        args.steps, args.n, args.target, args.chunk, args.max_new_tokens, args.every = 1, 2, 2, 4, 8, [4]
     if 4 not in args.every:
         args.every.append(4)
     with socket.socket() as s:

@@ -8,7 +8,7 @@ the same shape and micro-batch (weights + grads + optimizer, and the training pe
 
     python benchmarks/lora_memory.py [--rank 16] [--layers 4]
 
-Last line: ``lora_over_full_peak: X`` (measured peak, LoRA / full).
+Last line: ``lora_over_full_peak: X`` (measured peak, LoRA / full). ``--smoke``: 1 layer, 256 tokens, rank 4 (CI).
 """
 
 from __future__ import annotations
@@ -114,7 +114,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--child", choices=("full", "lora"), help=argparse.SUPPRESS)
+    ap.add_argument("--smoke", action="store_true", help="1 layer, 256 tokens, rank 4 (both fresh processes; run in CI)")
     args = ap.parse_args()
+    if args.smoke:
+        args.layers, args.tokens, args.rank = 1, 256, 4
     if args.child:
         print(json.dumps(measure(args.child, args.rank, args.layers, args.tokens)))
         return

@@ -7,7 +7,7 @@ dispatcher at EP=1, SequentialMLP; SDPA attention). Train = one DAPO update (for
 loss, backward, clipping, AdamW); logprob = the per-token log-probs without gradients. Repetitions interleave
 plain and actor; ratios are plain_time / actor_time (1.0 = the actor is as fast as plain PyTorch), medians of
 this process's CPU time on CPU (wall clock on a GPU). Single process, world of one (gloo).
-Last line: ``moe_actor_over_plain: X`` (train, median).
+Last line: ``moe_actor_over_plain: X`` (train, median). ``--smoke``: 2 sequences, one repetition (run in CI).
 """
 
 from __future__ import annotations
@@ -71,7 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sequences", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--smoke", action="store_true", help="2 sequences, one repetition (the same code; run in CI)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.sequences, args.warmup, args.reps = 2, 0, 1
     torch.set_num_threads(args.threads)
     from actor_overhead import start_one_process
 

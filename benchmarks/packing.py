@@ -8,6 +8,7 @@ The budget fill (real / (micro-batches x budget)) is printed beside it: it sets 
 micro-batch count, not wasted compute. Padded micro-batches hold ``--mbs`` sequences each padded to its
 longest (efficiency = real / padded tokens), the classic fixed-size baseline.
 Both are measured in this process on the same lengths. Last line: ``packed_token_efficiency: X``.
+``--smoke``: 64 sequences over 2 ranks (the same code, seconds; run in CI).
 """
 
 from __future__ import annotations
@@ -38,7 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mbs", type=int, default=4, help="padded baseline: sequences per micro-batch")
     ap.add_argument("--align", type=int, default=16, help="packed: pad each sequence to a multiple of this")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true", help="64 sequences over 2 ranks (a seconds-long check, run in CI)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.sequences, args.dp = 64, 2
     lengths = dapo_like_lengths(args.sequences, args.seed)
     t0 = time.perf_counter()
     ranks = balance_across_ranks(lengths, args.budget, args.dp)

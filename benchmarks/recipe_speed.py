@@ -13,6 +13,7 @@ sync from ``dapo_mcore/plan/disagg.py``), the model ``dapo-mcore plan`` and ``be
 It also prints every variant the step model knows for this recipe, ranked (the async ones at the recipe's own split,
 else at the planner's proposed split): what the recipe could ship, not what it ships. Mean over the three training
 stages of ``STAGES_32B``. Last line: ``shipped_over_paper_sync: X`` (paper-exact step time / shipped step time).
+``--smoke``: one simulated step per stage and no ranking (seconds; run in CI).
 """
 
 from __future__ import annotations
@@ -67,7 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-ranking", action="store_true", help="price only the shipped and paper-exact configurations")
     ap.add_argument("--engine-memory-utilization", type=float, default=0.9, help="async: vLLM memory on engine GPUs")
+    ap.add_argument("--smoke", action="store_true",
+                    help="one simulated step per stage, no ranking (the same step model; seconds, run in CI)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.steps, args.no_ranking = 1, True
 
     from dapo_mcore.commands.plan import plan_input_from_config
 

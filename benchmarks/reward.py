@@ -1,7 +1,7 @@
 """Reward throughput: the math verifier in process vs through the worker pool, on the same responses.
 
 10,000 synthetic responses of 50 to 3,000 words, ending in a right, wrong or missing "Answer:" line.
-Last line: ``reward_answers_per_s: X`` (in process).
+Last line: ``reward_answers_per_s: X`` (in process). ``--smoke``: 200 responses, one worker (seconds; run in CI).
 """
 
 from __future__ import annotations
@@ -36,7 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=10_000)
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--smoke", action="store_true", help="200 responses, one worker (a seconds-long check, run in CI)")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.n, args.workers = 200, 1
     responses, gts = make_responses(args.n, args.seed)
     chars = sum(map(len, responses))
     print(f"{args.n} responses, {chars / args.n:,.0f} characters on average")

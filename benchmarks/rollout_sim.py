@@ -398,7 +398,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibrate-tiny", metavar="RUN_DIR", help="replay a real tiny run's metrics instead")
     ap.add_argument("--tiny-config", default="examples/tiny_cpu.yaml", help="the tiny run's config")
     ap.add_argument("--tiny-reps", type=int, default=10, help="simulated draws per real tiny step")
+    ap.add_argument("--smoke", action="store_true",
+                    help="one measured step per stage, no warm-up (the same simulator; run in CI with --generation-only)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.steps, args.warmup = 1, 0
     if args.calibrate_tiny:
         lines = run_tiny(args)
     else:

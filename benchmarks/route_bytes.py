@@ -10,10 +10,12 @@ tensor is built: each sample's route bytes are its length x 768, and the real pl
   of its data-parallel rank's micro-batches (``data.packing.pack_micro_batches``, 22528-token budget), in the
   old-log-prob pass and every mini-batch update (32 prompts each).
 Run: ``.venv/bin/python benchmarks/route_bytes.py``. Last line ``route_bytes_after_over_before: X``.
+``--smoke``: 32 prompts x 4 rollouts on TP=4 x DP=2 with 2 engine groups (the same planning code, seconds; run in CI).
 """
 
 from __future__ import annotations
 
+import argparse
 import random
 import sys
 from pathlib import Path
@@ -74,6 +76,13 @@ def after_bytes(lengths: list[int], owner: list[int]) -> list[int]:
 
 
 def main() -> None:
+    global PROMPTS, N, MINI, DP, GROUPS, WORLD
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true",
+                    help="32 prompts x 4 on TP=4 x DP=2, 2 engine groups (a seconds-long check, run in CI)")
+    if ap.parse_args().smoke:
+        PROMPTS, N, MINI, DP, GROUPS = 32, 4, 8, 2, 2
+        WORLD = TP * DP
     lengths, owner = _lengths(), _holders()
     total = sum(lengths) * BYTES_PER_TOKEN
     mine = [0] * WORLD

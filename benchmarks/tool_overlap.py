@@ -12,7 +12,8 @@ time generation hides. ``--repeats`` pairs, each a real run followed at once by 
 the machine's load of the moment); the headline is the median over the pairs of real / zero-time.
 
 From the repository root:  python benchmarks/tool_overlap.py
-Last line: ``tool_over_zero_time: X`` (median over pairs of real wall / zero-time wall).
+Last line: ``tool_over_zero_time: X`` (median over pairs of real wall / zero-time wall). ``--smoke``: 2 prompts x 2,
+32 tokens, a 1-layer hidden-32 model, one pair, bwrap (run in CI).
 """
 
 from __future__ import annotations
@@ -82,7 +83,12 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--sandbox", choices=("bwrap", "none"), default="bwrap")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true",
+                    help="2 prompts x 2, 32 tokens, a 1-layer hidden-32 model, one pair (the same loop; run in CI)")
     args = ap.parse_args()
+    if args.smoke:
+        args.prompts, args.n, args.max_new_tokens, args.hidden, args.layers = 2, 2, 32, 32, 1
+        args.repeats, args.workers = 1, 1
     torch.set_num_threads(1)
     tokenizer = build_tiny_tokenizer(tools=True)
     task = get_task("mul2tool")

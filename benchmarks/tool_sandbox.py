@@ -5,6 +5,7 @@ so that load on a shared machine falls on all three alike; each is the median wa
 ``--threads`` callers share one bubblewrap Sandbox (calls/s against one caller), and a caller holding
 ``--ballast-mb`` of memory calls with its limits set by prlimit and by a preexec function. Last line:
 ``sandbox_over_bare: X`` (median bubblewrap call / median bare subprocess call).
+``--smoke``: 3 calls each, 2 threads, 64 MB of ballast (the same paths, seconds; run in CI).
 """
 
 from __future__ import annotations
@@ -65,7 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--python", default="python3", help="the tool interpreter")
     parser.add_argument("--ballast-mb", type=int, default=1024,
                         help="also time calls from a caller holding this much memory (0: skip)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="3 calls each, 2 threads, 64 MB of ballast (a seconds-long check, run in CI)")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.calls, args.threads, args.ballast_mb = 3, 2, 64
     boxed = Sandbox(timeout_s=30, memory_mb=1024, python=args.python)
     unboxed = Sandbox(timeout_s=30, memory_mb=1024, python=args.python, backend="none")
     python = boxed.interpreter.path

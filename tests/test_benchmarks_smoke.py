@@ -21,6 +21,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+HEADLINE = re.compile(r"^[a-z_0-9]+: [-0-9.eE+]+")
+
+
 def _run(args: list[str]) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
@@ -28,22 +31,68 @@ def _run(args: list[str]) -> str:
     done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     last = done.stdout.strip().splitlines()[-1]
-    assert re.match(r"^[a-z_]+: [0-9.]+", last), last
+    assert HEADLINE.match(last) and "nan" not in last.lower(), last
     return done.stdout
 
 
-# Benchmarks without a --smoke flag, run at a few-seconds size through their own options.
-SMALL = {
-    "packing.py": ["--sequences", "64", "--dp", "2"],
-    "reward.py": ["--n", "200", "--workers", "1"],
-    "bridge_bytes.py": ["--prompts", "24", "--kept", "8", "--tokens", "64", "--trainer-ranks", "2"],
+# Single-process benchmarks whose --smoke run takes seconds; the value is the headline the last line must name.
+SMOKE = {
+    "packing.py": "packed_token_efficiency",
+    "reward.py": "reward_answers_per_s",
+    "bridge_bytes.py": "bridge_bytes_after_over_before",
+    "route_bytes.py": "route_bytes_after_over_before",
+    "tool_sandbox.py": "sandbox_over_bare",  # bubblewrap, as the sandbox's own tests
+    "recipe_speed.py": "shipped_over_paper_sync",  # ~10 s of CPU: the planner's step model at the 32B shape
 }
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("script", sorted(SMALL))
-def test_small_benchmarks_run(script):
-    _run([f"benchmarks/{script}", *SMALL[script]])
+@pytest.mark.parametrize("script", sorted(SMOKE))
+def test_benchmark_smoke(script):
+    out = _run([f"benchmarks/{script}", "--smoke"])
+    assert out.strip().splitlines()[-1].startswith(f"{SMOKE[script]}: ")
+
+
+# Tiny-model runs (a gloo world of one each): 5-10 s of CPU each, a minute of wall on a loaded 2-core machine.
+E2E_SMOKE = {
+    "actor_overhead.py": "actor_over_plain_train",
+    "moe_actor.py": "moe_actor_over_plain",
+    "tool_overlap.py": "tool_over_zero_time",
+}
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("script", sorted(E2E_SMOKE))
+def test_tiny_model_benchmark_smoke(script):
+    out = _run([f"benchmarks/{script}", "--smoke"])
+    assert out.strip().splitlines()[-1].startswith(f"{E2E_SMOKE[script]}: ")
+
+
+@pytest.mark.e2e  # two fresh processes, each building and training a 1-layer bf16 actor: ~13 s of CPU
+def test_lora_memory_smoke():
+    out = _run(["benchmarks/lora_memory.py", "--smoke"])
+    assert out.strip().splitlines()[-1].startswith("lora_over_full_peak: ")
+
+
+@pytest.mark.distributed  # two gloo ranks, each its own engine
+def test_engine_groups_smoke():
+    out = _run(["benchmarks/engine_groups.py", "--smoke"])
+    assert out.strip().splitlines()[-1].startswith("exchange_share_of_step: ")
+
+
+@pytest.mark.e2e  # ~15 s of CPU: 3 stages of a 24k-response generation at the 32B recipe's shape
+def test_rollout_sim_smoke():
+    out = _run(["benchmarks/rollout_sim.py", "--smoke", "--generation-only"])
+    assert out.strip().splitlines()[-1].startswith("sim_generation_time_ratio: ")
+
+
+@pytest.mark.unit
+def test_sandbox_beside_gpu_on_cpu():  # its headline is a verdict, not a number: every attack contained
+    done = subprocess.run([sys.executable, "benchmarks/sandbox_beside_gpu.py", "--device", "cpu"], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "sandbox_beside_gpu: ok", done.stdout[-3000:]
 
 
 @pytest.mark.unit
