@@ -85,12 +85,15 @@ LIMITS = ("import resource as r\n"
 
 
 @pytest.mark.parametrize("launcher", ["prlimit", "preexec"])
-def test_the_code_runs_under_the_configured_rlimits(box, launcher, monkeypatch):
+def test_the_code_runs_under_the_configured_rlimits(box, launcher, monkeypatch, request):
     """Set by util-linux's prlimit where it is installed, else between fork and exec: the same limits either way."""
     if launcher == "preexec":
         real = shutil.which
         monkeypatch.setattr("dapo_mcore.tools.sandbox.shutil.which",
                             lambda name, path=None: None if name == "prlimit" else real(name, path=path))
+        # A trainer holds many descriptors: the child holds them too until exec, above the box's descriptor limit.
+        held = [os.open(os.devnull, os.O_RDONLY) for _ in range(300)]
+        request.addfinalizer(lambda: [os.close(fd) for fd in held])
     elif shutil.which("prlimit", path=SAFE_PATH) is None:
         pytest.skip("util-linux's prlimit is not installed")
     limited = Sandbox(timeout_s=2.5, memory_mb=300, max_output_bytes=CAP, max_file_mb=5, max_open_files=40,

@@ -278,14 +278,16 @@ class Sandbox:
 
 
 def _set_limits(limits: list[tuple[int, int]]) -> None:
-    """In the child, between fork and exec (where prlimit or choom is missing): plain system calls only."""
-    for which, value in limits:
-        resource.setrlimit(which, (value, value))
+    """In the child, between fork and exec (where prlimit or choom is missing): plain system calls only. The OOM score
+    first: the child still holds every descriptor of the trainer until exec (subprocess closes them after this runs),
+    so after RLIMIT_NOFILE the lowest free descriptor may lie above the limit and the open would fail (EMFILE)."""
     fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
     try:
         os.write(fd, b"%d" % OOM_SCORE_ADJ)
     finally:
         os.close(fd)
+    for which, value in limits:
+        resource.setrlimit(which, (value, value))
 
 
 def _exited(pid: int) -> bool:
