@@ -58,15 +58,16 @@ def hf_reference(model, prompt: list[int], response: list[int], temperature: flo
     return torch.tensor(logp, dtype=torch.float64), torch.tensor(ent, dtype=torch.float64)
 
 
-def _write_workspace(ws: Path, preset: str = "tiny") -> dict:
-    """``preset``: "tiny" (Qwen2) or "tiny-qwen3" / "tiny-llama" (tests/test_family_actor.py)."""
+def _write_workspace(ws: Path, preset: str = "tiny", **overrides) -> dict:
+    """``preset``: "tiny" (Qwen2) or "tiny-qwen3" / "tiny-llama" (tests/test_family_actor.py); ``overrides``: HF
+    config fields, e.g. num_hidden_layers=4 (tests/test_lora_actor.py: PP=2 x VPP=2 needs 4)."""
     import transformers
 
     from conversion.synthetic import save_tiny_hf_model
 
     (ws / "out").mkdir(parents=True)
     vocab = 37
-    save_tiny_hf_model(ws / "hf", seed=3, vocab_size=vocab, preset=preset)  # tied embeddings, GQA 4/2 heads, 2 layers
+    save_tiny_hf_model(ws / "hf", seed=3, vocab_size=vocab, preset=preset, **overrides)  # tied embeddings, GQA 4/2 heads, 2 layers
     hf = transformers.AutoModelForCausalLM.from_pretrained(ws / "hf", dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(11)
     spec = {

@@ -1,7 +1,7 @@
 """The LoRA actor at several layouts from the same HF weights and the same adapters; results for pytest.
 
-usage: torchrun --nproc_per_node 2 lora_layouts.py WS TPxPP[f][,TPxPP[f]...]   (f: full activation recomputation;
-       its checkpoint and resume checks are left out)
+usage: torchrun --nproc_per_node 2 lora_layouts.py WS TPxPP[vV][f][,...]   (vV: V virtual pipeline stages per
+       pipeline stage; f: full activation recomputation; the resume checks run for the first three layouts only)
 
 The workspace (tests/test_lora_actor.py) holds the tiny HF model (``hf/``), the samples (``spec.json``) and a
 peft adapter (``adapter/``: adapter_config.json + adapter_model.safetensors, fused layers sharing one A). Per layout,
@@ -36,16 +36,16 @@ import _common as c  # noqa: E402
 RANK, ALPHA = 4, 8.0
 
 
-def make_lora_actor(ws: Path, spec: dict, tp: int, pp: int, recompute: str = "none"):
+def make_lora_actor(ws: Path, spec: dict, tp: int, pp: int, recompute: str = "none", vpp: int | None = None):
     from dapo_mcore.actor.megatron_actor import ActorSettings, MegatronActor
     from dapo_mcore.actor.parallel import init_model_parallel
     from dapo_mcore.algo.config import AlgoConfig
     from dapo_mcore.model.lora.config import LoRAConfig
 
-    init_model_parallel(tp, pp, seed=spec["seed"])
+    init_model_parallel(tp, pp, vpp, seed=spec["seed"])
     hf = json.loads((ws / "hf" / "config.json").read_text())
     settings = ActorSettings(
-        hf_config=hf, tensor_parallel=tp, pipeline_parallel=pp, make_vocab_size_divisible_by=spec["vocab_div"],
+        hf_config=hf, tensor_parallel=tp, pipeline_parallel=pp, virtual_pipeline=vpp, make_vocab_size_divisible_by=spec["vocab_div"],
         micro_batch_tokens=spec["micro_batch_tokens"], temperature=spec["temperature"], lr=spec["lr"],
         eps=spec["adam_eps"], weight_decay=spec["weight_decay"], grad_clip=spec["grad_clip"],
         algo=AlgoConfig(**spec["algo"]), layout="rows", lora=LoRAConfig(rank=RANK, alpha=ALPHA), recompute=recompute)
@@ -93,7 +93,7 @@ def frozen_report(actor, ws: Path) -> dict:
     layout = live_layout(actor.chunks, "local", 1)[0]
     return {"base_requires_grad": sum(p.requires_grad for p in base),
             "base_main_grad": sum(hasattr(p, "main_grad") for p in base),
-            "adapters": len(adapters), "optimizer_params": len(in_optimizer),
+            "adapters": len(adapters), "optimizer_params": len(in_optimizer), "chunks": len(actor.chunks),
             "optimizer_is_adapters": in_optimizer == {id(p) for p in adapters},
             "base_live": len(live_tensors(actor.chunks, layout)),
             "trainable_here": sum(p.numel() for p in adapters),
@@ -108,7 +108,7 @@ def moments(actor) -> dict:
     return everywhere(gather_adapters(actor.chunks, actor.s.hf_config, get=_getter(actor, "exp_avg")))
 
 
-def resume_checks(ws: Path, spec: dict, tp: int, pp: int, actor, name: str, first: str) -> dict:
+def resume_checks(ws: Path, spec: dict, tp: int, pp: int, actor, name: str, first: str, vpp: int | None) -> dict:
     """Save a checkpoint; update on; a fresh actor resumes the FIRST layout's checkpoint and updates the same."""
     from dapo_mcore.actor import checkpoint as ckpt
     from dapo_mcore.weights.checkpoint import CheckpointError
@@ -117,26 +117,27 @@ def resume_checks(ws: Path, spec: dict, tp: int, pp: int, actor, name: str, firs
     ckpt.save_checkpoint(ws / "ckpt" / name, 1, actor, {"step": 1}, keep_last=1)
     dist.barrier()
     out["update2"] = actor.train_mini_batch(c.samples(spec, "update2"), lr=spec["lr"])
-    fresh = make_lora_actor(ws, spec, tp, pp)
+    fresh = make_lora_actor(ws, spec, tp, pp, vpp=vpp)
     source = ws / "ckpt" / first / "step_000001"
     ckpt.load_checkpoint(source, fresh)
     out["resumed_adapters"], out["resumed_moments"] = gathered(fresh), moments(fresh)
     out["resumed_update2"] = fresh.train_mini_batch(c.samples(spec, "update2"), lr=spec["lr"])
-    weights_only = make_lora_actor(ws, spec, tp, pp)  # run.resume_weights_only: the adapters, a fresh optimizer
+    weights_only = make_lora_actor(ws, spec, tp, pp, vpp=vpp)  # run.resume_weights_only: the adapters, a fresh optimizer
     ckpt.load_checkpoint(source, weights_only, weights_only=True)
     out["weights_only_adapters"], out["weights_only_moments"] = gathered(weights_only), moments(weights_only)
-    other = make_lora_actor(ws, spec, tp, pp)
+    other = make_lora_actor(ws, spec, tp, pp, vpp=vpp)
     other.base_source, other._base_identity = str(ws / "hf_other"), None
     try:
         ckpt.load_checkpoint(source, other)
         out["other_base"] = None
     except CheckpointError as err:
         out["other_base"] = str(err)
-    out["damaged_adapter"] = damaged_adapter_check(ws, spec, tp, pp, source, name)
+    out["damaged_adapter"] = damaged_adapter_check(ws, spec, tp, pp, source, name, vpp)
     return out
 
 
-def damaged_adapter_check(ws: Path, spec: dict, tp: int, pp: int, source: Path, name: str) -> str | None:
+def damaged_adapter_check(ws: Path, spec: dict, tp: int, pp: int, source: Path, name: str,
+                          vpp: int | None) -> str | None:
     """A copy of the checkpoint with one byte of one adapter file flipped: the resume must find the damage (and so
     fall back to an older checkpoint), not load the flipped adapter. Returns the error text (None: loaded)."""
     import shutil
@@ -153,19 +154,20 @@ def damaged_adapter_check(ws: Path, spec: dict, tp: int, pp: int, source: Path, 
         victim.write_bytes(bytes(data))
     dist.barrier()
     try:
-        ckpt.load_checkpoint(damaged, make_lora_actor(ws, spec, tp, pp))
+        ckpt.load_checkpoint(damaged, make_lora_actor(ws, spec, tp, pp, vpp=vpp))
         return None
     except DamagedFileError as err:
         return str(err)
 
 
-def check_layout(ws: Path, spec: dict, tp: int, pp: int, name: str, first: str, recompute: str = "none") -> dict:
+def check_layout(ws: Path, spec: dict, tp: int, pp: int, name: str, first: str, recompute: str = "none",
+                 vpp: int | None = None) -> dict:
     from safetensors.torch import load_file
 
     from conversion.verify import megatron_logits
     from dapo_mcore.weights.lora import load_adapters
 
-    actor = make_lora_actor(ws, spec, tp, pp, recompute)
+    actor = make_lora_actor(ws, spec, tp, pp, recompute, vpp)
     load_adapters(actor.chunks, actor.s.hf_config, load_file(str(ws / "adapter" / "adapter_model.safetensors")))
     res: dict = {"logits": megatron_logits(actor.chunks, torch.tensor(spec["ids"]), spec["vocab_size"])}
     grads: dict = {}
@@ -184,7 +186,7 @@ def check_layout(ws: Path, spec: dict, tp: int, pp: int, name: str, first: str, 
     res["engine"] = synced_engine(ws, actor)
     res["frozen"] = frozen_report(actor, ws)
     if recompute == "none":
-        res.update(resume_checks(ws, spec, tp, pp, actor, name, first))
+        res.update(resume_checks(ws, spec, tp, pp, actor, name, first, vpp))
     return res
 
 
@@ -195,9 +197,13 @@ def main() -> None:
     results: dict = {}
     for layout in layouts.split(","):
         recompute = "full" if layout.endswith("f") else "none"  # TPxPPf: full activation recomputation
-        tp, pp = (int(x) for x in layout.rstrip("f").split("x"))
-        name = f"tp{tp}_pp{pp}_dp{env.world_size // (tp * pp)}" + ("_recompute" if recompute == "full" else "")
-        results[name] = check_layout(ws, spec, tp, pp, name, first=next(iter(results), name), recompute=recompute)
+        shape, _, v = layout.rstrip("f").partition("v")  # TPxPPvV: V virtual pipeline stages
+        tp, pp = (int(x) for x in shape.split("x"))
+        vpp = int(v) if v else None
+        name = (f"tp{tp}_pp{pp}" + (f"_vpp{vpp}" if vpp else "") + f"_dp{env.world_size // (tp * pp)}"
+                + ("_recompute" if recompute == "full" else ""))
+        results[name] = check_layout(ws, spec, tp, pp, name, first=next(iter(results), name), recompute=recompute,
+                                     vpp=vpp)
     c.save(results, ws / "out" / f"lora_rank{env.rank}.pt")
     from dapo_mcore.actor.parallel import shutdown
 
