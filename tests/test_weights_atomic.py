@@ -110,3 +110,51 @@ def test_tokenizer_files_travel_through_the_megatron_checkpoint(hf, tmp_path, ca
         convert_hf_to_mcore(bare, tmp_path / "m2", ParallelLayout())
         convert_mcore_to_hf(tmp_path / "m2", tmp_path / "back2")
     assert "has no tokenizer files" in caplog.text and "pass --tokenizer" in caplog.text
+
+
+def _raise_in_a_callback(exc: BaseException) -> None:
+    """``exc`` raised inside a weakref callback, where Python cannot propagate it (it reports it as unraisable)."""
+    import weakref
+
+    class Thing:
+        pass
+
+    def callback(_ref):
+        raise exc
+
+    thing = Thing()
+    ref = weakref.ref(thing, callback)  # noqa: F841 (kept alive so that its callback runs)
+    del thing
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("stop", ["sigint", "sigterm"])
+def test_a_stop_raised_inside_a_callback_still_stops_the_command(stop):
+    """A signal whose exception lands in a callback (an import lock's weakref callback, as a convert interrupted at a
+    random moment met) was printed as "Exception ignored ... Traceback" and lost, the command running on to exit 0:
+    it is raised again once the callback is over."""
+    import signal
+
+    from dapo_mcore.weights.atomic import _Terminated, stop_signal, terminating
+
+    want = signal.SIGINT if stop == "sigint" else signal.SIGTERM
+    with pytest.raises(BaseException) as caught:
+        with terminating():
+            _raise_in_a_callback(KeyboardInterrupt() if stop == "sigint" else _Terminated(signal.SIGTERM))
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:  # the re-delivered signal lands here, in ordinary code
+                pass
+    assert stop_signal(caught.value) == want
+
+
+@pytest.mark.unit
+def test_other_unraisable_exceptions_still_go_to_the_usual_hook(monkeypatch):
+    import sys
+
+    from dapo_mcore.weights.atomic import terminating
+
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(type(u.exc_value)))
+    with terminating():
+        _raise_in_a_callback(ValueError("not a stop"))
+    assert seen == [ValueError]

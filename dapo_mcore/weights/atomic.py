@@ -15,11 +15,13 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from dapo_mcore.weights.errors import OutputPathError, is_output_os_error, output_os_error
 
@@ -113,9 +115,22 @@ def terminating() -> contextlib.AbstractContextManager[None]:
 
 @contextlib.contextmanager
 def _sigterm_raises() -> Iterator[None]:
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        yield  # not ours to take: a thread cannot set handlers, and a program's own handler stays in charge
+    if threading.current_thread() is not threading.main_thread():
+        yield  # not ours to take: a thread cannot set handlers
+        return
+    previous_hook = sys.unraisablehook
+    sys.unraisablehook = _redeliver_stops(previous_hook)
+    try:
+        with _sigterm_handler():
+            yield
+    finally:
+        sys.unraisablehook = previous_hook
+
+
+@contextlib.contextmanager
+def _sigterm_handler() -> Iterator[None]:
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield  # a program's own handler stays in charge
         return
 
     def handler(signum, frame):
@@ -127,6 +142,28 @@ def _sigterm_raises() -> Iterator[None]:
     finally:
         if signal.getsignal(signal.SIGTERM) is handler:  # unless the program set another meanwhile (SIG_IGN once done)
             signal.signal(signal.SIGTERM, previous)
+
+
+def _redeliver_stops(previous: Callable[[Any], None]) -> Callable[[Any], None]:
+    """An unraisable hook. A stop signal whose exception was raised inside a callback Python cannot propagate from (a
+    weakref callback of the import lock, a ``__del__``) would be printed as "Exception ignored ... Traceback" and then
+    lost, the command running on to exit 0. It is raised again instead, from a short-lived thread a moment later
+    (raised here, it would land in this hook and be unraisable again), and ends the command as any stop does.
+    Anything else goes to ``previous``."""
+
+    def hook(unraisable: Any) -> None:
+        stop = stop_signal(unraisable.exc_value)
+        if stop is None:
+            previous(unraisable)
+            return
+
+        def again() -> None:
+            time.sleep(0.01)  # the main thread has left the callback and this hook by then
+            signal.raise_signal(stop)  # its Python handler runs in the main thread, in ordinary code
+
+        threading.Thread(target=again, name="stop-again", daemon=True).start()
+
+    return hook
 
 
 last_fsync_seconds = 0.0  # of the latest atomic_directory (benchmarks report it)
