@@ -370,9 +370,10 @@ def fake_vllm_module(version: str, log: list, monkeypatch, device_type: str = "c
 
     head = types.SimpleNamespace(weight=head_weight, quant_method=types.SimpleNamespace(
         process_weights_after_loading=process))
+    embed = types.SimpleNamespace(weight=head_weight)
     model = types.SimpleNamespace(load_weights=lambda weights: log.append(("load", [n for n, _ in weights])),
-                                  lm_head=head, model=types.SimpleNamespace(
-                                      embed_tokens=types.SimpleNamespace(weight=head_weight)))
+                                  lm_head=head, model=types.SimpleNamespace(embed_tokens=embed),
+                                  modules=lambda: iter([head, embed]))  # nn.Module's walk (a dense model: no MoE)
 
     class LLM:
         def __init__(self, **kwargs):
