@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as c  # noqa: E402
-from lora_layouts import everywhere, gathered  # noqa: E402
+from lora_layouts import everywhere, gathered, update_recording_grads  # noqa: E402
 
 RANK, ALPHA = 4, 8.0
 
@@ -66,16 +66,7 @@ def run_layout(ws: Path, spec: dict, tp: int, ep: int, adapters: dict | None) ->
     start = adapters if adapters is not None else random_b(actor)
     load_adapters(actor.chunks, actor.s.hf_config, start)
     res: dict = {"start": start, "start_merged": c.export(actor)}
-    grads: dict = {}
-    step = actor.optimizer.step
-
-    def step_recording_grads():
-        grads.update(gathered(actor, "grad"))
-        return step()
-
-    actor.optimizer.step = step_recording_grads
-    res["metrics"] = actor.train_mini_batch(c.samples(spec, "update1"), lr=spec["lr"])
-    actor.optimizer.step = step
+    res["metrics"], grads = update_recording_grads(actor, spec)
     res["grads"], res["adapters"], res["merged"] = grads, gathered(actor), c.export(actor)
     return res, actor
 

@@ -160,6 +160,24 @@ def damaged_adapter_check(ws: Path, spec: dict, tp: int, pp: int, source: Path, 
         return str(err)
 
 
+def update_recording_grads(actor, spec: dict) -> tuple[dict, dict]:
+    """One update on the "update1" samples: its metrics and the adapters' gradients gathered just before the
+    optimizer step (of this update only: a later one does not record)."""
+    grads: dict = {}
+    step = actor.optimizer.step
+
+    def step_recording_grads():
+        grads.update(gathered(actor, "grad"))
+        return step()
+
+    actor.optimizer.step = step_recording_grads
+    try:
+        metrics = actor.train_mini_batch(c.samples(spec, "update1"), lr=spec["lr"])
+    finally:
+        actor.optimizer.step = step
+    return metrics, grads
+
+
 def check_layout(ws: Path, spec: dict, tp: int, pp: int, name: str, first: str, recompute: str = "none",
                  vpp: int | None = None) -> dict:
     from safetensors.torch import load_file
@@ -170,17 +188,7 @@ def check_layout(ws: Path, spec: dict, tp: int, pp: int, name: str, first: str, 
     actor = make_lora_actor(ws, spec, tp, pp, recompute, vpp)
     load_adapters(actor.chunks, actor.s.hf_config, load_file(str(ws / "adapter" / "adapter_model.safetensors")))
     res: dict = {"logits": megatron_logits(actor.chunks, torch.tensor(spec["ids"]), spec["vocab_size"])}
-    grads: dict = {}
-    step = actor.optimizer.step
-
-    def step_recording_grads():
-        grads.update(gathered(actor, "grad"))
-        return step()
-
-    actor.optimizer.step = step_recording_grads
-    res["metrics"] = actor.train_mini_batch(c.samples(spec, "update1"), lr=spec["lr"])
-    actor.optimizer.step = step  # the first update's gradients only (resume_checks updates again)
-    res["grads"] = grads
+    res["metrics"], res["grads"] = update_recording_grads(actor, spec)
     res["adapters"] = gathered(actor)
     res["merged"] = c.export(actor)
     res["engine"] = synced_engine(ws, actor)
