@@ -2,12 +2,15 @@
 # The gpu-marked tests in their CPU mode (DAPO_MCORE_GPU_TESTS_ON_CPU=1: gloo and the CPU layers instead of NCCL and
 # CUDA, the same assertions), so the code the GPU check depends on cannot rot between the sessions that get a GPU.
 # The main suite skips them ("needs CUDA"); here any skip fails the tier. They run in the main suite's .venv (built
-# by .ci/run before the tiers; built here when the tier runs alone). Only tests/test_gpu_*.py: the vLLM GPU test
-# (tests/test_rollout_vllm.py) has no CPU mode.
+# by .ci/run before the tiers; built here when the tier runs alone). Only tests/test_gpu_*.py, less the two files
+# with no CPU mode: the vLLM GPU test (tests/test_rollout_vllm.py, not matched) and tests/test_gpu_paths.py (CUDA
+# streams and vLLM's CUDA kernels; the prepared GPU check runs it).
 set -euo pipefail
 source .ci/lib.sh
 
 if [[ ! -x .venv/bin/python ]]; then
     ci_venv .venv torch==2.13.0 -e ".[dev]"
 fi
-DAPO_MCORE_GPU_TESTS_ON_CPU=1 DAPO_MCORE_CI_NO_SKIPS=1 .venv/bin/python -m pytest -q -m gpu tests/test_gpu_*.py
+files=()
+for f in tests/test_gpu_*.py; do [[ "$f" == tests/test_gpu_paths.py ]] || files+=("$f"); done
+DAPO_MCORE_GPU_TESTS_ON_CPU=1 DAPO_MCORE_CI_NO_SKIPS=1 .venv/bin/python -m pytest -q -m gpu "${files[@]}"
