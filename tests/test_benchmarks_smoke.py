@@ -119,22 +119,6 @@ def test_convert_smoke():
     assert out.strip().splitlines()[-1].startswith("convert_time_over_read: ")
 
 
-# Real tiny training runs through the CLI (examples/tiny_cpu.yaml, whose base the suite builds anyway), the fewest
-# runs each headline needs, 1-2 steps each: ~8 s of CPU a run, most of it the process's imports. The other
-# run-based benchmarks have a --smoke mode too but are left out of the suite for its time (benchmarks/README.md).
-RUN_SMOKE = {
-    "rollout_cost.py": "generated_tokens_per_kept_group_ratio",  # today and stream+partial, 1 step each
-    "bypass.py": "bypass_trainer_time_ratio",  # decoupled and bypass, 2 steps each
-}
-
-
-@pytest.mark.e2e
-@pytest.mark.parametrize("script", sorted(RUN_SMOKE))
-def test_tiny_run_benchmark_smoke(script):
-    out = _run([f"benchmarks/{script}", "--smoke"])
-    assert out.strip().splitlines()[-1].startswith(f"{RUN_SMOKE[script]}: ")
-
-
 @pytest.mark.unit
 def test_sandbox_beside_gpu_on_cpu():  # its headline is a verdict, not a number: every attack contained
     done = subprocess.run([sys.executable, "benchmarks/sandbox_beside_gpu.py", "--device", "cpu"], cwd=ROOT,
