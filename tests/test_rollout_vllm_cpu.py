@@ -116,13 +116,36 @@ def test_engine_tp2_under_torchrun(env, tmp_path):
     assert r0["prompts"] == r1["prompts"] and r0["outputs"] == r1["outputs"]  # one TP group samples as one
 
 
-def test_engine_dp2_under_torchrun(env, tmp_path):
-    _run([*_torchrun(2), str(SCRIPT), str(tmp_path), "--tp", "1"], env)
-    r0, r1 = _ranks(tmp_path, 2)
+@pytest.fixture(scope="module")
+def dp2_ranks(env, tmp_path_factory) -> list[dict]:
+    """One DP=2 engine run (two engine groups) shared by the tests below: one engine start instead of one each."""
+    out = tmp_path_factory.mktemp("dp2")
+    _run([*_torchrun(2), str(SCRIPT), str(out), "--tp", "1"], env)
+    return _ranks(out, 2)
+
+
+def test_engine_dp2_under_torchrun(dp2_ranks):
+    r0, r1 = dp2_ranks
     for res in (r0, r1):
         _check_engine_result(res)
     assert r0["prompts"] != r1["prompts"]  # two engine groups, each with its own prompts
     assert r0["empty_group_ok"] and r1["empty_group_ok"]  # 1 prompt for 2 groups: the idle one calls generate([])
+
+
+def test_multi_turn_tool_rollouts_on_two_vllm_engine_groups(dp2_ranks):
+    """Each engine group a multi-turn rollout of its own prompts with ``</code>`` spelt in two tokens (vLLM stops on
+    single ids: the engine steps the requests and cuts each sample on the returned ids). Asserted in
+    tests/vllm_scripts/multiturn_checks.py: a sample cut right after the first pair the unstopped sample has (same
+    seeds), stored tokens = each turn's sampled tokens + the tool's tokens exactly, loss_mask False exactly on tool
+    tokens, every tool span the tool's output for the call before it, model-token log-probs = a plain forward over
+    the whole trajectory (within TOL). The groups make different numbers of turns and step together throughout
+    (a group that stopped calling would hang the other: the timeout)."""
+    r0, r1 = (r["multiturn"] for r in dp2_ranks)
+    assert r0["stop_sequence_cut"] >= 2 and r1["stop_sequence_cut"] >= 2, (r0, r1)
+    for r in (r0, r1):  # turn 0 is the stop check's call: its cut samples call the tool and go on in turn 1
+        assert r["tool_calls"] >= r["stop_sequence_cut"] and r["tool_tokens"] > 0, (r0, r1)
+        assert r["turns"] >= r["responses"] + r["stop_sequence_cut"], (r0, r1)
+    assert r0["rounds"] == r1["rounds"], (r0, r1)  # the same number of turns on both (idle ones step with no prompt)
 
 
 SHORT = ("train.steps=2", "eval.at_start=false", "eval.every=0", "eval.k=1", "checkpoint.every=0",

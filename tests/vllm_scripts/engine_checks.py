@@ -3,7 +3,8 @@
     python engine_checks.py OUT_DIR --tied 1 --logprobs processed            # one process, no torchrun
     torchrun --nproc_per_node 2 engine_checks.py OUT_DIR --tp 2              # TP=2
     torchrun --nproc_per_node 2 engine_checks.py OUT_DIR --tp 1              # DP=2 (each rank its own prompts,
-                                                                              # then one group with no prompt)
+                                                                              # then one group with no prompt, then
+                                                                              # multi-turn tool rollouts)
     python engine_checks.py OUT_DIR --check prefix_cache                     # an awake update, as async does
 
 The engine is built the way a run builds it (``runtime.check_hardware`` + ``runtime._build_engine`` with the run's
@@ -30,6 +31,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+
+from multiturn_checks import multiturn_checks  # noqa: E402  (next to this script)
 
 from dapo_mcore.config import load_config  # noqa: E402
 from dapo_mcore.data.tokenizer import build_tiny_tokenizer  # noqa: E402
@@ -273,6 +276,11 @@ def main() -> None:
         solo = engine.generate(mine, sampled)
         res["empty_group_ok"] = len(solo) == len(mine) and all(len(g) == sampled.n for g in solo)
         assert res["empty_group_ok"], solo
+        # Multi-turn tool rollouts, each group its own prompts: a two-token </code> (stepped requests cut on the
+        # returned ids), the turns kept in step across the groups (multiturn_checks.py asserts everything).
+        t0 = time.perf_counter()
+        res["multiturn"] = multiturn_checks(engine, model_a, prompts, EOS, ref_logprobs)
+        res["multiturn"]["seconds"] = round(time.perf_counter() - t0, 2)
     for key in ("lp_err_a", "greedy_err_a", "lp_err_b"):
         assert res[key] < TOL, (key, res[key])
     assert res["greedy_changed"] and res["restored_bitwise"], res
