@@ -24,6 +24,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "vllm_scripts" / "engine_checks.py"
 CONFIG = ROOT / "examples" / "tiny_cpu_vllm.yaml"
+TOOLS = ROOT / "examples" / "tiny_cpu_tools.yaml"
 TOL = 1e-4
 TIMEOUT = 1200
 _HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -85,12 +86,26 @@ def test_vllm_imports():
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("tied,logprobs", [(1, "processed"), (0, "raw")])
-def test_engine_single_process(env, tmp_path, tied, logprobs):
+def test_engine_single_process(env, tmp_path):
     """No torchrun: the engine supplies external_launcher's env. Built from tiny_cpu_vllm.yaml through
-    runtime._build_engine (processed log-probs); the raw mode with the untied head."""
-    _run([sys.executable, str(SCRIPT), str(tmp_path), "--tied", str(tied), "--logprobs", logprobs], env)
-    res = _ranks(tmp_path, 1)[0]
+    runtime._build_engine (processed log-probs), tied LM head."""
+    _run([sys.executable, str(SCRIPT), str(tmp_path), "--tied", "1", "--logprobs", "processed"], env)
+    _check_single(_ranks(tmp_path, 1)[0])
+
+
+@pytest.fixture(scope="module")
+def raw_run(env, tmp_path_factory) -> dict:
+    """The raw log-prob mode with the untied head, one process; its engine also runs the prefix-cache check."""
+    out = tmp_path_factory.mktemp("raw")
+    _run([sys.executable, str(SCRIPT), str(out), "--tied", "0", "--logprobs", "raw"], env)
+    return _ranks(out, 1)[0]
+
+
+def test_engine_single_process_raw_logprobs_untied(raw_run):
+    _check_single(raw_run)
+
+
+def _check_single(res: dict) -> None:
     _check_engine_result(res)
     assert res["stream_same"] and res["after_abort_same"], res  # VLLMEngine.stream: the same groups as generate
     # Partial rollouts (asserted in the script): abort(keep_partial=True) kept ended samples equal to generate's and
@@ -99,12 +114,12 @@ def test_engine_single_process(env, tmp_path, tied, logprobs):
     assert res["partial_greedy"]["unfinished"] > 0 and res["resume_lp_err"] < TOL, res
 
 
-def test_a_weight_update_between_generations_leaves_no_stale_prefix_cache(env, tmp_path):
+def test_a_weight_update_between_generations_leaves_no_stale_prefix_cache(raw_run):
     """The async engine loop's order (an awake engine updated between generations, no wake()): after the update a
     prompt sharing a cached 40-token prefix generates exactly as Hugging Face's model B, log-probs within TOL
-    (engine_checks.prefix_cache_check). Without the reset the prefix's KV blocks are model A's."""
-    _run([sys.executable, str(SCRIPT), str(tmp_path), "--check", "prefix_cache"], env)
-    res = _ranks(tmp_path, 1)[0]
+    (engine_checks.prefix_cache_check, run on the raw run's engine). Without the reset the prefix's KV blocks are
+    model A's."""
+    res = raw_run["prefix_cache"]
     assert res["greedy_b_same"] and res["err_b"] < TOL and res["err_a"] < TOL, res
 
 
@@ -152,9 +167,10 @@ SHORT = ("train.steps=2", "eval.at_start=false", "eval.every=0", "eval.k=1", "ch
          "tiny_base.steps=60", "run.rollout_store=false")
 
 
-def _train(env, run_dir: Path, nproc: int, *overrides: str, timeout: float = TIMEOUT) -> list[dict]:
+def _train(env, run_dir: Path, nproc: int, *overrides: str, timeout: float = TIMEOUT, config: Path = CONFIG
+           ) -> list[dict]:
     launcher = [sys.executable] if nproc == 1 else _torchrun(nproc)
-    _run([*launcher, "-m", "dapo_mcore.cli", "train", str(CONFIG), f"run.dir={run_dir}", *SHORT, *overrides], env,
+    _run([*launcher, "-m", "dapo_mcore.cli", "train", str(config), f"run.dir={run_dir}", *SHORT, *overrides], env,
          timeout)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
@@ -168,13 +184,21 @@ def _check_mismatch(rows: list[dict], n_steps: int = 2) -> None:
         assert r["mismatch/logp_abs_diff_mean"] < TOL / 10, r
 
 
-def test_dapo_run_with_vllm_keeps_the_mismatch_tiny(env, tmp_path):
-    """A short DAPO run, rollout.engine=vllm: engine log-probs vs the Megatron actor's on the same tokens. An
-    evaluation after step 1 puts a sleep/wake without a sync between two steps (sleep level 2 on CPU: nothing was
-    discarded, so the next step generates)."""
-    rows = _train(env, tmp_path / "run", 1, "eval.every=1", "rollout.vllm.sleep_level=2")
+def test_dapo_run_with_vllm_and_tools_keeps_the_mismatch_tiny(env, tmp_path):
+    """A short DAPO run, rollout.engine=vllm, on the tiny tool task (examples/tiny_cpu_tools.yaml: the Python tool in
+    the bubblewrap sandbox): every turn goes through VLLMEngine.resume_stream and the tool's tokens are appended
+    between turns; engine log-probs vs the Megatron actor's on the model's own tokens (tool tokens carry NaN engine
+    log-probs and are masked out of the mismatch, as out of the loss). An evaluation after step 1 (multi-turn too)
+    puts a sleep/wake without a sync between two steps (sleep level 2 on CPU: nothing was discarded, so the next step
+    generates). The base is pre-trained briefly: it writes the call's format, not always the right call."""
+    rows = _train(env, tmp_path / "run", 1, "rollout.engine=vllm", "rollout.vllm.enforce_eager=true",
+                  "rollout.vllm.sleep_level=2", "eval.every=1", "tiny_base.steps=60", "train.prompts_per_step=2",
+                  "train.mini_batch_prompts=2", "rollout.gen_batch_prompts=2", "rollout.n=4",
+                  "algo.dynamic_sampling=false", config=TOOLS)
     _check_mismatch(rows)
     assert sum("eval/avg_at_k" in r for r in rows) == 2
+    steps = [r for r in rows if "cost/step/tool_calls" in r]
+    assert len(steps) == 2 and sum(r["cost/step/tool_calls"] for r in steps) > 0, steps
 
 
 def test_dapo_run_with_fewer_prompts_than_engine_groups(env, tmp_path):
