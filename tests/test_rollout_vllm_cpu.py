@@ -194,7 +194,7 @@ def test_dapo_run_with_vllm_and_tools_keeps_the_mismatch_tiny(env, tmp_path):
     rows = _train(env, tmp_path / "run", 1, "rollout.engine=vllm", "rollout.vllm.enforce_eager=true",
                   "rollout.vllm.sleep_level=2", "eval.every=1", "tiny_base.steps=60", "train.prompts_per_step=2",
                   "train.mini_batch_prompts=2", "rollout.gen_batch_prompts=2", "rollout.n=4",
-                  "algo.dynamic_sampling=false", config=TOOLS)
+                  "algo.dynamic_sampling=false", "data.heldout_fraction=0.004", config=TOOLS)  # 32 held-out prompts
     _check_mismatch(rows)
     assert sum("eval/avg_at_k" in r for r in rows) == 2
     steps = [r for r in rows if "cost/step/tool_calls" in r]
