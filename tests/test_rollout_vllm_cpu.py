@@ -25,6 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "vllm_scripts" / "engine_checks.py"
 CONFIG = ROOT / "examples" / "tiny_cpu_vllm.yaml"
 TOOLS = ROOT / "examples" / "tiny_cpu_tools.yaml"
+TOOL_RUN = ("rollout.engine=vllm", "rollout.vllm.enforce_eager=true", "train.prompts_per_step=2",
+            "train.mini_batch_prompts=2", "rollout.gen_batch_prompts=2", "rollout.n=4", "algo.dynamic_sampling=false",
+            "data.heldout_fraction=0.004")  # the tool task, small (32 held-out prompts), on vLLM
 TOL = 1e-4
 TIMEOUT = 1200
 _HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -191,10 +194,7 @@ def test_dapo_run_with_vllm_and_tools_keeps_the_mismatch_tiny(env, tmp_path):
     log-probs and are masked out of the mismatch, as out of the loss). An evaluation after step 1 (multi-turn too)
     puts a sleep/wake without a sync between two steps (sleep level 2 on CPU: nothing was discarded, so the next step
     generates). The base is pre-trained briefly: it writes the call's format, not always the right call."""
-    rows = _train(env, tmp_path / "run", 1, "rollout.engine=vllm", "rollout.vllm.enforce_eager=true",
-                  "rollout.vllm.sleep_level=2", "eval.every=1", "tiny_base.steps=60", "train.prompts_per_step=2",
-                  "train.mini_batch_prompts=2", "rollout.gen_batch_prompts=2", "rollout.n=4",
-                  "algo.dynamic_sampling=false", "data.heldout_fraction=0.004", config=TOOLS)  # 32 held-out prompts
+    rows = _train(env, tmp_path / "run", 1, *TOOL_RUN, "rollout.vllm.sleep_level=2", "eval.every=1", config=TOOLS)
     _check_mismatch(rows)
     assert sum("eval/avg_at_k" in r for r in rows) == 2
     steps = [r for r in rows if "cost/step/tool_calls" in r]
@@ -252,8 +252,8 @@ def test_two_vllm_engine_groups_stream_in_lockstep_with_partial_rollouts(env, tm
     assert all(steps[s + 1]["sampling/groups_resumed"] > 0 for s in buffered), steps
 
 
-@pytest.mark.parametrize("bound", [1, 2], ids=["one-step-off", "max_staleness=2"])
-def test_async_run_with_two_vllm_engine_ranks(env, tmp_path, bound):
+@pytest.mark.parametrize("bound,tools", [(1, True), (2, False)], ids=["one-step-off-with-tools", "max_staleness=2"])
+def test_async_run_with_two_vllm_engine_ranks(env, tmp_path, bound, tools):
     """rollout.pipeline.mode=async on 3 ranks: the trainer on one, two vLLM engine ranks (vLLM TP=1: data-parallel 2)
     on the others, their weights from the trainer's bucketed broadcast through a device-strict weights group. Step 1
     trains on version 0's batch with version 0 (engine and actor log-probs agree as in sync mode); step 2 on version
@@ -262,12 +262,17 @@ def test_async_run_with_two_vllm_engine_ranks(env, tmp_path, bound):
     in the range [0, 2)". With ``max_staleness=2`` the engines run two batches ahead, the versions they take staged on
     the host by their receiver thread and loaded into vLLM at a batch boundary: step 3 trains on batch 2, which
     version 0 sampled (lag 2, the bound), step 4 on batch 3, sampled by version 1 after vLLM loaded it from the host
-    (its transfer is in that batch's seconds), and no trained token lags more."""
+    (its transfer is in that batch's seconds), and no trained token lags more. One-step-off runs the tiny tool task:
+    each engine rank wraps vLLM in the multi-turn engine (its turns in step with the other rank's), and the batch's
+    loss masks and tool counts reach the trainer (step 1's mismatch is over the model's own tokens only)."""
     steps_run = 2 if bound == 1 else 4
+    task = (TOOL_RUN, TOOLS) if tools else ((), CONFIG)
     rows = _train(dict(env, DAPO_MCORE_STRICT_DEVICE="1"), tmp_path / "run", 3, "rollout.pipeline.mode=async",
                   "algo.tis_cap=2.0", "rollout.pipeline.bucket_mb=0.02", "rollout.pipeline.engine_ranks=2",
-                  f"rollout.pipeline.max_staleness={bound}", f"train.steps={steps_run}")
+                  f"rollout.pipeline.max_staleness={bound}", f"train.steps={steps_run}", *task[0], config=task[1])
     steps = {r["step"]: r for r in rows if "async/lag_mean" in r}
+    if tools:
+        assert sum(r["cost/step/tool_calls"] for r in steps.values()) > 0, steps
     assert sorted(steps) == list(range(1, steps_run + 1)), rows
     assert steps[1]["async/lag_max"] == 0.0 and steps[2]["async/lag_mean"] == 1.0
     assert steps[1]["mismatch/logp_abs_diff_max"] < TOL, steps[1]
