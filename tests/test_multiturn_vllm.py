@@ -237,3 +237,19 @@ def test_data_parallel_engines_run_the_same_turns_when_one_group_has_more_calls(
         alone.close()
     assert backends[0].turns_asked == backends[1].turns_asked == 4  # 3 turns, then "no group is busy"
     assert backends[1].dummy_steps > 0 and backends[0].dummy_steps == 0
+
+
+def test_an_abort_after_a_sequence_stop_aborts_only_what_still_runs():
+    """A request stopped on a sequence was aborted in vLLM when it stopped; the consumer's abort of what is pending
+    (the same step's other groups) does not abort it again, and its group stays whole for partials()."""
+    eng = engine(ScriptedVLLM(steps_per_call=8))  # both requests end within one call
+    params = SamplingParams(n=1, max_new_tokens=20, seed=3, stop_sequences=(CLOSE,))
+    stream = eng.stream([[1, 1, 12], [1, 0, 13]], params)
+    it = iter(stream)
+    first = next(it)
+    assert stream.abort(keep_partial=True) == 0
+    aborted = [c[1] for c in eng.backend.calls if c[0] == "abort"]
+    parts = stream.partials()
+    assert first[0] == 1 and aborted == [("dapo-stream-1-0",)], (first, aborted)
+    assert [p.index for p in parts] == [0] and parts[0].done == [True]
+    assert parts[0].responses[0].token_ids == [7, OPEN, 10, 12, *CLOSE]

@@ -191,7 +191,9 @@ class VLLMGroupStream:
         if not self.pending:
             return 0
         ids = sorted(self.pending, key=self.position.__getitem__)
-        self.backend.abort(ids)
+        running = [rid for rid in ids if rid not in self._stopped]  # a request stopped on a sequence is aborted
+        if running:
+            self.backend.abort(running)
         self.pending.clear()
         if keep_partial:
             self._partials = [self._partial(rid) for rid in ids if any(s.token_ids for s in self._samples[rid])]
