@@ -4,6 +4,7 @@ with the skip reasons, a failing or skipping tier failing the run. The framework
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -132,9 +133,14 @@ def test_no_test_module_skips_at_import_time():
 
 
 def test_the_summary_puts_the_total_against_the_budget(tmp_path):
-    repo = _fake_checkout(tmp_path, {"10-a.sh": "sleep 1\n"})
-    total = _summary(_ci(repo, CI_TIERS="10-*"))[-1]
-    assert total.startswith("total") and " s  pass  (0.0 min of 50; margin 50.0 min)" in total, total
+    spin = "end=$((SECONDS + 2)); while (( SECONDS < end )); do :; done\n"  # ~2 s of CPU in the tier itself
+    repo = _fake_checkout(tmp_path, {"10-a.sh": "sleep 1\n", "20-spin.sh": spin})
+    summary = _summary(_ci(repo, CI_TIERS="[12]0-*"))
+    total = summary[-1]
+    assert total.startswith("total") and re.search(r" s  pass  \(0\.\d min of 50; margin (50\.0|49\.\d) min\)", total), total
+    cpu = {ln.split()[0]: int(ln.split("(cpu ")[1].split()[0]) for ln in summary if "(cpu " in ln}
+    assert cpu["10-a"] <= 1 and 1 <= cpu["20-spin"] <= 4 and cpu["total"] >= cpu["20-spin"], summary
+    assert total.endswith(" cores on average)"), total
     total = _summary(_ci(repo, CI_TIERS="10-*", CI_BUDGET_MIN="0"))[-1]
     assert "min of 0; OVER by 0.0 min)" in total, total
 
