@@ -150,11 +150,13 @@ class HFEngine:
         return self.routes.rows(rows, lens)
 
     def _decode(self, prompts: list[list[int]], params: SamplingParams, stop_ids: Tensor,
-                generator: torch.Generator, budgets: Tensor | None = None,
+                generator: torch.Generator, budgets: Tensor | None = None, carry: Tensor | None = None,
                 ) -> Iterator[tuple[Tensor, Tensor, Tensor, Tensor, list[int]]]:
         """The decoding loop; after each token step yields ``(tokens, logps, n_gen, stopped, finished)`` where
         ``finished`` lists the rows (prompt i's sample j is row i*n+j) that ended at this step. ``budgets`` (one per
-        row, <= max_new_tokens) ends a row after that many tokens (``resume``); None = max_new_tokens for all."""
+        row, <= max_new_tokens) ends a row after that many tokens (``resume``); None = max_new_tokens for all.
+        ``carry`` (``resume``: each row's last prefix tokens, -1 where it has fewer) lets a stop sequence begin in
+        the prefix: a response cut inside ``</code>`` and continued still stops where the whole one would have."""
         input_ids, mask, lens = self._left_pad(prompts)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         rec = self.routes if self.routes.active else None
@@ -181,9 +183,12 @@ class HFEngine:
             tok, lp = sample_next(logits, params, generator)
             tokens[active, t], logps[active, t], n_gen[active] = tok, lp.to(logps.dtype), t + 1
             hit = torch.isin(tok, stop_ids)
-            for seq in sequences:  # a stop sequence ends a row when its newest tokens (of this call) equal it
+            for seq in sequences:  # a stop sequence ends a row when its newest tokens equal it
                 if t + 1 >= len(seq):
                     hit |= (tokens[active, t + 1 - len(seq):t + 1] == seq).all(dim=-1)
+                elif carry is not None and carry.shape[1] >= len(seq) - t - 1:
+                    window = torch.cat([carry[active, carry.shape[1] - (len(seq) - t - 1):], tokens[active, :t + 1]], 1)
+                    hit |= (window == seq).all(dim=-1)
             stopped[active] |= hit
             if budgets is not None:
                 hit = hit | (budgets[active] <= t + 1)
@@ -215,38 +220,45 @@ class HFEngine:
     @torch.inference_mode()
     def resume(self, prompts: list[list[int]], prefixes: list[list[int]], params: SamplingParams) -> list[Response]:
         """Continue one response per prompt after its ``prefix`` (see ``protocol.ResumingEngine.resume``): the
-        prefix is prefilled with the prompt at the positions it was sampled at; only the new tokens come back."""
+        prefix is prefilled with the prompt at the positions it was sampled at; only the new tokens come back. A stop
+        sequence may begin in the prefix."""
         generator, stop_ids = self._prepare(prompts, params)
         check_resume(prompts, prefixes, params, self.vocab_size)
         out: list[Response] = []
         for start in range(0, len(prompts), self.max_batch_rows):
-            rows = [list(p) + list(q) for p, q in zip(prompts[start:start + self.max_batch_rows],
-                                                      prefixes[start:start + self.max_batch_rows], strict=True)]
-            budgets = torch.tensor([params.max_new_tokens - len(q) for q in prefixes[start:start + self.max_batch_rows]],
-                                   device=self.device)
-            tail = dataclasses.replace(params, max_new_tokens=int(budgets.max()))
-            tokens, logps, n_gen, stopped, _ = deque(self._decode(rows, tail, stop_ids, generator, budgets),
+            chunk = slice(start, start + self.max_batch_rows)
+            rows, budgets, carry, tail = self._resume_rows(prompts[chunk], prefixes[chunk], params)
+            tokens, logps, n_gen, stopped, _ = deque(self._decode(rows, tail, stop_ids, generator, budgets, carry),
                                                      maxlen=1)[0]
             out.extend(self._to_responses(tokens, logps, n_gen, stopped, tail))
         return out
 
-    @torch.inference_mode()
+    def _resume_rows(self, prompts: list[list[int]], prefixes: list[list[int]], params: SamplingParams
+                     ) -> tuple[list[list[int]], Tensor, Tensor | None, SamplingParams]:
+        """One chunk of a resume: the rows (prompt + prefix), each row's budget, the carried prefix tails (the last
+        tokens a stop sequence may begin with; None without stop sequences longer than one token) and the params
+        of the chunk's decode (max_new_tokens: its largest budget)."""
+        rows = [list(p) + list(q) for p, q in zip(prompts, prefixes, strict=True)]
+        budgets = torch.tensor([params.max_new_tokens - len(q) for q in prefixes], device=self.device)
+        width = max((len(s) for s in params.stop_sequences), default=1) - 1
+        carry = None
+        if width > 0:
+            carry = torch.full((len(rows), width), -1, dtype=torch.long, device=self.device)
+            for i, q in enumerate(prefixes):
+                tail = list(q)[-width:]
+                if tail:
+                    carry[i, width - len(tail):] = torch.tensor(tail, dtype=torch.long)
+        return rows, budgets, carry, dataclasses.replace(params, max_new_tokens=int(budgets.max()))
+
     def resume_stream(self, prompts: list[list[int]], prefixes: list[list[int]], params: SamplingParams
-                      ) -> Iterator[tuple[int, Response]]:
-        """``resume``, each response handed out as soon as it has ended: ``(index into prompts, Response)`` in
-        completion order (a multi-turn rollout starts a response's tool call while the others still decode). The same
-        seed, prompts and params give the same responses as ``resume``."""
+                      ) -> _HFResumeStream:
+        """``resume``, each response handed out as soon as it has ended: iterate for ``(index into prompts,
+        Response)`` in completion order (a multi-turn rollout starts a response's tool call while the others still
+        decode). The same seed, prompts and params give the same responses as ``resume``. Stopped early (``close``),
+        ``unfinished()`` gives the responses not yet handed out as far as they got (partial rollouts)."""
         generator, stop_ids = self._prepare(prompts, params)
         check_resume(prompts, prefixes, params, self.vocab_size)
-        for start in range(0, len(prompts), self.max_batch_rows):
-            chunk = slice(start, start + self.max_batch_rows)
-            rows = [list(p) + list(q) for p, q in zip(prompts[chunk], prefixes[chunk], strict=True)]
-            budgets = torch.tensor([params.max_new_tokens - len(q) for q in prefixes[chunk]], device=self.device)
-            tail = dataclasses.replace(params, max_new_tokens=int(budgets.max()))
-            for tokens, logps, n_gen, stopped, finished in self._decode(rows, tail, stop_ids, generator, budgets):
-                for row in finished:
-                    one = slice(row, row + 1)
-                    yield start + row, self._to_responses(tokens[one], logps[one], n_gen[one], stopped[one], tail)[0]
+        return _HFResumeStream(self, prompts, prefixes, params, generator, stop_ids)
 
     @staticmethod
     def _to_responses(tokens: Tensor, logps: Tensor, n_gen: Tensor, stopped: Tensor,
@@ -400,3 +412,59 @@ class _HFGroupStream:
     def partials(self) -> list[PartialGroup]:
         """The groups ``abort(keep_partial=True)`` kept, in prompt order."""
         return list(self._partials)
+
+
+class _HFResumeStream:
+    """The responses of one ``HFEngine.resume_stream`` call as they end, chunk by chunk (``max_batch_rows`` rows at a
+    time); ``unfinished()`` after ``close()``: the others as far as they got."""
+
+    def __init__(self, engine: HFEngine, prompts: list[list[int]], prefixes: list[list[int]], params: SamplingParams,
+                 generator: torch.Generator, stop_ids: Tensor) -> None:
+        self.engine, self.prompts, self.prefixes, self.params = engine, prompts, prefixes, params
+        self.generator, self.stop_ids = generator, stop_ids
+        self._handed: set[int] = set()
+        self._state: tuple | None = None  # the current chunk: start, tokens, logps, n_gen, stopped, budgets
+        self._decoding: Iterator | None = None
+        self._closed = False
+
+    @torch.inference_mode()
+    def __iter__(self) -> Iterator[tuple[int, Response]]:
+        engine, step = self.engine, self.engine.max_batch_rows
+        for start in range(0, len(self.prompts), step):
+            if self._closed:
+                return
+            chunk = slice(start, start + step)
+            rows, budgets, carry, tail = engine._resume_rows(self.prompts[chunk], self.prefixes[chunk], self.params)
+            self._decoding = engine._decode(rows, tail, self.stop_ids, self.generator, budgets, carry)
+            for tokens, logps, n_gen, stopped, finished in self._decoding:
+                self._state = (start, tokens, logps, n_gen, stopped, budgets)
+                for row in finished:
+                    one = slice(row, row + 1)
+                    self._handed.add(start + row)
+                    yield start + row, engine._to_responses(tokens[one], logps[one], n_gen[one], stopped[one],
+                                                            tail)[0]
+            self._decoding = None
+
+    def close(self) -> None:
+        """Stop decoding (what was decoded stays for ``unfinished``)."""
+        self._closed = True
+        if self._decoding is not None:
+            self._decoding.close()
+            self._decoding = None
+
+    def unfinished(self) -> dict[int, tuple[Response, bool]]:
+        """Every response not handed out: ``(its new tokens and log-probs so far, whether it had ended)``; one still
+        decoding has finish_reason "length" as a placeholder, one whose chunk had not started no tokens."""
+        out: dict[int, tuple[Response, bool]] = {}
+        start, tokens, logps, n_gen, stopped, budgets = self._state or (0, None, None, None, None, None)
+        for i in range(len(self.prompts)):
+            if i in self._handed:
+                continue
+            row = i - start
+            if tokens is None or not 0 <= row < tokens.shape[0]:
+                out[i] = Response([], [], "length"), False
+                continue
+            n, stop = int(n_gen[row]), bool(stopped[row])
+            lp = logps[row, :n].tolist() if self.params.logprobs != "none" else []
+            out[i] = Response(tokens[row, :n].tolist(), lp, "stop" if stop else "length"), stop or n >= int(budgets[row])
+        return out

@@ -248,17 +248,19 @@ class ColocatedRollouts:
         prompt_ids = [self.encode_prompt(rec) for rec in records]
         todo = [(gi, ri) for gi, b in enumerate(buffered) for ri, done in enumerate(b.group.done) if not done]
         tails = []
+        whole = getattr(self.engine, "resumes_trajectories", False)  # multi-turn: the loss mask and tool counts too
         if todo:  # groups that ended in the step that filled the batch need no engine call
             with self.timer.phase("generate"):
                 tails = self._resume(todo, [prompt_ids[gi] for gi, _ in todo],
-                                     [buffered[gi].group.responses[ri].token_ids for gi, ri in todo], params)
+                                     [buffered[gi].group.responses[ri] if whole
+                                      else buffered[gi].group.responses[ri].token_ids for gi, ri in todo], params)
         outputs = [[stale_response(r) for r in b.group.responses] for b in buffered]
         for (gi, ri), tail in zip(todo, tails, strict=True):
             outputs[gi][ri] = join(buffered[gi].group.responses[ri], tail, version)
         with self.timer.phase("reward"):
             return self._scored_groups(records, prompt_ids, outputs, gen_batch)
 
-    def _resume(self, todo: list[Any], prompts: list[list[int]], prefixes: list[list[int]],
+    def _resume(self, todo: list[Any], prompts: list[list[int]], prefixes: list[Any],
                 params: SamplingParams) -> list[Response]:
         """The continued tails of ``todo``'s responses, every engine group its round-robin share, on every rank."""
         if self.groups.count == 1:
