@@ -371,3 +371,38 @@ def test_aborting_drops_what_the_groups_in_flight_had():
     assert next(iter(stream))[0] == 1
     # group 0's two responses each had their first turn (4 tokens: <code>1</code>) before the abort
     assert stream.abort() == 2 * len(encode("<code>1</code>")) and stream.partials() == []
+
+
+def test_the_rollout_side_continues_buffered_tool_responses_whole():
+    """ColocatedRollouts hands a multi-turn engine the buffered Responses themselves (their loss mask and call
+    counts), not only their token ids: continued, each is the uninterrupted response, tool columns included."""
+    from types import SimpleNamespace
+
+    from dapo_mcore.config import load_config
+    from dapo_mcore.rollout.pipeline.colocated import ColocatedRollouts
+    from dapo_mcore.rollout.protocol import PartialGroup
+    from dapo_mcore.rollout.scheduling.partial import Buffered
+    from dapo_mcore.telemetry.timers import PhaseTimer
+
+    scripts = {1: "<code>6*7</code>so 42", 4: "<code>1</code><code>2</code><code>x</code>d"}
+    whole = make(ScriptedEngine(scripts), max_calls=2)[0].generate([[1], [4]], params())
+    # prompt 1 aborted during its call; prompt 4 after its second (last allowed) call: its third </code> runs nothing
+    cuts = (len(encode("<code>6*7</code>")), len(encode("<code>1</code><interpreter>1</interpreter><code>2</code>"
+                                                        "<interpreter>2</interpreter>")))
+    partials = []
+    for (r,), c in zip(whole, cuts, strict=True):
+        partials.append(Response(r.token_ids[:c], r.logprobs[:c], "length", loss_mask=r.loss_mask[:c],
+                                 tool_calls=sum(1 for j in range(c) if not r.loss_mask[j] and r.loss_mask[j + 1]),
+                                 versions=[(0, c)]))
+    records = [SimpleNamespace(ground_truth="42", prompt=[k]) for k in scripts]
+    verdict = SimpleNamespace(score=1.0, acc=True, pred="42")
+    side = ColocatedRollouts(load_config("examples/tiny_cpu.yaml"), engine=make(ScriptedEngine(scripts), max_calls=2)[0],
+                             scheduler=SimpleNamespace(sampler=SimpleNamespace(records=records)),
+                             tokenizer=SimpleNamespace(decode=lambda ids, **_: decode(ids)),
+                             score=lambda texts, truths: [verdict] * len(texts), encode_prompt=lambda rec: rec.prompt,
+                             timer=PhaseTimer())
+    groups = side._resume_and_score([Buffered(i, PartialGroup(0, [p], [False]), 0) for i, p in enumerate(partials)],
+                                    SamplingParams(n=1, max_new_tokens=200, seed=3), 0, version=1)
+    for g, (w,), p in zip(groups, whole, partials, strict=True):
+        (r,) = g.responses
+        assert _same(r, w) and r.stale_tokens == p.length and r.versions == [(0, p.length), (1, w.length - p.length)]
