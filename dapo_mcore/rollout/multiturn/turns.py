@@ -29,6 +29,9 @@ generation calls and engine groups apart (10_007, 1, 1_000_003), so no two of th
 
 @dataclass
 class _Trajectory:
+    """One response as it grows: every token (the model's and the tools'), log-probs (NaN on tool tokens), the loss
+    mask, the calls, and where it stands between turns."""
+
     prompt: list[int]
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
