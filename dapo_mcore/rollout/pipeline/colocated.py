@@ -141,7 +141,8 @@ class ColocatedRollouts:
         if not isinstance(self.engine, MultiTurnEngine):
             return {}
         c = self.engine.pool.take_counters()
-        values = torch.tensor([c.calls, c.errors, c.timeouts, c.sandbox_failures, c.seconds], dtype=torch.float64)
+        values = torch.tensor([c.calls, c.errors, c.timeouts, c.sandbox_failures, c.seconds, c.waited],
+                              dtype=torch.float64)
         if self.groups.count > 1:
             import torch.distributed as dist
 
@@ -151,7 +152,7 @@ class ColocatedRollouts:
             summed = device.to(values * float(self.groups.leader))
             dist.all_reduce(summed)
             values = device.host(summed)
-        names = ("calls", "errors", "timeouts", "sandbox_failures", "seconds")
+        names = ("calls", "errors", "timeouts", "sandbox_failures", "seconds", "waited")
         return {f"tools/{name}": float(v) for name, v in zip(names, values.tolist(), strict=True)}
 
     def _noted(self, slot: int, groups: list[Group]) -> list[Group]:
