@@ -205,8 +205,8 @@ def test_a_stop_sequence_may_begin_in_the_prefix(model):
     token that completes the sequence."""
     engine = HFEngine(model, eos_token_ids=EOS, pad_token_id=0)
     longer = 0
-    for s in range(6):
-        params = SamplingParams(n=1, max_new_tokens=16, temperature=1.5, seed=s)
+    for s in range(4):
+        params = SamplingParams(n=1, max_new_tokens=12, temperature=1.5, seed=s)
         prompt, prefix = PROMPTS[s % 4], [11, 12, 13 + s]
         free = engine.resume([prompt], [prefix], params)[0]
         longer += free.length > 1  # the old check (new tokens only) would not have stopped these
@@ -214,4 +214,4 @@ def test_a_stop_sequence_may_begin_in_the_prefix(model):
         whole = engine.resume([prompt], [prefix], cut)[0]
         assert whole.token_ids == free.token_ids[:1] and whole.finish_reason == "stop"
         assert dict(iter(engine.resume_stream([prompt], [prefix], cut)))[0] == whole
-    assert longer >= 3
+    assert longer >= 2
