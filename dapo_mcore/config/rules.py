@@ -357,14 +357,13 @@ def validate_tools(cfg: Config) -> None:
     t.validate()
     if not t.enabled:
         return
-    refused = [(r.pipeline.mode != "sync", f"rollout.pipeline.mode={r.pipeline.mode}", "rollout.pipeline.mode=sync"),
+    refused = [
                (cfg.algo.router_replay != "none", f"algo.router_replay={cfg.algo.router_replay}",
                 "algo.router_replay=none")]
     for bad, what, fix in refused:
         if bad:
-            raise ConfigError(f"rollout.tools.enabled with {what}: multi-turn tool rollouts run in the synchronous "
-                              f"loop without routing replay; set {fix} or "
-                              f"rollout.tools.enabled=false")
+            raise ConfigError(f"rollout.tools.enabled with {what}: multi-turn tool rollouts run without routing "
+                              f"replay; set {fix} or rollout.tools.enabled=false")
     if t.max_output_tokens >= r.max_new_tokens:
         raise ConfigError(f"rollout.tools.max_output_tokens={t.max_output_tokens} leaves no room for the model in "
                           f"rollout.max_new_tokens={r.max_new_tokens}; lower it (ReTool: a few hundred of 16384)")

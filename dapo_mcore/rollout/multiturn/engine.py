@@ -12,6 +12,10 @@ What a response carries: every token (the model's and the tool's), the engine's 
 NaN for each tool token, ``loss_mask`` (False on tool tokens: they count in no loss, denominator or metric),
 ``tool_calls`` and ``tool_errors``.
 
+Engines that step together (``groups_step_together``: vLLM's data-parallel engines, one per engine group) run the
+same number of turns: the turn loop goes on while any group has a live response (``any_group_busy``), a group with
+none calling the engine with no prompts.
+
 Determinism: which responses a turn decodes, and that turn's seed (``params.seed`` and the turn's number), depend
 on the data alone, never on how fast a tool answered, so every rank of a run samples the same batch and a resumed
 run samples the same tokens again (tool outputs being deterministic functions of the code).
@@ -102,6 +106,14 @@ class MultiTurnEngine:
         if stream is not None:
             return stream(prompts, prefixes, params)
         return enumerate(self.engine.resume(prompts, prefixes, params))
+
+    def _more_turns(self, mine: bool) -> bool:
+        """Another turn: this engine has live responses (``mine``) or, where engine groups step together (vLLM's
+        data-parallel engines), any group has; a group with none then runs the turn with no prompts (its engine
+        steps with the others) until every group is done."""
+        if getattr(self.engine, "groups_step_together", False):
+            return bool(self.engine.any_group_busy(mine))
+        return mine
 
     def _unanswered(self, row: _Trajectory) -> bool:
         """A resumed response whose last turn ended in ``</code>`` and whose call never answered."""

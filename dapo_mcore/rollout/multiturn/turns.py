@@ -129,7 +129,7 @@ class TurnStream:
             live = mt._after_turn(rows, live, p.max_new_tokens)
             yield self._ended_groups(list(range(len(rows))))
         turn = 0
-        while live:
+        while mt._more_turns(bool(live)):
             seed = None if p.seed is None else (p.seed + TURN_SEED_STRIDE * turn) % 2**62
             self._live = live
             self._inner = mt._continue([rows[i].prompt for i in live], [list(rows[i].tokens) for i in live],
