@@ -414,7 +414,7 @@ def test_the_wait_for_calls_after_decoding_is_counted():
     """A call made at the very end of a turn is waited for before the next turn: the pool counts that wait (the tool
     time decoding did not hide) apart from the calls' own seconds."""
     def slow(text: str) -> ToolOutput:
-        time.sleep(0.3)
+        time.sleep(0.4)
         return ToolOutput(text)
 
     mt, pool = make(ScriptedEngine({1: "<code>1</code>x"}, stream=True, pause=0.0), tool=slow)
@@ -422,5 +422,5 @@ def test_the_wait_for_calls_after_decoding_is_counted():
     mt.generate([[1]], params())
     wall = time.monotonic() - start
     c = pool.take_counters()
-    assert c.calls == 1 and 0.2 < c.waited <= wall and c.seconds >= 0.3
+    assert c.calls == 1 and 0.1 < c.waited <= wall and c.seconds >= 0.4
     assert pool.take_counters().waited == 0.0
