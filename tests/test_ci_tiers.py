@@ -245,6 +245,24 @@ def test_a_beside_main_tier_runs_during_the_main_suite_after_the_installs(tmp_pa
     assert "::: 50-beside-fails: exit 3 after" in out and "(beside the main suite)" in out
 
 
+def test_an_at_once_tier_runs_from_the_start_of_the_suite_beside_the_other_lane(tmp_path):
+    """A "# ci-beside-main-at-once:" tier starts once the main step's pip is done, in a lane of its own: it runs
+    while the other lane's installs are still going (it does not wait for them) and is collected like them."""
+    slow_install = ("install() {\n    ci_step 'slow install' bash -c 'sleep 4; touch installs-done'\n}\n"
+                    "ci_install install\n")
+    repo = _fake_checkout(tmp_path, {
+        "30-lane.sh": BESIDE + slow_install + "true\n",
+        "40-waits.sh": "# ci-beside-main-at-once: a stand-in\n"
+                       "[[ ! -f installs-done ]] && touch beside-started && echo at-once ran\n",
+    })
+    proc = _with_main(repo, tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr  # the suite saw it start, before the installs ended
+    summary = _summary(proc)
+    assert _status(summary) == {"30-lane": "pass", "40-waits": "pass", "total": "pass"}, summary
+    assert next(ln for ln in summary if ln.startswith("40-waits")).endswith("  (beside the main suite)"), summary
+    assert proc.stdout.count("at-once ran") == 1 and "40-waits: beside the main suite, from its start" in proc.stdout
+
+
 def test_ci_beside_0_runs_a_beside_main_tier_in_order_after_the_main_suite(tmp_path):
     repo = _fake_checkout(tmp_path, {"40-beside.sh": BESIDE + "touch beside-started\n"})
     proc = _with_main(repo, tmp_path, CI_BESIDE="0", CI_FAKE_MAIN_WAIT="1")
