@@ -251,14 +251,20 @@ def test_a_beside_main_tier_runs_during_the_main_suite_after_the_installs(tmp_pa
     assert "::: 50-beside-fails: exit 3 after" in out and "(beside the main suite)" in out
 
 
+# A tier in a background lane starts with SIGINT as a user's shell leaves it, not ignored as bash leaves what it runs
+# with `&` (the lane's `timeout` catches SIGINT to forward it, so the tier it starts gets the default back).
+SIGINT_AS_A_USER_HAS_IT = (f"{sys.executable} -c 'import signal, sys; "
+                           "sys.exit(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)'\n")
+
+
 def test_an_at_once_tier_runs_from_the_start_of_the_suite_beside_the_other_lane(tmp_path):
     """A "# ci-beside-main-at-once:" tier starts once the main step's pip is done, in a lane of its own: it runs
     while the other lane's installs are still going (it does not wait for them) and is collected like them."""
     slow_install = ("install() {\n    ci_step 'slow install' bash -c 'sleep 4; touch installs-done'\n}\n"
                     "ci_install install\n")
     repo = _fake_checkout(tmp_path, {
-        "30-lane.sh": BESIDE + slow_install + "true\n",
-        "40-waits.sh": "# ci-beside-main-at-once: a stand-in\n"
+        "30-lane.sh": BESIDE + slow_install + SIGINT_AS_A_USER_HAS_IT,
+        "40-waits.sh": "# ci-beside-main-at-once: a stand-in\n" + SIGINT_AS_A_USER_HAS_IT +
                        "[[ ! -f installs-done ]] && touch beside-started && echo at-once ran\n",
     })
     proc = _with_main(repo, tmp_path)
