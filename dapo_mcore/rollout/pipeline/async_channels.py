@@ -23,14 +23,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from dapo_mcore.rollout.protocol import WeightBucket
-
 log = logging.getLogger(__name__)
 
 __all__ = ["BatchSender", "Received", "VersionReceiver"]
 
-Received = tuple[dict[str, Any], list[WeightBucket], float]
-"""A version as received: its header, its buckets (host tensors), the seconds its transfer took."""
+Received = tuple[dict[str, Any], list[Any] | None, float]
+"""A version as received: its header, its buckets (None when it went straight into the engine; staged, the part of
+each tensor this rank's engine reads, ``rollout.pipeline.host_shard``), the seconds its transfer took."""
 
 
 class BatchSender:
