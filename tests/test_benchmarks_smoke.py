@@ -43,6 +43,7 @@ SMOKE = {
     "route_bytes.py": "route_bytes_after_over_before",
     "tool_sandbox.py": "sandbox_over_bare",  # bubblewrap, as the sandbox's own tests
     "recipe_speed.py": "shipped_over_paper_sync",  # ~10 s of CPU: the planner's step model at the 32B shape
+    "startup.py": "startup_cpu_fast_over_plain",  # two fresh processes importing the training stack: ~13 s of CPU
 }
 
 

@@ -257,3 +257,26 @@ def test_ci_beside_0_runs_a_beside_main_tier_in_order_after_the_main_suite(tmp_p
     # and run by hand (CI_MAIN=0) it is a tier like any other
     proc = _ci(repo, CI_TIERS="40-*")
     assert proc.returncode == 0 and "beside the main suite" not in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_a_recipe_the_rehearse_tier_leaves_out_is_rehearsed_in_effect_by_the_test_it_names():
+    """60-rehearse.sh's RUN_WHOLE: each recipe it does not rehearse names a main-suite test that runs that recipe
+    (by its file name) and kills a rank (SIGKILL) before a resume; the test exists and is not skipped by marker."""
+    import ast
+    import re
+
+    text = (TIERS / "60-rehearse.sh").read_text()
+    block = re.search(r"declare -A RUN_WHOLE=\((.*?)\n\)", text, re.S)
+    assert block, "RUN_WHOLE not found in 60-rehearse.sh"
+    entries = re.findall(r'\[(examples/[\w.-]+\.yaml)\]="(tests/[\w/.-]+\.py)::(\w+)"', block.group(1))
+    assert len(entries) == len(re.findall(r"\[examples/", block.group(1))) >= 1
+    for recipe, path, name in entries:
+        assert (ROOT / recipe).is_file(), recipe
+        tree = ast.parse((ROOT / path).read_text())
+        funcs = {f.name: f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)}
+        assert name in funcs, f"{path}::{name} is gone: rehearse {recipe} in the tier again"
+        source = (ROOT / path).read_text()
+        assert Path(recipe).name in source, f"{path} does not run {recipe}"
+        body = ast.get_source_segment(source, funcs[name])
+        assert "kill" in body.lower() or "FAULT" in body, f"{path}::{name} kills no rank"
+        assert "skip" not in " ".join(ast.unparse(d) for d in funcs[name].decorator_list), f"{path}::{name} skips"

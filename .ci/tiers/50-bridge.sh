@@ -6,7 +6,8 @@
 #                      with --no-deps --ignore-requires-python, beside the few packages `import megatron.bridge` and
 #                      its training (save/load) modules need; transformers 5.12.1 is Bridge's cap. Bridge runs on CPU
 #                      through tests/bridge/bridge_cpu.py, which patches nothing on disk.
-#   .venv-bridge-dapo  the project as users install it (megatron-core 0.16.1), which runs pytest and dapo-mcore.
+#   .venv              the project as users install it (megatron-core 0.16.1), which runs pytest and dapo-mcore: the
+#                      main suite's (.ci/run builds it first), built here when the tier runs alone.
 # tests/bridge_live is not collected by the main suite (tests/conftest.py); it is named here explicitly.
 set -euo pipefail
 source .ci/lib.sh
@@ -18,7 +19,9 @@ install() {
         nvidia-modelopt==0.47.0 requests datasets "megatron-energon==7.*" tensorboard safetensors pyyaml
     ci_step "install megatron-core ${MCORE} + megatron-bridge ${BRIDGE}" .venv-bridge/bin/pip install -q --no-deps \
         --ignore-requires-python "megatron-core==${MCORE}" triton "megatron-bridge==${BRIDGE}"
-    ci_venv .venv-bridge-dapo torch==2.13.0 -e ".[dev]"
+    if [[ ! -x .venv/bin/python ]]; then
+        ci_venv .venv torch==2.13.0 -e ".[dev]"
+    fi
 }
 ci_install install
 versions=$(.venv-bridge/bin/python tests/bridge/bridge_cpu.py versions 2>/dev/null | grep '^bridge_cpu:')
@@ -26,4 +29,4 @@ echo "::: bridge: ${versions}"
 [[ "$versions" == *"megatron-bridge ${BRIDGE} megatron-core ${MCORE} "* ]] \
     || { echo "bridge: expected megatron-bridge ${BRIDGE} on megatron-core ${MCORE}, got '${versions}'" >&2; exit 1; }
 DAPO_MCORE_CI_NO_SKIPS=1 DAPO_MCORE_BRIDGE_PYTHON="$PWD/.venv-bridge/bin/python" \
-    .venv-bridge-dapo/bin/python -m pytest -q -p no:cacheprovider tests/bridge_live/test_bridge_live.py
+    .venv/bin/python -m pytest -q -p no:cacheprovider tests/bridge_live/test_bridge_live.py

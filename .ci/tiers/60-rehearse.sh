@@ -8,7 +8,7 @@
 # tier every other recipe (a new recipe lands here unless it matches REHEARSE_B). Nothing is skipped here: a recipe that cannot be rehearsed fails
 # the tier (DAPO_MCORE_CI_NO_SKIPS=1 is the suite's rule; there is no pytest run to apply it to). EXPECTED_FAIL names
 # a recipe with a known defect and why: it must fail (the tier fails if it passes, so the entry goes when the fix
-# lands). By hand: CI_REHEARSE='examples/tiny_cpu.yaml' .ci/tiers/60-rehearse.sh rehearses only those.
+# lands). The tiny recipes that a main-suite test rehearses in effect (RUN_WHOLE) are not rehearsed again. By hand: CI_REHEARSE='examples/tiny_cpu.yaml' .ci/tiers/60-rehearse.sh rehearses only those.
 # ci-beside-main: the main suite keeps about one of the two cores busy and shares nothing with it (its own run
 # dirs under .cache/rehearse, its own bases under the cache's rehearse/ folder, built whole-or-absent; free ports);
 # run in order after the suite it would add ~10 min to the total.
@@ -39,9 +39,16 @@ rehearse() {
 # The second tier's recipes (patterns over examples/*.yaml); REHEARSE_PART=b (set by 61-rehearse-b.sh) takes them,
 # anything else takes the rest.
 REHEARSE_B=(examples/qwen3-30b-a3b*.yaml examples/*lora*.yaml examples/retool*.yaml)
+# The tiny recipes that a main-suite test runs whole at their own shape, a kill -9 and an exact resume included, are
+# not rehearsed again here: [recipe]=that test (tests/test_ci_tiers.py checks that it names the recipe and kills).
+declare -A RUN_WHOLE=(
+    [examples/tiny_cpu.yaml]="tests/test_rehearse.py::test_a_two_rank_rehearsal_trains_is_killed_and_resumes"
+    [examples/tiny_cpu_tools.yaml]="tests/test_e2e_tools.py::test_killed_inside_a_tool_call_the_run_resumes_exactly"
+)
 in_b() { local r; for r in "${REHEARSE_B[@]}"; do [[ "$r" == "$1" ]] && return 0; done; return 1; }
 recipes=()
 for recipe in examples/*.yaml; do
+    [[ -n "${RUN_WHOLE[$recipe]:-}" ]] && continue
     if [[ "${REHEARSE_PART:-a}" == b ]]; then in_b "$recipe" && recipes+=("$recipe")
     else in_b "$recipe" || recipes+=("$recipe"); fi
 done
