@@ -91,7 +91,8 @@ class VersionReceiver:
 
     A version counts from the moment its receive starts until the loop has loaded it into the engine and
     ``release``d it: the one being received, those waiting and the one being loaded together never exceed
-    ``staged`` (D - 1, what docs/rollout.md states), so an engine rank holds at most that many copies of the model.
+    ``staged`` (D - 1, what docs/rollout.md states), so an engine rank holds at most that many copies of its engine's
+    shard (``rollout.pipeline.host_shard``).
 
     On a GPU the thread sets the engine's device (a new thread starts on device 0) and runs its receives on a side
     stream of its own, so the weights group's broadcasts never queue on the stream vLLM generates on; each version
