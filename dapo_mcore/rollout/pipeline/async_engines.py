@@ -192,7 +192,11 @@ class EngineLoop:
         t1 = time.monotonic()
         if staged:
             buckets = [stage(bucket, self._regions or {}) for bucket in self._buckets()]
-            self.staged_bytes = max(self.staged_bytes, staged_bytes(buckets))
+            kept, whole = staged_bytes(buckets)
+            if not self.staged_bytes:
+                log.info("engine rank %d: stages %.1f MiB of each %.1f MiB version (its engine's shard), at most %d "
+                         "version(s) at once", self.bridge.role.rank, kept / 2**20, whole / 2**20, self.lead - 1)
+            self.staged_bytes = max(self.staged_bytes, kept)
         else:
             received = self._buckets()
             self.engine.update_weights(received if self._recorder is None else self._recorder.wrap(received))

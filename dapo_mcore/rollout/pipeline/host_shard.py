@@ -194,6 +194,8 @@ def expand(staged: list[StagedTensor]) -> WeightBucket:
     return bucket
 
 
-def staged_bytes(buckets: Iterable[list[StagedTensor]]) -> int:
-    """Host bytes a staged version holds."""
-    return sum(s.nbytes for bucket in buckets for s in bucket)
+def staged_bytes(buckets: Iterable[list[StagedTensor]]) -> tuple[int, int]:
+    """Host bytes a staged version holds, and the bytes of the whole version it was staged from."""
+    buckets = list(buckets)
+    whole = sum(torch.Size(s.shape).numel() * s.dtype.itemsize for bucket in buckets for s in bucket)
+    return sum(s.nbytes for bucket in buckets for s in bucket), whole
