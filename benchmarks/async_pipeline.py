@@ -18,7 +18,8 @@ runs on ``--nproc`` gloo processes:
   the trainer's seconds spent on evaluations (``time/eval`` + ``async/trainer_wait_eval_s``) before and after.
 Per run: wall seconds of the steps (the sum of ``time/step``: set-up excluded), held-out avg@4 at the end, the lag
 of the trained tokens, and for async the share of generation hidden behind training. Run from the repository root:
-``.venv/bin/python benchmarks/async_pipeline.py [--steps 40] [--nproc 2]``.
+``.venv/bin/python benchmarks/async_pipeline.py [--steps 40] [--nproc 2]``; ``--smoke`` (CI, seconds): the chain
+task, sync and async, 2 steps each, held-out avg@4 once at the end.
 The line before the last: ``bounded_over_one_step_off: X`` = async wall / async-k2 wall (async-k4 without k2) on the
 last task that ran both (> 1: bounded staleness is faster). Last line: ``async_over_sync_wall: X`` = sync wall /
 async wall on the chain task (> 1: async is faster).
@@ -75,7 +76,7 @@ def run(task: str, mode: str, steps: int, nproc: int, out: Path, eval_every: int
     return out_row
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--nproc", type=int, default=2)
@@ -83,7 +84,12 @@ def main() -> None:
     ap.add_argument("--tasks", default="max4,chain,tail")
     ap.add_argument("--modes", default="sync,async,async-k2,async2,async2-inline")
     ap.add_argument("overrides", nargs="*", help="key=value for every run, e.g. train.epochs=4 (a trainer-bound step)")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true",
+                    help="seconds-long CI run: the chain task, sync and async, 2 steps each, evaluated once at the end")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.tasks, args.modes, args.steps, args.eval_every = "chain", "sync,async", 2, 0
+        args.overrides = [*args.overrides, "eval.at_start=false"]
     results: dict[tuple[str, str], dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="async-bench-") as tmp:
         for task in args.tasks.split(","):

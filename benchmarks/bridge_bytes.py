@@ -65,7 +65,7 @@ def price(coef: torch.Tensor, groups: int, tokens: int) -> float:
     return float(coef @ torch.tensor([1.0, groups, groups * GROUP * tokens], dtype=torch.float64))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=1536)
     ap.add_argument("--kept", type=int, default=512)
@@ -73,7 +73,7 @@ def main() -> None:
     ap.add_argument("--trainer-ranks", type=int, default=32)
     ap.add_argument("--smoke", action="store_true",
                     help="price a 24-prompt, 64-token, 2-rank step (the same fit; a seconds-long check, run in CI)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.smoke:
         args.prompts, args.kept, args.tokens, args.trainer_ranks = 24, 8, 64, 2
     coef = fit([(6, 64), (6, 128), (12, 64)])

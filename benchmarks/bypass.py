@@ -10,6 +10,7 @@ seconds per step are ``time/old_logprobs + time/train`` from each run's metrics,
 ``--all-presets``: instead, one short run per algo.rollout_correction preset (they complete; their metrics).
 
 Last line: ``bypass_trainer_time_ratio: X`` (bypass / decoupled trainer seconds per step; < 1 is faster).
+``--smoke`` (CI, seconds): each mode once, 2 steps.
 """
 
 from __future__ import annotations
@@ -72,13 +73,17 @@ def all_presets(steps: int, out: Path) -> None:
               f"{mean('rollout_corr/kl_k3'):.2e} |", flush=True)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None, help="run directories (default: a temporary folder)")
     parser.add_argument("--all-presets", action="store_true", help="one run per preset instead (see above)")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds-long CI run: each mode once, 2 steps (the first is the warm-up left out)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.steps, args.repeats, args.all_presets = 2, 1, False
     out = args.out or Path(tempfile.mkdtemp(prefix="dapo_bypass_bench_"))
     if args.all_presets:
         all_presets(args.steps, out)

@@ -53,13 +53,13 @@ def _load_checked(root: Path, files: dict) -> None:
         check.finish()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mb", type=int, default=512)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--workdir", default=None)
     p.add_argument("--smoke", action="store_true", help="a 16 MB file, one repeat (a seconds-long check)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.smoke:
         args.mb, args.repeat = 16, 1
     tensors = {f"t{i}": torch.randn(args.mb * (1 << 20) // 16 // 4) for i in range(16)}

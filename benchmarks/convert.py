@@ -10,7 +10,10 @@ Prints conversion time over the faster of the two reads and the conversion's pea
 the time the conversions spent in fsync (files + directories, before the rename; included in their times),
 and the load average. Deletes everything after.
 
-    python benchmarks/convert.py [--layers 2] [--tp 2] [--pp 2] [--workdir DIR] [--also-out /dev/shm]
+    python benchmarks/convert.py [--layers 2] [--tp 2] [--pp 2] [--workdir DIR] [--also-out /dev/shm] [--smoke]
+
+``--smoke`` (CI, seconds): the tiny preset's shape instead of the 32B's, and only the first read and the default
+conversion; the same last line.
 
 With --against-bridge: dapo-mcore against NVIDIA Megatron-Bridge (AutoBridge, what cluster users of Megatron convert
 with) on one Qwen2 model built from a config (bf16, untied, Qwen2.5's vocabulary 151,936; --hidden 512 and --layers 2:
@@ -231,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the Megatron-Bridge virtualenv's python (with --against-bridge)")
     p.add_argument("--hidden", type=int, default=512, help="hidden size of the --against-bridge model")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (with --against-bridge)")
+    p.add_argument("--smoke", action="store_true",
+                   help="seconds: the tiny preset's shape (2 layers), one read and one conversion at --tp/--pp, no "
+                        "page-cache, plain-write or --also-out passes (the same reader and converter)")
     args = p.parse_args(argv)
     if args.against_bridge:
         return against_bridge(args)
@@ -239,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     from dapo_mcore.model.presets import preset_config
     from dapo_mcore.weights.registry import get_mapping
 
-    hf_config = preset_config("qwen2.5-32b", num_hidden_layers=args.layers)
+    hf_config = preset_config("tiny" if args.smoke else "qwen2.5-32b", num_hidden_layers=args.layers)
     shapes = get_mapping(hf_config).hf_shapes()
     largest = max(torch.Size(s).numel() * 2 for s in shapes.values())
     load0 = os.getloadavg()
@@ -247,14 +253,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         t0 = time.perf_counter()
         total = write_synthetic_hf_checkpoint(work / "hf", hf_config, dtype=torch.bfloat16)
-        print(f"synthetic Qwen2.5-32B-shaped checkpoint: {args.layers} layers, {total / 1e9:.2f} GB bf16, "
-              f"largest tensor {largest / 1e9:.2f} GB (written in {time.perf_counter() - t0:.1f} s)")
+        print(f"synthetic {'tiny' if args.smoke else 'Qwen2.5-32B'}-shaped checkpoint: {args.layers} layers, "
+              f"{total / 1e9:.2f} GB bf16, largest tensor {largest / 1e9:.2f} GB (written in "
+              f"{time.perf_counter() - t0:.1f} s)")
         os.sync()  # flush the generator's dirty pages so they do not throttle the measured writes
         read1, read_rss = run_measured(READ, str(work / "hf"))
         os.sync()
         layout = (str(args.tp), str(args.pp))
         conv, conv_rss = run_measured(CONVERT, str(work / "hf"), str(work / "mcore"), *layout, "auto")
         out_bytes = sum(f.stat().st_size for f in (work / "mcore").rglob("*.safetensors"))
+        if args.smoke:
+            print(f"read once: {read1['seconds']:.3f} s; convert tp={args.tp} pp={args.pp}: {conv['seconds']:.3f} s, "
+                  f"wrote {out_bytes / 1e6:.1f} MB, peak RSS {conv_rss / 1e9:.2f} GB (smoke: nothing else measured)")
+            print(f"convert_time_over_read: {conv['seconds'] / read1['seconds']:.2f}")
+            return 0
         shutil.rmtree(work / "mcore")
         os.sync()
         paged, paged_rss = run_measured(CONVERT, str(work / "hf"), str(work / "mcore"), *layout, "off")

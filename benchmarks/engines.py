@@ -8,7 +8,8 @@ call and median call. Engine construction is timed separately and not part of to
 
 Needs vLLM (``.venv-vllm``, see docs/rollout.md); run it with that venv's python from the repository root:
     OMP_NUM_THREADS=1 .venv-vllm/bin/python benchmarks/engines.py
-Last line: ``vllm_over_hf_tokens_per_s: X`` (median over median).
+Last line: ``vllm_over_hf_tokens_per_s: X`` (median over median). ``--smoke``: 2 prompts x 2 samples, 8 new tokens,
+one timed call per engine (the engines' start-up is most of it).
 """
 
 from __future__ import annotations
@@ -68,7 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5, help="timed calls per engine (after one warm-up)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true",
+                    help="seconds of generation (CI): 2 prompts x 2 samples, 8 new tokens, one timed call per engine")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.prompts, args.n, args.max_new_tokens, args.repeats = 2, 2, 8, 1
     torch.set_num_threads(1)
     cfg, model = tiny_model(args.seed)
     prompts = prompts_for(args.prompts, args.seed)

@@ -13,7 +13,7 @@ clipfrac_high (for gspo the fraction of tokens whose *sequence* was clipped). Ru
 
     OMP_NUM_THREADS=1 python benchmarks/objectives_study.py --steps 6 --seeds 1 2
 
-Last line: ``gspo_minus_dapo_avg_at_4: X`` (seed means).
+Last line: ``gspo_minus_dapo_avg_at_4: X`` (seed means). ``--smoke`` (CI, seconds): dapo and gspo, one seed, one step.
 """
 
 from __future__ import annotations
@@ -74,13 +74,17 @@ def run(variant: str, seed: int, steps: int, out: Path) -> dict[str, float]:
     return res
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--variants", nargs="+", default=["dapo", "gspo", "cispo"], choices=list(VARIANTS))
     parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds-long CI run: dapo and gspo, one seed, 1 step each")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.steps, args.seeds, args.variants = 1, [1], ["dapo", "gspo"]
     out = args.out or Path(tempfile.mkdtemp(prefix="dapo_objectives_study_"))
     results: dict[str, list[dict[str, float]]] = {}
     for seed in args.seeds:

@@ -9,7 +9,7 @@ time (2 processes each: the machine has 2 cores).
 
     OMP_NUM_THREADS=1 python benchmarks/rollout_correction_study.py --steps 40 --seeds 1 2
 
-Last line: ``best_preset_avg_at_4: NAME X`` (seed mean).
+Last line: ``best_preset_avg_at_4: NAME X`` (seed mean). ``--smoke`` (CI, seconds): token_tis, one seed, 2 steps.
 """
 
 from __future__ import annotations
@@ -56,13 +56,17 @@ def run(preset: str, seed: int, steps: int, out: Path) -> dict[str, float]:
             "wall_s": time.perf_counter() - t0}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--presets", nargs="+", default=list(PRESETS))
     parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds-long CI run: token_tis, one seed, 2 steps (the second trains a lagged batch)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.steps, args.seeds, args.presets = 2, [1], ["token_tis"]
     out = args.out or Path(tempfile.mkdtemp(prefix="dapo_corr_study_"))
     results: dict[str, list[dict[str, float]]] = {}
     for seed in args.seeds:

@@ -9,6 +9,8 @@ generated tokens (the last evaluation whose cumulative generated tokens are with
 
     OMP_NUM_THREADS=1 python benchmarks/rollout_cost.py [--steps N] [--config examples/tiny_cpu_chain.yaml]
 
+``--smoke`` (CI, seconds): today's loop and stream+partial, one step each.
+
 Last line: ``generated_tokens_per_kept_group_ratio: X`` = generated tokens per kept group of today's loop over
 that of the best variant whose final held-out avg@k is no more than 0.01 below today's (the issue's bar: >= 2).
 """
@@ -20,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -114,7 +117,12 @@ def table(results: list[dict], budget: float) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+SMOKE = ["checkpoint.every=0"]
+"""``--smoke``: one step of today's loop and of the partial-rollout schedule (evaluated at the start, which the
+equal-tokens column needs, and at the end)."""
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(ROOT / "examples" / "tiny_cpu.yaml"),
                         help="the DAPO config to run (default examples/tiny_cpu.yaml; paths are relative to here)")
@@ -125,7 +133,12 @@ def main() -> int:
     parser.add_argument("--override", nargs="*", default=[], help="extra dotted overrides for every variant")
     parser.add_argument("--reuse", action="store_true",
                         help="do not train: tabulate the runs already under --out (wall seconds unknown)")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds-long CI run: today and stream+partial, one step each, into a temporary --out")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.variants, args.steps, args.override = ["today", "stream+partial"], 1, [*args.override, *SMOKE]
+        args.out = tempfile.mkdtemp(prefix="dapo_rollout_cost_smoke_")
     names = ["today"] + [v for v in args.variants if v != "today"]
     results = []
     for name in names:

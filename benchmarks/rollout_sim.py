@@ -183,7 +183,13 @@ VARIANT_TEXT = {
     "async": "(c) async disaggregated, batch-and-filter",
     "async_stream": "(d) async + streaming/abort",
     "async_partial": "(e) async + partial rollouts",
+    "sync_stream_done": "(f) sync + streaming, completion order",
+    "sync_partial_done": "(f') sync + partial, completion order",
+    "async_stream_done": "(g) async + streaming, completion order",
+    "async_partial_done": "(g') async + partial, completion order",
 }
+"""Row labels: every variant of ``step_model`` (the completion-order ones are a config's own with ``--variants
+config``)."""
 
 
 _trainer_phases = trainer_phases  # tests/test_rollout_sim.py checks it against hand-computed FLOPs
@@ -210,8 +216,8 @@ def run_step(args: argparse.Namespace) -> list[str]:
     lines = _assumption_lines(args, pr.recipe, pr.base, 1.0 / (pr.base.t0 / pr.base.max_seqs + pr.base.t1),
                               pr.kv_colocated, kv_engine, pr.sync_s, splits, p)
     sync_v, async_v = variants_of(cfg)
-    sync_vs, async_vs = ((sync_v, "today"), (async_v,)) if args.variants == "config" else (SYNC_VARIANTS, ASYNC_VARIANTS)
-    layouts = [(v, None) for v in dict.fromkeys(sync_vs)]
+    sync_vs, async_vs = (("today", sync_v), (async_v,)) if args.variants == "config" else (SYNC_VARIANTS, ASYNC_VARIANTS)
+    layouts = [(v, None) for v in dict.fromkeys(sync_vs)]  # today first: every row's speed-up is over it
     layouts += [(v, s) for s in splits for v in async_vs]
     times: dict[tuple[str, int], list[StepTime]] = {}
     for k, stage in enumerate(STAGES_32B):

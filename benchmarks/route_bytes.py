@@ -75,12 +75,12 @@ def after_bytes(lengths: list[int], owner: list[int]) -> list[int]:
     return received
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     global PROMPTS, N, MINI, DP, GROUPS, WORLD
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true",
                     help="32 prompts x 4 on TP=4 x DP=2, 2 engine groups (a seconds-long check, run in CI)")
-    if ap.parse_args().smoke:
+    if ap.parse_args(argv).smoke:
         PROMPTS, N, MINI, DP, GROUPS = 32, 4, 8, 2, 2
         WORLD = TP * DP
     lengths, owner = _lengths(), _holders()

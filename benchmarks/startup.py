@@ -37,11 +37,11 @@ def _one(plain: bool) -> tuple[float, float]:
     return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), wall
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=5, help="fresh processes of each kind (alternating)")
     ap.add_argument("--smoke", action="store_true", help="one process of each kind (CI: the script still runs)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     repeats = 1 if args.smoke else args.repeats
     runs: dict[str, list[tuple[float, float]]] = {"fast": [], "plain": []}
     for _ in range(repeats):

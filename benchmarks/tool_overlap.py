@@ -11,6 +11,9 @@ response's turn ends and keeps decoding the others (``MultiTurnEngine``), so the
 time generation hides. ``--repeats`` pairs, each a real run followed at once by its zero-time run (so a pair shares
 the machine's load of the moment); the headline is the median over the pairs of real / zero-time.
 
+``--engine vllm`` runs the same on vLLM (its CPU build in its own virtualenv on a CPU machine; ``VLLMEngine``, one
+process): each turn's requests are stepped and a response is handed out (and its call started) as it ends.
+
 From the repository root:  python benchmarks/tool_overlap.py
 Last line: ``tool_over_zero_time: X`` (median over pairs of real wall / zero-time wall). ``--smoke``: 2 prompts x 2,
 32 tokens, a 1-layer hidden-32 model, one pair, bwrap (run in CI).
@@ -22,6 +25,7 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -40,7 +44,7 @@ from dapo_mcore.tools.registry import ToolOutput, get_tool  # noqa: E402
 from dapo_mcore.tools.sandbox import Sandbox  # noqa: E402
 
 
-def random_model(hidden: int, layers: int, seed: int = 0) -> Qwen2ForCausalLM:
+def random_model(hidden: int, layers: int, seed: int = 0) -> tuple[Qwen2ForCausalLM, dict]:
     cfg = preset_config("tiny-tools", pad_token_id=0, hidden_size=hidden, intermediate_size=hidden * 3,
                         num_hidden_layers=layers, num_attention_heads=max(2, hidden // 64), num_key_value_heads=2,
                         max_position_embeddings=1024)
@@ -49,7 +53,20 @@ def random_model(hidden: int, layers: int, seed: int = 0) -> Qwen2ForCausalLM:
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.5 * torch.randn_like(p))
-    return model
+    return model, cfg
+
+
+def build_engine(kind: str, model: Qwen2ForCausalLM, cfg: dict, tokenizer, model_dir: Path, max_len: int):
+    """The transformers engine on ``model``, or vLLM on ``model`` saved to ``model_dir`` (float32, eager)."""
+    if kind == "hf":
+        return HFEngine(model, eos_token_ids=2, pad_token_id=0, max_batch_rows=512)
+    from dapo_mcore.rollout import VLLMEngine, VLLMEngineOptions
+
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    options = VLLMEngineOptions(model_path=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=max_len,
+                                max_prompt_len=max_len // 2, seed=1, stop_token_ids=(2,))
+    return VLLMEngine(options, cfg)
 
 
 class TurnCodec(ToolCodec):
@@ -83,17 +100,23 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--sandbox", choices=("bwrap", "none"), default="bwrap")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--engine", choices=("hf", "vllm"), default="hf")
     ap.add_argument("--smoke", action="store_true",
                     help="2 prompts x 2, 32 tokens, a 1-layer hidden-32 model, one pair (the same loop; run in CI)")
     args = ap.parse_args()
     if args.smoke:
         args.prompts, args.n, args.max_new_tokens, args.hidden, args.layers = 2, 2, 32, 32, 1
         args.repeats, args.workers = 1, 1
+        if args.engine == "vllm":
+            args.hidden = 64  # vLLM's CPU attention needs head_dim >= 32
     torch.set_num_threads(1)
     tokenizer = build_tiny_tokenizer(tools=True)
     task = get_task("mul2tool")
     prompts = [render_prompt_ids(tokenizer, task.render(p)) for p in task.problems()[:args.prompts]]
-    engine = HFEngine(random_model(args.hidden, args.layers), eos_token_ids=2, pad_token_id=0, max_batch_rows=512)
+    model, cfg = random_model(args.hidden, args.layers)
+    tmp = tempfile.TemporaryDirectory()
+    engine = build_engine(args.engine, model, cfg, tokenizer, Path(tmp.name),
+                          2 * max(args.max_new_tokens, max(len(p) for p in prompts)))
     python = get_tool("python", Sandbox(timeout_s=10, memory_mb=512, backend=args.sandbox))
     snippet = "print(sum(i * i for i in range(10000)))"  # each call: a sandboxed interpreter and a line of work
     answer = python(snippet).text
@@ -119,8 +142,9 @@ def main() -> None:
         calls = c.calls
         tokens = sum(r.length for g in out_real for r in g)
     real_s, zero_s = statistics.median(walls["real"]), statistics.median(walls["zero"])
-    print(f"{len(prompts)} prompts x {args.n}, {tokens} tokens ({calls} tool calls), model hidden {args.hidden} x "
-          f"{args.layers} layers, {args.workers} tool workers, sandbox {args.sandbox}, {os.cpu_count()} CPUs")
+    print(f"{args.engine} engine, {len(prompts)} prompts x {args.n}, {tokens} tokens ({calls} tool calls), model "
+          f"hidden {args.hidden} x {args.layers} layers, {args.workers} tool workers, sandbox {args.sandbox}, "
+          f"{os.cpu_count()} CPUs")
     print(f"wall with tools      {real_s:.3f} s (runs: {', '.join(f'{w:.3f}' for w in walls['real'])})")
     print(f"wall zero-time tools {zero_s:.3f} s (runs: {', '.join(f'{w:.3f}' for w in walls['zero'])})")
     hidden_share = 1 - (real_s - zero_s) / max(statistics.median(tool_s), 1e-9)
@@ -129,6 +153,9 @@ def main() -> None:
     pairs = [r / z for r, z in zip(walls["real"], walls["zero"], strict=True)]
     print(f"per pair real / zero-time: {', '.join(f'{x:.3f}' for x in pairs)}; ratio of the medians "
           f"{real_s / zero_s:.3f}")
+    if args.engine == "vllm":
+        engine.close()
+    tmp.cleanup()
     print(f"tool_over_zero_time: {statistics.median(pairs):.3f}")
 
 

@@ -51,6 +51,26 @@ def test_a_batch_round_trips_through_tensors_equal_and_with_its_shared_groups_sh
     assert packed.nbytes < len(pickle.dumps(message))
 
 
+def test_tool_use_responses_keep_their_loss_mask_and_counts_and_nan_log_probs():
+    """Multi-turn tool use in async mode: the trainer must mask exactly the tool tokens the engine appended."""
+    nan = float("nan")
+    masks = [[True, False, False, True, True], [False, True], [True, True, False], []]
+    tool = [Response(list(range(len(m))), [-0.5 if x else nan for x in m], "stop", loss_mask=m, tool_calls=k,
+                     tool_errors=k // 2) for k, m in enumerate(masks)]
+    group = GroupData(record=PromptRecord("p", "1", "synthetic", 0), prompt_ids=[1], responses=tool + [
+        Response([4, 5], [-0.1, -0.2], "length")], scores=[0.0] * 5, acc=[False] * 5, rewards=[0.0] * 5, gen_batch=0,
+        preds=[None] * 5, kept=True)
+    message = {"kind": "batch", "step": 1, "version": 0,
+               "batch": StepBatch(kept=[group], generated=[group], stats=SamplingStats(), tools={"tools/calls": 6.0})}
+    got = wire.unpack(pickle.loads(pickle.dumps(wire.pack(message))))["batch"]
+    assert got.tools == {"tools/calls": 6.0}
+    for r, want in zip(got.kept[0].responses, group.responses, strict=True):
+        assert (r.token_ids, r.loss_mask, r.tool_calls, r.tool_errors) == (want.token_ids, want.loss_mask,
+                                                                          want.tool_calls, want.tool_errors)
+        assert [x != x for x in r.logprobs] == [y != y for y in want.logprobs]  # NaN exactly on the tool tokens
+    assert got.kept[0].responses[-1].loss_mask is None
+
+
 def test_the_other_trainer_ranks_get_the_kept_groups_whole_and_the_rest_without_responses():
     message = _message()
     light = wire.unpack(wire.pack(wire.light(message)))

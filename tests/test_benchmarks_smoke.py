@@ -1,5 +1,7 @@
 """Benchmarks run in CI in their seconds-long ``--smoke`` mode, so one that no longer runs (an API it calls changed)
-fails here instead of rotting unseen. Each must end with a ``name: value`` line."""
+fails here instead of rotting unseen. Each must end with a ``name: value`` line. The single-process, pure-Python ones
+run in this process (``main(argv)``, no interpreter start-up); the ones that train, build a model or start ranks run
+as the script, in a fresh process."""
 
 from __future__ import annotations
 
@@ -35,7 +37,31 @@ def _run(args: list[str]) -> str:
     return done.stdout
 
 
-# Single-process benchmarks whose --smoke run takes seconds; the value is the headline the last line must name.
+def _run_here(script: str, args: list[str]) -> str:
+    """``main(args)`` of ``benchmarks/<script>`` in this process, its stdout captured: the same code as a run of the
+    script, without an interpreter start-up and the imports this suite has already paid for (torch's thread count is
+    put back after, as a benchmark may set its own)."""
+    import contextlib
+    import importlib
+    import io
+
+    import torch
+
+    module = importlib.import_module(f"benchmarks.{script.removesuffix('.py')}")
+    threads, out = torch.get_num_threads(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            rc = module.main(args)
+    finally:
+        torch.set_num_threads(threads)
+    assert rc in (None, 0), out.getvalue()[-3000:]
+    last = out.getvalue().strip().splitlines()[-1]
+    assert HEADLINE.match(last) and "nan" not in last.lower(), last
+    return out.getvalue()
+
+
+# Single-process benchmarks whose --smoke run takes seconds, run in this process; the value is the headline the last
+# line must name.
 SMOKE = {
     "packing.py": "packed_token_efficiency",
     "reward.py": "reward_answers_per_s",
@@ -50,7 +76,7 @@ SMOKE = {
 @pytest.mark.unit
 @pytest.mark.parametrize("script", sorted(SMOKE))
 def test_benchmark_smoke(script):
-    out = _run([f"benchmarks/{script}", "--smoke"])
+    out = _run_here(script, ["--smoke"])
     assert out.strip().splitlines()[-1].startswith(f"{SMOKE[script]}: ")
 
 
@@ -81,10 +107,16 @@ def test_engine_groups_smoke():
     assert out.strip().splitlines()[-1].startswith("exchange_share_of_step: ")
 
 
-@pytest.mark.e2e  # ~15 s of CPU: 3 stages of a 24k-response generation at the 32B recipe's shape
+@pytest.mark.unit  # ~2 s of CPU: 3 stages of a 24k-response generation at the 32B recipe's shape
 def test_rollout_sim_smoke():
-    out = _run(["benchmarks/rollout_sim.py", "--smoke", "--generation-only"])
+    out = _run_here("rollout_sim.py", ["--smoke", "--generation-only"])
     assert out.strip().splitlines()[-1].startswith("sim_generation_time_ratio: ")
+
+
+@pytest.mark.e2e  # two fresh processes (the read and the conversion at TP=2 PP=2) of the tiny preset's 2 layers
+def test_convert_smoke():
+    out = _run_here("convert.py", ["--smoke"])
+    assert out.strip().splitlines()[-1].startswith("convert_time_over_read: ")
 
 
 @pytest.mark.unit
@@ -98,7 +130,7 @@ def test_sandbox_beside_gpu_on_cpu():  # its headline is a verdict, not a number
 
 @pytest.mark.unit
 def test_checkpoint_hash_smoke():
-    out = _run(["benchmarks/checkpoint_hash.py", "--smoke"])
+    out = _run_here("checkpoint_hash.py", ["--smoke"])
     assert "checkpoint_checksum_overhead:" in out
 
 

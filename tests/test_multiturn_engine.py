@@ -275,12 +275,14 @@ def test_workers_that_all_hang_do_not_hang_the_rollout():
     assert pool.take_counters().timeouts == 3
 
 
-def test_vllm_requests_take_one_token_stop_sequences_and_refuse_longer():
-    from dapo_mcore.rollout.engines.vllm_engine import build_requests
-    from dapo_mcore.rollout.protocol import EngineError
+def test_vllm_requests_take_one_token_stop_sequences_and_leave_longer_ones_to_the_engine():
+    """vLLM stops on single ids: a longer sequence's first token must not stop it (VLLMEngine cuts the samples on the
+    returned ids, tests/test_multiturn_vllm.py)."""
+    from dapo_mcore.rollout.engines.vllm_engine import build_requests, stops_on_sequences
 
     params = SamplingParams(n=2, max_new_tokens=8, stop_token_ids=(9,), stop_sequences=((31,),), seed=1)
     _, sampling = build_requests([[1, 2]], params, "processed")
-    assert sampling[0]["stop_token_ids"] == [9, 31]
-    with pytest.raises(EngineError, match="single token ids"):
-        build_requests([[1, 2]], SamplingParams(stop_sequences=((31, 32),)), "processed")
+    assert sampling[0]["stop_token_ids"] == [9, 31] and not stops_on_sequences(params)
+    longer = SamplingParams(stop_token_ids=(9,), stop_sequences=((31, 32), (30,)))
+    _, sampling = build_requests([[1, 2]], longer, "processed")
+    assert sampling[0]["stop_token_ids"] == [9, 30] and stops_on_sequences(longer)

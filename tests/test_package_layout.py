@@ -15,7 +15,7 @@ PKG = Path(__file__).resolve().parents[1] / "dapo_mcore"
 
 # Lowest first; docs/architecture.md shows the same table.
 FLOORS = [
-    {"errors", "signals", "collectives"},
+    {"errors", "signals", "collectives", "plugins"},
     {"model", "algo", "reward", "tools"},
     {"data", "telemetry", "weights"},
     {"actor"},

@@ -171,12 +171,15 @@ def test_the_plain_step_time_is_the_rank_variants_row_of_this_config():
 
 
 def test_plan_prints_one_step_time_for_the_config(capsys):
-    """The CLI, both ways in one run: the plain line's minutes, the requeue line's and the ranking's marked row agree
-    (a plain path that drifted to another model or other settings would print another number)."""
-    assert main([CFG_32B, *SMALL_32B, "--nodes", "16", "--rank-variants"]) == 0
+    """The CLI: plain ``plan``'s step-model line, its requeue line, and ``--rank-variants``' marked row (priced once
+    there, and printed as the plain line too) agree (a plain path that drifted to another model or other settings
+    would print another number)."""
+    assert main([CFG_32B, *SMALL_32B, "--nodes", "16"]) == 0
     out = capsys.readouterr().out
-    row = next(ln for ln in out.splitlines() if ln.endswith("<- this config"))
-    assert row.split()[1] == "sync_partial_done"
     plain = out.split("step time by the step model: ")[1].split(" min")[0]
-    assert row.split()[3] == plain
     assert f"x ~{float(plain):.0f} min (the step model, sync_partial_done)" in out
+    assert main([CFG_32B, *SMALL_32B, "--nodes", "16", "--rank-variants"]) == 0
+    ranked = capsys.readouterr().out
+    row = next(ln for ln in ranked.splitlines() if ln.endswith("<- this config"))
+    assert row.split()[1] == "sync_partial_done"
+    assert row.split()[3] == plain == ranked.split("step time by the step model: ")[1].split(" min")[0]

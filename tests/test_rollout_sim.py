@@ -322,3 +322,24 @@ def test_chunked_stream_resumes_carried_groups_first_and_carries_unstarted_ones(
                                 order="prompt", chunk=3)
     assert (res.wall_s, res.kept, res.aborted) == (pytest.approx(2.0), 2.0, 0.0)
     assert [(c.progress.tolist(), c.staleness) for c in carry] == [([0.0], 0), ([0.0], 0)]
+
+
+def test_variants_config_prices_the_configs_schedule_against_today(tmp_path, capsys):
+    """``--variants config`` on a recipe whose own schedule is not ``today`` (it died with KeyError ('today', 0):
+    the own row came first and needed today's step for its speed-up column); a 64-prompt cut of the fast recipe."""
+    import yaml
+
+    from benchmarks.rollout_sim import main
+
+    recipe = yaml.safe_load(open("examples/qwen2.5-32b-fp8.yaml"))
+    recipe["train"].update(prompts_per_step=64, mini_batch_prompts=32)
+    recipe["rollout"]["gen_batch_prompts"] = 192
+    (tmp_path / "small.yaml").write_text(yaml.safe_dump(recipe))
+    assert main(["--smoke", "--variants", "config", "--config", str(tmp_path / "small.yaml"),
+                 "--engine-gpus", "96"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [ln for ln in lines if ln.startswith("(")]
+    assert [r.split(":")[0].split(" ")[0] for r in rows] == ["(a)", "(f')", "(g')"] * 3  # today, own sync, own async
+    assert all(r.split()[-3] == "1.00" for r in rows[::3])  # today over itself
+    assert "this config's schedule: sync_partial_done (colocated)" in lines[-2]
+    assert lines[-1].startswith("sim_async_over_sync_speedup: ")

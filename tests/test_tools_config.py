@@ -22,7 +22,6 @@ def test_tools_off_by_default_and_on_validates():
     ("rollout.tools.memory_mb=8", "rollout.tools.memory_mb=8"),
     ("rollout.tools.pool_size=-1", "rollout.tools.pool_size=-1"),
     ("rollout.tools.max_output_tokens=64", "leaves no room"),
-    ("rollout.pipeline.mode=async", "rollout.pipeline.mode=sync"),
     ("rollout.schedule.streaming=true", "rollout.schedule.streaming=false"),
 ])
 def test_refusals_name_the_setting(override, needle):
@@ -30,6 +29,14 @@ def test_refusals_name_the_setting(override, needle):
     with pytest.raises(ConfigError) as err:
         cfg.validate_layout(1)
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_tools_run_in_the_async_pipeline():
+    """The engine ranks wrap their engine in the multi-turn engine (run/async_runtime.py); the batch's loss mask and
+    tool counts travel to the trainer (rollout/pipeline/wire.py)."""
+    load_config("examples/tiny_cpu.yaml", BASE + ["rollout.pipeline.mode=async", "rollout.pipeline.engine_ranks=1",
+                                                 "algo.tis_cap=2.0"]
+                ).validate_layout(2)
 
 
 def test_bad_sandbox_name_is_refused_at_load():

@@ -4,6 +4,8 @@
 # no CPU backend there, so they go. DAPO_MCORE_REQUIRE_VLLM=1 makes the tests fail (not skip) if vLLM does not import,
 # and DAPO_MCORE_CI_NO_SKIPS=1 fails the tier on any skip. Its caches (pip's downloads, vLLM's) stay inside the
 # checkout (.cache/ is git-ignored).
+# ci-beside-main: its own virtualenv, tiny-base cache and vLLM cache, its own run dirs and free ports; it shares
+# nothing with the main suite, and run after it the whole run waits on it (~6 min) with one core often idle.
 set -euo pipefail
 source .ci/lib.sh
 

@@ -7,6 +7,8 @@
 # log-prob/entropy/parity tests, the conversion round trip and the reading of Megatron-Bridge's own checkpoints
 # against it. The tiny-base cache is the main suite's
 # (.ci/run exports it): the base is pre-trained with 0.16.1's model code, which 0.19.2 loads like any checkpoint.
+# ci-beside-main: its own virtualenv; the tiny-base cache it reads is built whole-or-absent by whichever run
+# needs it first; its own tmp dirs. Run after the main suite the whole run waits on it.
 set -euo pipefail
 source .ci/lib.sh
 

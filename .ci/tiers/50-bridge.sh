@@ -9,6 +9,8 @@
 #   .venv              the project as users install it (megatron-core 0.16.1), which runs pytest and dapo-mcore: the
 #                      main suite's (.ci/run builds it first), built here when the tier runs alone.
 # tests/bridge_live is not collected by the main suite (tests/conftest.py); it is named here explicitly.
+# ci-beside-main: Bridge's own virtualenv, the main suite's .venv read only, its own tmp dirs: it shares nothing
+# with the main suite that either changes. Run after it the whole run waits on it (~4-5 min).
 set -euo pipefail
 source .ci/lib.sh
 

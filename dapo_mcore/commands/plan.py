@@ -144,8 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def ranking_lines(cfg: Any, plan: PlanInput, steps: int) -> list[str]:
-    """``--rank-variants``: every schedule of ``cfg``'s recipe priced by the step model, fastest first."""
+def ranking_lines(cfg: Any, plan: PlanInput, steps: int) -> tuple[list[str], tuple[str, float] | None]:
+    """``--rank-variants``: every schedule of ``cfg``'s recipe priced by the step model, fastest first; and the
+    "this config" row's (variant, seconds) of a colocated config (what :func:`model_step` gives), else None."""
+    from dapo_mcore.errors import UserError
+    from dapo_mcore.model.hf_config import is_moe
     from dapo_mcore.plan.step_model import (
         SimSettings,
         colocated_input,
@@ -153,9 +156,6 @@ def ranking_lines(cfg: Any, plan: PlanInput, steps: int) -> list[str]:
         rank_variants,
         variants_of,
     )
-
-    from dapo_mcore.errors import UserError
-    from dapo_mcore.model.hf_config import is_moe
 
     if is_moe(cfg.model.hf_config(cfg.tiny_base.preset)):
         raise UserError("--rank-variants cannot price this recipe's engines: the step model decodes at a dense "
@@ -172,8 +172,10 @@ def ranking_lines(cfg: Any, plan: PlanInput, steps: int) -> list[str]:
         raise UserError(f"--rank-variants cannot price this recipe's engines: {err} (the step model's lone sequence "
                         "decodes at the dense 32B's rate, slower than this model's full engine per sequence: an MoE "
                         "with few active parameters); rank a dense recipe, or price it without --rank-variants") from err
+    mine = next(((v, t) for v, s, t in rows if own == (v, None)), None)
     return ["rollout schedules of this recipe, fastest first (the step model of benchmarks/rollout_sim.py, "
-            f"{steps} simulated step(s) per training stage; a model, not a measurement):", *format_ranking(rows, own)]
+            f"{steps} simulated step(s) per training stage; a model, not a measurement):",
+            *format_ranking(rows, own)], mine
 
 
 def model_step(cfg: Any, plan: PlanInput, steps: int) -> tuple[str, float] | None:
@@ -247,12 +249,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--tail-steps {split_opts['tail_steps']}: give 0 (skip) or more simulated steps per stage")
     rank, rank_steps = args.pop("rank_variants"), args.pop("rank_steps")
     plan, names, max_tp, steps, engine_ranks, cfg = _plan_from_args(parser, args)
+    ranked = None  # the "this config" row, the step time the plain report prints: priced once
     if rank:
         if cfg is None or not plan.colocate_vllm:
             parser.error("--rank-variants prices vLLM engines of a project config: give CONFIG with rollout.engine=vllm")
         if rank_steps < 1:
             parser.error(f"--rank-steps {rank_steps}: give 1 or more simulated steps per stage")
-        print("\n".join(ranking_lines(cfg, plan, rank_steps)))
+        lines, ranked = ranking_lines(cfg, plan, rank_steps)
+        print("\n".join(lines))
     if disaggregated is None and engine_ranks is not None:
         # An async config prices its own split (rollout.pipeline.engine_ranks): the colocated estimate is not its.
         disaggregated = {**split_opts, "engine_gpus": engine_ranks,
@@ -291,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     except LayoutDoesNotFit as err:
         print(err)
         return 1
-    own = None if as_json else model_step(cfg, plan, rank_steps)
+    own = None if as_json else (ranked or model_step(cfg, plan, rank_steps))
     if own is not None:
         print(model_step_line(*own))
     if steps and not as_json:

@@ -360,16 +360,14 @@ def validate_tools(cfg: Config) -> None:
     t.validate()
     if not t.enabled:
         return
-    refused = [(r.pipeline.mode != "sync", f"rollout.pipeline.mode={r.pipeline.mode}", "rollout.pipeline.mode=sync"),
-               (r.schedule.streaming, "rollout.schedule.streaming", "rollout.schedule.streaming=false"),
+    refused = [(r.schedule.streaming, "rollout.schedule.streaming", "rollout.schedule.streaming=false"),
                (r.schedule.partial, "rollout.schedule.partial", "rollout.schedule.partial=false"),
                (cfg.algo.router_replay != "none", f"algo.router_replay={cfg.algo.router_replay}",
                 "algo.router_replay=none")]
     for bad, what, fix in refused:
         if bad:
-            raise ConfigError(f"rollout.tools.enabled with {what}: multi-turn tool rollouts run in the synchronous "
-                              f"loop without streaming, partial rollouts or routing replay; set {fix} or "
-                              f"rollout.tools.enabled=false")
+            raise ConfigError(f"rollout.tools.enabled with {what}: multi-turn tool rollouts run without streaming, "
+                              f"partial rollouts or routing replay; set {fix} or rollout.tools.enabled=false")
     if t.max_output_tokens >= r.max_new_tokens:
         raise ConfigError(f"rollout.tools.max_output_tokens={t.max_output_tokens} leaves no room for the model in "
                           f"rollout.max_new_tokens={r.max_new_tokens}; lower it (ReTool: a few hundred of 16384)")

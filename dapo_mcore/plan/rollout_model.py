@@ -140,7 +140,12 @@ class EngineSim:
     two events on an engine its running count n is fixed, so its clock runs at 1 / (t0 + t1 n) tokens a second and a
     sequence admitted at clock c with r tokens left finishes at clock c + r. An event is the next such finish over
     all engines (a heap of the engines' next finish times), so one event costs O(log) work, not a pass over every
-    slot of every engine."""
+    slot of every engine.
+
+    ``plan --rank-variants`` runs millions of events, so the hot path (:meth:`advance`) is written flat, on local
+    names, with the iteration time of each running count computed once; every clock and time is the
+    same float operation, in the same order, as the plain form (``tests/rollout_model_reference.py``, checked equal by
+    ``tests/test_rollout_fast.py``)."""
 
     def __init__(self, model: EngineModel) -> None:
         self.model = model
@@ -165,26 +170,31 @@ class EngineSim:
         self._version = [0] * e
         self._where: dict[int, tuple[int, float]] = {}  # running seq -> (engine, finish clock)
         self._total = 0
+        self._iter = [model.t0 + model.t1 * n for n in range(model.max_seqs + 1)]  # seconds per iteration at n running
+        self._slack = _EPS * (model.t0 + model.t1 * model.max_seqs)  # _EPS tokens, in seconds at most
 
     def _iteration(self, e: int) -> float:
-        return self.model.t0 + self.model.t1 * self._n[e]
-
-    def _sync(self, e: int, t: float) -> None:
-        self._clock[e] += (t - self._synced[e]) / self._iteration(e)
-        self._synced[e] = t
-
-    def _schedule(self, e: int) -> None:
-        self._version[e] += 1
-        if self._running[e]:
-            t = self._synced[e] + (self._running[e][0][0] - self._clock[e]) * self._iteration(e)
-            heapq.heappush(self._events, (t, e, self._version[e]))
+        return self._iter[self._n[e]]
 
     def add_group(self, engine: int, lengths: np.ndarray, progress: np.ndarray | None = None) -> int:
         """Queue one group's responses on ``engine``; ``progress`` tokens already generated each (partial rollouts)."""
         gid = len(self.group_left)
-        prog = [0.0] * len(lengths) if progress is None else progress.tolist()
+        first, lens = len(self.seq_len), lengths.tolist()
+        if progress is None and lengths.dtype.kind in "iu" and min(lens) > _EPS:  # fresh: none finished
+            k = len(lens)
+            seqs = list(range(first, first + k))
+            self.seq_len += lens
+            self.seq_base += [0.0] * k
+            self.seq_group += [gid] * k
+            self.seq_done += [False] * k
+            self.queues[engine].extend(seqs)
+            self.group_left.append(k)
+            self.group_seqs.append(seqs)
+            self._dirty.add(engine)
+            return gid
+        prog = [0.0] * len(lens) if progress is None else progress.tolist()
         seqs, left, queue = [], 0, self.queues[engine]
-        for n, p in zip(lengths.tolist(), prog, strict=True):
+        for n, p in zip(lens, prog, strict=True):
             sid = len(self.seq_len)
             self.seq_len.append(int(n))
             self.seq_base.append(float(p))
@@ -219,61 +229,83 @@ class EngineSim:
                 out.append(self.seq_base[s])
         return np.array(out)
 
-    def _refill(self) -> None:
-        cap = self.model.max_seqs
-        for e in sorted(self._dirty):
-            self._sync(e, self.now)
-            q = self.queues[e]
-            while self._n[e] < cap:
-                if not q and not (self.feeder is not None and self.feeder(e)):
-                    break
-                s = q.popleft()
-                finish = self._clock[e] + self.seq_len[s] - self.seq_base[s]
-                heapq.heappush(self._running[e], (finish, heapq.heappop(self._free[e]), s))
-                self._where[s] = (e, finish)
-                self._n[e] += 1
-                self._total += 1
-            self._schedule(e)
-        self._dirty = set()
+    def advance(self, until_group: bool = False) -> list[int] | None:
+        """Run to the next finishing response(s); the groups that completed then, or None when nothing is left.
 
-    def advance(self) -> list[int] | None:
-        """Run to the next finishing response(s); the groups that completed then, or None when nothing is left."""
-        self._refill()
-        if not self._total:
-            return None
-        events, version = self._events, self._version
-        while events[0][2] != version[events[0][1]]:
-            heapq.heappop(events)
-        t = events[0][0]
-        slack = _EPS * (self.model.t0 + self.model.t1 * self.model.max_seqs)  # _EPS tokens, in seconds at most
-        engines = []
-        while events and events[0][0] <= t + slack:
-            _, e, v = heapq.heappop(events)
-            if v == version[e]:
-                engines.append(e)
-        self.now = t
-        finished = []
-        for e in sorted(engines):
-            self._sync(e, t)
-            heap, before = self._running[e], len(finished)
-            while heap and heap[0][0] - self._clock[e] <= _EPS:
-                finished.append((e, *heapq.heappop(heap)[1:]))
-            if len(finished) > before:
-                self._dirty.add(e)  # refilled and rescheduled at the next advance
-            else:
-                self._schedule(e)  # within the slack but not yet done: its own time again
-        completed = []
-        for e, slot, s in sorted(finished):  # slot order within an engine, engines in order
-            heapq.heappush(self._free[e], slot)
-            del self._where[s]
-            self._n[e] -= 1
-            self._total -= 1
-            self.seq_done[s] = True
-            g = self.seq_group[s]
-            self.group_left[g] -= 1
-            if self.group_left[g] == 0:
-                completed.append(g)
-        return completed
+        ``until_group``: go on through the events that complete no group, to the first one that does (what a
+        caller that only acts on completed groups would do, call after call)."""
+        cap, feeder, eps = self.model.max_seqs, self.feeder, _EPS
+        it, n_run, clock, synced = self._iter, self._n, self._clock, self._synced
+        queues, running, free, where = self.queues, self._running, self._free, self._where
+        seq_len, seq_base, seq_group, group_left, seq_done = (self.seq_len, self.seq_base, self.seq_group,
+                                                              self.group_left, self.seq_done)
+        version, events, slack = self._version, self._events, self._slack
+        heappush, heappop = heapq.heappush, heapq.heappop
+        while True:
+            if self._dirty:  # sync each engine that changed, admit up to max_seqs, schedule its next event
+                now, admitted = self.now, 0
+                for e in sorted(self._dirty):
+                    n = n_run[e]
+                    clock[e] += (now - synced[e]) / it[n]
+                    synced[e] = now
+                    c, q, heap = clock[e], queues[e], running[e]
+                    if n < cap:
+                        slots = free[e]
+                        while n < cap:
+                            if not q and not (feeder is not None and feeder(e)):
+                                break
+                            s = q.popleft()
+                            finish = c + seq_len[s] - seq_base[s]
+                            heappush(heap, (finish, heappop(slots), s))
+                            where[s] = (e, finish)
+                            n += 1
+                            admitted += 1
+                        n_run[e] = n
+                    version[e] += 1
+                    if heap:
+                        heappush(events, (now + (heap[0][0] - c) * it[n], e, version[e]))
+                self._total += admitted
+                self._dirty = set()
+            if not self._total:
+                return None
+            while events[0][2] != version[events[0][1]]:
+                heappop(events)
+            t = events[0][0]
+            limit = t + slack
+            engines = []
+            while events and events[0][0] <= limit:
+                _, e, v = heappop(events)
+                if v == version[e]:
+                    engines.append(e)
+            self.now = t
+            finished = []
+            for e in sorted(engines) if len(engines) > 1 else engines:
+                clock[e] += (t - synced[e]) / it[n_run[e]]
+                synced[e] = t
+                c, heap, before = clock[e], running[e], len(finished)
+                while heap and heap[0][0] - c <= eps:
+                    _, slot, s = heappop(heap)
+                    finished.append((e, slot, s))
+                if len(finished) > before:
+                    self._dirty.add(e)  # refilled and rescheduled at the next event
+                else:  # within the slack but not yet done: its own time again
+                    version[e] += 1
+                    heappush(events, (t + (heap[0][0] - c) * it[n_run[e]], e, version[e]))
+            if len(finished) > 1:
+                finished.sort()  # slot order within an engine, engines in order
+            completed = []
+            for e, slot, s in finished:
+                heappush(free[e], slot)
+                del where[s]
+                n_run[e] -= 1
+                seq_done[s] = True
+                g = seq_group[s]
+                group_left[g] -= 1
+                if group_left[g] == 0:
+                    completed.append(g)
+            self._total -= len(finished)
+            if completed or not until_group:
+                return completed
 
 
 @dataclass(frozen=True)
@@ -359,11 +391,24 @@ def batch_and_filter_step(pool: PromptPool, recipe: Recipe, model: EngineModel,
             lengths, usable = pool.take(min(size - drawn, chunk or size))
             drawn += len(usable)
             spread(sim, lengths)
-            while sim.advance() is not None:
+            while sim.advance(until_group=True) is not None:
                 pass
             _decide_batch(res, lengths, usable, recipe)
     res.wall_s = sim.now
     return res
+
+
+def draw_batch_and_filter(pool: PromptPool, recipe: Recipe, chunk: int = 0) -> None:
+    """Draw from ``pool`` exactly what :func:`batch_and_filter_step` (without ``adaptive``) draws, without simulating
+    the engines: its rounds end on the usable flags alone, never on timing (a warm-up step whose result is not used)."""
+    kept = batches = 0
+    while kept < recipe.prompts_per_step and batches < recipe.max_gen_batches:
+        batches += 1
+        drawn = 0
+        while drawn < recipe.gen_batch_prompts and kept < recipe.prompts_per_step:
+            _, usable = pool.take(min(recipe.gen_batch_prompts - drawn, chunk or recipe.gen_batch_prompts))
+            drawn += len(usable)
+            kept = min(recipe.prompts_per_step, kept + int(usable.sum()))
 
 
 def _decide_batch(res: StepResult, lengths: np.ndarray, usable: np.ndarray, recipe: Recipe) -> None:
@@ -472,7 +517,7 @@ def streaming_step(pool: PromptPool, recipe: Recipe, model: EngineModel, carry: 
     finished: set[int] = set()  # prompt order: finished, maybe not yet decided
     head = 0  # prompt order: the next group to decide (group ids are admission order)
     while res.groups_kept < need:
-        completed = sim.advance()
+        completed = sim.advance(until_group=True)
         if completed is None:
             break
         if order == "completion":
@@ -533,7 +578,7 @@ def _chunked_stream(pool: PromptPool, recipe: Recipe, model: EngineModel, carry:
     finished: set[int] = set()
     head = 0
     while res.groups_kept < need:
-        completed = sim.advance()
+        completed = sim.advance(until_group=True)
         if completed is None:
             if next_chunk():
                 continue

@@ -18,8 +18,9 @@ config's own schedule colocated vs async at a split. ``benchmarks/rollout_sim.py
 
 from __future__ import annotations
 
+import copy
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,7 @@ from dapo_mcore.plan.rollout_model import (
     Stage,
     StepResult,
     batch_and_filter_step,
+    draw_batch_and_filter,
     streaming_step,
 )
 
@@ -162,23 +164,52 @@ def running_seqs(stage: Stage, recipe: Recipe, lengths: LengthModel, kv_tokens: 
     return min(st.max_seqs, int(kv_tokens / ctx)) if st.kv_limit else st.max_seqs
 
 
-def generation(variant: str, pool: PromptPool, recipe: Recipe, model: EngineModel, st: Any) -> list[StepResult]:
-    """``warmup + steps`` steps of a variant's generation policy on one prompt stream; the last ``steps``."""
-    out, carry = [], []
-    for _ in range(st.warmup + st.steps):
-        if variant in ("today", "async"):
-            res = batch_and_filter_step(pool, recipe, model)
-        elif variant == "today_chunked":
-            res = batch_and_filter_step(pool, recipe, model, chunk=st.chunk_prompts)
-        elif variant.endswith("_done"):
-            res, carry = streaming_step(pool, recipe, model, carry, partial="partial" in variant,
-                                        max_staleness=st.max_staleness or 1, order="completion", chunk=0)
-        else:
-            chunk = (st.stream_chunk or recipe.gen_batch_prompts) if variant.endswith("_rr") else 0
-            res, carry = streaming_step(pool, recipe, model, carry, partial="partial" in variant,
-                                        max_staleness=st.max_staleness or 1, order=st.order, chunk=chunk)
-        out.append(res)
-    return out[st.warmup:]
+BATCH_VARIANTS = ("today", "today_chunked", "async")
+"""The batch-and-filter variants (the rest stream)."""
+
+
+def one_step(variant: str, pool: PromptPool, recipe: Recipe, model: EngineModel, carry: list, st: Any,
+             partial: bool) -> tuple[StepResult, list]:
+    """One step of a variant's generation policy: (its result, the groups it carries into the next step)."""
+    if variant in ("today", "async"):
+        return batch_and_filter_step(pool, recipe, model), []
+    if variant == "today_chunked":
+        return batch_and_filter_step(pool, recipe, model, chunk=st.chunk_prompts), []
+    if variant.endswith("_done"):
+        return streaming_step(pool, recipe, model, carry, partial=partial, max_staleness=st.max_staleness or 1,
+                              order="completion", chunk=0)
+    chunk = (st.stream_chunk or recipe.gen_batch_prompts) if variant.endswith("_rr") else 0
+    return streaming_step(pool, recipe, model, carry, partial=partial, max_staleness=st.max_staleness or 1,
+                          order=st.order, chunk=chunk)
+
+
+def generation(variant: str, pool: PromptPool, recipe: Recipe, model: EngineModel, st: Any,
+               warm: dict | None = None) -> list[StepResult]:
+    """``warmup + steps`` steps of a variant's generation policy on one prompt stream; the last ``steps``.
+
+    A warm-up step's result is thrown away, so it is not simulated where it need not be: a batch-and-filter one
+    only draws its prompts (:func:`draw_batch_and_filter`); the first one of a streaming variant is the same step as
+    its partial twin's (``sync_stream`` and ``sync_partial`` differ only in what they carry out of it), so with
+    ``warm`` (a dict the caller keeps across the variants it prices on one prompt stream with the same settings)
+    it is simulated once, partial, and the twin without partial rollouts carries nothing. The steps that count are
+    simulated as they are: the results are those of simulating every step."""
+    out: list[StepResult] = []
+    carry: list = []
+    for i in range(st.warmup + st.steps):
+        if i < st.warmup and variant in BATCH_VARIANTS:
+            draw_batch_and_filter(pool, recipe, st.chunk_prompts if variant == "today_chunked" else 0)
+            continue
+        if i == 0 < st.warmup and warm is not None:
+            key = (variant.replace("partial", "stream").replace("async_", "sync_"), model)
+            if key not in warm:
+                warm[key] = (one_step(variant, pool, recipe, model, [], st, partial=True)[1], copy.deepcopy(pool))
+            carried, after = warm[key]
+            pool, carry = copy.deepcopy(after), (carried if "partial" in variant else [])
+            continue
+        res, carry = one_step(variant, pool, recipe, model, carry, st, partial="partial" in variant)
+        if i >= st.warmup:
+            out.append(res)
+    return out
 
 
 def trainer_phases(trainer: Any, results: list[StepResult], prompt_len: int) -> list[tuple[float, float]]:
@@ -213,6 +244,8 @@ class Pricing:
     kv_colocated: int
     sync_s: float
     vllm_tp: int
+    warm: dict = field(default_factory=dict, compare=False, repr=False)
+    """First warm-up steps simulated so far, shared by the variants priced with this pricing (see :func:`generation`)."""
 
 
 def price_variant(variant: str, split: Any, p: Any, pr: Pricing, stage: Stage, k: int, st: Any) -> tuple[StepTime,
@@ -221,8 +254,9 @@ def price_variant(variant: str, split: Any, p: Any, pr: Pricing, stage: Stage, k
     kv = pr.kv_colocated if split is None else split.engine_memory.kv_tokens
     engines = pr.base.engines if split is None else split.engine_gpus // pr.vllm_tp
     model = EngineModel(engines, running_seqs(stage, pr.recipe, pr.lengths, kv, st, k), pr.base.t0, pr.base.t1)
+    warm = pr.warm.setdefault((k, stage, st.seed, st.order, st.max_staleness, st.stream_chunk, st.chunk_prompts), {})
     results = generation(variant, PromptPool(stage, pr.recipe.group_size, pr.lengths, seed=st.seed + k), pr.recipe,
-                         model, st)
+                         model, st, warm)
     trainer = p if split is None else split.trainer
     return step_times(variant, results, trainer, pr.sync_s if split is None else split.transfer_s, st.prompt_len), results
 

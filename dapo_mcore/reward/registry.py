@@ -10,10 +10,11 @@ before shipping them to a worker without changing any score.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from dapo_mcore.plugins import import_callable
 
 RewardFn = Callable[..., Any]
 
@@ -81,7 +82,7 @@ class ImportedReward:
 
     def __init__(self, path: str):
         self.path = path
-        self.fn = _import_callable(path)
+        self.fn = import_callable(path, "reward", "my_rewards:score")
 
     def __reduce__(self) -> tuple[Any, tuple[str]]:
         return ImportedReward, (self.path,)
@@ -94,23 +95,6 @@ class ImportedReward:
             return as_result(out)
         except TypeError as exc:
             raise TypeError(f"reward {self.path} {exc}") from None
-
-
-def _import_callable(path: str) -> Callable[..., Any]:
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"reward {path!r}: write package.module:function, e.g. my_rewards:score")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        raise ValueError(f"reward {path!r}: cannot import {module_name!r} ({exc}); install it, or put its directory "
-                         "on PYTHONPATH (e.g. PYTHONPATH=$PWD for a file in the current directory)") from exc
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        found = sorted(n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n)))
-        raise ValueError(f"reward {path!r}: {module_name} has no function {attr!r}; callables there: "
-                         f"{', '.join(found[:12]) or 'none'}")
-    return fn
 
 
 def import_reward(path: str) -> RewardSpec:

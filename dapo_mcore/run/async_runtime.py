@@ -56,6 +56,10 @@ def run_engine_ranks(cfg: Config, launch: LaunchEnv, bridge: Any) -> int:
     train_records = runtime._drop_long(train_records, tokenizer, cfg, "train", filter_by_length)
     eval_records = runtime._drop_long(eval_records, tokenizer, cfg, "eval", filter_by_length)
     engine = _build_engine(cfg, launch, role, hf_dir, hf_config, tokenizer, stops)
+    if cfg.rollout.tools.enabled:  # multi-turn tool rollouts: the tool pool runs on the engine ranks' CPUs
+        from dapo_mcore.run.tool_engine import tool_engine
+
+        engine = tool_engine(cfg, engine, tokenizer)
     closers: list = [engine.close]
     try:
         score = runtime.make_scorer(cfg.reward, closers)

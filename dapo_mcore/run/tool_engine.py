@@ -43,11 +43,6 @@ def tool_engine(cfg: Config, engine: Any, tokenizer: Any) -> Any:
         raise ConfigError(f"rollout.tools: the tokenizer cannot spell {codec.fmt.call_close!r} / "
                           f"{codec.fmt.result_open!r} (they encode to its unknown token); use a tokenizer that can "
                           "(the tiny default: tiny_base.preset=tiny-tools)")
-    if cfg.rollout.engine == "vllm" and len(codec.close_ids) > 1:
-        raise ConfigError(f"rollout.engine=vllm with rollout.tools: the tokenizer spells {codec.fmt.call_close!r} in "
-                          f"{len(codec.close_ids)} tokens {list(codec.close_ids)}, and VLLMEngine stops on single "
-                          "token ids only; give the markers tokens of their own (added tokens, learned in the cold-start "
-                          "fine-tuning) or use rollout.engine=hf")
     max_bytes = max(4096, OUTPUT_BYTES_PER_TOKEN * t.max_output_tokens)
     try:
         sandbox = Sandbox(timeout_s=t.timeout_s, memory_mb=t.memory_mb, max_output_bytes=max_bytes,

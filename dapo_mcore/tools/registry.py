@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from dapo_mcore.plugins import import_callable
+
 if TYPE_CHECKING:
     from dapo_mcore.tools.sandbox import Sandbox
 
@@ -107,7 +109,7 @@ def get_tool(name: str, sandbox: Sandbox | None = None) -> Tool:
     registered names. Raises ValueError (one line) for an unknown name or a tool that needs a sandbox and got none."""
     _load_builtins()
     if ":" in name:
-        return Tool(name, _import_tool(name))
+        return Tool(name, import_callable(name, "tool", "my_tools:lookup"))
     if name not in _TOOLS:
         raise ValueError(f"unknown tool {name!r}; registered: {', '.join(sorted(_TOOLS))}, or package.module:function "
                          "for your own")
@@ -124,20 +126,3 @@ def _load_builtins() -> None:
     """The built-in tools register themselves when their modules are imported."""
     importlib.import_module("dapo_mcore.tools.python_tool")
     importlib.import_module("dapo_mcore.tools.calculator")
-
-
-def _import_tool(path: str) -> ToolFn:
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"tool {path!r}: write package.module:function, e.g. my_tools:lookup")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        raise ValueError(f"tool {path!r}: cannot import {module_name!r} ({exc}); install it, or put its directory on "
-                         "PYTHONPATH (e.g. PYTHONPATH=$PWD for a file in the current directory)") from exc
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        found = sorted(n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n)))
-        raise ValueError(f"tool {path!r}: {module_name} has no function {attr!r}; callables there: "
-                         f"{', '.join(found[:12]) or 'none'}")
-    return fn

@@ -3,17 +3,18 @@
     python engine_checks.py OUT_DIR --tied 1 --logprobs processed            # one process, no torchrun
     torchrun --nproc_per_node 2 engine_checks.py OUT_DIR --tp 2              # TP=2
     torchrun --nproc_per_node 2 engine_checks.py OUT_DIR --tp 1              # DP=2 (each rank its own prompts,
-                                                                              # then one group with no prompt)
-    python engine_checks.py OUT_DIR --check prefix_cache                     # an awake update, as async does
+                                                                              # then one group with no prompt, then
+                                                                              # multi-turn tool rollouts)
 
 The engine is built the way a run builds it (``runtime.check_hardware`` + ``runtime._build_engine`` with the run's
 stop set, ``runtime.run_stop_tokens``, from
 examples/tiny_cpu_vllm.yaml) except in raw log-prob mode, which the trainer never asks for. Two Hugging Face models
 A and B (same shape, different weights) are the references: after each sync the engine must match the model it was
 given (greedy tokens exactly, log-probs within TOL of a plain forward), and a sync back to A must reproduce the
-first outputs bit for bit. The sync to B goes the way an async engine rank stages a version: only what vLLM's loaders
-read of each tensor at this rank during the first sync (``rollout.pipeline.host_shard``), handed back at full shape;
-B's outputs prove nothing it needed was dropped. Every check is an assert here; the numbers go to OUT_DIR/rank{r}.json for the test.
+first outputs bit for bit; the raw run then updates the awake engine as the async loop does (prefix_cache_check).
+The sync to B goes the way an async engine rank stages a version: only what vLLM's loaders read of each tensor at
+this rank during the first sync (``rollout.pipeline.host_shard``), handed back at full shape; B's outputs prove
+nothing it needed was dropped. Every check is an assert here; the numbers go to OUT_DIR/rank{r}.json for the test.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+
+from multiturn_checks import multiturn_checks  # noqa: E402  (next to this script)
 
 from dapo_mcore.config import load_config  # noqa: E402
 from dapo_mcore.data.tokenizer import build_tiny_tokenizer  # noqa: E402
@@ -100,8 +103,10 @@ def finish_counts(groups) -> dict[str, int]:
 
 def build(args, model_dir: Path, cfg: dict, world: int) -> VLLMEngine:
     if args.logprobs == "raw":
+        # room for prefix_cache_check's 40-token prefix; blocks of 32 tokens, so the prefix cache holds one
         options = VLLMEngineOptions(model_path=str(model_dir), tensor_parallel=args.tp, dtype="float32",
-                                    enforce_eager=True, logprobs="raw", max_model_len=64, max_prompt_len=32, seed=1)
+                                    enforce_eager=True, logprobs="raw", max_model_len=128, max_prompt_len=64, seed=1,
+                                    block_size=32)
         return VLLMEngine(options, cfg)
     run = load_config(str(ROOT / "examples" / "tiny_cpu_vllm.yaml"), [f"rollout.vllm.tensor_parallel={args.tp}"])
     run.validate(world)
@@ -190,30 +195,23 @@ def partial_checks(engine: VLLMEngine, prompts, sampled, first, greedy) -> dict:
     return res
 
 
-def prefix_cache_check(out: Path) -> None:
-    """The async engine loop's order: an awake engine (never put to sleep, no wake()) on model A generates prompts
-    sharing a 40-token prefix (a full 32-token block, so the prefix cache holds it), is updated to model B, and
-    generates again: greedy tokens must be Hugging Face B's and the log-probs B's forward's. With the cache left
-    stale the prefix's KV blocks are A's."""
-    cfg, (model_a, model_b) = make_models(True)
-    model_dir = out / "model_a"
-    model_a.save_pretrained(model_dir)
-    options = VLLMEngineOptions(model_path=str(model_dir), dtype="float32", enforce_eager=True, logprobs="raw",
-                                max_model_len=128, max_prompt_len=64, seed=1, block_size=32)
-    engine = VLLMEngine(options, cfg)
+def prefix_cache_check(engine: VLLMEngine, model_a, model_b) -> dict:
+    """The async engine loop's order: an awake engine (no sleep, no wake()) holding model A generates prompts sharing
+    a 40-token prefix (a full 32-token block, so the prefix cache holds it), is updated to model B, and generates
+    again: greedy tokens must be Hugging Face B's and the log-probs B's forward's. With the cache left stale the
+    prefix's KV blocks are A's. Leaves the engine holding B."""
     prefix = [1] + [3 + (i * 7) % 29 for i in range(39)]
     prompts = [prefix + tail for tail in ([3, 4], [5], [6, 7, 8])]
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=MAX_NEW, logprobs="raw")
-    items = [(k, v) for k, v in model_b.state_dict().items() if k != "lm_head.weight"]
+    tied = model_b.config.tie_word_embeddings
+    items = [(k, v) for k, v in model_b.state_dict().items() if not (tied and k == "lm_head.weight")]
     res = {"err_a": max_err(model_a, prompts, engine.generate(prompts, greedy), 1.0)}
     engine.update_weights([items[i:i + 9] for i in range(0, len(items), 9)])
     after = engine.generate(prompts, greedy)
     res["greedy_b_same"] = [g[0].token_ids for g in after] == [hf_greedy(model_b, p) for p in prompts]
     res["err_b"] = max_err(model_b, prompts, after, 1.0)
-    (out / "rank0.json").write_text(json.dumps(res))
-    engine.close()
     assert res["err_a"] < TOL and res["err_b"] < TOL and res["greedy_b_same"], res
-    print(f"prefix cache: ok {json.dumps(res)}")
+    return res
 
 
 def main() -> None:
@@ -222,11 +220,8 @@ def main() -> None:
     ap.add_argument("--tied", type=int, default=1)
     ap.add_argument("--logprobs", choices=("processed", "raw"), default="processed")
     ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--check", choices=("engine", "prefix_cache"), default="engine")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    if args.check == "prefix_cache":
-        return prefix_cache_check(args.out)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         dist.init_process_group("gloo")  # the trainer's order: its gloo world exists before vLLM joins it
@@ -292,6 +287,13 @@ def main() -> None:
         solo = engine.generate(mine, sampled)
         res["empty_group_ok"] = len(solo) == len(mine) and all(len(g) == sampled.n for g in solo)
         assert res["empty_group_ok"], solo
+        # Multi-turn tool rollouts, each group its own prompts: a two-token </code> (stepped requests cut on the
+        # returned ids), the turns kept in step across the groups (multiturn_checks.py asserts everything).
+        t0 = time.perf_counter()
+        res["multiturn"] = multiturn_checks(engine, model_a, prompts, EOS, ref_logprobs)
+        res["multiturn"]["seconds"] = round(time.perf_counter() - t0, 2)
+    if world == 1 and args.logprobs == "raw":  # one engine start for both: the prefix check needs no other setup
+        res["prefix_cache"] = prefix_cache_check(engine, model_a, model_b)
     for key in ("lp_err_a", "greedy_err_a", "lp_err_b"):
         assert res[key] < TOL, (key, res[key])
     assert res["greedy_changed"] and res["restored_bitwise"], res

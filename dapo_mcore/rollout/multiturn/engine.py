@@ -12,6 +12,10 @@ What a response carries: every token (the model's and the tool's), the engine's 
 NaN for each tool token, ``loss_mask`` (False on tool tokens: they count in no loss, denominator or metric),
 ``tool_calls`` and ``tool_errors``.
 
+Engines that step together (``groups_step_together``: vLLM's data-parallel engines, one per engine group) run the
+same number of turns: the turn loop goes on while any group has a live response (``any_group_busy``), a group with
+none calling the engine with no prompts.
+
 Determinism: which responses a turn decodes, and that turn's seed (``params.seed`` and the turn's number), depend
 on the data alone, never on how fast a tool answered, so every rank of a run samples the same batch and a resumed
 run samples the same tokens again (tool outputs being deterministic functions of the code).
@@ -101,7 +105,7 @@ class MultiTurnEngine:
         turn_params = dataclasses.replace(params, n=1, stop_sequences=stops)
         live = list(range(len(rows)))
         turn = 0
-        while live:
+        while self._more_turns(bool(live)):
             seed = None if params.seed is None else (params.seed + _TURN_SEED_STRIDE * turn) % 2**62
             self._turn(rows, live, dataclasses.replace(turn_params, seed=seed))
             live = self._after_turn(rows, live, params.max_new_tokens)
@@ -109,6 +113,14 @@ class MultiTurnEngine:
         with_lp = params.logprobs != "none"
         flat = [r.response(with_lp) for r in rows]
         return [flat[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
+
+    def _more_turns(self, mine: bool) -> bool:
+        """Another turn: this engine has live responses (``mine``) or, where engine groups step together (vLLM's
+        data-parallel engines), any group has; a group with none then runs the turn with no prompts (its engine
+        steps with the others) until every group is done."""
+        if getattr(self.engine, "groups_step_together", False):
+            return bool(self.engine.any_group_busy(mine))
+        return mine
 
     def _continue(self, prompts: list[list[int]], prefixes: list[list[int]], params: SamplingParams
                   ) -> Iterator[tuple[int, Response]]:

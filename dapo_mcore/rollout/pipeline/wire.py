@@ -3,7 +3,8 @@
 A message from the engines (``rollout.pipeline.async_engines``) holds every response of the step: pickled as Python
 lists that is ~5 bytes a token id and 9 a log-prob, plus pickle's per-item framing. Here the responses' token ids
 travel as one int32 tensor and their log-probs as one float32 tensor (what the engines computed them in), and only the
-rest (records, scores, counts, each response's lengths and finish reason) is pickled. ``benchmarks/bridge_bytes.py``
+rest (records, scores, counts, each response's lengths and finish reason, and with tool use its loss mask as run
+lengths and its tool counts) is pickled. ``benchmarks/bridge_bytes.py``
 measures both at the 32B recipe's shape.
 
 A group that appears twice in a message (a kept group is also among the generated ones) travels once and is one
@@ -72,6 +73,29 @@ def _route_shape(r: Response, routes: bool) -> tuple[int, ...] | None:
     return tuple(r.routed_experts.shape) if routes and r.routed_experts is not None else None
 
 
+def _tool_columns(r: Response) -> tuple[int, int, list[int]] | None:
+    """Multi-turn tool use: (tool_calls, tool_errors, the loss mask as run lengths, alternately True and False from
+    a True run, which may be empty); None for a response without a loss mask."""
+    if r.loss_mask is None:
+        return None
+    runs, value, n = [], True, 0
+    for m in r.loss_mask:
+        if bool(m) != value:
+            runs.append(n)
+            value, n = not value, 0
+        n += 1
+    runs.append(n)
+    return r.tool_calls, r.tool_errors, runs
+
+
+def _tool_fields(columns: tuple[int, int, list[int]] | None) -> dict[str, Any]:
+    if columns is None:
+        return {}
+    calls, errors, runs = columns
+    mask = [k % 2 == 0 for k, n in enumerate(runs) for _ in range(n)]
+    return {"loss_mask": mask, "tool_calls": calls, "tool_errors": errors}
+
+
 def pack(message: dict[str, Any], routes: bool = True) -> Packed:
     """``message`` (a batch, an evaluation or an error) as a Packed; its routed experts only with ``routes``."""
     groups = _groups(message)
@@ -81,7 +105,7 @@ def pack(message: dict[str, Any], routes: bool = True) -> Packed:
     shapes, swap = [], {}
     for g in groups:
         shapes.append([(len(r.token_ids), len(r.logprobs), r.finish_reason, r.stale_tokens, _route_shape(r, routes),
-                        r.versions) for r in g.responses])
+                        r.versions, _tool_columns(r)) for r in g.responses])
         for r in g.responses:
             ids += r.token_ids
             lps += r.logprobs
@@ -102,14 +126,14 @@ def unpack(packed: Packed) -> dict[str, Any]:
     table = packed.routes.contiguous().view(torch.int16)
     at_id = at_lp = at_route = 0
     for g, shape in zip(_groups(message), shapes, strict=True):
-        for n_ids, n_lps, finish, stale, route_shape, versions in shape:
+        for n_ids, n_lps, finish, stale, route_shape, versions, *tools in shape:  # no tools: a message from before
             routed = None
             if route_shape is not None:
                 n = int(torch.Size(route_shape).numel())
                 routed = table[at_route:at_route + n].reshape(route_shape).clone()
                 at_route += n
             g.responses.append(Response(ids[at_id:at_id + n_ids], lps[at_lp:at_lp + n_lps], finish, stale, routed,
-                                        versions))
+                                        versions, **_tool_fields(tools[0] if tools else None)))
             at_id, at_lp = at_id + n_ids, at_lp + n_lps
     if (at_id, at_lp, at_route) != (len(ids), len(lps), table.numel()):
         raise ValueError(f"a packed message holds {len(ids)} token ids, {len(lps)} log-probs and {table.numel()} "
