@@ -8,8 +8,13 @@ each call runs one fixed line of Python in a fresh sandboxed interpreter (what a
 baseline answers every call instantly with the same output, so both runs sample the same tokens (asserted) and differ
 only in the time tools take. The multi-turn loop starts a call as soon as its
 response's turn ends and keeps decoding the others (``MultiTurnEngine``), so the ratio shows how much of the tools'
-time generation hides. ``--repeats`` pairs, each a real run followed at once by its zero-time run (so a pair shares
-the machine's load of the moment); the headline is the median over the pairs of real / zero-time.
+time generation hides. ``--repeats`` pairs, each a real run and its zero-time run back to back (so a pair shares the
+machine's load of the moment), the real run first in even pairs and second in odd ones (a load that rises or falls
+through a pair counts against each side as often); the headline is the median over the pairs of real / zero-time.
+
+The difference between the two walls has two parts, reported apart: the seconds the rollout stood waiting for calls
+after its decoding had run out of work (``ToolCounters.waited``: tool time the overlap did not hide), and the rest,
+decoding slowed down by the calls' own CPU work (interpreter start-up, the code) on the cores it shares with them.
 
 ``--engine vllm`` runs the same on vLLM (its CPU build in its own virtualenv on a CPU machine; ``VLLMEngine``, one
 process): each turn's requests are stepped and a response is handed out (and its call started) as it ends.
@@ -99,7 +104,7 @@ def main() -> None:
     ap.add_argument("--max-calls", type=int, default=2)
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--sandbox", choices=("bwrap", "none"), default="bwrap")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--engine", choices=("hf", "vllm"), default="hf")
     ap.add_argument("--smoke", action="store_true",
                     help="2 prompts x 2, 32 tokens, a 1-layer hidden-32 model, one pair (the same loop; run in CI)")
@@ -131,28 +136,36 @@ def main() -> None:
     run(engine, tokenizer, real, prompts, params, args.workers, args.max_calls)  # warm-up
     walls: dict[str, list[float]] = {"real": [], "zero": []}
     tokens = calls = 0
-    tool_s = []
-    for _ in range(args.repeats):
-        w_real, out_real, c = run(engine, tokenizer, real, prompts, params, args.workers, args.max_calls)
-        w_zero, out_zero, _ = run(engine, tokenizer, zero_time, prompts, params, args.workers, args.max_calls)
-        assert out_real == out_zero, "the zero-time run sampled other tokens"
-        walls["real"].append(w_real)
-        walls["zero"].append(w_zero)
-        tool_s.append(c.seconds)
-        calls = c.calls
-        tokens = sum(r.length for g in out_real for r in g)
+    tool_s, waited = [], []
+    load = os.getloadavg()[0]
+    for i in range(args.repeats):
+        order = ("real", "zero") if i % 2 == 0 else ("zero", "real")
+        outs = {}
+        for kind in order:
+            wall, outs[kind], c = run(engine, tokenizer, real if kind == "real" else zero_time, prompts, params,
+                                      args.workers, args.max_calls)
+            walls[kind].append(wall)
+            if kind == "real":
+                tool_s.append(c.seconds)
+                waited.append(c.waited)
+                calls = c.calls
+        assert outs["real"] == outs["zero"], "the zero-time run sampled other tokens"
+        tokens = sum(r.length for g in outs["real"] for r in g)
     real_s, zero_s = statistics.median(walls["real"]), statistics.median(walls["zero"])
     print(f"{args.engine} engine, {len(prompts)} prompts x {args.n}, {tokens} tokens ({calls} tool calls), model "
           f"hidden {args.hidden} x {args.layers} layers, {args.workers} tool workers, sandbox {args.sandbox}, "
-          f"{os.cpu_count()} CPUs")
+          f"{os.cpu_count()} CPUs, load average {load:.1f} -> {os.getloadavg()[0]:.1f}")
     print(f"wall with tools      {real_s:.3f} s (runs: {', '.join(f'{w:.3f}' for w in walls['real'])})")
     print(f"wall zero-time tools {zero_s:.3f} s (runs: {', '.join(f'{w:.3f}' for w in walls['zero'])})")
-    hidden_share = 1 - (real_s - zero_s) / max(statistics.median(tool_s), 1e-9)
-    print(f"tool seconds (calls summed) {statistics.median(tool_s):.3f} s, {statistics.median(tool_s) / max(calls, 1):.3f}"
-          f" s a call; share hidden behind decoding {hidden_share:.2f}")
+    tools_med, waited_med = statistics.median(tool_s), statistics.median(waited)
+    print(f"tool seconds (calls summed) {tools_med:.3f} s, {tools_med / max(calls, 1):.3f} s a call; waited on "
+          f"after decoding {waited_med:.3f} s (runs: {', '.join(f'{w:.3f}' for w in waited)}): "
+          f"{waited_med / max(zero_s, 1e-9):.3f} of the zero-time wall")
     pairs = [r / z for r, z in zip(walls["real"], walls["zero"], strict=True)]
+    decode = [(r - w) / z for r, w, z in zip(walls["real"], waited, walls["zero"], strict=True)]
     print(f"per pair real / zero-time: {', '.join(f'{x:.3f}' for x in pairs)}; ratio of the medians "
-          f"{real_s / zero_s:.3f}")
+          f"{real_s / zero_s:.3f}; without the wait (decoding slowed by the calls' CPU work): "
+          f"{statistics.median(decode):.3f}")
     if args.engine == "vllm":
         engine.close()
     tmp.cleanup()

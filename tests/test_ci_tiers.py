@@ -4,6 +4,7 @@ with the skip reasons, a failing or skipping tier failing the run. The framework
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -132,9 +133,14 @@ def test_no_test_module_skips_at_import_time():
 
 
 def test_the_summary_puts_the_total_against_the_budget(tmp_path):
-    repo = _fake_checkout(tmp_path, {"10-a.sh": "sleep 1\n"})
-    total = _summary(_ci(repo, CI_TIERS="10-*"))[-1]
-    assert total.startswith("total") and " s  pass  (0.0 min of 50; margin 50.0 min)" in total, total
+    spin = (f"{sys.executable} -c 'import time\nt = time.process_time()\nwhile time.process_time() - t < 1.5: pass'\n")
+    repo = _fake_checkout(tmp_path, {"10-a.sh": "sleep 1\n", "20-spin.sh": spin})
+    summary = _summary(_ci(repo, CI_TIERS="[12]0-*"))
+    total = summary[-1]
+    assert total.startswith("total") and re.search(r" s  pass  \(0\.\d min of 50; margin (50\.0|49\.\d) min\)", total), total
+    cpu = {ln.split()[0]: int(ln.split("(cpu ")[1].split()[0]) for ln in summary if "(cpu " in ln}
+    assert cpu["10-a"] <= 1 and 1 <= cpu["20-spin"] <= 4 and cpu["total"] >= cpu["20-spin"], summary
+    assert total.endswith(" cores on average)"), total
     total = _summary(_ci(repo, CI_TIERS="10-*", CI_BUDGET_MIN="0"))[-1]
     assert "min of 0; OVER by 0.0 min)" in total, total
 
@@ -235,7 +241,7 @@ def test_a_beside_main_tier_runs_during_the_main_suite_after_the_installs(tmp_pa
     assert main.split()[3] == "pass", proc.stdout  # the stand-in suite saw the beside tier start while it ran
     beside = [ln for ln in summary if ln.startswith(("40-beside", "50-beside-fails"))]
     assert all(ln.endswith("  (beside the main suite)") for ln in beside), beside
-    assert not next(ln for ln in summary if ln.startswith("10-after")).endswith(")"), summary
+    assert not next(ln for ln in summary if ln.startswith("10-after")).endswith("(beside the main suite)"), summary
     text = "\n".join(summary)
     assert "  its own step" in text and "  40-beside: all its installs" in text
     # each beside tier's whole output, once, after the main suite's, with its exit line
@@ -245,12 +251,30 @@ def test_a_beside_main_tier_runs_during_the_main_suite_after_the_installs(tmp_pa
     assert "::: 50-beside-fails: exit 3 after" in out and "(beside the main suite)" in out
 
 
+def test_an_at_once_tier_runs_from_the_start_of_the_suite_beside_the_other_lane(tmp_path):
+    """A "# ci-beside-main-at-once:" tier starts once the main step's pip is done, in a lane of its own: it runs
+    while the other lane's installs are still going (it does not wait for them) and is collected like them."""
+    slow_install = ("install() {\n    ci_step 'slow install' bash -c 'sleep 4; touch installs-done'\n}\n"
+                    "ci_install install\n")
+    repo = _fake_checkout(tmp_path, {
+        "30-lane.sh": BESIDE + slow_install + "true\n",
+        "40-waits.sh": "# ci-beside-main-at-once: a stand-in\n"
+                       "[[ ! -f installs-done ]] && touch beside-started && echo at-once ran\n",
+    })
+    proc = _with_main(repo, tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr  # the suite saw it start, before the installs ended
+    summary = _summary(proc)
+    assert _status(summary) == {"30-lane": "pass", "40-waits": "pass", "total": "pass"}, summary
+    assert next(ln for ln in summary if ln.startswith("40-waits")).endswith("  (beside the main suite)"), summary
+    assert proc.stdout.count("at-once ran") == 1 and "40-waits: beside the main suite, from its start" in proc.stdout
+
+
 def test_ci_beside_0_runs_a_beside_main_tier_in_order_after_the_main_suite(tmp_path):
     repo = _fake_checkout(tmp_path, {"40-beside.sh": BESIDE + "touch beside-started\n"})
     proc = _with_main(repo, tmp_path, CI_BESIDE="0", CI_FAKE_MAIN_WAIT="1")
     summary = _summary(proc)
     main = next(ln for ln in summary if ln.startswith("main "))
-    assert main.split(None, 3)[3] == "FAIL (exit 1)", proc.stdout  # the tier did not run during the suite
+    assert main.split(None, 3)[3].split("  (")[0] == "FAIL (exit 1)", proc.stdout  # the tier did not run during the suite
     assert _status(summary)["40-beside"] == "pass", proc.stdout
     assert proc.stdout.index("::: main: exit 1") < proc.stdout.index("::: 40-beside:")
     assert "beside the main suite" not in proc.stdout

@@ -62,8 +62,10 @@ class ScriptedEngine:
 
     weights_valid = True
 
-    def __init__(self, scripts: dict[int, str], stream: bool = False, events: list | None = None) -> None:
+    def __init__(self, scripts: dict[int, str], stream: bool = False, events: list | None = None,
+                 pause: float = 0.05) -> None:
         self.scripts = {k: encode(v) + [EOS] for k, v in scripts.items()}
+        self.pause = pause
         self.calls: list[tuple[list[list[int]], list[list[int]], SamplingParams]] = []
         self.events = events if events is not None else []
         if stream:
@@ -92,7 +94,7 @@ class ScriptedEngine:
         for k in sorted(range(len(outs)), key=lambda k: len(outs[k].token_ids)):  # shortest turn ends first
             self.events.append(("ended", prompts[k][0]))
             yield k, outs[k]
-            time.sleep(0.05)  # the others are still decoding
+            time.sleep(self.pause)  # the others are still decoding
 
 
 def calc_tool(text: str) -> ToolOutput:
@@ -286,3 +288,139 @@ def test_vllm_requests_take_one_token_stop_sequences_and_leave_longer_ones_to_th
     longer = SamplingParams(stop_token_ids=(9,), stop_sequences=((31, 32), (30,)))
     _, sampling = build_requests([[1, 2]], longer, "processed")
     assert sampling[0]["stop_token_ids"] == [9, 30] and stops_on_sequences(longer)
+
+
+# ---------------------------------------------------------------- streaming and partial rollouts
+
+
+def _same(a, b) -> bool:
+    """Responses equal field by field, NaN log-probs (tool tokens) equal to NaN."""
+    def key(r):
+        return (r.token_ids, [None if math.isnan(x) else x for x in r.logprobs], r.finish_reason, r.loss_mask,
+                r.tool_calls, r.tool_errors)
+    return key(a) == key(b)
+
+
+SCRIPTS = {1: "<code>6*7</code>so 42", 2: "a long first turn, no call at all", 3: "<code>2</code>b<code>3</code>c",
+           4: "<code>1</code><code>2</code><code>x</code>d"}
+
+
+def test_the_stream_hands_out_what_generate_gives():
+    whole = make(ScriptedEngine(SCRIPTS))[0].generate([[k] for k in SCRIPTS], params(n=2))
+    stream = make(ScriptedEngine(SCRIPTS, stream=True, pause=0.0))[0].stream([[k] for k in SCRIPTS], params(n=2))
+    got = dict(iter(stream))
+    assert sorted(got) == [0, 1, 2, 3]
+    assert all(_same(a, b) for i, g in enumerate(whole) for a, b in zip(g, got[i], strict=True))
+
+
+@pytest.mark.parametrize("max_calls", [1, 2, 4])
+def test_resumed_from_any_point_a_response_is_the_whole_one(max_calls):
+    """Cut anywhere an abort can cut (after any model token, so also right after a </code> whose call had not
+    answered, or after a whole tool output): resumed and joined it is the uninterrupted response, exactly, tool
+    columns, counts and max_calls included."""
+    from dapo_mcore.rollout.scheduling.partial import join
+
+    for key, script in SCRIPTS.items():
+        full = make(ScriptedEngine({key: script}), max_calls=max_calls)[0].generate([[key]], params())[0][0]
+        cuts = [c for c in range(len(full.token_ids)) if c == 0 or full.loss_mask[c - 1] or full.loss_mask[c]]
+        for c in cuts:
+            ends = [j + 1 for j in range(c) if not full.loss_mask[j] and full.loss_mask[j + 1]]  # whole tool outputs
+            starts = [max([0] + [k for k in range(j) if full.loss_mask[k]]) + 1 for j in ends]
+            errors = sum("Error" in decode(full.token_ids[a:b]) for a, b in zip(starts, ends, strict=True))
+            prefix = Response(full.token_ids[:c], full.logprobs[:c], "length", loss_mask=full.loss_mask[:c],
+                              tool_calls=len(ends), tool_errors=errors, versions=[(0, c)])
+            mt, pool = make(ScriptedEngine({key: script}), max_calls=max_calls)
+            tail = mt.resume([[key]], [prefix], params())[0]
+            assert _same(join(prefix, tail, 1), full), (key, c)
+            assert pool.take_counters().calls == full.tool_calls - len(ends)
+
+
+def test_aborted_during_a_call_the_group_is_kept_and_resumes_exactly():
+    """Prompt 1's turn ends in </code> first (its call starts), prompt 2 then ends: the consumer has what it needs
+    and aborts while prompt 1's call is in flight. The kept partial stops at the </code> with no call counted; the
+    call is given up (its late answer is never read); resumed, prompt 1 runs the call and is the whole response."""
+    from dapo_mcore.rollout.scheduling.partial import join
+
+    release = threading.Event()
+    started: list[str] = []
+
+    def slow(text: str) -> ToolOutput:
+        started.append(text)
+        release.wait(5)
+        return ToolOutput(str(eval(text, {}, {})))
+
+    scripts = {1: "<code>6*7</code>so 42", 2: "a longer turn than the first"}
+    mt, pool = make(ScriptedEngine(scripts, stream=True), tool=slow)
+    stream = mt.stream([[1], [2]], params())
+    first = next(iter(stream))
+    assert first[0] == 1 and started == ["6*7"]
+    assert stream.abort(keep_partial=True) == 0
+    release.set()
+    (kept,) = stream.partials()
+    r = kept.responses[0]
+    assert kept.index == 0 and kept.done == [False]
+    assert decode(r.token_ids) == "<code>6*7</code>" and r.tool_calls == 0 and r.loss_mask == [True] * r.length
+    assert pool.take_counters().calls == 0
+    r.versions = [(0, r.length)]
+    tail = mt.resume([[1]], [r], params())[0]
+    whole = make(ScriptedEngine(scripts))[0].generate([[1]], params())[0][0]
+    assert _same(join(r, tail, 1), whole) and tail.tool_calls == 1
+
+
+def test_aborting_drops_what_the_groups_in_flight_had():
+    mt, _ = make(ScriptedEngine({1: "<code>1</code>x", 2: "a longer turn than the first"}, stream=True))
+    stream = mt.stream([[1], [2]], params(n=2))
+    assert next(iter(stream))[0] == 1
+    # group 0's two responses each had their first turn (4 tokens: <code>1</code>) before the abort
+    assert stream.abort() == 2 * len(encode("<code>1</code>")) and stream.partials() == []
+
+
+def test_the_rollout_side_continues_buffered_tool_responses_whole():
+    """ColocatedRollouts hands a multi-turn engine the buffered Responses themselves (their loss mask and call
+    counts), not only their token ids: continued, each is the uninterrupted response, tool columns included."""
+    from types import SimpleNamespace
+
+    from dapo_mcore.config import load_config
+    from dapo_mcore.rollout.pipeline.colocated import ColocatedRollouts
+    from dapo_mcore.rollout.protocol import PartialGroup
+    from dapo_mcore.rollout.scheduling.partial import Buffered
+    from dapo_mcore.telemetry.timers import PhaseTimer
+
+    scripts = {1: "<code>6*7</code>so 42", 4: "<code>1</code><code>2</code><code>x</code>d"}
+    whole = make(ScriptedEngine(scripts), max_calls=2)[0].generate([[1], [4]], params())
+    # prompt 1 aborted during its call; prompt 4 after its second (last allowed) call: its third </code> runs nothing
+    cuts = (len(encode("<code>6*7</code>")), len(encode("<code>1</code><interpreter>1</interpreter><code>2</code>"
+                                                        "<interpreter>2</interpreter>")))
+    partials = []
+    for (r,), c in zip(whole, cuts, strict=True):
+        partials.append(Response(r.token_ids[:c], r.logprobs[:c], "length", loss_mask=r.loss_mask[:c],
+                                 tool_calls=sum(1 for j in range(c) if not r.loss_mask[j] and r.loss_mask[j + 1]),
+                                 versions=[(0, c)]))
+    records = [SimpleNamespace(ground_truth="42", prompt=[k]) for k in scripts]
+    verdict = SimpleNamespace(score=1.0, acc=True, pred="42")
+    side = ColocatedRollouts(load_config("examples/tiny_cpu.yaml"), engine=make(ScriptedEngine(scripts), max_calls=2)[0],
+                             scheduler=SimpleNamespace(sampler=SimpleNamespace(records=records)),
+                             tokenizer=SimpleNamespace(decode=lambda ids, **_: decode(ids)),
+                             score=lambda texts, truths: [verdict] * len(texts), encode_prompt=lambda rec: rec.prompt,
+                             timer=PhaseTimer())
+    groups = side._resume_and_score([Buffered(i, PartialGroup(0, [p], [False]), 0) for i, p in enumerate(partials)],
+                                    SamplingParams(n=1, max_new_tokens=200, seed=3), 0, version=1)
+    for g, (w,), p in zip(groups, whole, partials, strict=True):
+        (r,) = g.responses
+        assert _same(r, w) and r.stale_tokens == p.length and r.versions == [(0, p.length), (1, w.length - p.length)]
+
+
+def test_the_wait_for_calls_after_decoding_is_counted():
+    """A call made at the very end of a turn is waited for before the next turn: the pool counts that wait (the tool
+    time decoding did not hide) apart from the calls' own seconds."""
+    def slow(text: str) -> ToolOutput:
+        time.sleep(0.4)
+        return ToolOutput(text)
+
+    mt, pool = make(ScriptedEngine({1: "<code>1</code>x"}, stream=True, pause=0.0), tool=slow)
+    start = time.monotonic()
+    mt.generate([[1]], params())
+    wall = time.monotonic() - start
+    c = pool.take_counters()
+    assert c.calls == 1 and 0.1 < c.waited <= wall and c.seconds >= 0.4
+    assert pool.take_counters().waited == 0.0

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from dapo_mcore.rollout import HFEngine, SamplingParams
+from dapo_mcore.rollout import HFEngine, Response, SamplingParams
 from dapo_mcore.rollout.multiturn import MultiTurnEngine, ToolCodec, ToolFormat, ToolPool
 from dapo_mcore.telemetry.rollout_store import ROLLOUTS_DIR, Rollout, RolloutReader, RolloutStore
 from dapo_mcore.tools.registry import ToolOutput
@@ -180,3 +180,38 @@ def test_engine_groups_share_the_tool_columns():
     assert got[0].token_ids == [5, 6, 7, 8] and got[0].loss_mask == [True, False, False, True]
     assert (got[0].tool_calls, got[0].tool_errors) == (1, 1) and math.isnan(got[0].logprobs[1])
     assert got[1].loss_mask is None and got[1].tool_calls == 0 and got[1].token_ids == [3]
+
+
+def test_a_closed_resume_stream_keeps_what_each_row_had_decoded(model):
+    """Partial rollouts abort a turn mid-decode: every row not handed out keeps exactly the tokens (and log-probs) the
+    uninterrupted call gives it first, and says whether it had ended; a chunk not started has none."""
+    engine = HFEngine(model, eos_token_ids=EOS, pad_token_id=0, max_batch_rows=3)
+    prefixes = [[11, 12], [], [13, 14, 15, 16], [17]]
+    params = SamplingParams(n=1, max_new_tokens=20, temperature=1.0, seed=9)
+    whole = engine.resume(PROMPTS, prefixes, params)
+    stream = engine.resume_stream(PROMPTS, prefixes, params)
+    handed = dict([next(iter(stream))])
+    stream.close()
+    left = stream.unfinished()
+    assert sorted([*handed, *left]) == [0, 1, 2, 3] and left[3] == (Response([], [], "length"), False)
+    (first,) = handed.values()
+    for i, (r, ended) in left.items():
+        assert r.token_ids == whole[i].token_ids[:r.length] and r.logprobs == whole[i].logprobs[:r.length]
+        assert ended == (r.length == whole[i].length) and r.length == (0 if i == 3 else first.length)
+
+
+def test_a_stop_sequence_may_begin_in_the_prefix(model):
+    """A response cut inside a two-token ``</code>`` and continued stops where the whole one stops: after the one
+    token that completes the sequence."""
+    engine = HFEngine(model, eos_token_ids=EOS, pad_token_id=0)
+    longer = 0
+    for s in range(4):
+        params = SamplingParams(n=1, max_new_tokens=12, temperature=1.5, seed=s)
+        prompt, prefix = PROMPTS[s % 4], [11, 12, 13 + s]
+        free = engine.resume([prompt], [prefix], params)[0]
+        longer += free.length > 1  # the old check (new tokens only) would not have stopped these
+        cut = dataclasses.replace(params, stop_sequences=((prefix[-1], free.token_ids[0]),))
+        whole = engine.resume([prompt], [prefix], cut)[0]
+        assert whole.token_ids == free.token_ids[:1] and whole.finish_reason == "stop"
+        assert dict(iter(engine.resume_stream([prompt], [prefix], cut)))[0] == whole
+    assert longer >= 2

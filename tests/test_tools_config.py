@@ -22,13 +22,17 @@ def test_tools_off_by_default_and_on_validates():
     ("rollout.tools.memory_mb=8", "rollout.tools.memory_mb=8"),
     ("rollout.tools.pool_size=-1", "rollout.tools.pool_size=-1"),
     ("rollout.tools.max_output_tokens=64", "leaves no room"),
-    ("rollout.schedule.streaming=true", "rollout.schedule.streaming=false"),
 ])
 def test_refusals_name_the_setting(override, needle):
     cfg = load_config("examples/tiny_cpu.yaml", BASE + [override])
     with pytest.raises(ConfigError) as err:
         cfg.validate_layout(1)
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_streaming_and_partial_rollouts_run_with_tools():
+    load_config("examples/tiny_cpu.yaml", BASE + ["rollout.schedule.streaming=true", "rollout.schedule.partial=true",
+                                                  "algo.tis_cap=2.0"]).validate_layout(1)
 
 
 def test_tools_run_in_the_async_pipeline():

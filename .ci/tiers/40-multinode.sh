@@ -8,10 +8,11 @@
 # ~6-8 min on 2 cores (361 s at load ~3.5; each job's start-up, mostly `import torch`, dominates; the
 # node-failure requeue waits out Slurm's ~2 min hold). The mid-checkpoint kill (same assertions, another ~4 min) is left to a by-hand run:
 #   DAPO_MCORE_MULTINODE=1 .venv/bin/python -m pytest -q tests/test_slurm_multinode.py
-# ci-beside-main: it mostly waits (Slurm's requeue hold, the 30 s hang timeout, node-failure detection): 150 CPU-s
+# ci-beside-main-at-once: it mostly waits (Slurm's requeue hold, the 30 s hang timeout, node-failure detection): 150 CPU-s
 # in 550-670 s here (0.22-0.27 cores on a 2-core machine). It shares nothing with the main suite's
 # tests: its own Slurm, munged, key, ports and subnet inside network namespaces (the main suite's local Slurm stays
-# in the root namespace), its own lock. It needs only the main .venv, built before the lane starts.
+# in the root namespace), its own lock. It needs only the main .venv (built before the lanes start) and no tier
+# install, so it runs from the start of the suite in a lane of its own instead of after the other lane's tiers.
 set -euo pipefail
 source .ci/lib.sh
 

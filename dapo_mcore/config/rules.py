@@ -355,19 +355,17 @@ def _validate_staging(cfg: Config, lead: int) -> None:
 
 
 def validate_tools(cfg: Config) -> None:
-    """``rollout.tools``: its own ranges, then the schedules multi-turn rollouts do not run under (yet)."""
+    """``rollout.tools``: its own ranges, then the one combination multi-turn rollouts do not run under: routing
+    replay (the routes of tool tokens would have to come from the next turn's prefill). Every engine and schedule
+    runs: the transformers engine and vLLM, colocated and async, streaming and partial rollouts."""
     t, r = cfg.rollout.tools, cfg.rollout
     t.validate()
     if not t.enabled:
         return
-    refused = [(r.schedule.streaming, "rollout.schedule.streaming", "rollout.schedule.streaming=false"),
-               (r.schedule.partial, "rollout.schedule.partial", "rollout.schedule.partial=false"),
-               (cfg.algo.router_replay != "none", f"algo.router_replay={cfg.algo.router_replay}",
-                "algo.router_replay=none")]
-    for bad, what, fix in refused:
-        if bad:
-            raise ConfigError(f"rollout.tools.enabled with {what}: multi-turn tool rollouts run without streaming, "
-                              f"partial rollouts or routing replay; set {fix} or rollout.tools.enabled=false")
+    if cfg.algo.router_replay != "none":
+        raise ConfigError(f"rollout.tools.enabled with algo.router_replay={cfg.algo.router_replay}: multi-turn tool "
+                          "rollouts run without routing replay; set algo.router_replay=none or "
+                          "rollout.tools.enabled=false")
     if t.max_output_tokens >= r.max_new_tokens:
         raise ConfigError(f"rollout.tools.max_output_tokens={t.max_output_tokens} leaves no room for the model in "
                           f"rollout.max_new_tokens={r.max_new_tokens}; lower it (ReTool: a few hundred of 16384)")

@@ -24,11 +24,11 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from dapo_mcore.rollout.correction.routes import RouteRecorder
+from dapo_mcore.rollout.engines.hf_streams import _HFGroupStream, _HFResumeStream
 from dapo_mcore.rollout.engines.sampling import sample_next
 from dapo_mcore.rollout.engines.weight_sync import SyncTracker
 from dapo_mcore.rollout.protocol import (
     EngineError,
-    PartialGroup,
     Response,
     SamplingParams,
     WeightBucket,
@@ -150,11 +150,13 @@ class HFEngine:
         return self.routes.rows(rows, lens)
 
     def _decode(self, prompts: list[list[int]], params: SamplingParams, stop_ids: Tensor,
-                generator: torch.Generator, budgets: Tensor | None = None,
+                generator: torch.Generator, budgets: Tensor | None = None, carry: Tensor | None = None,
                 ) -> Iterator[tuple[Tensor, Tensor, Tensor, Tensor, list[int]]]:
         """The decoding loop; after each token step yields ``(tokens, logps, n_gen, stopped, finished)`` where
         ``finished`` lists the rows (prompt i's sample j is row i*n+j) that ended at this step. ``budgets`` (one per
-        row, <= max_new_tokens) ends a row after that many tokens (``resume``); None = max_new_tokens for all."""
+        row, <= max_new_tokens) ends a row after that many tokens (``resume``); None = max_new_tokens for all.
+        ``carry`` (``resume``: each row's last prefix tokens, -1 where it has fewer) lets a stop sequence begin in
+        the prefix: a response cut inside ``</code>`` and continued still stops where the whole one would have."""
         input_ids, mask, lens = self._left_pad(prompts)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         rec = self.routes if self.routes.active else None
@@ -181,9 +183,12 @@ class HFEngine:
             tok, lp = sample_next(logits, params, generator)
             tokens[active, t], logps[active, t], n_gen[active] = tok, lp.to(logps.dtype), t + 1
             hit = torch.isin(tok, stop_ids)
-            for seq in sequences:  # a stop sequence ends a row when its newest tokens (of this call) equal it
+            for seq in sequences:  # a stop sequence ends a row when its newest tokens equal it
                 if t + 1 >= len(seq):
                     hit |= (tokens[active, t + 1 - len(seq):t + 1] == seq).all(dim=-1)
+                elif carry is not None and carry.shape[1] >= len(seq) - t - 1:
+                    window = torch.cat([carry[active, carry.shape[1] - (len(seq) - t - 1):], tokens[active, :t + 1]], 1)
+                    hit |= (window == seq).all(dim=-1)
             stopped[active] |= hit
             if budgets is not None:
                 hit = hit | (budgets[active] <= t + 1)
@@ -215,38 +220,45 @@ class HFEngine:
     @torch.inference_mode()
     def resume(self, prompts: list[list[int]], prefixes: list[list[int]], params: SamplingParams) -> list[Response]:
         """Continue one response per prompt after its ``prefix`` (see ``protocol.ResumingEngine.resume``): the
-        prefix is prefilled with the prompt at the positions it was sampled at; only the new tokens come back."""
+        prefix is prefilled with the prompt at the positions it was sampled at; only the new tokens come back. A stop
+        sequence may begin in the prefix."""
         generator, stop_ids = self._prepare(prompts, params)
         check_resume(prompts, prefixes, params, self.vocab_size)
         out: list[Response] = []
         for start in range(0, len(prompts), self.max_batch_rows):
-            rows = [list(p) + list(q) for p, q in zip(prompts[start:start + self.max_batch_rows],
-                                                      prefixes[start:start + self.max_batch_rows], strict=True)]
-            budgets = torch.tensor([params.max_new_tokens - len(q) for q in prefixes[start:start + self.max_batch_rows]],
-                                   device=self.device)
-            tail = dataclasses.replace(params, max_new_tokens=int(budgets.max()))
-            tokens, logps, n_gen, stopped, _ = deque(self._decode(rows, tail, stop_ids, generator, budgets),
+            chunk = slice(start, start + self.max_batch_rows)
+            rows, budgets, carry, tail = self._resume_rows(prompts[chunk], prefixes[chunk], params)
+            tokens, logps, n_gen, stopped, _ = deque(self._decode(rows, tail, stop_ids, generator, budgets, carry),
                                                      maxlen=1)[0]
             out.extend(self._to_responses(tokens, logps, n_gen, stopped, tail))
         return out
 
-    @torch.inference_mode()
+    def _resume_rows(self, prompts: list[list[int]], prefixes: list[list[int]], params: SamplingParams
+                     ) -> tuple[list[list[int]], Tensor, Tensor | None, SamplingParams]:
+        """One chunk of a resume: the rows (prompt + prefix), each row's budget, the carried prefix tails (the last
+        tokens a stop sequence may begin with; None without stop sequences longer than one token) and the params
+        of the chunk's decode (max_new_tokens: its largest budget)."""
+        rows = [list(p) + list(q) for p, q in zip(prompts, prefixes, strict=True)]
+        budgets = torch.tensor([params.max_new_tokens - len(q) for q in prefixes], device=self.device)
+        width = max((len(s) for s in params.stop_sequences), default=1) - 1
+        carry = None
+        if width > 0:
+            carry = torch.full((len(rows), width), -1, dtype=torch.long, device=self.device)
+            for i, q in enumerate(prefixes):
+                tail = list(q)[-width:]
+                if tail:
+                    carry[i, width - len(tail):] = torch.tensor(tail, dtype=torch.long)
+        return rows, budgets, carry, dataclasses.replace(params, max_new_tokens=int(budgets.max()))
+
     def resume_stream(self, prompts: list[list[int]], prefixes: list[list[int]], params: SamplingParams
-                      ) -> Iterator[tuple[int, Response]]:
-        """``resume``, each response handed out as soon as it has ended: ``(index into prompts, Response)`` in
-        completion order (a multi-turn rollout starts a response's tool call while the others still decode). The same
-        seed, prompts and params give the same responses as ``resume``."""
+                      ) -> _HFResumeStream:
+        """``resume``, each response handed out as soon as it has ended: iterate for ``(index into prompts,
+        Response)`` in completion order (a multi-turn rollout starts a response's tool call while the others still
+        decode). The same seed, prompts and params give the same responses as ``resume``. Stopped early (``close``),
+        ``unfinished()`` gives the responses not yet handed out as far as they got (partial rollouts)."""
         generator, stop_ids = self._prepare(prompts, params)
         check_resume(prompts, prefixes, params, self.vocab_size)
-        for start in range(0, len(prompts), self.max_batch_rows):
-            chunk = slice(start, start + self.max_batch_rows)
-            rows = [list(p) + list(q) for p, q in zip(prompts[chunk], prefixes[chunk], strict=True)]
-            budgets = torch.tensor([params.max_new_tokens - len(q) for q in prefixes[chunk]], device=self.device)
-            tail = dataclasses.replace(params, max_new_tokens=int(budgets.max()))
-            for tokens, logps, n_gen, stopped, finished in self._decode(rows, tail, stop_ids, generator, budgets):
-                for row in finished:
-                    one = slice(row, row + 1)
-                    yield start + row, self._to_responses(tokens[one], logps[one], n_gen[one], stopped[one], tail)[0]
+        return _HFResumeStream(self, prompts, prefixes, params, generator, stop_ids)
 
     @staticmethod
     def _to_responses(tokens: Tensor, logps: Tensor, n_gen: Tensor, stopped: Tensor,
@@ -319,84 +331,3 @@ class HFEngine:
     def _check_open(self) -> None:
         if self._closed:
             raise EngineError("HFEngine is closed; build a new one.")
-
-
-class _HFGroupStream:
-    """Finished groups of one ``HFEngine.stream`` call, chunk by chunk (``max_batch_rows`` rows at a time)."""
-
-    def __init__(self, engine: HFEngine, prompts: list[list[int]], params: SamplingParams,
-                 generator: torch.Generator, stop_ids: Tensor) -> None:
-        self.engine, self.prompts, self.params = engine, prompts, params
-        self.generator, self.stop_ids = generator, stop_ids
-        self._decoding: Iterator | None = None
-        self._state: tuple[Tensor, Tensor, Tensor, Tensor] | None = None  # tokens, logps, n_gen, stopped
-        self._start = 0
-        self._pending: set[int] = set()
-        self._partials: list[PartialGroup] = []
-
-    def __iter__(self) -> Iterator[tuple[int, list[Response]]]:
-        for ended in self._steps():
-            for p in ended:
-                yield self._finished(p)
-
-    def ticks(self) -> Iterator[list[tuple[int, list[Response]]]]:
-        """One list per decode step: the groups whose last sample ended in it (often none), as ``__iter__`` yields
-        them. Several engine groups advance their streams tick by tick and exchange what ended
-        (``rollout.scheduling.engine_groups``), so where each stream stands at an exchange is decided by the seed, not
-        by speed."""
-        for ended in self._steps():
-            yield [self._finished(p) for p in ended]
-
-    @torch.inference_mode()
-    def _steps(self) -> Iterator[list[int]]:
-        """Decode step by step, chunk by chunk; per step, the chunk positions of the prompts whose group ended."""
-        n, per_chunk = self.params.n, max(1, self.engine.max_batch_rows // self.params.n)
-        for start in range(0, len(self.prompts), per_chunk):
-            chunk = self.prompts[start:start + per_chunk]
-            left = [n] * len(chunk)
-            self._pending, self._start = set(range(len(chunk))), start
-            self._decoding = self.engine._decode(chunk, self.params, self.stop_ids, self.generator)
-            for tokens, logps, n_gen, stopped, finished in self._decoding:
-                self._state = (tokens, logps, n_gen, stopped)
-                for row in finished:
-                    left[row // n] -= 1
-                yield sorted({row // n for row in finished if left[row // n] == 0})
-            self._decoding = None
-
-    def _finished(self, p: int) -> tuple[int, list[Response]]:
-        """Chunk position ``p``'s ended group, handed out (no longer pending for ``abort``)."""
-        assert self._state is not None
-        tokens, logps, n_gen, stopped = self._state
-        self._pending.discard(p)
-        rows = slice(p * self.params.n, (p + 1) * self.params.n)
-        chunk = self.prompts[self._start:]
-        return self._start + p, HFEngine._to_responses(
-            tokens[rows], logps[rows], n_gen[rows], stopped[rows], self.params,
-            self.engine._row_routes(chunk, self.params.n, n_gen[rows], first_row=rows.start))
-
-    def abort(self, keep_partial: bool = False) -> int:
-        """Stop decoding; the tokens generated for groups not yet yielded (discarded), or with ``keep_partial``
-        0 and those groups kept for ``partials()``."""
-        aborted = 0
-        if self._decoding is not None:
-            self._decoding.close()
-            self._decoding = None
-            if self._state is not None:
-                n = self.params.n
-                tokens, logps, n_gen, stopped = self._state
-                for p in sorted(self._pending):
-                    rows = slice(p * n, (p + 1) * n)
-                    if keep_partial:
-                        responses = HFEngine._to_responses(tokens[rows], logps[rows], n_gen[rows], stopped[rows],
-                                                           self.params)
-                        done = [bool(s) or int(g) >= self.params.max_new_tokens
-                                for s, g in zip(stopped[rows].tolist(), n_gen[rows].tolist(), strict=True)]
-                        self._partials.append(PartialGroup(self._start + p, responses, done))
-                    else:
-                        aborted += int(n_gen[rows].sum())
-        self._pending = set()
-        return aborted
-
-    def partials(self) -> list[PartialGroup]:
-        """The groups ``abort(keep_partial=True)`` kept, in prompt order."""
-        return list(self._partials)

@@ -19,60 +19,27 @@ none calling the engine with no prompts.
 Determinism: which responses a turn decodes, and that turn's seed (``params.seed`` and the turn's number), depend
 on the data alone, never on how fast a tool answered, so every rank of a run samples the same batch and a resumed
 run samples the same tokens again (tool outputs being deterministic functions of the code).
+
+Streaming and partial rollouts: ``stream`` hands out each group as soon as its responses have all ended; aborted
+with ``keep_partial``, it keeps the groups in flight as far as they got (``turns.TurnStream``), and ``resume``
+continues them: a response aborted during its tool call runs that call first, then goes on.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any
 
 from dapo_mcore.rollout.multiturn.format import ToolCodec
 from dapo_mcore.rollout.multiturn.pool import ToolPool
+from dapo_mcore.rollout.multiturn.turns import TurnStream, _Trajectory
 from dapo_mcore.rollout.protocol import EngineError, Response, SamplingParams, WeightBucket
 from dapo_mcore.tools.registry import ToolOutput
 
 __all__ = ["MultiTurnEngine"]
 
 logger = logging.getLogger(__name__)
-
-_TURN_SEED_STRIDE = 2_654_435_761
-"""Turn t samples with seed ``params.seed + t * stride`` (mod 2**62): a stride far from the ones that tell steps,
-generation calls and engine groups apart (10_007, 1, 1_000_003), so no two of them draw the same random stream."""
-
-
-@dataclass
-class _Trajectory:
-    prompt: list[int]
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    mask: list[bool] = field(default_factory=list)
-    calls: int = 0
-    errors: int = 0
-    finish: str | None = None
-    pending: Any = None          # the call this turn made: ToolPool.submit's (future, start) or a ToolOutput
-    goes_on: bool = False         # a turn that ended in a </code> past max_calls
-
-    def add_model(self, resp: Response) -> None:
-        self.tokens += resp.token_ids
-        self.logprobs += resp.logprobs
-        self.mask += [True] * resp.length
-
-    def add_tool(self, ids: list[int], out: ToolOutput) -> None:
-        self.tokens += ids
-        self.logprobs += [math.nan] * len(ids)
-        self.mask += [False] * len(ids)
-        self.calls += 1
-        self.errors += int(out.errored)
-
-    def response(self, with_logprobs: bool) -> Response:
-        assert self.finish in ("stop", "length")
-        return Response(token_ids=list(self.tokens), logprobs=list(self.logprobs) if with_logprobs else [],
-                        finish_reason=self.finish, loss_mask=list(self.mask), tool_calls=self.calls,
-                        tool_errors=self.errors)
 
 
 class MultiTurnEngine:
@@ -85,6 +52,10 @@ class MultiTurnEngine:
         max_calls: most tool calls per response.
         max_output_tokens: most tokens of one call's output.
     """
+
+    resumes_trajectories = True
+    """``resume`` takes the buffered Responses themselves as prefixes (their loss mask and tool counts), not only
+    their token ids (``rollout.schedule.partial``)."""
 
     def __init__(self, engine: Any, codec: ToolCodec, pool: ToolPool, *, max_calls: int,
                  max_output_tokens: int) -> None:
@@ -99,20 +70,42 @@ class MultiTurnEngine:
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Response]]:
         """Sample ``params.n`` multi-turn responses per prompt; result[i][j] is sample j of prompt i."""
+        out: list[list[Response]] = [[] for _ in prompts]
+        for i, responses in self.stream(prompts, params):
+            out[i] = responses
+        return out
+
+    def stream(self, prompts: list[list[int]], params: SamplingParams) -> TurnStream:
+        """Like ``generate``, but yields ``(prompt index, responses)`` as each prompt's n samples have all ended
+        (``protocol.GroupStream``); ``abort(keep_partial=True)`` keeps the groups in flight, tool columns and all,
+        for ``partials()``. The same seed, prompts and params give the same responses as ``generate``."""
         params.validate()
         rows = [_Trajectory(list(p)) for p in prompts for _ in range(params.n)]
-        stops = tuple(params.stop_sequences) + (self.codec.close_ids,)
-        turn_params = dataclasses.replace(params, n=1, stop_sequences=stops)
-        live = list(range(len(rows)))
-        turn = 0
-        while self._more_turns(bool(live)):
-            seed = None if params.seed is None else (params.seed + _TURN_SEED_STRIDE * turn) % 2**62
-            self._turn(rows, live, dataclasses.replace(turn_params, seed=seed))
-            live = self._after_turn(rows, live, params.max_new_tokens)
-            turn += 1
-        with_lp = params.logprobs != "none"
-        flat = [r.response(with_lp) for r in rows]
-        return [flat[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
+        return TurnStream(self, rows, params)
+
+    def resume(self, prompts: list[list[int]], prefixes: list[Response] | list[list[int]],
+               params: SamplingParams) -> list[Response]:
+        """Continue one response per prompt (``protocol.ResumingEngine.resume``; partial rollouts). A prefix that is a
+        Response keeps its loss mask and tool counts (``max_calls`` counts them); one that ends in a ``</code>`` whose
+        call had not answered (aborted during the call) runs that call first. Returns only the new part, its own
+        tool columns."""
+        if params.n != 1 or len(prefixes) != len(prompts):
+            raise EngineError(f"resume() continues one response per prompt: n={params.n}, {len(prompts)} prompts, "
+                              f"{len(prefixes)} prefixes")
+        params.validate()
+        rows = [_Trajectory.continuing(p, q) for p, q in zip(prompts, prefixes, strict=True)]
+        stream = TurnStream(self, rows, params, resumed=True)
+        for _ in stream:
+            pass
+        return [r.response(params.logprobs != "none") for r in rows]
+
+    def _continue(self, prompts: list[list[int]], prefixes: list[list[int]], params: SamplingParams) -> Any:
+        """One turn of the inner engine: iterate for each response as it ends (in completion order where it can
+        tell); the HF engine's stream also has ``close`` and ``unfinished`` (an abort keeps the turn's tokens)."""
+        stream = getattr(self.engine, "resume_stream", None)
+        if stream is not None:
+            return stream(prompts, prefixes, params)
+        return enumerate(self.engine.resume(prompts, prefixes, params))
 
     def _more_turns(self, mine: bool) -> bool:
         """Another turn: this engine has live responses (``mine``) or, where engine groups step together (vLLM's
@@ -122,30 +115,26 @@ class MultiTurnEngine:
             return bool(self.engine.any_group_busy(mine))
         return mine
 
-    def _continue(self, prompts: list[list[int]], prefixes: list[list[int]], params: SamplingParams
-                  ) -> Iterator[tuple[int, Response]]:
-        """One turn of the inner engine: each response as it ends (in completion order where it can tell)."""
-        stream = getattr(self.engine, "resume_stream", None)
-        if stream is not None:
-            yield from stream(prompts, prefixes, params)
-        else:
-            yield from enumerate(self.engine.resume(prompts, prefixes, params))
+    def _unanswered(self, row: _Trajectory) -> bool:
+        """A resumed response whose last turn ended in ``</code>`` and whose call never answered."""
+        return (row.calls < self.max_calls and row.tokens[row.segment:] != [] and
+                self.codec.ends_call(row.tokens[row.segment:]))
 
-    def _turn(self, rows: list[_Trajectory], live: list[int], params: SamplingParams) -> None:
-        """Decode one turn of every live response; a call starts as soon as its response's turn has ended."""
-        prompts = [rows[i].prompt for i in live]
-        prefixes = [list(rows[i].tokens) for i in live]
-        for k, resp in self._continue(prompts, prefixes, params):
-            row = rows[live[k]]
-            row.add_model(resp)
-            if resp.finish_reason != "stop" or not self.codec.ends_call(resp.token_ids):
-                row.finish = resp.finish_reason
-            elif row.calls >= self.max_calls:
-                row.goes_on = True
-            else:
-                text = self.codec.call_text(resp.token_ids)
-                row.pending = self.pool.submit(text) if text is not None else ToolOutput(
-                    f"SyntaxError: {self.codec.fmt.call_close} without {self.codec.fmt.call_open}", "error")
+    def _call(self, row: _Trajectory) -> Any:
+        """Start the call that ``row``'s text since its last tool output ends with."""
+        text = self.codec.call_text(row.tokens[row.segment:])
+        return self.pool.submit(text) if text is not None else ToolOutput(
+            f"SyntaxError: {self.codec.fmt.call_close} without {self.codec.fmt.call_open}", "error")
+
+    def _ended(self, row: _Trajectory, resp: Response, call: bool = True) -> None:
+        """``row``'s turn ended with ``resp`` (added): finished, a call (started, unless ``call`` is False: an
+        aborted rollout leaves it for the resume), or a ``</code>`` past max_calls."""
+        if resp.finish_reason != "stop" or not self.codec.ends_call(row.tokens[row.segment:]):
+            row.finish = resp.finish_reason
+        elif row.calls >= self.max_calls:
+            row.goes_on = True
+        elif call:
+            row.pending = self._call(row)
 
     def _after_turn(self, rows: list[_Trajectory], live: list[int], max_new: int) -> list[int]:
         """Append each call's output (in row order); the responses that go on to the next turn."""
@@ -186,6 +175,6 @@ class MultiTurnEngine:
         self.engine.close()
 
     def __getattr__(self, name: str) -> Any:  # vocab_size, max_prompt_len, ... of the inner engine
-        if name == "engine":
+        if name in ("engine", "stream_ticks"):  # turns do not stream in decode-step ticks (one engine group streams)
             raise AttributeError(name)
         return getattr(self.engine, name)

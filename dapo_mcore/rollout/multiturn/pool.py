@@ -41,6 +41,9 @@ class ToolCounters:
     sandbox_failures: int = 0
     seconds: float = 0.0
     """Wall seconds of the calls, summed (calls overlap each other and decoding: it may exceed the rollout's wall)."""
+    waited: float = 0.0
+    """Wall seconds the rollout stood waiting for calls after its decoding had run out of work: the tool time that
+    decoding did not hide."""
 
     def add(self, out: ToolOutput) -> None:
         self.calls += 1
@@ -96,6 +99,7 @@ class ToolPool:
     def output(self, call: tuple[Future, list[float], float]) -> ToolOutput:
         """A call's output, counted; past its deadline a timeout output (the call is given up)."""
         future, started, start_by = call
+        waiting = time.monotonic()
         try:
             while not started and not future.done():  # queued: wait for a worker, at most until start_by
                 if time.monotonic() > start_by:
@@ -110,7 +114,15 @@ class ToolPool:
                              self.deadline_s)
         with self._lock:
             self._outstanding -= 1
+            self._counters.waited += time.monotonic() - waiting
         return self.record(out)
+
+    def abandon(self, call: tuple[Future, list[float], float]) -> None:
+        """Give up a call whose output is no longer wanted (its rollout was aborted; a resumed rollout runs it again):
+        cancelled if still queued, else left to finish (within the tool's own timeout) unread; not counted."""
+        call[0].cancel()
+        with self._lock:
+            self._outstanding -= 1
 
     def record(self, out: ToolOutput) -> ToolOutput:
         """Count a call's output (also one that never reached the tool: a ``</code>`` without ``<code>``)."""

@@ -141,7 +141,8 @@ class ColocatedRollouts:
         if not isinstance(self.engine, MultiTurnEngine):
             return {}
         c = self.engine.pool.take_counters()
-        values = torch.tensor([c.calls, c.errors, c.timeouts, c.sandbox_failures, c.seconds], dtype=torch.float64)
+        values = torch.tensor([c.calls, c.errors, c.timeouts, c.sandbox_failures, c.seconds, c.waited],
+                              dtype=torch.float64)
         if self.groups.count > 1:
             import torch.distributed as dist
 
@@ -151,7 +152,7 @@ class ColocatedRollouts:
             summed = device.to(values * float(self.groups.leader))
             dist.all_reduce(summed)
             values = device.host(summed)
-        names = ("calls", "errors", "timeouts", "sandbox_failures", "seconds")
+        names = ("calls", "errors", "timeouts", "sandbox_failures", "seconds", "waited")
         return {f"tools/{name}": float(v) for name, v in zip(names, values.tolist(), strict=True)}
 
     def _noted(self, slot: int, groups: list[Group]) -> list[Group]:
@@ -248,17 +249,19 @@ class ColocatedRollouts:
         prompt_ids = [self.encode_prompt(rec) for rec in records]
         todo = [(gi, ri) for gi, b in enumerate(buffered) for ri, done in enumerate(b.group.done) if not done]
         tails = []
+        whole = getattr(self.engine, "resumes_trajectories", False)  # multi-turn: the loss mask and tool counts too
         if todo:  # groups that ended in the step that filled the batch need no engine call
             with self.timer.phase("generate"):
                 tails = self._resume(todo, [prompt_ids[gi] for gi, _ in todo],
-                                     [buffered[gi].group.responses[ri].token_ids for gi, ri in todo], params)
+                                     [buffered[gi].group.responses[ri] if whole
+                                      else buffered[gi].group.responses[ri].token_ids for gi, ri in todo], params)
         outputs = [[stale_response(r) for r in b.group.responses] for b in buffered]
         for (gi, ri), tail in zip(todo, tails, strict=True):
             outputs[gi][ri] = join(buffered[gi].group.responses[ri], tail, version)
         with self.timer.phase("reward"):
             return self._scored_groups(records, prompt_ids, outputs, gen_batch)
 
-    def _resume(self, todo: list[Any], prompts: list[list[int]], prefixes: list[list[int]],
+    def _resume(self, todo: list[Any], prompts: list[list[int]], prefixes: list[Any],
                 params: SamplingParams) -> list[Response]:
         """The continued tails of ``todo``'s responses, every engine group its round-robin share, on every rank."""
         if self.groups.count == 1:

@@ -40,7 +40,7 @@ class StepBatch:
     """Dynamic sampling's counters for the step (usable groups, batches drawn, tokens aborted, ...)."""
     tools: dict[str, float] = field(default_factory=dict)
     """Multi-turn tool use: the step's ``tools/calls``, ``errors``, ``timeouts``, ``sandbox_failures``, ``seconds``
-    over every engine group (empty without tools)."""
+    and ``waited`` (seconds decoding stood waiting for calls) over every engine group (empty without tools)."""
     policy_version: int | None = None
     """Async mode: the policy version (steps trained) that sampled the batch (its responses' ``versions`` say which
     produced each token: continued prefixes are older); None when it is the trainer's own."""

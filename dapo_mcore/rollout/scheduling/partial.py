@@ -44,17 +44,29 @@ def runs(versions: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 def join(prefix: Response, tail: Response, version: int) -> Response:
     """``prefix`` continued by ``tail`` (what ``resume`` sampled after it, by ``version``): one response whose first
-    ``len(prefix)`` tokens are stale, each with the version that produced it."""
+    ``len(prefix)`` tokens are stale, each with the version that produced it. Tool columns (multi-turn tool use) are
+    joined too: the loss mask end to end, the calls and errors summed."""
     assert prefix.versions is not None, "a buffered prefix always has its versions (PartialBuffer.add)"
+    mask = None
+    if prefix.loss_mask is not None or tail.loss_mask is not None:
+        mask = [*_mask(prefix), *_mask(tail)]
     return Response(token_ids=list(prefix.token_ids) + list(tail.token_ids),
                     logprobs=list(prefix.logprobs) + list(tail.logprobs), finish_reason=tail.finish_reason,
-                    stale_tokens=prefix.length, versions=runs([*prefix.versions, (version, tail.length)]))
+                    stale_tokens=prefix.length, versions=runs([*prefix.versions, (version, tail.length)]),
+                    loss_mask=mask, tool_calls=prefix.tool_calls + tail.tool_calls,
+                    tool_errors=prefix.tool_errors + tail.tool_errors)
+
+
+def _mask(r: Response) -> list[bool]:
+    return [True] * r.length if r.loss_mask is None else list(r.loss_mask)
 
 
 def stale_response(done: Response) -> Response:
     """A response that had already ended when its group was aborted: every token is stale."""
     return Response(token_ids=list(done.token_ids), logprobs=list(done.logprobs), finish_reason=done.finish_reason,
-                    stale_tokens=done.length, versions=list(done.versions or []))
+                    stale_tokens=done.length, versions=list(done.versions or []),
+                    loss_mask=None if done.loss_mask is None else list(done.loss_mask), tool_calls=done.tool_calls,
+                    tool_errors=done.tool_errors)
 
 
 @dataclass
@@ -104,10 +116,12 @@ class PartialBuffer:
     def state_dict(self) -> list[dict[str, Any]]:
         """What a checkpoint stores (JSON-able, a copy). Token ids and log-probs are packed (little-endian int32 and
         float64, base64): a 32B step may buffer hundreds of groups of 20k-token responses, which as JSON lists would
-        be one line per number in trainer_state.json. float64 keeps every log-prob bit for bit."""
+        be one line per number in trainer_state.json. float64 keeps every log-prob bit for bit (a tool token's NaN
+        too). Multi-turn tool use adds each response's loss mask (packed bytes) and tool counts."""
         return [{"index": b.index, "step": b.step, "position": b.group.index, "done": list(b.group.done),
                  "responses": [{"token_ids": _pack(r.token_ids, "<i4"), "logprobs": _pack(r.logprobs, "<f8"),
-                                "finish_reason": r.finish_reason, "versions": [list(x) for x in r.versions or []]}
+                                "finish_reason": r.finish_reason, "versions": [list(x) for x in r.versions or []],
+                                **_tool_state(r)}
                                for r in b.group.responses]}
                 for b in self.items]
 
@@ -117,8 +131,11 @@ class PartialBuffer:
         def response(r: dict[str, Any], step: int) -> Response:
             ids = [int(t) for t in _unpack(r["token_ids"], "<i4")]
             versions = r.get("versions")
+            mask = r.get("loss_mask")  # absent: no tool columns (a run without tools, or an older checkpoint)
             return Response(ids, [float(x) for x in _unpack(r["logprobs"], "<f8")], r["finish_reason"],
-                            versions=runs([(step, len(ids))] if versions is None else [tuple(x) for x in versions]))
+                            versions=runs([(step, len(ids))] if versions is None else [tuple(x) for x in versions]),
+                            loss_mask=None if mask is None else [bool(x) for x in _unpack(mask, "<u1")],
+                            tool_calls=int(r.get("tool_calls", 0)), tool_errors=int(r.get("tool_errors", 0)))
 
         self.items = [Buffered(int(d["index"]), PartialGroup(
             int(d["position"]), [response(r, int(d["step"])) for r in d["responses"]], [bool(x) for x in d["done"]]),
@@ -178,6 +195,13 @@ def join_partials(state: dict[str, Any], ckpt_dir: Any) -> None:
     schedule["partials"] = [{**d, "responses": [{**r, "token_ids": _pack(r["token_ids"].tolist(), "<i4"),
                                                  "logprobs": _pack(r["logprobs"].tolist(), "<f8")}
                                                 for r in d["responses"]]} for d in binary]
+
+
+def _tool_state(r: Response) -> dict[str, Any]:
+    """A buffered response's tool columns as the checkpoint stores them (nothing for a response without)."""
+    if r.loss_mask is None:
+        return {}
+    return {"loss_mask": _pack(r.loss_mask, "<u1"), "tool_calls": r.tool_calls, "tool_errors": r.tool_errors}
 
 
 def _pack(values: list, dtype: str) -> str:
