@@ -144,3 +144,42 @@ def test_the_engine_loop_keeps_stepping_while_a_receive_is_in_progress():
     during = [t for t in steps if window["start"] <= t <= window["end"]]
     assert len(during) >= 20, len(during)  # ~0.4 s / (2 ms + scheduling): far more than 20 on an idle core
     rx.take()
+
+
+def test_a_collective_on_a_group_that_is_nccl_on_a_gpu_holds_the_simulated_device_until_it_completes(monkeypatch):
+    """NCCL's worst case, as the strict CPU check simulates it (``collectives.device.device_held``): a second thread's
+    collective waits for the device until the first one's completes. Without it two threads of one rank never wait for
+    each other on CPU, so an order of two communicators that deadlocks on a GPU passes every CPU test."""
+    from dapo_mcore.collectives import device
+
+    monkeypatch.setattr(device, "_SIMULATED", device.SimulatedDevice())
+    release, order = threading.Event(), []
+
+    class Work:
+        def __init__(self, tag):
+            self.tag = tag
+
+        def wait(self):
+            if self.tag == "a":
+                release.wait(10)
+            order.append(("done", self.tag))
+
+    class Group:
+        def broadcast(self, tensors, tag):
+            order.append(("start", tag))
+            return Work(tag)
+
+    group = device.DeviceStrictGroup(Group(), device._SIMULATED)
+    t = device._SIMULATED.empty(1, torch.uint8)
+    first = threading.Thread(target=group.broadcast, args=([t], "a"))
+    first.start()
+    while not order:
+        time.sleep(0.001)
+    second = threading.Thread(target=group.broadcast, args=([t], "b"))
+    second.start()
+    time.sleep(0.2)
+    assert order == [("start", "a")]  # b waits for the device a holds
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert order == [("start", "a"), ("done", "a"), ("start", "b"), ("done", "b")]

@@ -1,11 +1,13 @@
-"""GPU-only checks of two engine-side paths (``pytest -m gpu``; the prepared GPU check's ``pytest`` section runs them):
+"""GPU-only checks of engine-side paths (``pytest -m gpu``; the prepared GPU check's ``pytest`` section runs them):
 
 - the async version receiver on a GPU: its receives run on the engine's device and a side stream of their own, so the
   loop's decode steps (kernels on the default stream, a host sync per step as a sampler's) keep going while a version
   is being received; the same receive run on the default stream (what the receiver did before) is measured beside it;
 - an MoE vLLM engine: the kernel backend it chose keeps the checkpoint's expert layout, and one expert's fused
   ``w13`` after a weight sync holds exactly the synced ``[gate; up]`` rows. Needs vLLM (absent from the prepared
-  check's image: skipped there, with the reason).
+  check's image: skipped there, with the reason);
+- the async engine's host staging of its shard from CUDA receive buffers (``rollout.pipeline.host_shard``): the
+  staged version loads as the whole one.
 
 Nothing here has run on a GPU yet. Skipped without CUDA (streams and vLLM's CUDA kernels have no CPU stand-in).
 """
@@ -91,3 +93,38 @@ def test_moe_vllm_engine_backend_and_one_expert_after_a_sync(tmp_path):
     up = weights[f"model.layers.{layer}.mlp.experts.{expert}.up_proj.weight"].float()
     assert torch.equal(w13[:inter], gate) and torch.equal(w13[inter:], up)
     engine.close()
+
+
+def test_a_staged_shard_of_cuda_buffers_loads_as_the_whole_version():
+    """The async engine's host staging from a CUDA receive buffer (``rollout.pipeline.host_shard``): the recorder
+    wraps CUDA tensors, ``stage`` copies each read slice off the device into host memory of its own, and the expanded
+    version loads the same weights into CUDA parameters as the whole one (a column- and a row-parallel loader at
+    rank 1 of 2, a norm whole)."""
+    from dapo_mcore.rollout.pipeline.host_shard import ReadRecorder, expand, stage, staged_bytes
+
+    def load(buckets):
+        out = {}
+        for bucket in buckets:
+            for name, w in bucket:
+                if name == "col":
+                    out[name] = w.narrow(0, 32, 32).to("cuda", copy=True)
+                elif name == "row":
+                    out[name] = w.narrow(1, 16, 16).to("cuda", copy=True)
+                else:
+                    out[name] = torch.empty(w.shape, dtype=w.dtype, device="cuda")
+                    out[name].copy_(w)
+        return out
+
+    def version(seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        return [[(n, torch.randn(s, generator=g, device="cuda").bfloat16()) for n, s in
+                 (("col", (64, 32)), ("row", (32, 32)), ("norm", (32,)))]]
+
+    recorder = ReadRecorder()
+    load(recorder.wrap(version(0)))
+    staged = [stage(bucket, recorder.regions()) for bucket in version(1)]
+    assert all(s.part.device.type == "cpu" for s in staged[0])
+    assert staged_bytes(staged) == (2 * (32 * 32 + 32 * 16 + 32), 2 * (64 * 32 + 32 * 32 + 32))
+    got, want = load(expand(b) for b in staged), load(version(1))
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name

@@ -10,15 +10,18 @@ that did not come through it, with NCCL's error.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ENV", "DeviceStrictGroup", "SimulatedDevice", "TransferDevice", "collective_device"]
+__all__ = ["ENV", "DeviceStrictGroup", "SimulatedDevice", "TransferDevice", "collective_device", "device_held"]
 
 ENV = "DAPO_MCORE_STRICT_DEVICE"
 _MARK = "_dapo_on_transfer_device"
@@ -100,7 +103,11 @@ class DeviceStrictGroup:
 
         def checked(tensors: list[torch.Tensor], *args: Any) -> Any:
             self._check(tensors)
-            return verb(tensors, *args)
+            with device_held():  # start to completion (the bridge waits on every op at once anyway)
+                work = verb(tensors, *args)
+                if hasattr(work, "wait"):
+                    work.wait()
+            return work
 
         return checked
 
@@ -124,6 +131,23 @@ def transfer_device(backend: str) -> TransferDevice:
 
 
 _SIMULATED: SimulatedDevice | None = None
+_HELD = threading.RLock()
+
+
+@contextlib.contextmanager
+def device_held() -> Iterator[None]:
+    """Under ``DAPO_MCORE_STRICT_DEVICE=1``: hold the simulated device while one collective runs, start to completion.
+
+    NCCL's worst case, which its documentation tells applications to plan for: a collective's kernel waits on the
+    device for its peers, and another communicator's kernel may not run beside it. Two threads of one rank issuing
+    collectives on two such groups, in an order another rank does not share, then deadlock; here they do too (each
+    waits for the device the other holds, until the groups' timeout), where plain gloo would let both run. Held per
+    process, re-entrant (a collective handed back to the public name by a torch-function mode runs inside itself)."""
+    if _SIMULATED is None:
+        yield
+        return
+    with _HELD:
+        yield
 
 
 def collective_device(group: Any = None) -> TransferDevice:

@@ -37,8 +37,11 @@ What it cannot see:
   is not seen;
 - object collectives (``all_gather_object``, ``broadcast_object_list``...) and barriers: torch moves those onto the
   current device itself, so they pass on NCCL too, but their cost (a pickle through GPU memory) is not flagged;
-- whether the tensor is on the *right* GPU or stream (the simulated device is one device), and whether two threads
-  drive two NCCL communicators in the same order on every rank (gloo does not deadlock where NCCL can);
+- whether the tensor is on the *right* GPU or stream (the simulated device is one device);
+- two threads driving two communicators in different orders on two ranks is seen only as NCCL's worst case: a
+  synchronous collective of ours on a group that is NCCL on a GPU holds the simulated device from its start to its
+  completion (``device.device_held``), so such an order deadlocks here as it may on a GPU (and ends in the group's
+  timeout); asynchronous ops (``async_op=True``, point-to-point) are not held;
 - dtypes NCCL lacks are not refused (gloo and NCCL differ there too).
 """
 
@@ -53,9 +56,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dapo_mcore.collectives.device import ENV, SimulatedDevice
+from dapo_mcore.collectives.device import ENV, SimulatedDevice, device_held
 
-__all__ = ["NCCL_CPU_ERROR", "StrictDeviceError", "install", "installed"]
+__all__ = ["NCCL_CPU_ERROR", "StrictDeviceError", "gloo_on_purpose", "install", "installed"]
 
 NCCL_CPU_ERROR = "No backend type associated with device type cpu"
 """What ProcessGroupNCCL's dispatcher says to a CPU tensor (torch's ``ProcessGroup::getBackend``)."""
@@ -90,8 +93,15 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
+def gloo_on_purpose(group: Any) -> None:
+    """``group`` is gloo on a GPU too (the async engine side's default group): not checked."""
+    _gloo_on_purpose[id(group)] = group  # kept alive: the id stays this group's
+
+
 def _nccl_on_gpu(group: Any) -> bool:
     """Whether ``group`` (None: the default group) would be NCCL on a GPU."""
+    if group is None and _gloo_on_purpose and dist.is_initialized():
+        group = dist.distributed_c10d._get_default_group()
     if group is not None and (isinstance(group, dist.ProcessGroupGloo) or id(group) in _gloo_on_purpose):
         return False
     return dist.get_backend(group) == "gloo"  # gloo here, because this is a CPU: NCCL there
@@ -118,6 +128,9 @@ def _checked(name: str, fn: Any) -> Any:
                     for t in _tensors(value):
                         if not SimulatedDevice.holds(t):
                             raise _refuse(name, arg, caller, module)
+                if not bound.arguments.get("async_op") and name not in _P2P_OPS:
+                    with device_held():  # start to completion, as an NCCL kernel holds the device (device.py)
+                        return fn(*args, **kwargs)
         return fn(*args, **kwargs)
 
     collective.__wrapped_strict__ = True

@@ -262,8 +262,9 @@ class PipelineConfig:
     """async: the weight transfer's bucket size (MiB): each bucket is one broadcast, tensors are never split."""
     node_host_memory_gib: float = 1800.0
     """async with max_staleness > 1: host memory of one engine node that received versions may take (H100 HGX nodes:
-    2 TiB). Each engine rank keeps up to D - 1 whole versions in host memory (D = the engines' lead), so a node of
-    ``engine_ranks_per_node`` ranks needs that many times the model's weights; a config that does not fit is refused."""
+    2 TiB). Each engine rank keeps up to D - 1 versions in host memory (D = the engines' lead), each its engine's
+    shard (1/k of the weights at vLLM tensor parallel k), so a node of ``engine_ranks_per_node`` ranks needs that many
+    times the shard; a config that does not fit is refused."""
     engine_ranks_per_node: int = 8
     """async: engine ranks on one node (its GPUs): the host memory above is shared by this many."""
 

@@ -324,12 +324,14 @@ def _validate_pipeline(cfg: Config) -> None:
     _validate_staging(cfg, lead)
 
 
-def staged_host_bytes(params: int, bytes_per_param: int, lead: int, ranks_on_node: int) -> int:
+def staged_host_bytes(params: int, bytes_per_param: int, lead: int, ranks_on_node: int, engine_tp: int = 1) -> int:
     """Host memory one engine node holds for received versions (async, lead D): each of its ``ranks_on_node`` engine
-    ranks keeps at most D - 1 whole versions (``rollout.async_channels.VersionReceiver``: the one being received and
-    the one being loaded into the engine count), ``params`` weights of ``bytes_per_param`` each. The planner prices
-    the same (``plan.planner.estimate_host``)."""
-    return max(lead - 1, 0) * ranks_on_node * params * bytes_per_param
+    ranks keeps at most D - 1 versions (``rollout.async_channels.VersionReceiver``: the one being received and the
+    one being loaded into the engine count), each only its engine's shard (``rollout.pipeline.host_shard``): 1/k of
+    ``params`` weights of ``bytes_per_param`` each at vLLM tensor parallel k (the norms every rank keeps whole are
+    under 0.01% of a model; with expert parallelism the experts are split over at least as many ranks as with
+    tensor parallelism). The planner prices the same (``plan.planner.estimate_host``)."""
+    return max(lead - 1, 0) * ranks_on_node * -(-params // engine_tp) * bytes_per_param
 
 
 def _validate_staging(cfg: Config, lead: int) -> None:
@@ -342,12 +344,14 @@ def _validate_staging(cfg: Config, lead: int) -> None:
     params = ModelShape.from_hf(cfg.model.hf_config(cfg.tiny_base.preset)).num_params()
     width = 2 if cfg.model.params_dtype == "bfloat16" else 4
     ranks = min(pipe.engine_ranks, pipe.engine_ranks_per_node)
-    need = staged_host_bytes(params, width, lead, ranks)
+    tp = cfg.rollout.vllm.tensor_parallel if cfg.rollout.engine == "vllm" else 1
+    need = staged_host_bytes(params, width, lead, ranks, tp)
     if need > pipe.node_host_memory_gib * 2**30:
         raise ConfigError(f"rollout.pipeline.max_staleness={pipe.max_staleness} stages {lead - 1} received "
-                          f"version(s) of {params * width / 2**30:.1f} GiB on each of {ranks} engine ranks per node: "
-                          f"{need / 2**30:.0f} GiB > rollout.pipeline.node_host_memory_gib="
-                          f"{pipe.node_host_memory_gib:g}; lower max_staleness (or fewer engine_ranks_per_node)")
+                          f"version(s) of {need / (lead - 1) / ranks / 2**30:.1f} GiB (the engine's shard at vLLM "
+                          f"tensor_parallel={tp}) on each of {ranks} engine ranks per node: {need / 2**30:.0f} GiB > "
+                          f"rollout.pipeline.node_host_memory_gib={pipe.node_host_memory_gib:g}; lower max_staleness "
+                          f"(or fewer engine_ranks_per_node)")
 
 
 def validate_tools(cfg: Config) -> None:

@@ -472,7 +472,8 @@ def estimate_host(p: PlanInput) -> HostEstimate:
     from dapo_mcore.config.rules import staged_host_bytes
 
     width = 4 if p.precision == "fp32" else 2  # the weight sync sends the bf16 weights (FP8 runs keep bf16 ones)
-    staging = staged_host_bytes(params, width, p.async_lead, min(p.async_engine_ranks, p.gpus_per_host))
+    staging = staged_host_bytes(params, width, p.async_lead, min(p.async_engine_ranks, p.gpus_per_host),
+                                p.vllm_tensor_parallel if p.colocate_vllm else 1)  # each rank its engine's shard
     return HostEstimate(sleep_s, read / (p.filesystem_read_gbs * 1e9), ckpt,
                         vllm_weights * p.gpus_per_host if level1 else 0.0, staging)
 

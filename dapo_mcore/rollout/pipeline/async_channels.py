@@ -23,14 +23,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from dapo_mcore.rollout.protocol import WeightBucket
-
 log = logging.getLogger(__name__)
 
 __all__ = ["BatchSender", "Received", "VersionReceiver"]
 
-Received = tuple[dict[str, Any], list[WeightBucket], float]
-"""A version as received: its header, its buckets (host tensors), the seconds its transfer took."""
+Received = tuple[dict[str, Any], list[Any] | None, float]
+"""A version as received: its header, its buckets (None when it went straight into the engine; staged, the part of
+each tensor this rank's engine reads, ``rollout.pipeline.host_shard``), the seconds its transfer took."""
 
 
 class BatchSender:
@@ -92,7 +91,8 @@ class VersionReceiver:
 
     A version counts from the moment its receive starts until the loop has loaded it into the engine and
     ``release``d it: the one being received, those waiting and the one being loaded together never exceed
-    ``staged`` (D - 1, what docs/rollout.md states), so an engine rank holds at most that many copies of the model.
+    ``staged`` (D - 1, what docs/rollout.md states), so an engine rank holds at most that many copies of its engine's
+    shard (``rollout.pipeline.host_shard``).
 
     On a GPU the thread sets the engine's device (a new thread starts on device 0) and runs its receives on a side
     stream of its own, so the weights group's broadcasts never queue on the stream vLLM generates on; each version

@@ -36,6 +36,7 @@ from dapo_mcore.errors import UserError
 from dapo_mcore.rollout.pipeline.async_channels import BatchSender, Received, VersionReceiver
 from dapo_mcore.rollout.pipeline.async_source import lead, unflatten_bucket
 from dapo_mcore.rollout.pipeline.bridge import Bridge
+from dapo_mcore.rollout.pipeline.host_shard import ReadRecorder, expand, stage, staged_bytes
 from dapo_mcore.rollout.protocol import EngineError, WeightBucket
 from dapo_mcore.signals import faults, startup
 
@@ -81,6 +82,12 @@ class EngineLoop:
         code (2 for a user error such as a failing reward, 1 otherwise)."""
         self._sender = BatchSender(bridge.send_packed, bridge.pack) if bridge.sends_batches else None
         self._versions: VersionReceiver | None = None
+        self._recorder = ReadRecorder() if self.lead > 1 else None
+        """With staged versions: records, while the start's version loads, what part of each tensor the engine
+        reads; only that is staged afterwards (``rollout.pipeline.host_shard``)."""
+        self._regions: dict[str, Any] | None = None
+        self.staged_bytes = 0
+        """Host bytes of the largest version staged so far (about 1/k of the model at vLLM tensor parallel k)."""
 
     def run(self) -> int:
         previous = {sig: signal.signal(sig, self._ignore) for sig in IGNORED_SIGNALS}
@@ -113,11 +120,8 @@ class EngineLoop:
         # A fresh start generates batch 0; a resume after s steps has batches s .. s + n - 1 in the checkpoint, so
         # s + n (n = 0 for a finished run's last checkpoint whose train.steps was raised: then batch s).
         k = first = self.version + int(header.get("pending") or 0)
-        if self.lead > 1:  # versions arrive while the engines generate, at most D - 1 of them on the host
-            import torch
-
-            device = torch.cuda.current_device() if torch.cuda.is_available() else None
-            self._versions = VersionReceiver(lambda: self._receive(staged=True), self.lead - 1, _Stop, device)
+        if self.lead > 1:
+            self._start_receiver()
         while k < steps:
             while self.version < k - self.lead:  # version k - D: published after step k - D - 1
                 self._take()
@@ -143,6 +147,16 @@ class EngineLoop:
             self._take()
 
     # ---- weights ------------------------------------------------------------------------------------------------
+    def _start_receiver(self) -> None:
+        """Versions arrive while the engines generate, at most D - 1 of them on the host, each only the part this
+        rank's engine reads (recorded while the start's version loaded)."""
+        import torch
+
+        if self._recorder is not None:
+            self._regions, self._recorder = self._recorder.regions(), None
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
+        self._versions = VersionReceiver(lambda: self._receive(staged=True), self.lead - 1, _Stop, device)
+
     def _take(self) -> None:
         """The next version into the engine, at a batch boundary; evaluated if its header says so."""
         if self._versions is None:
@@ -161,8 +175,8 @@ class EngineLoop:
     def _apply(self, received: Received, waited: float) -> dict[str, Any]:
         header, buckets, transfer = received
         t0 = time.monotonic()
-        if buckets is not None:  # staged on the host by the receiver thread
-            self.engine.update_weights(iter(buckets))
+        if buckets is not None:  # staged on the host by the receiver thread, each bucket at full shape again
+            self.engine.update_weights(expand(bucket) for bucket in buckets)
         self.version = int(header["version"])
         self.wait_s += waited
         self.transfer_s += transfer + time.monotonic() - t0
@@ -177,9 +191,15 @@ class EngineLoop:
             raise _Stop
         t1 = time.monotonic()
         if staged:
-            buckets = [[(name, t.cpu()) for name, t in bucket] for bucket in self._buckets()]
+            buckets = [stage(bucket, self._regions or {}) for bucket in self._buckets()]
+            kept, whole = staged_bytes(buckets)
+            if not self.staged_bytes:
+                log.info("engine rank %d: stages %.1f MiB of each %.1f MiB version (its engine's shard), at most %d "
+                         "version(s) at once", self.bridge.role.rank, kept / 2**20, whole / 2**20, self.lead - 1)
+            self.staged_bytes = max(self.staged_bytes, kept)
         else:
-            self.engine.update_weights(self._buckets())
+            received = self._buckets()
+            self.engine.update_weights(received if self._recorder is None else self._recorder.wrap(received))
             buckets = None
         return header, buckets, time.monotonic() - t1
 

@@ -15,6 +15,15 @@ Before each version (and the stop) the members of the weights group meet on the 
 no timeout: a collective is enqueued only once every member is there, so a generation or a training step longer than
 ``parallel.timeout_minutes`` does not time the broadcast out (a rank that died is named by the roll call).
 
+The trainer side's default group is NCCL on a GPU; the engine side's is gloo everywhere: what the engine ranks
+exchange among themselves (responses, scores, streaming ticks) is host data, and with the weights group their only
+NCCL communicator of ours, the version receiver's thread (bounded staleness) never drives an NCCL communicator beside
+another one of ours driven by the loop's thread. NCCL makes no progress guarantee for two communicators whose
+operations two ranks issue in different orders (a kernel waiting for its peers can hold the device); the receiver's
+broadcasts and the loop's collectives, two threads, would be issued in whatever order each rank's timing gave.
+vLLM's own communicators (tensor parallel inside its forward) are vLLM's: the receiver's broadcasts run beside them
+on a stream of their own, which NCCL allows where both fit on the device (docs/rollout.md).
+
 Everything is torch.distributed process groups inside the one job: no service, no RPC, no broker.
 """
 
@@ -220,12 +229,13 @@ def _root() -> dist.BroadcastOptions:
     return opts
 
 
-def _warm_up(weights_pg: Any | None, device: TransferDevice) -> None:
+def _warm_up(weights_pg: Any | None, device: TransferDevice, nccl_side: bool) -> None:
     """One collective on each NCCL group of this rank now, so that its communicator (NCCL creates it lazily, at the
     first collective) takes its device memory before vLLM takes its fraction of what is free on the engine ranks."""
     if weights_pg is not None:
         weights_pg.broadcast([device.to(torch.zeros(1))], _root()).wait()
-    dist.all_reduce(device.to(torch.zeros(1)))
+    if nccl_side:
+        dist.all_reduce(device.to(torch.zeros(1)))
 
 
 def init_split_world(launch: LaunchEnv, backend: str, timeout_minutes: float, engine_ranks: int) -> tuple[Role, Bridge]:
@@ -242,8 +252,15 @@ def init_split_world(launch: LaunchEnv, backend: str, timeout_minutes: float, en
     url = f"tcp://{launch.master_addr}:{launch.master_port}?rank={launch.rank}&world_size={launch.world_size}"
     store, _, _ = next(dist.rendezvous(url, timeout=timeout))
     side = "trainer" if role.trainer else "engines"
-    dist.init_process_group(backend=backend, store=dist.PrefixStore(f"dapo/{side}/", store), rank=role.rank,
-                            world_size=role.size, timeout=timeout)
+    # The engine ranks' own collectives (responses shared, scores, streaming ticks) carry host data: gloo, so the
+    # weights group, driven by the version receiver's thread, is their only NCCL communicator (module docstring).
+    dist.init_process_group(backend=backend if role.trainer else "gloo",
+                            store=dist.PrefixStore(f"dapo/{side}/", store), rank=role.rank, world_size=role.size,
+                            timeout=timeout)
+    if not role.trainer:
+        from dapo_mcore.collectives import strict as strict_check
+
+        strict_check.gloo_on_purpose(dist.distributed_c10d._get_default_group())
     all_pg = dist.ProcessGroupGloo(dist.PrefixStore("dapo/all/", store), launch.rank, launch.world_size, timeout)
     from dapo_mcore.actor import rollcall
 
@@ -258,7 +275,7 @@ def init_split_world(launch: LaunchEnv, backend: str, timeout_minutes: float, en
     if role.rank == 0:  # batches: trainer rank 0 and engine rank 0
         batches_pg = dist.ProcessGroupGloo(dist.PrefixStore("dapo/batches/", store), 0 if role.trainer else 1, 2,
                                            timeout)
-    _warm_up(weights_pg, device)
+    _warm_up(weights_pg, device, nccl_side=role.trainer and backend == "nccl")
     log.info("async layout: rank %d on %s is %s rank %d/%d (%d trainer ranks, %d engine ranks, %s)", launch.rank,
              socket.gethostname(), side, role.rank, role.size, trainers, engine_ranks, backend)
     return role, Bridge(role, all_pg, weights_pg, batches_pg, device, dist.PrefixStore("dapo/bridge/", store), timeout)
