@@ -424,3 +424,27 @@ def test_the_wait_for_calls_after_decoding_is_counted():
     c = pool.take_counters()
     assert c.calls == 1 and 0.1 < c.waited <= wall and c.seconds >= 0.4
     assert pool.take_counters().waited == 0.0
+
+
+def test_an_evaluation_leaves_no_tool_calls_in_the_next_steps_counters():
+    """ColocatedRollouts.eval_groups: the calls an evaluation made are dropped from the pool's counters, so the next
+    step batch's ``tools/*`` count only its own rollouts' calls."""
+    from types import SimpleNamespace
+
+    from dapo_mcore.rollout.pipeline.colocated import ColocatedRollouts
+    from dapo_mcore.tools.registry import ToolOutput
+
+    engine, pool = make(ScriptedEngine({}))
+
+    def generate_and_score(records, params, slot, timed=True):
+        for _ in range(3):
+            pool.record(ToolOutput("4"))  # three calls made while evaluating
+        return ["groups"]
+
+    src = SimpleNamespace(engine=engine, cfg=SimpleNamespace(train=SimpleNamespace(seed=0)),
+                          sampling=lambda eval_mode, seed: None, _generate_and_score=generate_and_score)
+    src._drop_tool_counters = lambda: ColocatedRollouts._drop_tool_counters(src)
+    pool.record(ToolOutput("1"))  # a call of the step before: already taken by its batch in a run
+    pool.take_counters()
+    assert ColocatedRollouts.eval_groups(src, [], 5) == ["groups"]
+    assert pool.take_counters().calls == 0

@@ -162,7 +162,17 @@ class ColocatedRollouts:
 
     def eval_groups(self, records: list[PromptRecord], step: int) -> list[GroupData]:
         params = self.sampling(eval_mode=True, seed=step_seed(self.cfg.train.seed + EVAL_SEED_OFFSET, step, 0))
-        return self._generate_and_score(records, params, 0, timed=False)
+        groups = self._generate_and_score(records, params, 0, timed=False)
+        self._drop_tool_counters()
+        return groups
+
+    def _drop_tool_counters(self) -> None:
+        """An evaluation's tool calls are not the next step's: the pool's counters start again after it, so a step's
+        ``tools/*`` and cost-ledger counts hold its own rollouts' calls only (each rank drops its own: no collective)."""
+        from dapo_mcore.rollout.multiturn import MultiTurnEngine
+
+        if isinstance(self.engine, MultiTurnEngine):
+            self.engine.pool.take_counters()
 
     def snapshot(self) -> Any:
         sched = self.scheduler
