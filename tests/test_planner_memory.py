@@ -159,9 +159,9 @@ LOSS_CASES = [(torch.float32, 1.0), (torch.float32, 0.7), (torch.bfloat16, 1.0),
 
 def _small_entropy_chunks(monkeypatch) -> None:
     """At production sizes the entropy's chunks are a sliver of the logits; shrink them so they are here too."""
-    from dapo_mcore.actor import logprobs
+    from dapo_mcore.actor import sizes
 
-    monkeypatch.setattr(logprobs, "ENTROPY_CHUNK_BYTES", 1 << 18)
+    monkeypatch.setattr(sizes, "ENTROPY_CHUNK_BYTES", 1 << 18)
 
 
 @pytest.mark.unit
@@ -175,13 +175,13 @@ def test_the_actor_loss_peak_is_the_planners_logits_term_at_tp1(monkeypatch, dty
 
 
 def _loss_peak_worker(rank: int, world: int, port: int, queue) -> None:
-    from dapo_mcore.actor import logprobs
+    from dapo_mcore.actor import sizes
     from dapo_mcore.actor.parallel import LaunchEnv, init_distributed, init_model_parallel
 
     init_distributed(LaunchEnv(rank=rank, local_rank=rank, world_size=world, master_addr="127.0.0.1",
                                master_port=port, source="test"), "gloo")
     init_model_parallel(world, 1)
-    logprobs.ENTROPY_CHUNK_BYTES = 1 << 18
+    sizes.ENTROPY_CHUNK_BYTES = 1 << 18
     peaks = [measure_loss_peak(dtype, t, LOSS_VOCAB // world) for dtype, t in LOSS_CASES]
     torch.distributed.destroy_process_group()
     queue.put((rank, peaks))

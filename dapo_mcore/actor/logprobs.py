@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from dapo_mcore.actor import sizes
+
 # Finite stand-in for -inf: exp() underflows to exactly 0 in fp32 without inf arithmetic in backward.
 _MASKED_LOGIT = -1.0e30
 
@@ -80,9 +82,6 @@ def token_logprobs(vocab_parallel_logits: torch.Tensor, targets: torch.Tensor, t
     return -nll.transpose(0, 1)
 
 
-ENTROPY_CHUNK_BYTES = 32 << 20
-"""fp32 bytes of one chunk of positions in :func:`token_entropy`; its temporaries are a few such chunks, however many
-positions and vocabulary columns the micro-batch has (the planner counts them: ``planner.ENTROPY_TEMP_BYTES``)."""
 
 
 @torch.no_grad()
@@ -94,7 +93,7 @@ def token_entropy(vocab_parallel_logits: torch.Tensor, temperature: float, true_
     logits, their shift by the max, its exponential and their product) hold ``chunk_bytes`` each instead of four
     [B*S, V_local] copies beside the logits the backward still needs. The max (exact in the logits' own dtype, and
     dividing by T > 0 keeps the order) is taken on the logits as they are; the TP group reduces the max and the two
-    sums once each, as before. ``chunk_bytes`` defaults to :data:`ENTROPY_CHUNK_BYTES`.
+    sums once each, as before. ``chunk_bytes`` defaults to ``actor.sizes.ENTROPY_CHUNK_BYTES``.
     """
     group, tp_rank, tp_size = _tp_group_info()
     n_real = real_columns(vocab_parallel_logits.shape[-1], true_vocab_size, tp_rank)
@@ -111,7 +110,7 @@ def token_entropy(vocab_parallel_logits: torch.Tensor, temperature: float, true_
         local_max = device.to(local_max)
         dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
     sums = torch.zeros(2, rows.shape[0], dtype=torch.float32, device=rows.device)  # sum exp, sum exp * x
-    step = max(1, (chunk_bytes or ENTROPY_CHUNK_BYTES) // (4 * max(n_real, 1)))
+    step = max(1, (chunk_bytes or sizes.ENTROPY_CHUNK_BYTES) // (4 * max(n_real, 1)))
     for start in range(0, rows.shape[0], step):
         shifted = _scaled(rows[start:start + step], temperature) - local_max[start:start + step].unsqueeze(-1)
         exp = shifted.exp()

@@ -133,7 +133,7 @@ def _schedule_line(cfg: Config) -> str:
 
 def _expert_line(cfg: Config, hf: dict, world_size: int) -> str | None:
     from dapo_mcore.config.rules import vllm_data_parallel, vllm_engine_count
-    from dapo_mcore.model.moe import describe_experts
+    from dapo_mcore.model.moe_shape import describe_experts
 
     vllm = ((cfg.rollout.vllm.tensor_parallel, vllm_data_parallel(cfg, world_size))
             if cfg.rollout.engine == "vllm" else None)

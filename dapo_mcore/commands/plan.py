@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                           "flops": asdict(flops), "step_seconds": {"train": train_s, "generation": gen_s}}, indent=2))
     else:
         print(format_report(plan, est, flops))
-        from dapo_mcore.model.moe import describe_experts
+        from dapo_mcore.model.moe_shape import describe_experts
 
         engines = max(1, (engine_ranks or plan.tensor_parallel * plan.pipeline_parallel * plan.data_parallel)
                       // plan.vllm_tensor_parallel)

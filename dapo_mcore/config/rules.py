@@ -101,7 +101,7 @@ def _validate_experts(cfg: Config, hf: dict, world_size: int) -> None:
             and cfg.algo.router_replay != "rollout"):
         return  # a dense model without EP or replay: nothing to check, and the checks' modules import torch (3-5 s)
     from dapo_mcore.actor.parallel import expert_layout_error
-    from dapo_mcore.model.moe import MoEConfigError, MoEShape, check_expert_parallel
+    from dapo_mcore.model.moe_shape import MoEConfigError, MoEShape, check_expert_parallel
 
     p = cfg.parallel
     try:
@@ -132,7 +132,7 @@ def _validate_experts(cfg: Config, hf: dict, world_size: int) -> None:
 def expert_tensor_parallel(cfg: Config) -> int | None:
     """The expert-TP size Megatron is given: ``parallel.expert_tensor_parallel`` for an MoE model, None (Megatron's
     default, = TP, and nothing to split) for a dense one."""
-    from dapo_mcore.model.moe import MOE_MODEL_TYPES
+    from dapo_mcore.model.moe_shape import MOE_MODEL_TYPES
 
     moe = cfg.model.hf_config(cfg.tiny_base.preset).get("model_type") in MOE_MODEL_TYPES
     return cfg.parallel.expert_tensor_parallel if moe else None

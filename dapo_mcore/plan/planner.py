@@ -25,7 +25,7 @@ Memory model (bytes per GPU; ``P`` = parameters held by this rank's pipeline sta
   log-prob's backward), 8 fp32 bytes per element at TP > 1 (Megatron's vocab-parallel cross entropy keeps the
   softmax, which becomes the gradient, plus one masked/scaled copy) and 16 at TP = 1 (logsumexp's saved fp32 input
   and its backward's exp, product and gather gradient). The entropy metric runs without a graph, in chunks of
-  ``actor.logprobs.ENTROPY_CHUNK_BYTES`` (three fp32 chunks beside the held copy, in the forward): it adds nothing
+  ``actor.sizes.ENTROPY_CHUNK_BYTES`` (three fp32 chunks beside the held copy, in the forward): it adds nothing
   to the backward peak. ``tests/test_planner_memory.py`` runs the actor's loss function (``dapo_loss``) at TP=1 and
   on two gloo TP ranks and checks these counts against the live bytes it allocates.
 * vLLM colocated with sleep mode: the two never peak together. During rollout vLLM is awake and
@@ -322,11 +322,11 @@ def loss_logits_bytes(tokens: int, local_vocab: float, tensor_parallel: int, act
     The larger of the log-prob backward (``a + 8`` or, at TP = 1, ``a + 16`` bytes per logit) and the forward with
     the entropy metric (the logits, one held fp32 copy and three fp32 entropy chunks).
     """
-    from dapo_mcore.actor import logprobs
+    from dapo_mcore.actor import sizes
 
     elements = tokens * local_vocab
     backward = elements * (act_bytes + (16 if tensor_parallel == 1 else 8))
-    forward = elements * (act_bytes + 4) + 3 * logprobs.ENTROPY_CHUNK_BYTES
+    forward = elements * (act_bytes + 4) + 3 * sizes.ENTROPY_CHUNK_BYTES
     return max(backward, forward)
 
 

@@ -93,7 +93,7 @@ class ModelShape:
         """Read the shape from a Hugging Face Qwen2 / Qwen3 ``config.json`` dict (HFConfigError, a ValueError, for
         one the project does not support)."""
         from dapo_mcore.model.hf_config import QwenShape
-        from dapo_mcore.model.moe import MoEShape
+        from dapo_mcore.model.moe_shape import MoEShape
 
         s = QwenShape.from_hf(cfg)
         moe = MoEShape.from_hf(cfg)
