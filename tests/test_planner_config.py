@@ -183,3 +183,17 @@ def test_plan_prints_one_step_time_for_the_config(capsys):
     row = next(ln for ln in ranked.splitlines() if ln.endswith("<- this config"))
     assert row.split()[1] == "sync_partial_done"
     assert row.split()[3] == plain == ranked.split("step time by the step model: ")[1].split(" min")[0]
+
+
+def test_plan_ranks_the_variants_without_importing_torch():
+    """``plan --rank-variants`` is pure Python (the step model, the MoE shape facts, the entropy chunk size): torch's
+    import alone is ~2 CPU-s of its ~6."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom dapo_mcore.cli import main\n"
+            "rc = main(['plan', 'examples/qwen2.5-32b-fp8.yaml', '--nodes', '16', '--rank-variants', '--rank-steps', '1'])\n"
+            "print('torch' in sys.modules, rc)\n")
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.stdout.strip().splitlines()[-1] == "False 0", (done.stdout + done.stderr)[-3000:]
