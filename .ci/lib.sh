@@ -4,6 +4,8 @@
 #                       summary at the end of .ci/run lists it); returns CMD's exit status.
 # ci_venv DIR PIP_ARGS... creates the virtualenv DIR (inside the checkout; add DIR/ to .gitignore) and pip-installs
 #                       PIP_ARGS into it, with pip's download cache under .cache/pip (git-ignored), as one timed step.
+# ci_main_venv          the main suite's .venv (the README's install), built as a timed step only where it is missing
+#                       (a tier run alone); .ci/run builds it before any tier.
 # ci_install FUNC       (below) a tier's install steps, which .ci/run may run ahead, beside the main suite.
 
 ci_step() {
@@ -25,6 +27,10 @@ ci_venv() {
     shift
     ci_step "install ${dir}" bash -c 'python3 -m venv "$0" && PIP_CACHE_DIR="$PWD/.cache/pip" "$0/bin/pip" install -q "$@"' \
         "$dir" "$@"
+}
+
+ci_main_venv() {
+    [[ -x .venv/bin/python ]] || ci_venv .venv torch==2.13.0 -e ".[dev]"
 }
 
 # ci_install FUNC       a tier's install steps, gathered in the function FUNC, run where the tier stands; but

@@ -8,9 +8,7 @@
 set -euo pipefail
 source .ci/lib.sh
 
-if [[ ! -x .venv/bin/python ]]; then
-    ci_venv .venv torch==2.13.0 -e ".[dev]"
-fi
+ci_main_venv
 files=()
 for f in tests/test_gpu_*.py; do [[ "$f" == tests/test_gpu_paths.py ]] || files+=("$f"); done
 DAPO_MCORE_GPU_TESTS_ON_CPU=1 DAPO_MCORE_CI_NO_SKIPS=1 .venv/bin/python -m pytest -q -m gpu "${files[@]}"

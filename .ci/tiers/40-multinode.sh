@@ -18,8 +18,6 @@ source .ci/lib.sh
 
 command -v sbatch >/dev/null || bash slurm/local/install.sh
 command -v ip >/dev/null || apt-get install -y iproute2
-if [[ ! -x .venv/bin/python ]]; then
-    ci_venv .venv torch==2.13.0 -e ".[dev]"
-fi
+ci_main_venv
 DAPO_MCORE_MULTINODE=1 DAPO_MCORE_CI_NO_SKIPS=1 .venv/bin/python -m pytest -q -m multinode \
     tests/test_slurm_multinode.py -k "not mid_checkpoint and not rank0"

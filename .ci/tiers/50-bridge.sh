@@ -21,9 +21,7 @@ install() {
         nvidia-modelopt==0.47.0 requests datasets "megatron-energon==7.*" tensorboard safetensors pyyaml
     ci_step "install megatron-core ${MCORE} + megatron-bridge ${BRIDGE}" .venv-bridge/bin/pip install -q --no-deps \
         --ignore-requires-python "megatron-core==${MCORE}" triton "megatron-bridge==${BRIDGE}"
-    if [[ ! -x .venv/bin/python ]]; then
-        ci_venv .venv torch==2.13.0 -e ".[dev]"
-    fi
+    ci_main_venv
 }
 ci_install install
 versions=$(.venv-bridge/bin/python tests/bridge/bridge_cpu.py versions 2>/dev/null | grep '^bridge_cpu:')

@@ -8,16 +8,15 @@
 # tier every other recipe (a new recipe lands here unless it matches REHEARSE_B). Nothing is skipped here: a recipe that cannot be rehearsed fails
 # the tier (DAPO_MCORE_CI_NO_SKIPS=1 is the suite's rule; there is no pytest run to apply it to). EXPECTED_FAIL names
 # a recipe with a known defect and why: it must fail (the tier fails if it passes, so the entry goes when the fix
-# lands). The tiny recipes that a main-suite test rehearses in effect (RUN_WHOLE) are not rehearsed again. By hand: CI_REHEARSE='examples/tiny_cpu.yaml' .ci/tiers/60-rehearse.sh rehearses only those.
+# lands). The tiny recipes that a main-suite test rehearses in effect (RUN_WHOLE) are not rehearsed again.
+# By hand: CI_REHEARSE='examples/tiny_cpu.yaml' .ci/tiers/60-rehearse.sh rehearses only those.
 # ci-beside-main: the main suite keeps about one of the two cores busy and shares nothing with it (its own run
 # dirs under .cache/rehearse, its own bases under the cache's rehearse/ folder, built whole-or-absent; free ports);
 # run in order after the suite it would add ~10 min to the total.
 set -euo pipefail
 source .ci/lib.sh
 
-if [[ ! -x .venv/bin/python ]]; then
-    ci_venv .venv torch==2.13.0 -e ".[dev]"
-fi
+ci_main_venv
 export DAPO_MCORE_CI_NO_SKIPS=1
 declare -A EXPECTED_FAIL=()  # none today: [name]="why" for a recipe with a known defect
 start=$(date +%s)
