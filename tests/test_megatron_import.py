@@ -34,7 +34,7 @@ def test_a_deferred_compile_calls_the_real_one_at_the_first_call_only():
     def triple(x):
         return 3 * x
 
-    assert calls == [] and double.__name__ == "double" and double.__wrapped_uncompiled__(4) == 8
+    assert calls == [] and double.__name__ == "double" and double.__wrapped__(4) == 8
     assert double(2) == ("compiled", 4) and double(5) == ("compiled", 10)
     assert triple(1) == ("compiled", 3)
     assert calls == [("double", {}), ("triple", {"dynamic": True})]  # once each, with its own options

@@ -56,8 +56,7 @@ def deferred_compile(real: Callable[..., Any]) -> Callable[..., Any]:
                 compiled.append(real(model, **kwargs))
             return compiled[0](*args, **kw)
 
-        first_call_compiles.__wrapped_uncompiled__ = model  # type: ignore[attr-defined]
-        return first_call_compiles
+        return first_call_compiles  # functools.wraps: __wrapped__ is the plain function
 
     return compile_
 
