@@ -444,6 +444,7 @@ def test_an_evaluation_leaves_no_tool_calls_in_the_next_steps_counters():
     src = SimpleNamespace(engine=engine, cfg=SimpleNamespace(train=SimpleNamespace(seed=0)),
                           sampling=lambda eval_mode, seed: None, _generate_and_score=generate_and_score)
     src._drop_tool_counters = lambda: ColocatedRollouts._drop_tool_counters(src)
+    src._tool_pool = lambda: ColocatedRollouts._tool_pool(src)
     pool.record(ToolOutput("1"))  # a call of the step before: already taken by its batch in a run
     pool.take_counters()
     assert ColocatedRollouts.eval_groups(src, [], 5) == ["groups"]

@@ -136,11 +136,10 @@ class ColocatedRollouts:
     def _tool_counters(self) -> dict[str, float]:
         """Multi-turn tool use: the calls every engine group made since the last step (each counts its own share;
         summed over the groups' leaders), as ``tools/*`` metrics the cost ledger reads."""
-        from dapo_mcore.rollout.multiturn import MultiTurnEngine
-
-        if not isinstance(self.engine, MultiTurnEngine):
+        pool = self._tool_pool()
+        if pool is None:
             return {}
-        c = self.engine.pool.take_counters()
+        c = pool.take_counters()
         values = torch.tensor([c.calls, c.errors, c.timeouts, c.sandbox_failures, c.seconds, c.waited],
                               dtype=torch.float64)
         if self.groups.count > 1:
@@ -169,10 +168,15 @@ class ColocatedRollouts:
     def _drop_tool_counters(self) -> None:
         """An evaluation's tool calls are not the next step's: the pool's counters start again after it, so a step's
         ``tools/*`` and cost-ledger counts hold its own rollouts' calls only (each rank drops its own: no collective)."""
+        pool = self._tool_pool()
+        if pool is not None:
+            pool.take_counters()
+
+    def _tool_pool(self) -> Any:
+        """The tool pool of a multi-turn engine (None without tool use)."""
         from dapo_mcore.rollout.multiturn import MultiTurnEngine
 
-        if isinstance(self.engine, MultiTurnEngine):
-            self.engine.pool.take_counters()
+        return self.engine.pool if isinstance(self.engine, MultiTurnEngine) else None
 
     def snapshot(self) -> Any:
         sched = self.scheduler
