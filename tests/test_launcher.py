@@ -121,7 +121,7 @@ def test_a_refusal_on_one_rank_is_not_contradicted_by_the_stop_torch_sent_the_ot
 
     refusal = "dapo-mcore: configuration error: run directory runs/x holds another run (algo.clip_high: 0.28 -> 0.3)."
     (tmp_path / "rank0").write_text(refusal + "\n")
-    (tmp_path / "rank1").write_text(STOP_LINE.format(name="SIGTERM") + "\n")
+    (tmp_path / "rank1").write_text(STOP_LINE.format(name="SIGTERM", sender=" (sent by pid 7: torchrun)") + "\n")
     launcher._print_rank_errors(tmp_path, signalled=False)  # torch stopped rank 1 after rank 0 failed
     assert capsys.readouterr().err == refusal + "\n"
     launcher._print_rank_errors(tmp_path, signalled=True)  # a scancel reached both: both lines stay

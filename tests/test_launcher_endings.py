@@ -130,6 +130,7 @@ def test_a_stop_signal_during_start_up_is_one_line_and_the_requeue_code(sig):
     assert proc.returncode == EXIT_REQUEUE, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"dapo-mcore: {sig.name} during start-up"), lines
+    assert f"(sent by pid {os.getpid()}: " in lines[0], lines  # who stopped it: here, this test's process
 
 
 @pytest.mark.distributed
@@ -154,3 +155,19 @@ def test_a_rank_killed_under_the_launcher_is_named_at_once(cli_env, tmp_path):
     assert proc.returncode == 137, out[-3000:]
     assert out.count("dapo-mcore: rank 1 died of SIGKILL (exit 137)") == 1, out[-3000:]
     assert "will checkpoint" not in out and "Traceback" not in out and "another rank of the job" not in out, out[-3000:]
+
+
+@pytest.mark.unit
+def test_the_stop_line_names_who_sent_the_signal():
+    from dapo_mcore.signals.startup import sender
+
+    def info(code, pid):  # struct_siginfo: si_signo, si_code, si_errno, si_pid, si_uid, si_status, si_band
+        return signal.struct_siginfo((signal.SIGHUP, code, 0, pid, 0, 0, 0))
+
+    own = Path(f"/proc/{os.getpid()}/comm").read_text().strip()
+    assert sender(info(0, os.getpid())) == f" (sent by pid {os.getpid()}: {own})"  # kill(2)
+    assert sender(info(-6, os.getpid())) == f" (sent by pid {os.getpid()}: {own})"  # tgkill(2)
+    assert sender(info(0x80, 0)) == " (sent by the kernel)"  # SI_KERNEL: a terminal's hang-up
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert sender(info(0, gone.pid)) == f" (sent by pid {gone.pid})"  # already gone: its pid alone

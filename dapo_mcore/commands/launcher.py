@@ -177,7 +177,7 @@ def _print_rank_errors(error_dir: Path, *, signalled: bool = True) -> None:
     another rank failed, not a requeue, so it is left out beside that rank's line (a refusal, exit 2)."""
     from dapo_mcore.signals.startup import STOP_LINE
 
-    stop_prefix, stop_tail = STOP_LINE.split("{name}")[0], STOP_LINE.split("{name}")[1][:40]
+    stop_prefix, stop_tail = STOP_LINE.split("{name}")[0], STOP_LINE.split("{sender}")[1][:40]
     by_line: dict[str, list[str]] = {}
     for path in sorted(error_dir.glob("rank*"), key=lambda p: int(p.name[4:] or 0)):
         line = path.read_text(errors="replace").strip()

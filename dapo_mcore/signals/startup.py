@@ -22,6 +22,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -29,10 +30,11 @@ __all__ = ["LINE", "arm", "disarm", "interrupted"]
 
 LINE = ("dapo-mcore: interrupted (Ctrl-C) during start-up, before the first step: nothing was lost; run the same "
         "command to start (or resume) the run")
-STOP_LINE = ("dapo-mcore: {name} during start-up, before the first step: nothing was lost; exiting 75 so a scheduler "
-             "requeues the job (the same command starts or resumes the run)")
+STOP_LINE = ("dapo-mcore: {name} during start-up{sender}, before the first step: nothing was lost; exiting 75 so a "
+             "scheduler requeues the job (the same command starts or resumes the run)")
 """SIGTERM (scancel, a pre-emption), SIGUSR1 (Slurm's warning) or SIGHUP (a closed terminal) before the first step:
-what the trainer answers after a step (checkpoint, 75) is, before any step, just the exit code."""
+what the trainer answers after a step (checkpoint, 75) is, before any step, just the exit code. ``{sender}``: who sent
+it (`sender`), so a stop nobody expected can be traced to its source."""
 STOPS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 WATCHED = {signal.SIGINT, *STOPS}
 
@@ -62,10 +64,26 @@ def _watch(report: Callable[[str], None]) -> None:
             continue
         interrupt = got.si_signo == signal.SIGINT
         try:
-            report(LINE if interrupt else STOP_LINE.format(name=signal.Signals(got.si_signo).name))
+            report(LINE if interrupt else STOP_LINE.format(name=signal.Signals(got.si_signo).name, sender=sender(got)))
             sys.stderr.flush()
         finally:
             os._exit(130 if interrupt else 75)
+
+
+_SI_USER, _SI_TKILL, _SI_QUEUE = 0, -6, -1  # <asm-generic/siginfo.h>: kill(2), tgkill(2), sigqueue(3)
+
+
+def sender(info: signal.struct_siginfo) -> str:
+    """The line's ``{sender}``: " (sent by pid N: its name)" for a signal a process sent (kill, killpg, tgkill, sigqueue), " (sent by the
+    kernel)" for one the kernel raised (a terminal's hang-up, an orphaned process group): a stop nobody expected then
+    names its source. The name is /proc's, read at once (empty if the sender is already gone)."""
+    if info.si_code not in (_SI_USER, _SI_TKILL, _SI_QUEUE):
+        return " (sent by the kernel)"
+    try:
+        name = Path(f"/proc/{info.si_pid}/comm").read_text().strip()
+    except OSError:
+        name = ""
+    return f" (sent by pid {info.si_pid}{': ' + name if name else ''})"
 
 
 def disarm(record: bool = False) -> None:
