@@ -34,6 +34,16 @@ def test_every_tier_is_an_executable_bash_script_that_stops_on_errors():
         assert "DAPO_MCORE_CI_NO_SKIPS=1" in text, f"{tier.name}: a tier fails when it skips what it exists to run"
 
 
+def test_an_at_once_tier_installs_nothing_and_needs_only_the_main_venv():
+    """The at-once lane starts before the install-tiers step has built anything: a tier there with an install
+    section would find it missing and install itself, beside the other lane's installs."""
+    at_once = [t for t in sorted(TIERS.glob("*.sh")) if "\n# ci-beside-main-at-once:" in t.read_text()]
+    assert {t.name for t in at_once} >= {"40-multinode.sh", "60-rehearse.sh", "61-rehearse-b.sh"}
+    for tier in at_once:
+        text = tier.read_text()
+        assert not re.search(r"^ci_install ", text, re.M) and "\n# ci-beside-main:" not in text, tier.name
+
+
 def _fake_checkout(tmp_path: Path, tiers: dict[str, str]) -> Path:
     repo = tmp_path / "repo"
     (repo / ".ci" / "tiers").mkdir(parents=True)

@@ -5,6 +5,8 @@
 # by .ci/run before the tiers; built here when the tier runs alone). Only tests/test_gpu_*.py, less the two files
 # with no CPU mode: the vLLM GPU test (tests/test_rollout_vllm.py, not matched) and tests/test_gpu_paths.py (CUDA
 # streams and vLLM's CUDA kernels; the prepared GPU check runs it).
+# ci-beside-main-at-once: ~25 CPU-s on gloo with free ports and the main .venv alone; it shares nothing with the
+# main suite, so it runs first in the lane that starts with the suite instead of after it.
 set -euo pipefail
 source .ci/lib.sh
 

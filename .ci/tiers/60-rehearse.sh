@@ -10,9 +10,10 @@
 # a recipe with a known defect and why: it must fail (the tier fails if it passes, so the entry goes when the fix
 # lands). The tiny recipes that a main-suite test rehearses in effect (RUN_WHOLE) are not rehearsed again.
 # By hand: CI_REHEARSE='examples/tiny_cpu.yaml' .ci/tiers/60-rehearse.sh rehearses only those.
-# ci-beside-main: the main suite keeps about one of the two cores busy and shares nothing with it (its own run
-# dirs under .cache/rehearse, its own bases under the cache's rehearse/ folder, built whole-or-absent; free ports);
-# run in order after the suite it would add ~10 min to the total.
+# ci-beside-main-at-once: the main suite keeps about one of the two cores busy and shares nothing with it (its own
+# run dirs under .cache/rehearse, its own bases under the cache's rehearse/ folder, built whole-or-absent; free
+# ports); it needs only the main .venv and no tier install, so it follows the two-node tier in the lane that starts
+# with the suite (in the other lane, after ~10 min of tier installs and the vllm and bridge tiers, it ended last).
 set -euo pipefail
 source .ci/lib.sh
 
