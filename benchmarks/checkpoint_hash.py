@@ -1,15 +1,15 @@
-"""Benchmark: what the checkpoint checksums (size + CRC-32 per file in the manifest) cost at save and at load.
+"""Benchmark: what the checkpoint checksums (size + XXH3-64 per file in the manifest) cost at save and at load.
 
 One rank file of --mb megabytes (random fp32, like a model or Adam-moment shard), page cache warm, best of --repeat:
 
 - save without checksums: the trainer's writer (tensor by tensor from their memory) with its checksum turned off
   (the baseline); and safetensors' ``save_file`` (what a save with no manifest does: the file built in memory first);
 - save with checksums: the trainer's save (``save_safetensors`` under ``record_digests``: written from the tensors'
-  memory, CRC-32 of the same bytes on a second thread as they are written); and, for comparison, the former way:
+  memory, the XXH3-64 of the same bytes on a second thread as they are written); and, for comparison, the former way:
   ``save_file`` then a second read to checksum;
 - load without checksums: ``load_file`` and a copy of every tensor (as a resume copies them into the model);
 - load with checksums: the trainer's checked read (``read_megatron_rank`` under ``checking_reads``: the tensors are
-  views of one mapping of the file, CRC-32 and NaN/inf check on a second thread while they are copied) and the same copy; and the former way: a checksum pass, then ``load_file``.
+  views of one mapping of the file, XXH3-64 and NaN/inf check on a second thread while they are copied) and the same copy; and the former way: a checksum pass, then ``load_file``.
 
 Prints each time and each ratio to its baseline; the last line is ``checkpoint_checksum_overhead: X`` (the larger
 of the save and load ratios of the trainer's way). --smoke: a 16 MB file, one repeat (seconds; run in CI).
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
         t = {}
         for _ in range(args.repeat):  # interleaved, so that a change of machine load hits every variant alike
             t.setdefault("save_st", []).append(best(lambda: save_file(tensors, os.fspath(path), {"format": "pt"}), 1))
-            t.setdefault("save", []).append(best(lambda: wckpt._write_safetensors_with_crc(
+            t.setdefault("save", []).append(best(lambda: wckpt._write_safetensors_digested(
                 tensors, path, {"format": "pt"}, digest=False), 1))
             t.setdefault("save_old", []).append(best(lambda: (save_file(tensors, os.fspath(path), {"format": "pt"}),
                                                               wckpt.file_digest(path)), 1))

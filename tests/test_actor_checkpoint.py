@@ -107,7 +107,7 @@ def _truncate(path: Path) -> None:
     path.write_bytes(data[: len(data) // 3])
 
 
-@pytest.mark.parametrize("damage, needle", [(_flip_4k, "crc32 differs from the manifest"),
+@pytest.mark.parametrize("damage, needle", [(_flip_4k, "xxh3 differs from the manifest"),
                                             (_truncate, "(truncated)")])
 def test_damaged_safetensors_in_the_latest_checkpoint_falls_back_naming_the_file(tmp_path, caplog, damage, needle):
     _complete(tmp_path, 2)
@@ -129,7 +129,7 @@ def test_no_intact_checkpoint_raises_naming_every_bad_file(tmp_path):
         find_latest(tmp_path)
     msg = str(err.value)
     assert "no intact checkpoint in" in msg and str(tmp_path) in msg and "\n" not in msg
-    assert f"step_000002: {a / RANK_FILE}: crc32 differs" in msg and f"step_000004: {b / RANK_FILE}: missing" in msg
+    assert f"step_000002: {a / RANK_FILE}: xxh3 differs" in msg and f"step_000004: {b / RANK_FILE}: missing" in msg
 
 
 def test_unreadable_manifest_is_corruption_and_a_missing_one_is_legacy(tmp_path, caplog):
@@ -146,10 +146,13 @@ def test_manifest_digests_match_naive_checksums(tmp_path):
     import hashlib
     import zlib
 
+    import xxhash
+
     path = tmp_path / "blob"
     data = bytes(range(256)) * 40_000 + b"tail"  # spans several read chunks
     path.write_bytes(data)
-    assert wckpt.file_digest(path, chunk_bytes=1 << 16) == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+    assert wckpt.file_digest(path, chunk_bytes=1 << 16) == {"size": len(data), "xxh3": xxhash.xxh3_64_hexdigest(data)}
+    assert wckpt.file_digest(path, "crc32", chunk_bytes=1 << 16)["crc32"] == f"{zlib.crc32(data):08x}"
     assert wckpt.file_digest(path, "sha256")["sha256"] == hashlib.sha256(data).hexdigest()
     files = {"blob": wckpt.file_digest(path, "sha256")}
     assert wckpt.verify_files(tmp_path, files) == []
@@ -164,7 +167,7 @@ def _flip_bit_in(text: str, needle: str) -> str:
 
 @pytest.mark.parametrize("damage, intact", [
     (lambda t: _flip_bit_in(t, '"size'), False),  # a key of an entry: {"sizd": ...}
-    (lambda t: _flip_bit_in(t, '"crc32'), False),
+    (lambda t: _flip_bit_in(t, '"xxh3'), False),
     (lambda t: _flip_bit_in(t, "model.safetensors"), False),  # a file's name: it is missing, another unlisted
     (lambda t: t.replace('"trainer_state.json": {', '"trainer_state.json": ["x"], "y": {', 1), False),
     (lambda t: t.replace('"files": {', '"files": {"model/x": 3, ', 1), False),

@@ -80,7 +80,7 @@ def test_the_checkpoints_we_write_carry_checksums_and_name_a_flipped_byte(writte
     _flip(shard, shard.stat().st_size // 2)
     with pytest.raises(InputFileError) as err:
         dist_checkpoint.check_intact(dist_checkpoint.find(ckpt))
-    assert f"{shard}: crc32 differs" in str(err.value) and "\n" not in str(err.value)
+    assert f"{shard}: xxh3 differs" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_a_checkpoint_without_checksums_is_read_as_it_is(written):
@@ -159,7 +159,7 @@ def _flip_bit_in(text: str, needle: str) -> str:
 
 
 @pytest.mark.parametrize("damage", [
-    lambda t: _flip_bit_in(t, '"size'), lambda t: _flip_bit_in(t, '"crc32'), lambda t: _flip_bit_in(t, ".distcp"),
+    lambda t: _flip_bit_in(t, '"size'), lambda t: _flip_bit_in(t, '"xxh3'), lambda t: _flip_bit_in(t, ".distcp"),
     lambda t: t.replace('"files": {', '"files": {"x": [1], ', 1), lambda t: '{"files": 3}', lambda t: "[1]",
 ])
 def test_a_damaged_checksum_table_is_one_line(written, damage):
@@ -178,5 +178,5 @@ def test_a_process_checks_the_files_it_reads_not_every_file(written):
     found = dist_checkpoint.find(ckpt)
     dist_checkpoint.check_intact(found, {".metadata", "metadata.json"})  # the index alone is intact
     dist_checkpoint.embedding_rows(found)  # it reads the index only: no error, and no read of the shards
-    with pytest.raises(InputFileError, match="crc32 differs"):
+    with pytest.raises(InputFileError, match="xxh3 differs"):
         dist_checkpoint.check_intact(found, {shard.name})  # a load that reads the shard finds it

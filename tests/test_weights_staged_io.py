@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+import xxhash
 
 from conversion.synthetic import save_tiny_hf_model, tiny_hf_config
 from dapo_mcore.weights import ParallelLayout
@@ -49,7 +50,8 @@ def test_staged_writer_matches_plain_bytes(tmp_path, direct):
     ref = bytearray()
     fd = os.open(src, os.O_RDONLY)
     try:
-        with StagedFileWriter(tmp_path / "out.bin", direct=direct, buffer_bytes=8192, num_buffers=2) as w:
+        with StagedFileWriter(tmp_path / "out.bin", direct=direct, buffer_bytes=8192, num_buffers=2,
+                              checksum=True) as w:
             for _ in range(60):  # pieces smaller and larger than a buffer, across buffer boundaries
                 kind, n = rng.randrange(3), rng.randrange(1, 20_000)
                 if kind == 0:
@@ -66,6 +68,7 @@ def test_staged_writer_matches_plain_bytes(tmp_path, direct):
     finally:
         os.close(fd)
     assert (tmp_path / "out.bin").read_bytes() == bytes(ref)  # exact length: O_DIRECT padding truncated
+    assert w.hasher.hexdigest() == xxhash.xxh3_64_hexdigest(bytes(ref))  # the manifest's hash: content, no padding
 
 
 def test_staged_writer_abort_on_error_stops_the_thread(tmp_path):

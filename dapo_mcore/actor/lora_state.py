@@ -2,7 +2,7 @@
 
 Beside the usual ``model/`` (the frozen base, unchanged since it was loaded) a LoRA checkpoint holds::
 
-  lora/base.json                      the base's identity (where it was loaded from, a CRC-32 of its weight files),
+  lora/base.json                      the base's identity (where it was loaded from, a hash of its weight files),
                                       the adapter settings, the optimizer step and which states follow
   lora/adapter_config.json            peft's adapter config (HF target names)
   lora/<state>/pp<P>_ep<E>.safetensors  adapter values (``adapter``), Adam's ``exp_avg`` / ``exp_avg_sq`` and the
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ import torch.distributed as dist
 
 from dapo_mcore.weights import checkpoint as wckpt
 from dapo_mcore.weights.checkpoint import CheckpointError
+from dapo_mcore.weights.checksums import DEFAULT_HASH, HASHES, new_hasher
 from dapo_mcore.weights.lora import gather_adapters, load_adapters
 
 log = logging.getLogger(__name__)
@@ -39,29 +39,32 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 MAIN_PARAM = "main_param"
 
 
-def base_identity(source: str | Path | None) -> dict[str, Any]:
-    """Where the base was loaded from and a CRC-32 over its weight files' digests (names, sizes, CRCs): the same
-    bytes give the same identity wherever they are; None-path bases (random weights) have no digest."""
+def base_identity(source: str | Path | None, algo: str = DEFAULT_HASH) -> dict[str, Any]:
+    """Where the base was loaded from and an `algo` hash over its weight files' digests (names, sizes, `algo`
+    digests): the same bytes give the same identity wherever they are; None-path bases (random weights) have no
+    digest. Earlier versions wrote the CRC-32 form (``algo="crc32"``, no "hash" key), which this reproduces."""
     if source is None:
         return {"path": None, "digest": None}
     root = Path(source)
     files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in (".safetensors", ".bin", ".distcp", ".pt")
                    and "optim" not in p.relative_to(root).parts)
-    crc = 0
+    hasher = new_hasher(algo)
     for f in files:
-        d = wckpt.file_digest(f)
-        crc = zlib.crc32(f"{f.relative_to(root).as_posix()}:{d['size']}:{d['crc32']}\n".encode(), crc)
-    return {"path": str(root.resolve()), "digest": f"{crc:08x}", "files": len(files)}
+        d = wckpt.file_digest(f, algo)
+        hasher.update(f"{f.relative_to(root).as_posix()}:{d['size']}:{d[algo]}\n".encode())
+    return {"path": str(root.resolve()), "digest": hasher.hexdigest(), "files": len(files), "hash": algo}
 
 
-def _shared_identity(actor) -> dict[str, Any]:
-    """The actor's base identity, computed once by global rank 0 and known on every rank (a collective)."""
+def _shared_identity(actor, algo: str = DEFAULT_HASH) -> dict[str, Any]:
+    """The actor's base identity by `algo`, computed once by global rank 0 and known on every rank (a collective)."""
     if getattr(actor, "_base_identity", None) is None:
-        box = [base_identity(actor.base_source) if _rank() == 0 else None]
+        actor._base_identity = {}
+    if algo not in actor._base_identity:
+        box = [base_identity(actor.base_source, algo) if _rank() == 0 else None]
         if dist.is_initialized():
             dist.broadcast_object_list(box, src=0)
-        actor._base_identity = box[0]
-    return actor._base_identity
+        actor._base_identity[algo] = box[0]
+    return actor._base_identity[algo]
 
 
 def _rank() -> int:
@@ -163,10 +166,15 @@ def check_lora(ckpt: Path, actor) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {ckpt} holds adapters of rank {meta['rank']} on {meta['target_modules']}, "
                               f"not model.lora.rank={lora.rank} on {list(lora.target_modules)}; resume with its "
                               "settings, or start a new run.")
-    mine, theirs = _shared_identity(actor), meta["base"]
+    theirs = meta["base"]
+    algo = theirs.get("hash", "crc32")  # base.json of earlier versions holds a CRC-32 identity and no "hash"
+    if algo not in HASHES:
+        raise CheckpointError(f"{ckpt / LORA_DIR / BASE_FILE} names an unknown hash {algo!r} (one of "
+                              f"{', '.join(HASHES)} expected): the file is damaged; resume from another checkpoint.")
+    mine = _shared_identity(actor, algo)
     if (mine["path"], mine["digest"]) != (theirs["path"], theirs["digest"]):
-        raise CheckpointError(f"checkpoint {ckpt} trained adapters on the base {theirs['path']} (weights CRC "
-                              f"{theirs['digest']}), but this run loaded {mine['path']} (CRC {mine['digest']}); "
+        raise CheckpointError(f"checkpoint {ckpt} trained adapters on the base {theirs['path']} (weights {algo} "
+                              f"{theirs['digest']}), but this run loaded {mine['path']} ({algo} {mine['digest']}); "
                               "point model.hf_path / model.mcore_path at the base it was trained on, or start a new run.")
     return meta
 

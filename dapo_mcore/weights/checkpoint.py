@@ -9,21 +9,19 @@ Keys are Megatron state-dict names (local layer indices), prefixed ``chunk{v}.``
 are stored (Transformer Engine ``_extra_state`` entries are not). Writers build the checkpoint in a temp
 directory next to the target and rename it into place at the end, so the target is never half written.
 
-Integrity: a directory may carry a ``manifest.json`` with every file's size and CRC-32 (`file_digest`,
-`write_manifest`); `verify_files` checks them (a size first, which catches truncation without reading the file).
+Integrity: a directory may carry a ``manifest.json`` with every file's size and checksum (XXH3-64 by default, CRC-32
+and SHA-256 accepted: ``weights.checksums``; `file_digest`, `write_manifest`); `verify_files` checks them (a size first, which catches truncation without reading the file).
 The trainer writes one per checkpoint and verifies it before resuming (``actor.checkpoint``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import json
 import logging
 import os
 import re
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from dapo_mcore.weights.atomic import atomic_directory, check_target_free, temp_dir_for  # noqa: F401 (re-exported)
+from dapo_mcore.weights.checksums import DEFAULT_HASH, HASHES, digest_of, new_hasher
 from dapo_mcore.weights.errors import WeightsError
 from dapo_mcore.weights.layout import ParallelLayout
 
@@ -132,12 +131,12 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadat
     """safetensors' ``save_file``; a failed write is raised as an OSError naming `path` (safetensors raises its
     own error type with the errno only in the message), so callers and the CLI treat it like any I/O error.
 
-    While `record_digests` is active the file is written tensor by tensor from the tensors' memory and its CRC-32
-    is computed from the same bytes as they are written, for the manifest (`_write_safetensors_with_crc`)."""
+    While `record_digests` is active the file is written tensor by tensor from the tensors' memory and its checksum
+    is computed from the same bytes as they are written, for the manifest (`_write_safetensors_digested`)."""
     from safetensors.torch import save_file
 
     if _recording is not None:
-        _recording.add(path, _write_safetensors_with_crc(tensors, Path(path), metadata))
+        _recording.add(path, _write_safetensors_digested(tensors, Path(path), metadata))
         return
     try:
         save_file(tensors, os.fspath(path), metadata)
@@ -149,12 +148,12 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadat
         raise OSError(code, os.strerror(code), os.fspath(path)) from err
 
 
-def _write_safetensors_with_crc(tensors: dict[str, torch.Tensor], path: Path,
-                                metadata: dict[str, str] | None, *, digest: bool = True) -> dict[str, Any]:
+def _write_safetensors_digested(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None, *,
+                                digest: bool = True) -> dict[str, Any]:
     """Write a standard safetensors file straight from the tensors' memory (one copy, into the page cache; safetensors'
-    ``save_file`` first builds the whole file in memory) while a second thread computes the CRC-32 of each tensor's
-    bytes (both release the GIL); returns ``{"size", "crc32"}`` of the file: no second read. ``digest=False``: the
-    same write without the CRC-32 (the checksum benchmark's baseline; "crc32" is then None)."""
+    ``save_file`` first builds the whole file in memory) while a second thread hashes each tensor's bytes in order
+    (both release the GIL); returns ``{"size", DEFAULT_HASH}`` of the file: no second read. ``digest=False``: the
+    same write without the hash (the checksum benchmark's baseline; the digest is then None)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from dapo_mcore.weights.safetensors_io import _DTYPE_TO_ST
@@ -170,19 +169,22 @@ def _write_safetensors_with_crc(tensors: dict[str, torch.Tensor], path: Path,
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
     head = len(blob).to_bytes(8, "little") + blob
-    crc, size = zlib.crc32(head), len(head) + offset
+    hasher, size = new_hasher(), len(head) + offset
+    hasher.update(head)
     try:
-        with open(path, "wb") as f, ThreadPoolExecutor(1, thread_name_prefix="checkpoint-crc") as pool:
+        with open(path, "wb") as f, ThreadPoolExecutor(1, thread_name_prefix="checkpoint-hash") as pool:
             f.write(head)
             pending = None
             for _, view in views:
-                crc = pending.result() if pending is not None else crc
-                pending = pool.submit(zlib.crc32, view, crc) if digest else None
+                if pending is not None:
+                    pending.result()  # one update at a time: the hash takes the bytes in file order
+                pending = pool.submit(hasher.update, view) if digest else None
                 f.write(view)
-            crc = pending.result() if pending is not None else crc
+            if pending is not None:
+                pending.result()
     except OSError as err:
         raise OSError(err.errno, err.strerror, os.fspath(path)) from err
-    return {"size": size, "crc32": f"{crc:08x}" if digest else None}
+    return {"size": size, DEFAULT_HASH: hasher.hexdigest() if digest else None}
 
 
 def torch_save(obj: Any, path: str | Path) -> None:
@@ -198,11 +200,11 @@ def write_bytes(path: str | Path, data: bytes | memoryview) -> None:
     with open(path, "wb") as f:
         f.write(data)
     if _recording is not None:
-        _recording.add(path, {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"})
+        _recording.add(path, {"size": len(data), DEFAULT_HASH: digest_of(data)})
 
 
 class DigestLog:
-    """The size and CRC-32 of every file this process wrote while `record_digests` was active, by absolute path."""
+    """The size and checksum of every file this process wrote while `record_digests` was active, by absolute path."""
 
     def __init__(self) -> None:
         self.digests: dict[str, dict[str, Any]] = {}
@@ -244,27 +246,19 @@ def record_digests() -> Iterator[DigestLog]:
 
 
 # ---- integrity: per-file size + checksum ----------------------------------------------------------------------
-HASHES = ("crc32", "sha256")
-"""CRC-32 (zlib) by default: it catches the accidents a checkpoint meets (flipped, zeroed or missing bytes) and
-runs several times faster than SHA-256 on CPUs (docs/results.md); sha256 manifests verify as well."""
+# The algorithms (HASHES) and the default one (DEFAULT_HASH) are named in weights.checksums.
 
 
-def file_digest(path: str | Path, algo: str = "crc32", *, chunk_bytes: int = 8 << 20) -> dict[str, Any]:
+def file_digest(path: str | Path, algo: str = DEFAULT_HASH, *, chunk_bytes: int = 8 << 20) -> dict[str, Any]:
     """``{"size": bytes, algo: hex digest}`` of one file, read in chunks (bounded memory)."""
-    if algo not in HASHES:
-        raise ValueError(f"unknown hash {algo!r}; choose one of {', '.join(HASHES)}.")
-    crc, sha, size = 0, hashlib.sha256() if algo == "sha256" else None, 0
+    hasher, size = new_hasher(algo), 0
     buf = bytearray(chunk_bytes)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(buf):
-            part = view[:n]
-            if sha is None:
-                crc = zlib.crc32(part, crc)
-            else:
-                sha.update(part)
+            hasher.update(view[:n])
             size += n
-    return {"size": size, algo: f"{crc:08x}" if sha is None else sha.hexdigest()}
+    return {"size": size, algo: hasher.hexdigest()}
 
 
 def list_files(root: str | Path, exclude: tuple[str, ...] = ()) -> list[str]:
@@ -360,7 +354,7 @@ def nonfinite_tensors(path: str | Path) -> list[str]:
     """The tensors of safetensors file `path` that hold a NaN or an infinity (read one tensor at a time).
 
     A run whose update went non-finite writes a checkpoint with a valid manifest and NaN weights (older versions
-    did): its CRC is right, so resume and export check the values too."""
+    did): its checksum is right, so resume and export check the values too."""
     bad = []
     with safe_open(str(path), framework="pt") as f:
         for key in f.keys():  # noqa: SIM118  (safe_open handles have keys(), not iteration)
@@ -383,7 +377,7 @@ class DamagedFileError(CheckpointError):
 class ReadCheck:
     """While `checking_reads` is active, the files of a manifest table that this process reads are checked: a rank
     file read whole (`read_megatron_rank`) is mapped once, its tensors handed out as views of the mapping at once,
-    and its CRC-32 and NaN/inf check run on a second thread while the caller copies those tensors into the model
+    and its checksum (any of HASHES) and NaN/inf check run on a second thread while the caller copies those tensors into the model
     (both release the GIL); a file read in slices, or a small one, by a pass of its own (`verify`). `finish` waits
     for the checks. Files this process does not read are not read for the check. Damage raises DamagedFileError on
     this process only: the caller agrees across ranks before acting on it."""
@@ -392,7 +386,7 @@ class ReadCheck:
         from concurrent.futures import ThreadPoolExecutor
 
         self.root, self.files, self.seen = Path(root).absolute(), files, set()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-crc")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-hash")
         self._pending: list[Any] = []
 
     def covers(self, path: str | Path) -> bool:
@@ -415,7 +409,7 @@ class ReadCheck:
     def read_safetensors(self, path: str | Path) -> dict[str, torch.Tensor]:
         name = self._name(path)
         want = self.files.get(name)
-        if want is None or _algo_of(want) != "crc32":  # not listed, or a sha256 manifest: checked by a pass
+        if want is None:  # not listed: the pass names it
             self.verify(path)
             return load_file(os.fspath(path))
         self.seen.add(name)
@@ -424,7 +418,8 @@ class ReadCheck:
             raise DamagedFileError(problems[0])
         buf = _map_file(Path(path))
         tensors = _parse_safetensors(buf, path)
-        self._pending.append(self._pool.submit(_check_bytes, buf, tensors, want["crc32"], path))
+        algo = _algo_of(want)
+        self._pending.append(self._pool.submit(_check_bytes, buf, tensors, algo, want[algo], path))
         return tensors
 
     def finish(self) -> None:
@@ -450,14 +445,14 @@ def _map_file(path: Path) -> torch.Tensor:
         return torch.frombuffer(mapped, dtype=torch.uint8)
 
 
-def _check_bytes(buf: torch.Tensor, tensors: dict[str, torch.Tensor], crc32: str, path) -> str | None:
-    """The problem of a mapped file (its CRC-32 against the manifest's, then its values), or None."""
+def _check_bytes(buf: torch.Tensor, tensors: dict[str, torch.Tensor], algo: str, want: str, path) -> str | None:
+    """The problem of a mapped file (its `algo` digest against the manifest's `want`, then its values), or None."""
     view = memoryview(buf.numpy()).cast("B")
-    crc, step = 0, 16 << 20
+    hasher, step = new_hasher(algo), 16 << 20
     for at in range(0, len(view), step):
-        crc = zlib.crc32(view[at:at + step], crc)
-    if f"{crc:08x}" != crc32:
-        return f"{path}: crc32 differs from the manifest (corrupt bytes)"
+        hasher.update(view[at:at + step])
+    if hasher.hexdigest() != want:
+        return f"{path}: {algo} differs from the manifest (corrupt bytes)"
     bad = [k for k, t in tensors.items() if t.is_floating_point() and t.numel() and not _finite(t)]
     return describe_nonfinite(path, bad) if bad else None
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from dapo_mcore.weights.checksums import DEFAULT_HASH
 from dapo_mcore.weights.errors import InputFileError, InputMissingError
 from dapo_mcore.weights.staged_io import StagedFileWriter
 from dapo_mcore.weights.transforms import ZERO, Extent
@@ -102,8 +103,9 @@ class StreamingSafetensorsWriter:
             raise ValueError(f"{self.path.name}: closed before writing {len(missing)} tensors ({missing[:3]}...)")
 
     def digest(self) -> dict[str, object]:
-        """``{"size", "crc32"}`` of the file written (after `close`; the writer was made with `checksum`)."""
-        return {"size": self._file.size, "crc32": f"{self._file.crc32:08x}"}
+        """``{"size", DEFAULT_HASH}`` of the file written (after `close`; the writer was made with `checksum`)."""
+        assert self._file.hasher is not None, "the writer was made without checksum=True"
+        return {"size": self._file.size, DEFAULT_HASH: self._file.hasher.hexdigest()}
 
     def __enter__(self) -> StreamingSafetensorsWriter:
         return self

@@ -18,9 +18,9 @@ import mmap
 import os
 import queue
 import threading
-import zlib
 from pathlib import Path
 
+from dapo_mcore.weights.checksums import new_hasher
 from dapo_mcore.weights.errors import OutputPathError
 
 log = logging.getLogger(__name__)
@@ -81,8 +81,8 @@ class StagedFileWriter:
     """Append-only writer: `write`, `write_zeros` and `read_into` add bytes at the end; `close` finishes.
 
     `direct`: True requires O_DIRECT, False never uses it, None uses it where the filesystem allows (logged
-    when not). `checksum`: keep the CRC-32 of the bytes written (``crc32``), computed by the writer thread as
-    each buffer goes out, so a checkpoint's manifest needs no second read of the file. Memory: `num_buffers * buffer_bytes` of staging, allocated once.
+    when not). `checksum`: hash the bytes written (``hasher``, the manifests' default algorithm) on the writer thread
+    as each buffer goes out, so a checkpoint's manifest needs no second read of the file. Memory: `num_buffers * buffer_bytes` of staging, allocated once.
     """
 
     def __init__(self, path: str | Path, *, direct: bool | None = None, buffer_bytes: int = 64 << 20,
@@ -103,7 +103,7 @@ class StagedFileWriter:
             self._free.put(i)
         self._full: queue.Queue[tuple[int, int, int] | None] = queue.Queue()
         self._error: BaseException | None = None
-        self._checksum, self.crc32 = checksum, 0  # CRC-32 of the bytes written so far (with `checksum`)
+        self.hasher = new_hasher() if checksum else None  # the hash of the bytes written so far (with `checksum`)
         self._cur, self._fill, self._buf_offset = 0, 0, 0
         self._closed = False
         self._thread = threading.Thread(target=self._drain, name=f"staged-writer:{self.path.name}", daemon=True)
@@ -115,8 +115,8 @@ class StagedFileWriter:
             idx, nbytes, offset, content = item
             try:
                 if self._error is None:
-                    if self._checksum:  # the bytes as they go out, while the producer fills the next buffer
-                        self.crc32 = zlib.crc32(self._views[idx][:content], self.crc32)
+                    if self.hasher is not None:  # the bytes as they go out, while the producer fills the next one
+                        self.hasher.update(self._views[idx][:content])
                     self._pwrite_all(self._views[idx][:nbytes], offset)
             except BaseException as e:  # noqa: BLE001  (handed to the producer, re-raised there)
                 self._error = e
