@@ -9,7 +9,9 @@ One rank file of --mb megabytes (random fp32, like a model or Adam-moment shard)
   ``save_file`` then a second read to checksum;
 - load without checksums: ``load_file`` and a copy of every tensor (as a resume copies them into the model);
 - load with checksums: the trainer's checked read (``read_megatron_rank`` under ``checking_reads``: the tensors are
-  views of one mapping of the file, XXH3-64 and NaN/inf check on a second thread while they are copied) and the same copy; and the former way: a checksum pass, then ``load_file``.
+  views of one mapping of the file, XXH3-64 and NaN/inf check on a second thread while they are copied) and the same copy; and the former way: a checksum pass, then ``load_file``;
+- the same save and checked load with CRC-32 (what manifests held before XXH3-64, and what the checked read still
+  accepts), interleaved with the others, so that the two hashes are compared under the same machine load.
 
 Prints each time and each ratio to its baseline; the last line is ``checkpoint_checksum_overhead: X`` (the larger
 of the save and load ratios of the trainer's way). --smoke: a 16 MB file, one repeat (seconds; run in CI).
@@ -84,6 +86,10 @@ def main(argv: list[str] | None = None) -> None:
             t.setdefault("load_old", []).append(best(lambda f=files: (wckpt.verify_files(root, f), [
                 x.clone() for x in load_file(os.fspath(path)).values()]), 1))
             t.setdefault("load_new", []).append(best(lambda f=files: _load_checked(root, f), 1))
+            t.setdefault("save_crc", []).append(best(lambda: wckpt._write_safetensors_digested(
+                tensors, path, {"format": "pt"}, algo="crc32"), 1))
+            crc = {RANK: wckpt.file_digest(path, "crc32")}
+            t.setdefault("load_crc", []).append(best(lambda f=crc: _load_checked(root, f), 1))
         size = path.stat().st_size
     t = {k: min(v) for k, v in t.items()}
     gb = size / 1e9
@@ -95,6 +101,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"load: no checksums {t['load']:.2f} s; checked as read {t['load_new']:.2f} s "
           f"({t['load_new'] / t['load']:.2f}x); checksum pass then read {t['load_old']:.2f} s "
           f"({t['load_old'] / t['load']:.2f}x)")
+    print(f"crc32 instead of {wckpt.DEFAULT_HASH}: save as written {t['save_crc']:.2f} s ({t['save_crc'] / t['save']:.2f}x); "
+          f"load checked as read {t['load_crc']:.2f} s ({t['load_crc'] / t['load']:.2f}x)")
     print(f"checkpoint_checksum_overhead: {max(t['save_new'] / t['save'], t['load_new'] / t['load']):.2f}")
 
 

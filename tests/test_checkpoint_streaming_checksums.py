@@ -50,6 +50,9 @@ def test_writes_record_the_xxh3_of_their_bytes_without_reading_them_back(tmp_pat
         assert digest == {"size": len(data), "xxh3": xxhash.xxh3_64_hexdigest(data)}, name
     loaded = load_file(tmp_path / RANK)
     assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[k], tensors[k]) for k in tensors)
+    for algo in ("crc32", "sha256"):  # the writer takes any manifest hash (the benchmark compares crc32)
+        got = wckpt._write_safetensors_digested(tensors, tmp_path / RANK, {"format": "pt"}, algo=algo)
+        assert got == {"size": len(data := (tmp_path / RANK).read_bytes()), algo: NAIVE[algo](data)}
 
 
 def test_a_moved_directory_keeps_its_digests(tmp_path):
