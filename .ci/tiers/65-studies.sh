@@ -9,7 +9,7 @@
 # 25 (dapo_minus_grpo_avg_at_k), objectives_study 20 (gspo_minus_dapo_avg_at_4), async_pipeline 34
 # (async_over_sync_wall), staleness_study 27 (fastest_within_noise_speedup), rollout_correction_study 16
 # (best_preset_avg_at_4): ~157 CPU-s in ~206 s of wall. The tier through .ci/run (`CI_MAIN=0 CI_TIERS='65-*'`),
-# pytest included: 175 CPU-s in 620 s of wall at load 16-27 (0.28 cores on average).
+# pytest included: 163 CPU-s in 372 s of wall at load 9-17 (0.44 cores on average); 175 CPU-s in 620 s at load 16-27.
 # ci-beside-main-at-once: one core's worth at most (the runs go one at a time; a 2-rank run is 2 processes that
 # mostly wait on each other), it needs only the main .venv and installs nothing, and it shares nothing with the main
 # suite: its run directories are temporary ones of its own, its torchrun jobs take free ports, and the tiny-base
