@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -48,14 +49,24 @@ MODES = {"sync": (), "async": ("rollout.pipeline.mode=async", "rollout.pipeline.
          "async2-inline": ("rollout.pipeline.mode=async", "rollout.pipeline.engine_ranks=2")}
 
 
+def torchrun(nproc: int) -> list[str]:
+    """``python -m torch.distributed.run`` for ``nproc`` local processes on a free port (torchrun's default, 29500,
+    collides with any other job on this host that also takes the default, e.g. a test suite running beside)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
+            "--master_port", str(port)]
+
+
 def run(task: str, mode: str, steps: int, nproc: int, out: Path, eval_every: int,
         overrides: list[str]) -> dict[str, float]:
     run_dir = out / f"{task}-{mode}"
     extra = [*TASK_OVERRIDES.get(task, ()), *MODES[mode]]
     procs = nproc + 1 if mode.startswith("async2") else nproc  # the second engine rank is one process more
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "-m", "dapo_mcore.cli",
-           "train", str(CONFIGS[task]), f"run.dir={run_dir}", f"train.steps={steps}", "checkpoint.every=0",
-           f"eval.every={eval_every}", "algo.tis_cap=2.0", *extra, *overrides]
+    cmd = [*torchrun(procs), "-m", "dapo_mcore.cli", "train", str(CONFIGS[task]), f"run.dir={run_dir}",
+           f"train.steps={steps}", "checkpoint.every=0", f"eval.every={eval_every}", "algo.tis_cap=2.0", *extra,
+           *overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if mode.endswith("-inline"):
         env["DAPO_MCORE_EVAL_INLINE"] = "1"

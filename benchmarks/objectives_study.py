@@ -74,7 +74,7 @@ def run(variant: str, seed: int, steps: int, out: Path) -> dict[str, float]:
     return res
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
@@ -112,7 +112,12 @@ def main(argv: list[str] | None = None) -> None:
               f"{m('clipfrac_low'):.2e} | {m('clipfrac_high'):.2e} | {m('wall_s'):.0f} |")
     if "gspo" in means and "dapo" in means:
         print(f"gspo_minus_dapo_avg_at_4: {means['gspo'] - means['dapo']:.4f}")
+    failed = sorted({v for v, runs in results.items() for r in runs if "failed" in r})
+    if failed:  # a study with a failed run is a failed study, whatever the others gave
+        print(f"objectives_study: runs failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

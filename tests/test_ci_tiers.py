@@ -38,7 +38,7 @@ def test_an_at_once_tier_installs_nothing_and_needs_only_the_main_venv():
     """The at-once lane starts before the install-tiers step has built anything: a tier there with an install
     section would find it missing and install itself, beside the other lane's installs."""
     at_once = [t for t in sorted(TIERS.glob("*.sh")) if "\n# ci-beside-main-at-once:" in t.read_text()]
-    assert {t.name for t in at_once} >= {"40-multinode.sh", "60-rehearse.sh", "61-rehearse-b.sh"}
+    assert {t.name for t in at_once} >= {"40-multinode.sh", "60-rehearse.sh", "61-rehearse-b.sh", "65-studies.sh"}
     for tier in at_once:
         text = tier.read_text()
         assert not re.search(r"^ci_install ", text, re.M) and "\n# ci-beside-main:" not in text, tier.name

@@ -27,7 +27,9 @@ def test_cluster_guide_lists_every_sbatch_script():
 def test_benchmarks_readme_lists_every_script_with_the_headline_it_prints():
     rows = [line.split("|") for line in (ROOT / "benchmarks/README.md").read_text().splitlines()
             if line.startswith("| `")]
-    listed = {row[1].strip().strip("`"): row[4] for row in rows}
+    listed: dict[str, str] = {}
+    for row in rows:  # the first table's row (its 4th column is the headline); the smoke tables list them again
+        listed.setdefault(row[1].strip().strip("`"), row[4])
     scripts = {p.name for p in (ROOT / "benchmarks").iterdir() if p.suffix in (".py", ".sh")}
     assert scripts and set(listed) == scripts, (sorted(scripts - set(listed)), sorted(set(listed) - scripts))
     for script, headline in listed.items():
