@@ -101,8 +101,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"load: no checksums {t['load']:.2f} s; checked as read {t['load_new']:.2f} s "
           f"({t['load_new'] / t['load']:.2f}x); checksum pass then read {t['load_old']:.2f} s "
           f"({t['load_old'] / t['load']:.2f}x)")
-    print(f"crc32 instead of {wckpt.DEFAULT_HASH}: save as written {t['save_crc']:.2f} s ({t['save_crc'] / t['save']:.2f}x); "
-          f"load checked as read {t['load_crc']:.2f} s ({t['load_crc'] / t['load']:.2f}x)")
+    print(f"crc32 instead of {wckpt.DEFAULT_HASH}: save as written {t['save_crc']:.2f} s "
+          f"({t['save_crc'] / t['save']:.2f}x); load checked as read {t['load_crc']:.2f} s ({t['load_crc'] / t['load']:.2f}x)")
     print(f"checkpoint_checksum_overhead: {max(t['save_new'] / t['save'], t['load_new'] / t['load']):.2f}")
 
 

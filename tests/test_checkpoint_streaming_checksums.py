@@ -1,6 +1,7 @@
 """Checkpoint checksums without a second read: a rank's XXH3-64 is computed from the bytes as it writes them, and a
 load checks the files a rank reads as it reads them (and no other file), each against a naive hash of the whole
-file; manifests of earlier versions (CRC-32, or SHA-256), built here by hand with zlib / hashlib, verify the same way."""
+file; manifests of earlier versions (CRC-32, or SHA-256), built here by hand with zlib / hashlib, verify the same
+way."""
 
 from __future__ import annotations
 

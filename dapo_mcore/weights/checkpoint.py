@@ -10,7 +10,8 @@ are stored (Transformer Engine ``_extra_state`` entries are not). Writers build 
 directory next to the target and rename it into place at the end, so the target is never half written.
 
 Integrity: a directory may carry a ``manifest.json`` with every file's size and checksum (XXH3-64 by default, CRC-32
-and SHA-256 accepted: ``weights.checksums``; `file_digest`, `write_manifest`); `verify_files` checks them (a size first, which catches truncation without reading the file).
+and SHA-256 accepted: ``weights.checksums``; `file_digest`, `write_manifest`); `verify_files` checks them (a size
+first, which catches truncation without reading the file).
 The trainer writes one per checkpoint and verifies it before resuming (``actor.checkpoint``).
 """
 
@@ -377,10 +378,10 @@ class DamagedFileError(CheckpointError):
 class ReadCheck:
     """While `checking_reads` is active, the files of a manifest table that this process reads are checked: a rank
     file read whole (`read_megatron_rank`) is mapped once, its tensors handed out as views of the mapping at once,
-    and its checksum (any of HASHES) and NaN/inf check run on a second thread while the caller copies those tensors into the model
-    (both release the GIL); a file read in slices, or a small one, by a pass of its own (`verify`). `finish` waits
-    for the checks. Files this process does not read are not read for the check. Damage raises DamagedFileError on
-    this process only: the caller agrees across ranks before acting on it."""
+    and its checksum (any of HASHES) and NaN/inf check run on a second thread while the caller copies those tensors
+    into the model (both release the GIL); a file read in slices, or a small one, by a pass of its own (`verify`).
+    `finish` waits for the checks. Files this process does not read are not read for the check. Damage raises
+    DamagedFileError on this process only: the caller agrees across ranks before acting on it."""
 
     def __init__(self, root: str | Path, files: dict[str, dict[str, Any]]) -> None:
         from concurrent.futures import ThreadPoolExecutor

@@ -14,10 +14,11 @@ there is none: the same load on 0.16.1 and 0.19. Formats no installed version re
 legacy per-rank ``torch`` format) are refused in one line that says what reads them.
 
 Damage (`check_intact`, before any tensor is read): the checkpoints dapo-mcore writes carry ``CHECKSUMS`` (size and
-checksum of every file of the iteration dir: XXH3-64, or CRC-32 in those of earlier versions), so a flipped byte is one line (a load checks the files it reads, by the
-``.metadata`` index of its keys, not every file), and ``MARK`` in their common state, so one
-whose table was deleted is refused; Megatron-LM's and Megatron-Bridge's carry none and are read with a warning, but every ``.distcp`` is checked against the byte ranges its ``.metadata`` lists, so a
-truncated file is named too. A ``.metadata``/``common.pt`` that does not unpickle is one line as well.
+checksum of every file of the iteration dir: XXH3-64, or CRC-32 in those of earlier versions), so a flipped byte
+is one line (a load checks the files it reads, by the ``.metadata`` index of its keys, not every file), and
+``MARK`` in their common state, so one whose table was deleted is refused; Megatron-LM's and Megatron-Bridge's
+carry none and are read with a warning, but every ``.distcp`` is checked against the byte ranges its ``.metadata``
+lists, so a truncated file is named too. A ``.metadata``/``common.pt`` that does not unpickle is one line as well.
 """
 
 from __future__ import annotations
@@ -190,7 +191,8 @@ def hf_config_from_run_config(run_config: dict, where: Path) -> dict[str, Any]:
 
 
 def write_checksums(ckpt_dir: Path) -> None:
-    """Record size and checksum (``weights.checksums.DEFAULT_HASH``) of every file under `ckpt_dir` (one process, once every file is written)."""
+    """Record size and checksum (``weights.checksums.DEFAULT_HASH``) of every file under `ckpt_dir` (one process,
+    once every file is written)."""
     from dapo_mcore.weights import checkpoint as wckpt
 
     digests = {n: wckpt.file_digest(ckpt_dir / n) for n in wckpt.list_files(ckpt_dir, exclude=(CHECKSUMS,))}
