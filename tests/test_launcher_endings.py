@@ -91,6 +91,30 @@ def test_a_dead_rank_is_named_at_once_and_the_others_stopped(capsys):
 
 
 @pytest.mark.unit
+def test_the_rank_that_died_first_is_named_when_torch_already_sigtermed_its_peer(capsys):
+    """Torch's agent saw rank 1's SIGKILL first and sent rank 0 SIGTERM before the watch looked: both are dead at
+    that look, rank 0 first among the children; the line names rank 1 (a loaded machine named rank 0, exit 143)."""
+    ranks = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env={**_env(), "RANK": str(r)},
+                              start_new_session=True) for r in range(2)]
+    try:
+        watch = launcher.RankWatch("train")
+        assert watch.check() is None  # it has seen them alive (a zombie's environment cannot be read)
+        ranks[1].kill()
+        ranks[0].terminate()
+        deadline = time.monotonic() + 10
+        while not all(launcher._killed_by(p.pid) for p in ranks):  # both zombies, not reaped
+            assert time.monotonic() < deadline, "the ranks did not die"
+            time.sleep(0.05)
+        assert watch.check() == 137
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("dapo-mcore: rank 1 died of SIGKILL (exit 137)"), err
+    finally:
+        for p in ranks:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.unit
 def test_sighup_is_forwarded_and_asks_for_a_checkpoint_and_requeue():
     assert signal.SIGHUP in launcher.FORWARDED
     signals = _Signals()

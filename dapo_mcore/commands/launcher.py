@@ -85,7 +85,7 @@ class RankWatch:
         import psutil
 
         children = psutil.Process().children()
-        dead = None
+        dead = []
         for child in children:
             if child.pid not in self._ranks:
                 try:
@@ -95,11 +95,13 @@ class RankWatch:
             if not self._ranks[child.pid]:  # not a rank (a helper process of whoever called launch): not ours to judge
                 continue
             signum = _killed_by(child.pid)
-            if signum is not None and dead is None:
-                dead = (child.pid, signum)
-        if dead is None:
+            if signum is not None:
+                dead.append((child.pid, signum))
+        if not dead:
             return None
-        pid, signum = dead
+        # Torch's agent may have seen the death first and sent the others SIGTERM before this look: a rank killed by
+        # anything else is the one that died first (a loaded machine made this look name the SIGTERMed peer instead).
+        pid, signum = next((d for d in dead if d[1] != signal.SIGTERM), dead[0])
         self.code = 128 + signum
         own = os.getpgid(0)
         for child in children:
