@@ -23,7 +23,7 @@ pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[1]
 SETUP = "python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e . && .venv/bin/dapo-mcore train examples/tiny_cpu.yaml"
-TEST_LINE = 'python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e ".[dev]" && .venv/bin/python -m pytest -q'
+TEST_LINE = 'python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e ".[dev]" && .venv/bin/python -m pytest -q -n 2 --dist loadfile'
 INSTALL = re.compile(r"^(python3 -m venv \.venv|\.venv/bin/pip install .*)$")
 SHORT = "train.steps=6 eval.every=3 checkpoint.every=3"
 MAIN_RUN = ".venv/bin/dapo-mcore train examples/tiny_cpu.yaml"
