@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,21 +25,15 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # `python benchmarks/rollout_correction_study.py` from anywhere
+
+from benchmarks.async_pipeline import torchrun  # noqa: E402  (a free port, not torchrun's default)
+
 CONFIG = ROOT / "examples" / "tiny_cpu_chain.yaml"
 PRESETS = ("token_tis", "seq_mis", "icepop", "geo_rs", "bypass_ppo_clip")
 ASYNC = ("rollout.pipeline.mode=async", "rollout.pipeline.engine_ranks=1", "rollout.pipeline.max_staleness=2",
          "rollout.schedule.streaming=true", "rollout.schedule.stream_chunk_prompts=8", "rollout.schedule.partial=true",
          "eval.at_start=false", "checkpoint.every=0")
-
-
-def torchrun(nproc: int) -> list[str]:
-    """``python -m torch.distributed.run`` for ``nproc`` local processes on a free port (torchrun's default, 29500,
-    collides with any other job on this host that also takes the default, e.g. a test suite running beside)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
-            "--master_port", str(port)]
 
 
 def run(preset: str, seed: int, steps: int, out: Path) -> dict[str, float]:

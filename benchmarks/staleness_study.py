@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -54,6 +53,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # `python benchmarks/staleness_study.py` from anywhere
+
+from benchmarks.async_pipeline import torchrun  # noqa: E402  (a free port, not torchrun's default)
 
 CONFIG = ROOT / "examples" / "tiny_cpu_chain.yaml"
 S, P = "rollout.schedule.", "rollout.pipeline."
@@ -84,16 +85,6 @@ def write_subsets(terms: set[int], out: Path) -> tuple[Path, Path]:
         paths.append(path)
         print(f"{split}: {len(rows)} problems of {sorted(terms)} terms -> {path}", flush=True)
     return paths[0], paths[1]
-
-
-def torchrun(nproc: int) -> list[str]:
-    """``python -m torch.distributed.run`` for ``nproc`` local processes on a free port (torchrun's default, 29500,
-    collides with any other job on this host that also takes the default, e.g. a test suite running beside)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
-            "--master_port", str(port)]
 
 
 def train(variant: str, seed: int, args: argparse.Namespace, data: tuple[Path, Path]) -> list[dict]:
