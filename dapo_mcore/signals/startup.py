@@ -74,9 +74,9 @@ _SI_USER, _SI_TKILL, _SI_QUEUE = 0, -6, -1  # <asm-generic/siginfo.h>: kill(2), 
 
 
 def sender(info: signal.struct_siginfo) -> str:
-    """The line's ``{sender}``: " (sent by pid N: its name)" for a signal a process sent (kill, killpg, tgkill, sigqueue), " (sent by the
-    kernel)" for one the kernel raised (a terminal's hang-up, an orphaned process group): a stop nobody expected then
-    names its source. The name is /proc's, read at once (empty if the sender is already gone)."""
+    """The line's ``{sender}``: " (sent by pid N: its name)" for a signal a process sent (kill, killpg, tgkill,
+    sigqueue), " (sent by the kernel)" for one the kernel raised (a terminal's hang-up, an orphaned process group): a
+    stop nobody expected then names its source. The name is /proc's, read at once (left out if the sender is gone)."""
     if info.si_code not in (_SI_USER, _SI_TKILL, _SI_QUEUE):
         return " (sent by the kernel)"
     try:

@@ -150,11 +150,11 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadat
 
 
 def _write_safetensors_digested(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None, *,
-                                digest: bool = True, algo: str = DEFAULT_HASH) -> dict[str, Any]:
+                                algo: str | None = DEFAULT_HASH) -> dict[str, Any]:
     """Write a standard safetensors file straight from the tensors' memory (one copy, into the page cache; safetensors'
     ``save_file`` first builds the whole file in memory) while a second thread hashes each tensor's bytes in order
-    (both release the GIL); returns ``{"size", algo}`` of the file: no second read. ``digest=False``: the same
-    write without the hash (the checksum benchmark's baseline; the digest is then None)."""
+    (both release the GIL); returns ``{"size", algo}`` of the file: no second read. ``algo=None``: the same write
+    without a hash (the checksum benchmark's baseline), returning ``{"size"}``."""
     from concurrent.futures import ThreadPoolExecutor
 
     from dapo_mcore.weights.safetensors_io import _DTYPE_TO_ST
@@ -170,22 +170,21 @@ def _write_safetensors_digested(tensors: dict[str, torch.Tensor], path: Path, me
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
     head = len(blob).to_bytes(8, "little") + blob
-    hasher, size = new_hasher(algo), len(head) + offset
-    hasher.update(head)
+    hasher, size = new_hasher(algo) if algo is not None else None, len(head) + offset
     try:
         with open(path, "wb") as f, ThreadPoolExecutor(1, thread_name_prefix="checkpoint-hash") as pool:
             f.write(head)
-            pending = None
+            pending = pool.submit(hasher.update, head) if hasher is not None else None
             for _, view in views:
                 if pending is not None:
                     pending.result()  # one update at a time: the hash takes the bytes in file order
-                pending = pool.submit(hasher.update, view) if digest else None
+                    pending = pool.submit(hasher.update, view)
                 f.write(view)
             if pending is not None:
                 pending.result()
     except OSError as err:
         raise OSError(err.errno, err.strerror, os.fspath(path)) from err
-    return {"size": size, algo: hasher.hexdigest() if digest else None}
+    return {"size": size} if hasher is None else {"size": size, algo: hasher.hexdigest()}
 
 
 def torch_save(obj: Any, path: str | Path) -> None:
