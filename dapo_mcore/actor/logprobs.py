@@ -82,8 +82,6 @@ def token_logprobs(vocab_parallel_logits: torch.Tensor, targets: torch.Tensor, t
     return -nll.transpose(0, 1)
 
 
-
-
 @torch.no_grad()
 def token_entropy(vocab_parallel_logits: torch.Tensor, temperature: float, true_vocab_size: int,
                   chunk_bytes: int | None = None) -> torch.Tensor:
