@@ -41,8 +41,13 @@ collect_ignore_glob = ["bridge_live/*"]
 @pytest.fixture(scope="session")
 def tiny_cache(tmp_path_factory) -> str:
     """One tiny-base-model cache per test session, shared by every e2e module (never ~/.cache): each tiny base is
-    pre-trained once per session. ``DAPO_MCORE_TEST_CACHE`` points it elsewhere (e.g. a cache kept between runs)."""
-    path = os.environ.get("DAPO_MCORE_TEST_CACHE") or str(tmp_path_factory.getbasetemp() / "dapo-mcore-cache")
+    pre-trained once per session, also across pytest-xdist's workers (their common base directory; the base
+    builder's lock makes a worker wait for the other's build). ``DAPO_MCORE_TEST_CACHE`` points it elsewhere (e.g. a
+    cache kept between runs)."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # popen-gw0/, popen-gw1/ -> the session's directory
+    path = os.environ.get("DAPO_MCORE_TEST_CACHE") or str(base / "dapo-mcore-cache")
     Path(path).mkdir(parents=True, exist_ok=True)
     return path
 

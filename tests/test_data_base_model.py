@@ -1,6 +1,8 @@
 """Tiny base model: cache keying, cache hits, loadability, the corpus encoding."""
 
 import json
+import threading
+import time
 
 import pytest
 import torch
@@ -50,6 +52,30 @@ def test_ensure_base_model_builds_then_hits_the_cache(tmp_path, monkeypatch):
 
     monkeypatch.setattr(bm, "pretrain", no_training)
     assert bm.ensure_base_model(tmp_path, FAST) == path
+
+
+def test_processes_that_miss_the_same_base_at_once_pre_train_it_once(tmp_path, monkeypatch):
+    """Two builders of one base at once (two jobs, two test workers): the second waits on the first's lock and reads
+    its result instead of pre-training the same base again."""
+    calls = []
+    real = bm.pretrain
+
+    def slow_pretrain(model, tokenizer, settings, log_path=None):
+        calls.append(threading.get_ident())
+        time.sleep(1.0)  # the other builder arrives while this one trains
+        return real(model, tokenizer, settings, log_path=log_path)
+
+    monkeypatch.setattr(bm, "pretrain", slow_pretrain)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(bm.ensure_base_model(tmp_path, FAST)))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert len(results) == 2 and results[0] == results[1] and (results[0] / "DONE").is_file()
+    assert len(calls) == 1, f"the same base was pre-trained {len(calls)} times"
+    assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []
 
 
 def test_settings_validate():

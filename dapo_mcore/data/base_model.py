@@ -13,7 +13,9 @@ tokenizer + ``settings.json`` + ``pretrain_log.jsonl``. A second call with equal
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
 import logging
 import math
@@ -21,6 +23,7 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -153,6 +156,8 @@ def ensure_base_model(cache_dir: Path, settings: TinyBaseSettings) -> Path:
 
     The directory holds a ``from_pretrained``-loadable model and tokenizer. Writing happens in a
     temporary sibling that is renamed when complete, so an interrupted build is never a cache hit.
+    Processes that miss the same base at once (the ranks of two jobs on one machine, test sessions) build it once:
+    the first holds a lock file beside it while it pre-trains, the others wait and then read its result.
     """
     settings.validate()
     cache_dir = Path(cache_dir)
@@ -160,9 +165,36 @@ def ensure_base_model(cache_dir: Path, settings: TinyBaseSettings) -> Path:
     if (final / _DONE_MARKER).is_file():
         logger.info("tiny base model cache hit: %s", final)
         return final
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with _build_lock(cache_dir / f".{final.name}.lock"):
+        if (final / _DONE_MARKER).is_file():
+            logger.info("tiny base model built meanwhile by another process: %s", final)
+            return final
+        return _build(cache_dir, final, settings)
+
+
+@contextlib.contextmanager
+def _build_lock(path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path`` while a base is built (released by the kernel if the holder dies). Where
+    the file system has no locks, the build goes on without one: concurrent builds then each pre-train, and the
+    first rename wins, as before."""
+    with open(path, "a") as f:
+        try:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                logger.info("tiny base model: another process is pre-training the same base; waiting for it (%s)",
+                            path)
+                fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError as e:  # e.g. ENOLCK on a file system without locks
+            logger.warning("tiny base model: cannot lock %s (%s); building without the lock", path, e)
+        yield  # closing the file releases the lock
+
+
+def _build(cache_dir: Path, final: Path, settings: TinyBaseSettings) -> Path:
     logger.info("tiny base model cache miss: pre-training %s into %s", settings, final)
-    # A private staging folder per process: concurrent cache misses (two jobs, two test sessions) must not
-    # delete each other's files; the first finished rename wins and the other result is discarded.
+    # A private staging folder per process: where the lock is missing, concurrent cache misses must not delete each
+    # other's files; the first finished rename wins and the other result is discarded.
     tmp = cache_dir / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     tokenizer = build_tiny_tokenizer(tools=settings.preset in TOOL_PRESETS)
