@@ -67,7 +67,7 @@ def cli_env(tiny_cache) -> dict[str, str]:
 
 # The overrides of the finished 2-step run below: no evaluation, a checkpoint after each step (keep_last 2, the
 # default), so step_000001 and step_000002 are both there.
-TWO_STEPS = ("train.steps=2", "eval.every=0", "eval.at_start=false", "checkpoint.every=1")
+TWO_STEPS = ("train.steps=2", "eval.every=0", "eval.at_start=false", "eval.max_prompts=8", "checkpoint.every=1")
 
 
 @pytest.fixture(scope="session")

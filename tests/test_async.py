@@ -28,7 +28,7 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 1800  # bounds a hang only; ~20 s a run on 2 idle cores
 ASYNC = ("rollout.pipeline.mode=async", "algo.tis_cap=2.0", "rollout.pipeline.bucket_mb=0.02",
-         "eval.every=0", "eval.at_start=false", "checkpoint.every=1")
+         "eval.every=0", "eval.at_start=false", "eval.max_prompts=8", "checkpoint.every=1")
 EXACT = ("train/loss", "train/grad_norm", "train/entropy", "rollout/acc_mean", "sampling/tokens_generated",
          "mismatch/kl", "async/lag_mean", "async/policy_version")
 
@@ -111,8 +111,11 @@ def test_kill9_during_a_weight_transfer_or_a_generation_resumes_exactly(referenc
 
 def test_sigterm_checkpoints_exits_75_and_resumes_exactly(reference, cli_env, tmp_path):
     run = tmp_path / "run"
-    proc = subprocess.Popen(_cmd(run, 3, 2), env=_strict(cli_env), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    # The whole held-out set in the closing evaluation (as the reference's trajectory, its steps, do not depend on):
+    # the signal, sent once step 1 is logged, must find the run still going under any machine load.
+    whole_eval = "eval.max_prompts=null"
+    proc = subprocess.Popen(_cmd(run, 3, 2, whole_eval), env=_strict(cli_env), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     metrics = run / "metrics.jsonl"
     deadline = time.monotonic() + TIMEOUT
     while not (metrics.is_file() and metrics.read_text().strip()) and time.monotonic() < deadline:
@@ -124,7 +127,7 @@ def test_sigterm_checkpoints_exits_75_and_resumes_exactly(reference, cli_env, tm
     _, err = proc.communicate(timeout=TIMEOUT)
     assert "exiting 75" in err, err[-3000:]
     assert len(_rows(run)) < 3
-    resumed = _train(run, cli_env)
+    resumed = _train(run, cli_env, 3, 2, whole_eval)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     _same(reference, run)
 

@@ -18,7 +18,7 @@ from tests.test_e2e_tiny import ROOT, _cmd, _run, env  # noqa: F401  (env is a f
 pytestmark = pytest.mark.e2e
 
 RANK_FILE = "model/mp_rank_00_000/model.safetensors"
-FAST = ("eval.every=0", "eval.at_start=false", "checkpoint.every=1", "checkpoint.keep_last=2")
+FAST = ("eval.every=0", "eval.at_start=false", "eval.max_prompts=8", "checkpoint.every=1", "checkpoint.keep_last=2")
 
 
 def _error_line(stderr: str) -> str:

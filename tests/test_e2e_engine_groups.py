@@ -15,7 +15,7 @@ pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 3600  # bounds a hang only; ~30 s a run on 2 idle cores
-OVERRIDES = ("eval.every=0", "eval.at_start=false", "checkpoint.every=0", "rollout.schedule.streaming=true",
+OVERRIDES = ("eval.every=0", "eval.at_start=false", "eval.max_prompts=8", "checkpoint.every=0", "rollout.schedule.streaming=true",
              "rollout.schedule.stream_chunk_prompts=16", "rollout.schedule.partial=true", "algo.tis_cap=2.0",
              "rollout.schedule.exchange_every=2", "train.prompts_per_step=4")
 

@@ -19,7 +19,7 @@ from tests.test_e2e_tiny import ROOT, TIMEOUT, _by_step, _cmd, _logged_steps, _m
 
 pytestmark = pytest.mark.e2e
 
-FAST = ("eval.every=0", "eval.at_start=false", "checkpoint.every=1")
+FAST = ("eval.every=0", "eval.at_start=false", "eval.max_prompts=8", "checkpoint.every=1")
 
 
 def _error_line(stderr: str) -> str:
@@ -95,7 +95,7 @@ def test_a_damaged_rollout_store_never_blocks_a_resume(env, finished_two_steps, 
 
 
 SOAK_CYCLES = 3
-SOAK = ("train.steps=5", "eval.every=0", "eval.at_start=false", "checkpoint.every=1")
+SOAK = ("train.steps=5", "eval.every=0", "eval.at_start=false", "eval.max_prompts=8", "checkpoint.every=1")
 
 
 def test_soak_two_starts_at_a_time_killed_at_random_moments_end_as_an_uninterrupted_run(env, tmp_path):  # noqa: F811

@@ -18,7 +18,8 @@ CONFIG = ROOT / "examples" / "tiny_cpu_tools.yaml"
 # unboxed sandbox: what is tested is the resume, not the box (tests/test_tools_*.py test the box).
 FAST = ("tiny_base.steps=150", "train.steps=2", "train.prompts_per_step=2", "train.mini_batch_prompts=2",
         "rollout.gen_batch_prompts=2", "rollout.n=4", "algo.dynamic_sampling=false", "eval.every=0",
-        "eval.at_start=false", "checkpoint.every=1", "rollout.tools.sandbox=none", "rollout.tools.pool_size=2")
+        "eval.at_start=false", "eval.max_prompts=8", "checkpoint.every=1", "rollout.tools.sandbox=none",
+        "rollout.tools.pool_size=2")
 KEYS = ("train/loss", "train/grad_norm", "train/entropy", "rollout/reward_mean", "rollout/acc_mean",
         "rollout/resp_len_mean", "tools/calls_per_response", "cost/step/tool_calls", "cost/step/tool_errors")
 

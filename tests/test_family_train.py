@@ -30,7 +30,8 @@ pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORT = ("train.steps=2", "train.prompts_per_step=4", "train.mini_batch_prompts=2", "rollout.gen_batch_prompts=4",
-         "algo.dynamic_sampling=false", "eval.every=0", "eval.at_start=false", "checkpoint.every=0")
+         "algo.dynamic_sampling=false", "eval.every=0", "eval.at_start=false", "eval.max_prompts=8",
+         "checkpoint.every=0")
 
 
 def _train_two_steps(cli_env, tmp_path: Path, preset: str, parallel: str) -> tuple[Path, Path]:

@@ -39,6 +39,7 @@ RANK_FILE = "model/mp_rank_00_000/model.safetensors"
     ("optim.weight_decay=-1", "optim.weight_decay=-1.0 must be >= 0"),
     ("eval.temperature=0", "eval.temperature=0.0 must be > 0"),
     ("eval.top_p=1.5", "eval.top_p=1.5 must lie in (0, 1]"),
+    ("eval.max_prompts=0", "eval.max_prompts=0 must be >= 1"),
     ("optim.skip_nonfinite_updates=-1", "optim.skip_nonfinite_updates=-1 must be >= 0"),
 ])
 def test_config_numbers_must_be_finite_and_in_range(override, needle):

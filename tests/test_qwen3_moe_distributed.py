@@ -32,7 +32,7 @@ def test_verify_at_ep2_matches_transformers(tmp_path, cli_env):
 def _train(cli_env, run_dir: Path, base: Path, *extra: str, nproc: int) -> subprocess.CompletedProcess:
     launch = TORCHRUN[:-1] + [str(nproc)] if nproc > 1 else [sys.executable]
     return subprocess.run([*launch, "-m", "dapo_mcore.cli", "train", "examples/tiny_cpu.yaml", "model.tiny_base=false",
-                           f"model.hf_path={base}", "eval.every=0", "eval.at_start=false", "checkpoint.every=1",
+                           f"model.hf_path={base}", "eval.every=0", "eval.at_start=false", "eval.max_prompts=8", "checkpoint.every=1",
                            f"run.dir={run_dir}", *extra], cwd=REPO, env=cli_env, capture_output=True, text=True,
                           timeout=1200)
 

@@ -190,3 +190,5 @@ def test_a_two_rank_rehearsal_trains_is_killed_and_resumes(tmp_path, cli_env):
     steps = [json.loads(r)["step"] for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
              if '"step"' in r]
     assert max(steps) == 3
+    evals = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if "eval/problems" in r]
+    assert [e["eval/problems"] for e in evals] == [8]  # the closing evaluation only, on eval.max_prompts prompts

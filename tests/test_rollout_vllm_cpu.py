@@ -166,7 +166,7 @@ def test_multi_turn_tool_rollouts_on_two_vllm_engine_groups(dp2_ranks):
     assert r0["rounds"] == r1["rounds"], (r0, r1)  # the same number of turns on both (idle ones step with no prompt)
 
 
-SHORT = ("train.steps=2", "eval.at_start=false", "eval.every=0", "eval.k=1", "checkpoint.every=0",
+SHORT = ("train.steps=2", "eval.at_start=false", "eval.every=0", "eval.k=1", "eval.max_prompts=8", "checkpoint.every=0",
          "tiny_base.steps=60", "run.rollout_store=false")
 
 

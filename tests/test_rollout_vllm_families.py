@@ -42,7 +42,7 @@ def test_tiny_dapo_run_on_vllm_tp2(tmp_path, preset):
            "--master_port", str(_free_port()), "-m", "dapo_mcore.cli", "train", str(CONFIG), "model.tiny_base=false",
            f"model.hf_path={hf}", "parallel.tensor_parallel=2", "rollout.vllm.tensor_parallel=2", f"run.dir={run}",
            "train.steps=2", "train.prompts_per_step=4", "train.mini_batch_prompts=2", "rollout.gen_batch_prompts=4",
-           "algo.dynamic_sampling=false", "eval.at_start=false", "eval.every=0", "checkpoint.every=0",
+           "algo.dynamic_sampling=false", "eval.at_start=false", "eval.every=0", "eval.max_prompts=8", "checkpoint.every=0",
            "run.rollout_store=false"]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-4000:]}"

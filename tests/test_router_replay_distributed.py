@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-COMMON = ("model.tiny_base=false", "eval.every=0", "eval.at_start=false", "checkpoint.every=1",
+COMMON = ("model.tiny_base=false", "eval.every=0", "eval.at_start=false", "eval.max_prompts=8", "checkpoint.every=1",
           "algo.router_replay=rollout", "parallel.expert_parallel=2")
 
 

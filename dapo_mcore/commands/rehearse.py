@@ -5,7 +5,9 @@ on a tensor NCCL refuses, a switch that crashes with more than one process, a re
 the recipe's model family and every switch (tensor/pipeline/virtual/expert/data parallel, sequence parallel, the
 async split and its engine ranks, routing replay, rollout correction, streaming and partial rollouts) and shrinks the
 rest: the model to a few layers and widths of the same family (heads, layers and experts kept divisible), every
-parallel dimension above 1 to 2, the batch to a few prompts, the data to the synthetic task. It runs two steps, kills
+parallel dimension above 1 to 2, the batch to a few prompts, the data to the synthetic task, the closing evaluation
+to ``EVAL_PROMPTS`` held-out prompts (``eval.max_prompts``; the whole held-out split, 1,000-1,600 prompts, cost the
+tool-use recipe two minutes of sandboxed calls, what it rehearses is the evaluation path). It runs two steps, kills
 one rank at the start of the third (``kill -9``), resumes and finishes it, with NCCL-on-CPU on
 (``DAPO_MCORE_STRICT_DEVICE=1``: a collective of ours on a CPU tensor fails as it would on a GPU), and ends in one line
 saying what was rehearsed and what a CPU cannot rehearse. `shrink` is the mapping (pure); `main` runs it.
@@ -36,6 +38,8 @@ MAX_WORLD = 8
 """The most gloo processes a rehearsal starts by default (a 2-core machine runs 8 tiny ranks, slowly)."""
 STEPS = 3
 """Two steps, a kill at the start of the third, a resume that finishes it."""
+EVAL_PROMPTS = 8
+"""Held-out prompts of the evaluation that closes the rehearsal (the last step's)."""
 
 
 def _two(n: int | None) -> int:
@@ -187,7 +191,7 @@ def shrink(cfg: Any, hf: dict[str, Any], *, vllm_installed: bool, nproc: int | N
         f"rollout.engine={engine}", f"rollout.gen_batch_prompts={prompts}",
         f"train.prompts_per_step={prompts}", f"train.mini_batch_prompts={dp}", "train.micro_batch_tokens=512",
         "train.epochs=1", "optim.warmup_steps=0", f"train.steps={STEPS}",
-        "eval.every=0", "eval.at_start=false", "eval.k=2", "eval.max_new_tokens=null",
+        "eval.every=0", "eval.at_start=false", "eval.k=2", f"eval.max_prompts={EVAL_PROMPTS}", "eval.max_new_tokens=null",
         "checkpoint.every=1", "checkpoint.keep_last=2", "run.resume=auto", "telemetry.wandb.project=null"]
     if engines:
         overrides += [f"rollout.pipeline.engine_ranks={engines}", "rollout.pipeline.bucket_mb=1"]

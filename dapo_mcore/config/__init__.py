@@ -318,6 +318,10 @@ class EvalConfig:
     """Eval nucleus threshold (DAPO: 0.7)."""
     max_new_tokens: int | None = None
     """Eval response limit (default: rollout.max_new_tokens)."""
+    max_prompts: int | None = None
+    """Evaluate on the first this many prompts of ``data.eval`` (of those within ``data.max_prompt_len``; a task's
+    held-out split is already in its seeded random order); null: every prompt. A cheaper evaluation of a large
+    held-out set, at the cost of a noisier score; ``rehearse`` evaluates 8."""
 
 
 @dataclass

@@ -246,6 +246,8 @@ def validate_rollout(cfg: Config) -> None:
         raise ConfigError(f"algo.overlong_max_len={cfg.algo.overlong_max_len} exceeds rollout.max_new_tokens="
                           f"{r.max_new_tokens}: responses can never be that long; set them equal (L_max).")
     _at_least(("eval.k", cfg.eval.k, 1), ("eval.every", cfg.eval.every, 0))
+    if cfg.eval.max_prompts is not None:
+        _at_least(("eval.max_prompts", cfg.eval.max_prompts, 1))
     if not cfg.eval.temperature > 0:
         raise ConfigError(f"eval.temperature={cfg.eval.temperature!r} must be > 0 (DAPO: 1.0).")
     if not 0.0 < cfg.eval.top_p <= 1.0:

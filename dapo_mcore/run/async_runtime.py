@@ -54,7 +54,7 @@ def run_engine_ranks(cfg: Config, launch: LaunchEnv, bridge: Any) -> int:
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or hf_dir)
     stops = runtime.run_stop_tokens(cfg, hf_dir, hf_config, tokenizer)
     train_records = runtime._drop_long(train_records, tokenizer, cfg, "train", filter_by_length)
-    eval_records = runtime._drop_long(eval_records, tokenizer, cfg, "eval", filter_by_length)
+    eval_records = runtime.eval_subset(runtime._drop_long(eval_records, tokenizer, cfg, "eval", filter_by_length), cfg)
     engine = _build_engine(cfg, launch, role, hf_dir, hf_config, tokenizer, stops)
     if cfg.rollout.tools.enabled:  # multi-turn tool rollouts: the tool pool runs on the engine ranks' CPUs
         from dapo_mcore.run.tool_engine import tool_engine

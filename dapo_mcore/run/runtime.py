@@ -268,7 +268,7 @@ def _build_parts(cfg: Config, launch: LaunchEnv, *, resume: bool, checkpoint: st
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or hf_dir)
     stops = run_stop_tokens(cfg, hf_dir, hf_config, tokenizer)
     train_records = _drop_long(train_records, tokenizer, cfg, "train", filter_by_length)
-    eval_records = _drop_long(eval_records, tokenizer, cfg, "eval", filter_by_length)
+    eval_records = eval_subset(_drop_long(eval_records, tokenizer, cfg, "eval", filter_by_length), cfg)
     log_dtype_rule(cfg, hf_dir)
     start_from = find_start_checkpoint(cfg, resume=resume and not for_eval, checkpoint=checkpoint,
                                        is_main=launch.rank == 0)
@@ -376,6 +376,15 @@ def _build_scheduler(cfg: Config, sampler: Any) -> Any:
                             gen_batch_prompts=cfg.rollout.gen_batch_prompts, max_rounds=cfg.algo.max_gen_batches,
                             dynamic_sampling=cfg.algo.dynamic_sampling, seed=cfg.train.seed,
                             max_lag=cfg.rollout.pipeline.max_staleness)
+
+
+def eval_subset(records: list, cfg: Config) -> list:
+    """The first ``eval.max_prompts`` prompts of the evaluation set (every one without it)."""
+    n = cfg.eval.max_prompts
+    if n is None or len(records) <= n:
+        return records
+    log.info("eval set: the first %d of its %d prompts (eval.max_prompts)", n, len(records))
+    return records[:n]
 
 
 def _drop_long(records: list, tokenizer, cfg: Config, which: str, filter_by_length) -> list:
